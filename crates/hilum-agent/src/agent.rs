@@ -1,0 +1,558 @@
+//! The loop: reason → act (all calls of the turn at once) → observe → repeat or finish.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::event::{CallInfo, Event, EventSender, RunEvent};
+use crate::protocol::{ParsedTurn, Protocol};
+use crate::tool::{Environment, ToolContext};
+use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, Toolbox};
+use hilum_llm::{collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, Usage};
+
+/// How the loop reaches its answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Reason and act until the model answers.
+    #[default]
+    React,
+    /// Draft → self-critique (missing / superfluous) → more tool calls → revised answer.
+    Reflexion,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "react" => Ok(Mode::React),
+            "reflexion" => Ok(Mode::Reflexion),
+            other => Err(format!("unknown mode `{other}`: use react or reflexion")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub protocol: Protocol,
+    pub mode: Mode,
+    /// Tool rounds before the loop must answer.
+    pub max_rounds: usize,
+    /// Tool calls in the whole run.
+    pub max_tool_calls: usize,
+    /// Wall-clock budget of the whole run.
+    pub deadline: Duration,
+    /// Budget of one tool call.
+    pub tool_timeout: Duration,
+    /// Critique/revise cycles in reflexion mode.
+    pub reflexion_rounds: usize,
+    pub system_prompt: String,
+    pub temperature: Option<f32>,
+    pub max_tokens: Option<u32>,
+    /// Characters of a tool's JSON data shown to the model (the events keep all of it).
+    pub max_observation_chars: usize,
+}
+
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are Hilum, an assistant that analyses chest X-rays with tools. \
+Images are referred to by ids such as img_3fa2c1; pass these ids to tools. \
+Base every finding on tool results and say which result supports it; never invent numbers. \
+When several tools are needed and do not depend on each other, call them all in the same turn: they run in parallel. \
+If a tool fails, read its error and either fix the call or answer without it. \
+Say plainly what is uncertain. Your answers support a radiologist; they are not a diagnosis.";
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            protocol: Protocol::Native,
+            mode: Mode::React,
+            max_rounds: 6,
+            max_tool_calls: 24,
+            deadline: Duration::from_secs(600),
+            tool_timeout: Duration::from_secs(300),
+            reflexion_rounds: 1,
+            system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
+            temperature: None,
+            max_tokens: None,
+            max_observation_chars: 4000,
+        }
+    }
+}
+
+/// What a run starts from.
+#[derive(Clone, Debug, Default)]
+pub struct RunInput {
+    pub question: String,
+    /// Ids of the images the question is about.
+    pub images: Vec<String>,
+    /// Pixels for a multimodal model; leave empty unless the user allowed pixels to leave.
+    pub image_payloads: Vec<ImagePayload>,
+    /// Earlier messages of the session (without a system message).
+    pub history: Vec<Message>,
+    pub session_id: String,
+}
+
+/// Why the loop stopped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Answered,
+    MaxRounds,
+    MaxToolCalls,
+    Deadline,
+    Error,
+}
+
+impl StopReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            StopReason::Answered => "answered",
+            StopReason::MaxRounds => "max_rounds",
+            StopReason::MaxToolCalls => "max_tool_calls",
+            StopReason::Deadline => "deadline",
+            StopReason::Error => "error",
+        }
+    }
+}
+
+/// The result of a run. The events tell the same story step by step.
+#[derive(Clone, Debug)]
+pub struct RunOutcome {
+    pub answer: Option<String>,
+    pub reason: StopReason,
+    pub error: Option<String>,
+    /// The whole conversation, system message first.
+    pub messages: Vec<Message>,
+    pub rounds: usize,
+    pub tool_calls: usize,
+    pub results: Vec<CallResult>,
+}
+
+/// The agent: a model, a toolbox and budgets.
+pub struct Agent {
+    llm: Arc<dyn Llm>,
+    toolbox: Arc<Toolbox>,
+    env: Environment,
+    config: AgentConfig,
+}
+
+struct RunState {
+    messages: Vec<Message>,
+    payloads: Vec<ImagePayload>,
+    session_id: String,
+    started: Instant,
+    rounds: usize,
+    tool_calls: usize,
+    critiques: usize,
+    phase: &'static str,
+    llm_ms: f64,
+    tool_ms: f64,
+    usage: Usage,
+    results: Vec<CallResult>,
+    events: Option<EventSender>,
+}
+
+impl RunState {
+    fn emit(&self, event: Event) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(RunEvent {
+                t_ms: self.started.elapsed().as_secs_f64() * 1e3,
+                event,
+            });
+        }
+    }
+}
+
+const SYNTHESIS_GRACE: Duration = Duration::from_secs(30);
+
+const CRITIQUE_PROMPT: &str = "Critique your draft answer before it is final. List (1) what is missing: claims not backed by a tool result, \
+findings or measurements a tool could still check; (2) what is superfluous or speculative. Be brief. Do not call tools in this step.";
+
+const REVISE_PROMPT: &str = "Now call the tools that would fill what is missing (call them all at once; they run in parallel), \
+or none if nothing is missing. Then give the revised final answer, citing the tool results you rely on by their call ids in \
+square brackets, e.g. [call_1].";
+
+impl Agent {
+    pub fn new(
+        llm: Arc<dyn Llm>,
+        toolbox: Arc<Toolbox>,
+        env: Environment,
+        config: AgentConfig,
+    ) -> Self {
+        Agent {
+            llm,
+            toolbox,
+            env,
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
+    /// Runs the loop to an answer (or a budget). Never panics on model or tool behaviour;
+    /// failures end as `StopReason::Error` with an `error` and a `complete` event.
+    pub async fn run(&self, input: RunInput, events: Option<EventSender>) -> RunOutcome {
+        let mut st = self.start(input, events);
+        let result = self.drive(&mut st).await;
+        self.finish(st, result)
+    }
+
+    fn start(&self, input: RunInput, events: Option<EventSender>) -> RunState {
+        let mut messages = vec![Message::system(self.config.system_prompt.clone())];
+        messages.extend(
+            input
+                .history
+                .into_iter()
+                .filter(|m| !matches!(m, Message::System { .. })),
+        );
+        let content = if input.images.is_empty() {
+            input.question
+        } else {
+            format!("{}\n\nImages: {}", input.question, input.images.join(", "))
+        };
+        messages.push(Message::user(content, input.images));
+        RunState {
+            messages,
+            payloads: input.image_payloads,
+            session_id: input.session_id,
+            started: Instant::now(),
+            rounds: 0,
+            tool_calls: 0,
+            critiques: 0,
+            phase: "act",
+            llm_ms: 0.0,
+            tool_ms: 0.0,
+            usage: Usage::default(),
+            results: Vec::new(),
+            events,
+        }
+    }
+
+    async fn drive(&self, st: &mut RunState) -> Result<(String, StopReason), String> {
+        loop {
+            if let Some(reason) = self.exhausted_budget(st) {
+                return self.synthesize(st, reason).await;
+            }
+            let turn = self.reason(st, true, self.remaining(st)).await?;
+            if !turn.tool_calls.is_empty() || !turn.problems.is_empty() {
+                self.act(st, turn).await;
+                continue;
+            }
+            let answer = turn.answer.unwrap_or_default();
+            if self.config.mode == Mode::Reflexion && st.critiques < self.config.reflexion_rounds {
+                self.critique(st, answer).await?;
+                continue;
+            }
+            return Ok((answer, StopReason::Answered));
+        }
+    }
+
+    fn exhausted_budget(&self, st: &RunState) -> Option<StopReason> {
+        if st.started.elapsed() >= self.config.deadline {
+            Some(StopReason::Deadline)
+        } else if st.rounds >= self.config.max_rounds {
+            Some(StopReason::MaxRounds)
+        } else if st.tool_calls >= self.config.max_tool_calls {
+            Some(StopReason::MaxToolCalls)
+        } else {
+            None
+        }
+    }
+
+    /// One model turn. `with_tools = false` withholds the tools (critique, synthesis).
+    fn remaining(&self, st: &RunState) -> Duration {
+        self.config.deadline.saturating_sub(st.started.elapsed())
+    }
+
+    async fn reason(
+        &self,
+        st: &mut RunState,
+        with_tools: bool,
+        budget: Duration,
+    ) -> Result<ParsedTurn, String> {
+        let tools = if with_tools {
+            self.toolbox.specs(&self.env)
+        } else {
+            vec![]
+        };
+        let req = self.config.protocol.prepare(ChatRequest {
+            messages: st.messages.clone(),
+            tools,
+            temperature: self.config.temperature,
+            max_tokens: self.config.max_tokens,
+            images: st.payloads.clone(),
+            stop: vec![],
+        });
+        let started = Instant::now();
+        let events = st.events.clone();
+        let t0 = st.started;
+        let call = async {
+            let stream = self.llm.chat(req).await?;
+            collect_turn(stream, move |text| {
+                if let Some(tx) = &events {
+                    let _ = tx.send(RunEvent {
+                        t_ms: t0.elapsed().as_secs_f64() * 1e3,
+                        event: Event::Token {
+                            text: text.to_string(),
+                        },
+                    });
+                }
+            })
+            .await
+        };
+        let turn = match tokio::time::timeout(budget, call).await {
+            Ok(Ok(turn)) => turn,
+            Ok(Err(e)) => return Err(llm_failure(&*self.llm, &e)),
+            Err(_) => {
+                return Err(format!(
+                    "the model did not answer within the run's time budget ({:.1} s left); raise --deadline",
+                    budget.as_secs_f64()
+                ))
+            }
+        };
+        let llm_ms = started.elapsed().as_secs_f64() * 1e3;
+        st.llm_ms += llm_ms;
+        st.usage.prompt_tokens += turn.usage.prompt_tokens;
+        st.usage.completion_tokens += turn.usage.completion_tokens;
+        let usage = turn.usage;
+        let parsed = self.config.protocol.parse(turn, st.rounds + 1, with_tools);
+        st.emit(Event::Decision {
+            round: st.rounds + 1,
+            phase: st.phase.to_string(),
+            text: parsed.text.clone(),
+            tool_calls: parsed
+                .tool_calls
+                .iter()
+                .map(|c| CallInfo {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: c.arguments.clone(),
+                })
+                .collect(),
+            llm_ms,
+            usage,
+        });
+        Ok(parsed)
+    }
+
+    /// Runs every call of the turn at once and appends the observations.
+    async fn act(&self, st: &mut RunState, turn: ParsedTurn) {
+        st.rounds += 1;
+        let round = st.rounds;
+        let started = Instant::now();
+        let allowed = self.config.max_tool_calls.saturating_sub(st.tool_calls);
+        let timeout = self.config.tool_timeout.min(self.remaining(st));
+
+        let mut pending = Vec::new();
+        for (i, call) in turn.tool_calls.iter().enumerate() {
+            let prepared = if i >= allowed {
+                Err(CallFailure {
+                    kind: FailureKind::Budget,
+                    message: format!(
+                        "not run: the run allows {} tool calls in all. Answer with the results you have.",
+                        self.config.max_tool_calls
+                    ),
+                })
+            } else {
+                self.toolbox.prepare(call, &self.env)
+            };
+            if let Ok(p) = &prepared {
+                st.emit(Event::ToolStarted {
+                    round,
+                    call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    arguments: p.arguments.clone(),
+                });
+            }
+            pending.push((call.clone(), prepared));
+        }
+        st.tool_calls += turn.tool_calls.len().min(allowed);
+
+        let ctx = ToolContext {
+            session_id: st.session_id.clone(),
+            call_id: String::new(),
+            round,
+        };
+        let futures = pending.into_iter().map(|(call, prepared)| {
+            let ctx = ToolContext {
+                call_id: call.id.clone(),
+                ..ctx.clone()
+            };
+            async move {
+                match prepared {
+                    Ok(p) => run_prepared(p, ctx, timeout).await,
+                    Err(failure) => CallResult {
+                        call,
+                        arguments: None,
+                        repaired: false,
+                        result: Err(failure),
+                        ms: 0.0,
+                    },
+                }
+            }
+        });
+        // join_all keeps the order of the calls; each call already runs on its own task.
+        let results = join_all(futures).await;
+        st.tool_ms += started.elapsed().as_secs_f64() * 1e3;
+
+        st.messages.push(Message::assistant(
+            turn.text.clone(),
+            turn.tool_calls.clone(),
+        ));
+        for r in &results {
+            self.observe(st, round, r);
+        }
+        for problem in &turn.problems {
+            st.messages.push(Message::user(
+                format!("Observation: your last turn could not be read: {problem}."),
+                vec![],
+            ));
+        }
+        st.results.extend(results);
+    }
+
+    fn observe(&self, st: &mut RunState, round: usize, r: &CallResult) {
+        let (content, is_error) = match &r.result {
+            Ok(out) => {
+                st.emit(Event::ToolFinished {
+                    round,
+                    call_id: r.call.id.clone(),
+                    name: r.call.name.clone(),
+                    ms: r.ms,
+                    summary: out.summary.clone(),
+                    data: out.data.clone(),
+                    artifacts: out.artifacts.clone(),
+                });
+                let mut text = out.summary.clone();
+                if !out.data.is_null() {
+                    text.push('\n');
+                    text.push_str(&truncate(&out.data, self.config.max_observation_chars));
+                }
+                if r.repaired {
+                    text.push_str("\n(note: your arguments were not valid JSON and were repaired)");
+                }
+                (text, false)
+            }
+            Err(f) => {
+                st.emit(Event::ToolFailed {
+                    round,
+                    call_id: r.call.id.clone(),
+                    name: r.call.name.clone(),
+                    ms: r.ms,
+                    kind: f.kind.as_str().to_string(),
+                    error: f.message.clone(),
+                });
+                (format!("ERROR ({}): {}", f.kind.as_str(), f.message), true)
+            }
+        };
+        st.messages.push(Message::Tool {
+            tool_call_id: r.call.id.clone(),
+            name: r.call.name.clone(),
+            content,
+            is_error,
+        });
+    }
+
+    /// Reflexion: critique the draft without tools, then ask for tools and a revised answer.
+    async fn critique(&self, st: &mut RunState, draft: String) -> Result<(), String> {
+        st.critiques += 1;
+        st.messages.push(Message::assistant(draft, vec![]));
+        st.messages.push(Message::user(CRITIQUE_PROMPT, vec![]));
+        st.phase = "critique";
+        let critique = self.reason(st, false, self.remaining(st)).await?;
+        st.messages.push(Message::assistant(critique.text, vec![]));
+        st.messages.push(Message::user(REVISE_PROMPT, vec![]));
+        st.phase = "revise";
+        Ok(())
+    }
+
+    /// A budget ran out: one last call without tools answers from what was gathered.
+    async fn synthesize(
+        &self,
+        st: &mut RunState,
+        reason: StopReason,
+    ) -> Result<(String, StopReason), String> {
+        let why = match reason {
+            StopReason::MaxRounds => format!("the limit of {} tool rounds", self.config.max_rounds),
+            StopReason::MaxToolCalls => {
+                format!("the limit of {} tool calls", self.config.max_tool_calls)
+            }
+            _ => "the time budget".to_string(),
+        };
+        st.messages.push(Message::user(
+            format!(
+                "You have reached {why}. No more tools can be called. Give your final answer now from the tool results above, and say what could not be checked."
+            ),
+            vec![],
+        ));
+        st.phase = "synthesis";
+        // After the deadline the synthesis call still gets a short grace period of its own.
+        let budget = if reason == StopReason::Deadline {
+            SYNTHESIS_GRACE
+        } else {
+            self.remaining(st)
+        };
+        let turn = self.reason(st, false, budget).await?;
+        Ok((turn.answer.unwrap_or(turn.text), reason))
+    }
+
+    fn finish(&self, st: RunState, result: Result<(String, StopReason), String>) -> RunOutcome {
+        let (answer, reason, error) = match result {
+            Ok((answer, reason)) => {
+                st.emit(Event::Final {
+                    answer: answer.clone(),
+                    reason: reason.as_str().to_string(),
+                });
+                (Some(answer), reason, None)
+            }
+            Err(message) => {
+                st.emit(Event::Error {
+                    message: message.clone(),
+                });
+                (None, StopReason::Error, Some(message))
+            }
+        };
+        st.emit(Event::Complete {
+            ok: error.is_none(),
+            rounds: st.rounds,
+            tool_calls: st.tool_calls,
+            total_ms: st.started.elapsed().as_secs_f64() * 1e3,
+            llm_ms: st.llm_ms,
+            tool_ms: st.tool_ms,
+            usage: st.usage,
+        });
+        RunOutcome {
+            answer,
+            reason,
+            error,
+            messages: st.messages,
+            rounds: st.rounds,
+            tool_calls: st.tool_calls,
+            results: st.results,
+        }
+    }
+}
+
+fn llm_failure(llm: &dyn Llm, e: &LlmError) -> String {
+    format!("model `{}` failed: {e}", llm.name())
+}
+
+fn truncate(data: &Value, max: usize) -> String {
+    let text = data.to_string();
+    if text.len() <= max {
+        return text;
+    }
+    let mut cut = max;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!(
+        "{}… ({} more characters omitted)",
+        &text[..cut],
+        text.len() - cut
+    )
+}

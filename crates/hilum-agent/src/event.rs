@@ -1,0 +1,88 @@
+//! The event stream: the single record of what happened in a run. The CLI renders it, the
+//! server streams and stores it, tests read it.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::tool::Artifact;
+use hilum_llm::Usage;
+
+/// A tool call as announced in a `decision`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CallInfo {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One step of a run. Durations are milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// The model answered a turn: its text and the tool calls it asked for.
+    Decision {
+        round: usize,
+        /// `act`, `critique`, `revise` or `synthesis`.
+        phase: String,
+        text: String,
+        tool_calls: Vec<CallInfo>,
+        llm_ms: f64,
+        usage: Usage,
+    },
+    ToolStarted {
+        round: usize,
+        call_id: String,
+        name: String,
+        arguments: Value,
+    },
+    ToolFinished {
+        round: usize,
+        call_id: String,
+        name: String,
+        ms: f64,
+        summary: String,
+        data: Value,
+        artifacts: Vec<Artifact>,
+    },
+    ToolFailed {
+        round: usize,
+        call_id: String,
+        name: String,
+        ms: f64,
+        kind: String,
+        error: String,
+    },
+    /// A streamed fragment of model text.
+    Token {
+        text: String,
+    },
+    Final {
+        answer: String,
+        /// Why the loop stopped: `answered`, or the budget that ran out.
+        reason: String,
+    },
+    Error {
+        message: String,
+    },
+    Complete {
+        ok: bool,
+        rounds: usize,
+        tool_calls: usize,
+        total_ms: f64,
+        llm_ms: f64,
+        tool_ms: f64,
+        usage: Usage,
+    },
+}
+
+/// An event with the time since the run started.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunEvent {
+    pub t_ms: f64,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+/// Where events go. Sending never blocks; a receiver that went away is ignored.
+pub type EventSender = UnboundedSender<RunEvent>;

@@ -1,0 +1,21 @@
+//! The Hilum reasoning loop: tools and the toolbox, rounds whose tool calls run concurrently
+//! (each with a timeout and panic isolation), the native and ReAct protocols, budgets,
+//! reflexion, and the event stream. It knows nothing about X-rays.
+
+mod agent;
+mod event;
+pub mod protocol;
+pub mod repair;
+mod tool;
+mod toolbox;
+
+pub use agent::{
+    Agent, AgentConfig, Mode, RunInput, RunOutcome, StopReason, DEFAULT_SYSTEM_PROMPT,
+};
+pub use event::{CallInfo, Event, EventSender, RunEvent};
+pub use protocol::{ParsedTurn, Protocol};
+pub use tool::{Artifact, Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+pub use toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
+
+pub use hilum_llm as llm;
+pub use hilum_llm::{Llm, Message, ToolCall};

@@ -1,0 +1,276 @@
+//! The toolbox: registered tools, argument checking, and isolated execution of one call.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::repair::parse_lenient;
+use crate::tool::{Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_llm::ToolCall;
+
+/// Why a call produced no output. Each kind gets its own message for the model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    UnknownTool,
+    InvalidArguments,
+    Timeout,
+    Panic,
+    ToolError,
+    Budget,
+}
+
+impl FailureKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FailureKind::UnknownTool => "unknown_tool",
+            FailureKind::InvalidArguments => "invalid_arguments",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Panic => "panic",
+            FailureKind::ToolError => "tool_error",
+            FailureKind::Budget => "budget",
+        }
+    }
+}
+
+/// A failed call: its kind and a message written for the model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CallFailure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+/// The outcome of one tool call.
+#[derive(Clone, Debug)]
+pub struct CallResult {
+    pub call: ToolCall,
+    /// Arguments as executed (after repair), when they could be read.
+    pub arguments: Option<Value>,
+    /// Whether the arguments needed repair to be read.
+    pub repaired: bool,
+    pub result: Result<ToolOutput, CallFailure>,
+    pub ms: f64,
+}
+
+/// A call whose tool and arguments have been checked, ready to run.
+pub struct PreparedCall {
+    pub call: ToolCall,
+    pub tool: Arc<dyn Tool>,
+    pub arguments: Value,
+    pub repaired: bool,
+}
+
+struct Entry {
+    tool: Arc<dyn Tool>,
+    validator: Option<jsonschema::Validator>,
+}
+
+/// The registered tools, in registration order.
+#[derive(Default)]
+pub struct Toolbox {
+    order: Vec<String>,
+    tools: BTreeMap<String, Entry>,
+}
+
+impl Toolbox {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a tool; a tool with the same name replaces the earlier one.
+    /// A schema that does not compile is a programming error reported here, not at call time.
+    pub fn register(&mut self, tool: Arc<dyn Tool>) -> Result<(), String> {
+        let spec = tool.spec().clone();
+        let validator = jsonschema::validator_for(&spec.parameters)
+            .map_err(|e| format!("tool `{}` has an invalid JSON Schema: {e}", spec.name))?;
+        if !self.tools.contains_key(&spec.name) {
+            self.order.push(spec.name.clone());
+        }
+        self.tools.insert(
+            spec.name,
+            Entry {
+                tool,
+                validator: Some(validator),
+            },
+        );
+        Ok(())
+    }
+
+    pub fn with(mut self, tool: Arc<dyn Tool>) -> Result<Self, String> {
+        self.register(tool)?;
+        Ok(self)
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.tools.get(name).map(|e| e.tool.clone())
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.order.clone()
+    }
+
+    /// Specs of the tools available in `env`, in registration order.
+    pub fn specs(&self, env: &Environment) -> Vec<ToolSpec> {
+        self.order
+            .iter()
+            .filter_map(|n| self.tools.get(n))
+            .filter(|e| e.tool.available(env))
+            .map(|e| e.tool.spec().clone())
+            .collect()
+    }
+
+    /// Resolves the tool and reads and validates the arguments.
+    pub fn prepare(&self, call: &ToolCall, env: &Environment) -> Result<PreparedCall, CallFailure> {
+        let entry = self
+            .tools
+            .get(&call.name)
+            .filter(|e| e.tool.available(env))
+            .ok_or_else(|| CallFailure {
+                kind: FailureKind::UnknownTool,
+                message: format!(
+                    "there is no tool named `{}`. Available tools: {}.",
+                    call.name,
+                    self.specs(env)
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })?;
+        let parsed = parse_lenient(&call.arguments).map_err(|e| CallFailure {
+            kind: FailureKind::InvalidArguments,
+            message: format!(
+                "the arguments of `{}` are not valid JSON ({e}). Send one JSON object matching the tool's schema.",
+                call.name
+            ),
+        })?;
+        if let Some(validator) = &entry.validator {
+            let problems: Vec<String> = validator
+                .iter_errors(&parsed.value)
+                .map(|e| {
+                    let path = e.instance_path.to_string();
+                    if path.is_empty() {
+                        e.to_string()
+                    } else {
+                        format!("{path}: {e}")
+                    }
+                })
+                .collect();
+            if !problems.is_empty() {
+                return Err(CallFailure {
+                    kind: FailureKind::InvalidArguments,
+                    message: format!(
+                        "the arguments of `{}` do not match its schema: {}. Schema: {}",
+                        call.name,
+                        problems.join("; "),
+                        entry.tool.spec().parameters
+                    ),
+                });
+            }
+        }
+        Ok(PreparedCall {
+            call: call.clone(),
+            tool: entry.tool.clone(),
+            arguments: parsed.value,
+            repaired: parsed.repaired,
+        })
+    }
+
+    /// Prepares and runs one call with a timeout and panic isolation. Used by the agent's
+    /// rounds and by direct calls (`hilum tools call`, the server's `tools/{name}:call`).
+    pub async fn execute(
+        &self,
+        call: &ToolCall,
+        env: &Environment,
+        ctx: ToolContext,
+        timeout: Duration,
+    ) -> CallResult {
+        let started = Instant::now();
+        match self.prepare(call, env) {
+            Ok(prepared) => run_prepared(prepared, ctx, timeout).await,
+            Err(failure) => CallResult {
+                call: call.clone(),
+                arguments: None,
+                repaired: false,
+                result: Err(failure),
+                ms: started.elapsed().as_secs_f64() * 1e3,
+            },
+        }
+    }
+}
+
+/// Runs a prepared call on its own task: a panic or a timeout becomes this call's failure and
+/// nothing else is affected.
+pub async fn run_prepared(
+    prepared: PreparedCall,
+    ctx: ToolContext,
+    timeout: Duration,
+) -> CallResult {
+    let started = Instant::now();
+    let PreparedCall {
+        call,
+        tool,
+        arguments,
+        repaired,
+    } = prepared;
+    let name = call.name.clone();
+    let args = arguments.clone();
+    let task = tokio::spawn(async move {
+        let fut = std::panic::AssertUnwindSafe(tool.call(&ctx, args)).catch_unwind();
+        tokio::time::timeout(timeout, fut).await
+    });
+    let result = match task.await {
+        Ok(Ok(Ok(Ok(output)))) => Ok(output),
+        Ok(Ok(Ok(Err(e)))) => Err(CallFailure {
+            kind: FailureKind::ToolError,
+            message: tool_error_message(&name, &e),
+        }),
+        Ok(Ok(Err(panic))) => Err(panic_failure(&name, panic_text(&*panic))),
+        Ok(Err(_elapsed)) => Err(CallFailure {
+            kind: FailureKind::Timeout,
+            message: format!(
+                "`{name}` did not finish within {:.1} s and was stopped. Try fewer or smaller inputs, or answer without it.",
+                timeout.as_secs_f64()
+            ),
+        }),
+        Err(join) if join.is_panic() => Err(panic_failure(&name, panic_text(&*join.into_panic()))),
+        Err(join) => Err(CallFailure {
+            kind: FailureKind::Panic,
+            message: format!("`{name}` was cancelled: {join}"),
+        }),
+    };
+    CallResult {
+        call,
+        arguments: Some(arguments),
+        repaired,
+        result,
+        ms: started.elapsed().as_secs_f64() * 1e3,
+    }
+}
+
+fn tool_error_message(name: &str, e: &ToolError) -> String {
+    format!("`{name}` failed: {e}")
+}
+
+fn panic_failure(name: &str, what: String) -> CallFailure {
+    CallFailure {
+        kind: FailureKind::Panic,
+        message: format!(
+            "`{name}` crashed ({what}). This is a bug in the tool, not in your request; do not retry it with the same input."
+        ),
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".to_string()
+    }
+}

@@ -1,0 +1,171 @@
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One message of a conversation, in the order the model sees them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    System {
+        content: String,
+    },
+    /// A user turn. `images` holds image ids (`img_…`), never paths or pixels.
+    User {
+        content: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        images: Vec<String>,
+    },
+    Assistant {
+        #[serde(default)]
+        content: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<ToolCall>,
+    },
+    /// The result of one tool call, tied to it by `tool_call_id`.
+    Tool {
+        tool_call_id: String,
+        name: String,
+        content: String,
+        #[serde(default)]
+        is_error: bool,
+    },
+}
+
+impl Message {
+    pub fn system(content: impl Into<String>) -> Self {
+        Message::System {
+            content: content.into(),
+        }
+    }
+
+    pub fn user(content: impl Into<String>, images: Vec<String>) -> Self {
+        Message::User {
+            content: content.into(),
+            images,
+        }
+    }
+
+    pub fn assistant(content: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
+        Message::Assistant {
+            content: content.into(),
+            tool_calls,
+        }
+    }
+
+    /// The text of the message, whatever its role.
+    pub fn text(&self) -> &str {
+        match self {
+            Message::System { content }
+            | Message::User { content, .. }
+            | Message::Assistant { content, .. }
+            | Message::Tool { content, .. } => content,
+        }
+    }
+}
+
+/// A tool call requested by the model. `arguments` is the JSON text exactly as the model wrote
+/// it: it is parsed (and repaired when almost valid) by the agent, which reports what was wrong.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+impl ToolCall {
+    pub fn new(id: impl Into<String>, name: impl Into<String>, arguments: &Value) -> Self {
+        ToolCall {
+            id: id.into(),
+            name: name.into(),
+            arguments: arguments.to_string(),
+        }
+    }
+}
+
+/// What a model is told about a tool: name, description written for a model, JSON Schema.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    /// JSON Schema (draft 2020-12 subset) of the arguments object.
+    pub parameters: Value,
+}
+
+/// Pixels that may be shown to a multimodal model, only when the user allowed it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImagePayload {
+    /// The image id the conversation refers to.
+    pub id: String,
+    /// `data:image/png;base64,…`
+    pub data_url: String,
+}
+
+/// One completion request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    /// Empty when the model must answer without tools (final synthesis).
+    pub tools: Vec<ToolSpec>,
+    pub temperature: Option<f32>,
+    pub max_tokens: Option<u32>,
+    /// Pixels of the images the conversation mentions; empty unless sending pixels is allowed.
+    pub images: Vec<ImagePayload>,
+    /// Text that ends generation (used by the text protocols).
+    pub stop: Vec<String>,
+}
+
+/// Token accounting as reported by the backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    #[default]
+    Stop,
+    ToolCalls,
+    Length,
+    Other,
+}
+
+/// One piece of a streamed completion.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChatDelta {
+    Text(String),
+    /// A fragment of the tool call at `index`; `id` and `name` usually come with the first
+    /// fragment, `arguments` is appended.
+    ToolCall {
+        index: usize,
+        id: Option<String>,
+        name: Option<String>,
+        arguments: String,
+    },
+    Finish {
+        reason: FinishReason,
+        usage: Option<Usage>,
+    },
+}
+
+/// A whole assistant turn, assembled from deltas.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AssistantTurn {
+    pub text: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish: FinishReason,
+    pub usage: Usage,
+}
+
+/// What a backend supports; the agent chooses its protocol from it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// OpenAI-style function calling.
+    pub native_tools: bool,
+    /// Several tool calls in one assistant message.
+    pub parallel_tool_calls: bool,
+    /// Accepts image pixels.
+    pub images: bool,
+    /// Runs on this machine (nothing leaves it).
+    pub local: bool,
+}

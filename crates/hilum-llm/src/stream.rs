@@ -1,0 +1,142 @@
+use std::collections::BTreeMap;
+use std::pin::Pin;
+
+use futures::{Stream, StreamExt};
+
+use crate::{AssistantTurn, ChatDelta, LlmError, ToolCall};
+
+/// The stream a backend returns.
+pub type DeltaStream = Pin<Box<dyn Stream<Item = Result<ChatDelta, LlmError>> + Send>>;
+
+#[derive(Default)]
+struct PartialCall {
+    id: Option<String>,
+    name: Option<String>,
+    arguments: String,
+}
+
+/// Assembles a delta stream into one turn, calling `on_token` for every text fragment.
+///
+/// A stream that ends without a `Finish` delta was cut (dropped connection, killed server):
+/// that is an error, because a half-written tool call must never be executed.
+pub async fn collect_turn(
+    mut stream: DeltaStream,
+    mut on_token: impl FnMut(&str) + Send,
+) -> Result<AssistantTurn, LlmError> {
+    let mut turn = AssistantTurn::default();
+    let mut calls: BTreeMap<usize, PartialCall> = BTreeMap::new();
+    let mut finished = false;
+    while let Some(delta) = stream.next().await {
+        match delta? {
+            ChatDelta::Text(t) => {
+                on_token(&t);
+                turn.text.push_str(&t);
+            }
+            ChatDelta::ToolCall {
+                index,
+                id,
+                name,
+                arguments,
+            } => {
+                let call = calls.entry(index).or_default();
+                if let Some(id) = id.filter(|s| !s.is_empty()) {
+                    call.id = Some(id);
+                }
+                if let Some(name) = name.filter(|s| !s.is_empty()) {
+                    call.name = Some(name);
+                }
+                call.arguments.push_str(&arguments);
+            }
+            ChatDelta::Finish { reason, usage } => {
+                turn.finish = reason;
+                if let Some(u) = usage {
+                    turn.usage = u;
+                }
+                finished = true;
+            }
+        }
+    }
+    if !finished {
+        let what = if calls.is_empty() {
+            "before the model finished its answer".to_string()
+        } else {
+            format!("in the middle of {} tool call(s)", calls.len())
+        };
+        return Err(LlmError::StreamCut(what));
+    }
+    for (index, call) in calls {
+        let name = call.name.ok_or_else(|| {
+            LlmError::BadResponse(format!(
+                "tool call #{index} arrived without a function name"
+            ))
+        })?;
+        turn.tool_calls.push(ToolCall {
+            id: call.id.unwrap_or_else(|| format!("call_{index}")),
+            name,
+            arguments: call.arguments,
+        });
+    }
+    Ok(turn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FinishReason;
+
+    fn stream_of(items: Vec<Result<ChatDelta, LlmError>>) -> DeltaStream {
+        Box::pin(futures::stream::iter(items))
+    }
+
+    #[tokio::test]
+    async fn fragments_are_joined_per_index() {
+        let s = stream_of(vec![
+            Ok(ChatDelta::Text("Hel".into())),
+            Ok(ChatDelta::Text("lo".into())),
+            Ok(ChatDelta::ToolCall {
+                index: 1,
+                id: Some("b".into()),
+                name: Some("two".into()),
+                arguments: "{\"x\":".into(),
+            }),
+            Ok(ChatDelta::ToolCall {
+                index: 0,
+                id: Some("a".into()),
+                name: Some("one".into()),
+                arguments: "{}".into(),
+            }),
+            Ok(ChatDelta::ToolCall {
+                index: 1,
+                id: None,
+                name: None,
+                arguments: "1}".into(),
+            }),
+            Ok(ChatDelta::Finish {
+                reason: FinishReason::ToolCalls,
+                usage: None,
+            }),
+        ]);
+        let mut tokens = Vec::new();
+        let turn = collect_turn(s, |t| tokens.push(t.to_string()))
+            .await
+            .unwrap();
+        assert_eq!(turn.text, "Hello");
+        assert_eq!(tokens, vec!["Hel", "lo"]);
+        assert_eq!(turn.tool_calls.len(), 2);
+        assert_eq!(turn.tool_calls[0].id, "a");
+        assert_eq!(turn.tool_calls[1].arguments, "{\"x\":1}");
+    }
+
+    #[tokio::test]
+    async fn stream_without_finish_is_cut() {
+        let s = stream_of(vec![Ok(ChatDelta::ToolCall {
+            index: 0,
+            id: Some("a".into()),
+            name: Some("one".into()),
+            arguments: "{\"x\"".into(),
+        })]);
+        let err = collect_turn(s, |_| {}).await.unwrap_err();
+        assert!(matches!(err, LlmError::StreamCut(_)), "{err}");
+        assert!(err.to_string().contains("tool call"));
+    }
+}

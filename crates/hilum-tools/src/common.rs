@@ -1,0 +1,34 @@
+use std::sync::Arc;
+
+use hilum_agent::ToolError;
+use hilum_imaging::{CxrImage, ImageStore, ImagingError};
+use serde_json::{json, Value};
+
+/// JSON Schema of an image argument: an id from the store, never a path.
+pub fn image_arg() -> Value {
+    json!({
+        "type": "string",
+        "pattern": "^img_[0-9a-f]{6,64}$",
+        "description": "Id of an image in this session, e.g. img_3fa2c1b4d5e6"
+    })
+}
+
+/// Resolves the image id in `args[key]` through the store.
+pub fn load_image(
+    store: &ImageStore,
+    args: &Value,
+    key: &str,
+) -> Result<(String, Arc<CxrImage>), ToolError> {
+    let id = args
+        .get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ToolError::InvalidArguments(format!("`{key}` must be an image id")))?;
+    let img = store.get(id).map_err(|e| match e {
+        ImagingError::UnknownId(_) => ToolError::NotFound(format!(
+            "no image with id `{id}` in this session; use one of: {}",
+            store.ids().join(", ")
+        )),
+        other => ToolError::Unprocessable(other.to_string()),
+    })?;
+    Ok((id.to_string(), img))
+}

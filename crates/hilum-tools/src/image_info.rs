@@ -1,0 +1,125 @@
+//! `image_info`: dimensions, bit depth and intensity statistics of an image.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{CxrImage, ImageStore};
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+
+pub struct ImageInfo {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+}
+
+impl ImageInfo {
+    pub fn new(store: Arc<ImageStore>) -> Self {
+        ImageInfo {
+            spec: ToolSpec {
+                name: "image_info".into(),
+                description: "Size, bit depth, format and intensity statistics (mean, standard deviation, \
+                    percentiles, a 16-bin histogram) of an image. Use it to check what an image is before \
+                    analysing it, e.g. whether it is 16-bit, very dark, or small."
+                    .into(),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {"image": image_arg()},
+                    "required": ["image"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+        }
+    }
+}
+
+/// Intensity statistics on the image's own scale.
+pub fn stats(img: &CxrImage) -> Value {
+    let n = img.pixels.len().max(1) as f64;
+    let mean = img.pixels.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = img
+        .pixels
+        .iter()
+        .map(|&v| (v as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let max_value = img.max_value() as f64;
+    let bins = 16usize;
+    let mut hist = vec![0u64; bins];
+    for &v in &img.pixels {
+        let b = ((v as f64 / (max_value + 1.0)) * bins as f64) as usize;
+        hist[b.min(bins - 1)] += 1;
+    }
+    // Percentiles from a 4096-bin histogram: exact enough, no sort of millions of pixels.
+    let fine = 4096usize;
+    let mut fine_hist = vec![0u64; fine];
+    for &v in &img.pixels {
+        let b = ((v as f64 / (max_value + 1.0)) * fine as f64) as usize;
+        fine_hist[b.min(fine - 1)] += 1;
+    }
+    let pct = |p: f64| {
+        let target = (p / 100.0 * n).ceil() as u64;
+        let mut acc = 0u64;
+        for (i, c) in fine_hist.iter().enumerate() {
+            acc += c;
+            if acc >= target.max(1) {
+                return ((i as f64 + 0.5) / fine as f64 * (max_value + 1.0)).round();
+            }
+        }
+        max_value
+    };
+    let fractions: Vec<f64> = hist
+        .iter()
+        .map(|&c| ((c as f64 / n) * 1e4).round() / 1e4)
+        .collect();
+    json!({
+        "mean": (mean * 100.0).round() / 100.0,
+        "std": (var.sqrt() * 100.0).round() / 100.0,
+        "min": img.pixels.iter().cloned().fold(f32::INFINITY, f32::min),
+        "max": img.pixels.iter().cloned().fold(f32::NEG_INFINITY, f32::max),
+        "p1": pct(1.0),
+        "p50": pct(50.0),
+        "p99": pct(99.0),
+        "histogram16": fractions,
+    })
+}
+
+#[async_trait]
+impl Tool for ImageInfo {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        let pixels = img.clone();
+        let s = tokio::task::spawn_blocking(move || stats(&pixels))
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let m = &img.meta;
+        let data = json!({
+            "image": id,
+            "width": img.width,
+            "height": img.height,
+            "bit_depth": m.bit_depth,
+            "format": m.format,
+            "source_channels": m.source_channels,
+            "pixel_spacing_mm": m.pixel_spacing_mm,
+            "view_position": m.view_position,
+            "stats": s,
+        });
+        let summary = format!(
+            "{id}: {}x{} px, {}-bit {}, mean {} (of max {}), std {}",
+            img.width,
+            img.height,
+            m.bit_depth,
+            m.format,
+            data["stats"]["mean"],
+            img.max_value(),
+            data["stats"]["std"]
+        );
+        Ok(ToolOutput::new(summary, data))
+    }
+}
