@@ -5,15 +5,21 @@
 //! them; the agent crate re-exports them.
 
 mod error;
+#[cfg(feature = "local")]
+pub mod local;
 mod message;
+mod openai;
 pub mod script;
 mod stream;
 
 pub use error::LlmError;
+#[cfg(feature = "local")]
+pub use local::{LocalConfig, LocalLlm};
 pub use message::{
     AssistantTurn, Capabilities, ChatDelta, ChatRequest, FinishReason, ImagePayload, Message,
     ToolCall, ToolSpec, Usage,
 };
+pub use openai::{base64_encode, is_loopback_url, OpenAiConfig, OpenAiLlm};
 pub use script::ScriptLlm;
 pub use stream::{collect_turn, DeltaStream};
 
