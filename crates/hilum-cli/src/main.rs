@@ -1,1 +1,52 @@
-fn main() {}
+//! `hilum`: chest X-ray analysis with tools and a reasoning model.
+//!
+//! The binary is thin: argument parsing, configuration and rendering. The logic lives in the
+//! library crates.
+
+mod analyze;
+mod config;
+mod render;
+mod tools_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "hilum",
+    version,
+    about = "Chest X-ray analysis: CXR tools driven by a reasoning model",
+    long_about = "Hilum analyses chest radiographs (PNG, JPEG, 16-bit, DICOM) with CXR tools \
+(classification, segmentation, measurements, ...) driven by a reasoning model: GPT-4o or any \
+OpenAI-compatible server, a local model, or a scripted replay for tests.\n\n\
+Examples:\n  hilum analyze chest.png --question \"Is there cardiomegaly?\"\n  \
+hilum analyze chest.dcm --llm openai:gpt-4o --json\n  \
+hilum tools list\n  hilum tools call image_info --image chest.png"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Answer a question about one or more radiographs with the agent.
+    Analyze(analyze::AnalyzeArgs),
+    /// List the tools, or call one directly without a model.
+    Tools {
+        #[command(subcommand)]
+        cmd: tools_cmd::ToolsCmd,
+    },
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Commands::Analyze(args) => analyze::run(args).await,
+        Commands::Tools { cmd } => tools_cmd::run(cmd).await,
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

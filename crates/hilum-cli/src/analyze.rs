@@ -1,0 +1,156 @@
+//! `hilum analyze`: one question about one or more images, answered by the agent.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+
+use hilum_agent::{Agent, AgentConfig, Environment, Mode, Protocol, RunInput};
+use hilum_imaging::ImageStore;
+use hilum_tools::{default_toolbox, ToolDeps};
+
+use crate::config::{load_file, LlmChoice};
+use crate::render;
+
+#[derive(Args)]
+#[command(after_help = "The model gets image ids and tool results, never file names. Pixels are sent \
+to a remote model only with --send-pixels.\n\nScript files (--llm script:FILE) are JSON arrays of \
+assistant turns, e.g. [{\"tool_calls\":[{\"name\":\"image_info\",\"arguments\":{\"image\":\"$IMAGE\"}}]},\
+{\"content\":\"The image is 8-bit.\"}]; $IMAGE stands for the first image's id.")]
+pub struct AnalyzeArgs {
+    /// Radiographs: PNG, JPEG (8/16-bit, gray or colour) or DICOM.
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
+    /// The question to answer.
+    #[arg(short, long, default_value = "Describe the findings in this chest X-ray.")]
+    pub question: String,
+    /// Reasoning model: openai:MODEL (GPT-4o, Azure, vLLM, llama.cpp server, Ollama) or
+    /// script:FILE. Default: $HILUM_LLM, the config file, or openai:gpt-4o when OPENAI_API_KEY is set.
+    #[arg(long)]
+    pub llm: Option<String>,
+    /// Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8080/v1 (env OPENAI_BASE_URL).
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// react: reason and act until answered; reflexion: draft, self-critique, more tools, revise.
+    #[arg(long)]
+    pub mode: Option<Mode>,
+    /// native: OpenAI function calling; react: text Thought/Action/Observation for models without it.
+    #[arg(long)]
+    pub protocol: Option<Protocol>,
+    /// Print the events as NDJSON on stdout, one per line, ending with {"type":"complete",...}.
+    #[arg(long)]
+    pub json: bool,
+    /// Allow image pixels to be sent to the model (off by default: the model sees ids only).
+    #[arg(long)]
+    pub send_pixels: bool,
+    /// Tool rounds before the agent must answer.
+    #[arg(long)]
+    pub max_rounds: Option<usize>,
+    /// Tool calls in the whole run.
+    #[arg(long)]
+    pub max_tool_calls: Option<usize>,
+    /// Wall-clock budget of the run, in seconds.
+    #[arg(long)]
+    pub deadline: Option<u64>,
+    /// Budget of one tool call, in seconds.
+    #[arg(long)]
+    pub tool_timeout: Option<u64>,
+    /// Write tool artifacts (masks, overlays) into this folder.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Config file (TOML with [llm] and [agent] tables).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+}
+
+pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
+    let file = load_file(args.config.as_deref())?;
+    let choice = LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm)?;
+    let llm = choice.build()?;
+
+    let store = Arc::new(ImageStore::default());
+    let mut ids = Vec::new();
+    for path in &args.images {
+        let id = store
+            .ingest_file(path)
+            .with_context(|| format!("cannot use {}", path.display()))?;
+        ids.push(id);
+    }
+    let send_pixels = args.send_pixels || file.llm.send_pixels.unwrap_or(false);
+    let payloads = if send_pixels {
+        ids.iter()
+            .map(|id| render::image_payload(&store, id))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+
+    let deps = ToolDeps::new(store.clone());
+    let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
+    let a = &file.agent;
+    let defaults = AgentConfig::default();
+    let config = AgentConfig {
+        protocol: match args.protocol {
+            Some(p) => p,
+            None => match &a.protocol {
+                Some(p) => p.parse().map_err(anyhow::Error::msg)?,
+                None => defaults.protocol,
+            },
+        },
+        mode: match args.mode {
+            Some(m) => m,
+            None => match &a.mode {
+                Some(m) => m.parse().map_err(anyhow::Error::msg)?,
+                None => defaults.mode,
+            },
+        },
+        max_rounds: args.max_rounds.or(a.max_rounds).unwrap_or(defaults.max_rounds),
+        max_tool_calls: args
+            .max_tool_calls
+            .or(a.max_tool_calls)
+            .unwrap_or(defaults.max_tool_calls),
+        deadline: args
+            .deadline
+            .or(a.deadline_secs)
+            .map(Duration::from_secs)
+            .unwrap_or(defaults.deadline),
+        tool_timeout: args
+            .tool_timeout
+            .or(a.tool_timeout_secs)
+            .map(Duration::from_secs)
+            .unwrap_or(defaults.tool_timeout),
+        ..defaults
+    };
+    let agent = Agent::new(llm.clone(), toolbox, Environment::default(), config);
+    if !args.json {
+        eprintln!(
+            "hilum: {} image(s) {} · model {}{}",
+            ids.len(),
+            ids.join(", "),
+            llm.name(),
+            if choice.is_local() { " (local)" } else { "" }
+        );
+    }
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let input = RunInput {
+        question: args.question.clone(),
+        images: ids,
+        image_payloads: payloads,
+        history: vec![],
+        session_id: String::new(),
+    };
+    let run = tokio::spawn(async move { agent.run(input, Some(tx)).await });
+    let ok = if args.json {
+        render::ndjson(rx, args.out.as_deref()).await?
+    } else {
+        render::live(rx, args.out.as_deref()).await?
+    };
+    let outcome = run.await.context("the agent task failed")?;
+    if !ok {
+        anyhow::bail!(outcome.error.unwrap_or_else(|| "the run failed".into()));
+    }
+    Ok(())
+}

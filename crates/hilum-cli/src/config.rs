@@ -1,0 +1,142 @@
+//! Configuration: flags first, then environment (`OPENAI_API_KEY`, `OPENAI_BASE_URL`,
+//! `HILUM_*`), then a TOML file (`--config`, `HILUM_CONFIG`, or `~/.config/hilum/config.toml`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use hilum_llm::{Llm, OpenAiConfig, OpenAiLlm, ScriptLlm};
+
+/// The `[llm]` and `[agent]` tables of the config file; every field optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub llm: LlmSection,
+    #[serde(default)]
+    pub agent: AgentSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlmSection {
+    /// `openai:MODEL`, `script:FILE`, `local:PATH.gguf`
+    pub spec: Option<String>,
+    pub base_url: Option<String>,
+    pub api_key: Option<String>,
+    pub timeout_secs: Option<u64>,
+    pub send_pixels: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    pub protocol: Option<String>,
+    pub mode: Option<String>,
+    pub max_rounds: Option<usize>,
+    pub max_tool_calls: Option<usize>,
+    pub deadline_secs: Option<u64>,
+    pub tool_timeout_secs: Option<u64>,
+}
+
+/// Reads the config file: the explicit one must exist; the default one may be absent.
+pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
+    let (path, required) = match explicit {
+        Some(p) => (p.to_path_buf(), true),
+        None => match std::env::var_os("HILUM_CONFIG") {
+            Some(p) => (PathBuf::from(p), true),
+            None => match std::env::var_os("HOME") {
+                Some(home) => (PathBuf::from(home).join(".config/hilum/config.toml"), false),
+                None => return Ok(FileConfig::default()),
+            },
+        },
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => toml::from_str(&text)
+            .with_context(|| format!("config file {} is not valid", path.display())),
+        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(FileConfig::default()),
+        Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
+    }
+}
+
+/// Where the model runs and how it is reached, after merging flags, env and file.
+pub struct LlmChoice {
+    pub spec: String,
+    pub base_url: Option<String>,
+    pub api_key: Option<String>,
+    pub timeout_secs: u64,
+}
+
+impl LlmChoice {
+    pub fn resolve(
+        flag_spec: Option<String>,
+        flag_base_url: Option<String>,
+        file: &LlmSection,
+    ) -> anyhow::Result<LlmChoice> {
+        let api_key = std::env::var("OPENAI_API_KEY")
+            .ok()
+            .filter(|k| !k.is_empty())
+            .or_else(|| file.api_key.clone());
+        let spec = flag_spec
+            .or_else(|| std::env::var("HILUM_LLM").ok().filter(|s| !s.is_empty()))
+            .or_else(|| file.spec.clone())
+            .or_else(|| api_key.as_ref().map(|_| "openai:gpt-4o".to_string()));
+        let Some(spec) = spec else {
+            bail!(
+                "no reasoning model configured: pass --llm openai:MODEL (with OPENAI_API_KEY, or --base-url \
+                 for a local OpenAI-compatible server) or --llm script:FILE"
+            );
+        };
+        let base_url = flag_base_url
+            .or_else(|| std::env::var("OPENAI_BASE_URL").ok().filter(|s| !s.is_empty()))
+            .or_else(|| file.base_url.clone());
+        Ok(LlmChoice {
+            spec,
+            base_url,
+            api_key,
+            timeout_secs: file.timeout_secs.unwrap_or(120),
+        })
+    }
+
+    /// Whether the endpoint is on this machine (pixels and metadata never leave it).
+    pub fn is_local(&self) -> bool {
+        if !self.spec.starts_with("openai:") {
+            return true;
+        }
+        match &self.base_url {
+            None => false,
+            Some(url) => hilum_llm::is_loopback_url(url),
+        }
+    }
+
+    pub fn build(&self) -> anyhow::Result<Arc<dyn Llm>> {
+        let (kind, rest) = self
+            .spec
+            .split_once(':')
+            .with_context(|| format!("--llm `{}` must look like openai:MODEL or script:FILE", self.spec))?;
+        match kind {
+            "script" => Ok(Arc::new(ScriptLlm::from_file(Path::new(rest))?)),
+            "openai" => {
+                let base_url = self
+                    .base_url
+                    .clone()
+                    .unwrap_or_else(|| "https://api.openai.com/v1".to_string());
+                if self.api_key.is_none() && !hilum_llm::is_loopback_url(&base_url) {
+                    bail!(
+                        "--llm openai:{rest} needs OPENAI_API_KEY (or api_key in the config file) for {base_url}"
+                    );
+                }
+                Ok(Arc::new(OpenAiLlm::new(OpenAiConfig {
+                    base_url,
+                    model: rest.to_string(),
+                    api_key: self.api_key.clone(),
+                    timeout: std::time::Duration::from_secs(self.timeout_secs),
+                    ..OpenAiConfig::default()
+                })?))
+            }
+            other => bail!("unknown model kind `{other}` in --llm: use openai:MODEL or script:FILE"),
+        }
+    }
+}
