@@ -1,0 +1,149 @@
+//! DenseNet on the native CPU kernels, built from the candle model's weights.
+
+use super::{bn_affine, out_dim, validate, ConvOp, CpuError, Executor, Head, Op, Plan, View};
+use crate::densenet::DenseNet;
+
+/// A DenseNet compiled for one input size into NHWC ops with BatchNorm folded.
+pub struct NativeDenseNet {
+    exec: Executor,
+    classes: usize,
+}
+
+impl NativeDenseNet {
+    /// `size`: the square input size (224 for `densenet121-res224-all`).
+    pub fn new(net: &DenseNet, size: usize, threads: usize) -> Result<Self, CpuError> {
+        let cfg = &net.cfg;
+        let (block_in, c_final) = cfg.block_channels();
+        let mid = cfg.bn_size * cfg.growth_rate;
+        let mut buf_sizes = vec![size * size * cfg.in_channels];
+        let mut ops = Vec::new();
+
+        // Stem: conv0 + norm0 (folded) + ReLU, then the max pool into block 1's buffer.
+        let h1 = out_dim(size, 7, 2, 3);
+        let stem = View::whole(1, h1, h1, cfg.num_init_features);
+        buf_sizes.push(h1 * h1 * cfg.num_init_features);
+        let (weight, bias, _) = ConvOp::fold(&net.conv0, Some(&net.norm0))?;
+        ops.push(Op::Conv(ConvOp {
+            src: View::whole(0, size, size, cfg.in_channels),
+            dst: stem,
+            k: 7,
+            stride: 2,
+            pad: 3,
+            pre: None,
+            pool2: false,
+            weight,
+            bias,
+            residual: None,
+            relu: true,
+        }));
+
+        // One concatenation buffer per block; the bottleneck buffer is shared by all layers.
+        let bottleneck_buf = 2;
+        buf_sizes.push(0);
+        let mut hw = out_dim(h1, 3, 2, 1);
+        let mut blocks = Vec::new();
+        for (i, &n) in cfg.block_config.iter().enumerate() {
+            let total = block_in[i] + n * cfg.growth_rate;
+            blocks.push(View::whole(buf_sizes.len(), hw, hw, total));
+            buf_sizes.push(hw * hw * total);
+            buf_sizes[bottleneck_buf] = buf_sizes[bottleneck_buf].max(hw * hw * mid);
+            hw /= 2;
+        }
+        let first = blocks
+            .first()
+            .ok_or_else(|| CpuError::Weights("DenseNet without blocks".into()))?;
+        ops.push(Op::MaxPool {
+            src: stem,
+            dst: first.slice(0, cfg.num_init_features),
+        });
+
+        for (i, layers) in net.blocks.iter().enumerate() {
+            let block = blocks[i];
+            let tmp = View::whole(bottleneck_buf, block.h, block.w, mid);
+            for (j, layer) in layers.iter().enumerate() {
+                let c_in = block_in[i] + j * cfg.growth_rate;
+                // norm1 + ReLU on the way in; norm2 folded into conv1, its ReLU fused.
+                let (weight, bias, _) = ConvOp::fold(&layer.conv1, Some(&layer.norm2))?;
+                ops.push(Op::Conv(ConvOp {
+                    src: block.slice(0, c_in),
+                    dst: tmp,
+                    k: 1,
+                    stride: 1,
+                    pad: 0,
+                    pre: Some(bn_affine(&layer.norm1)?),
+                    pool2: false,
+                    weight,
+                    bias,
+                    residual: None,
+                    relu: true,
+                }));
+                // conv2 writes its growth_rate channels straight into the concatenation.
+                let (weight, bias, _) = ConvOp::fold(&layer.conv2, None)?;
+                ops.push(Op::Conv(ConvOp {
+                    src: tmp,
+                    dst: block.slice(c_in, cfg.growth_rate),
+                    k: 3,
+                    stride: 1,
+                    pad: 1,
+                    pre: None,
+                    pool2: false,
+                    weight,
+                    bias,
+                    residual: None,
+                    relu: false,
+                }));
+            }
+            if let (Some(t), Some(next)) = (net.transitions.get(i), blocks.get(i + 1)) {
+                let (weight, bias, _) = ConvOp::fold(&t.conv, None)?;
+                ops.push(Op::Conv(ConvOp {
+                    src: block,
+                    dst: next.slice(0, block.c / 2),
+                    k: 1,
+                    stride: 1,
+                    pad: 0,
+                    pre: Some(bn_affine(&t.norm)?),
+                    pool2: true,
+                    weight,
+                    bias,
+                    residual: None,
+                    relu: false,
+                }));
+            }
+        }
+        let last = *blocks
+            .last()
+            .ok_or_else(|| CpuError::Weights("DenseNet without blocks".into()))?;
+        if last.c != c_final {
+            return Err(CpuError::Weights(format!(
+                "final channels {} differ from the configuration's {c_final}",
+                last.c
+            )));
+        }
+        let head = Head::new(last, Some(bn_affine(&net.norm5)?), &net.classifier)?;
+        let plan = Plan {
+            in_channels: cfg.in_channels,
+            size,
+            buf_sizes,
+            ops,
+            head,
+        };
+        validate(&plan)?;
+        Ok(NativeDenseNet {
+            exec: Executor::new(plan, threads)?,
+            classes: cfg.num_classes,
+        })
+    }
+
+    /// Logits (batch, classes) for input (batch, in_channels, size, size).
+    pub fn forward(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, CpuError> {
+        self.exec.forward(input, batch)
+    }
+
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    pub fn threads(&self) -> usize {
+        self.exec.threads()
+    }
+}

@@ -1,0 +1,162 @@
+//! Bottleneck ResNet on the native CPU kernels, built from the candle model's weights.
+
+use super::{out_dim, validate, ConvOp, CpuError, Executor, Head, Op, Plan, View};
+use crate::resnet::ResNet;
+
+/// A ResNet compiled for one input size into NHWC ops with BatchNorm folded.
+pub struct NativeResNet {
+    exec: Executor,
+    classes: usize,
+}
+
+const INPUT: usize = 0;
+const STEM: usize = 1;
+const PING: usize = 2;
+const PONG: usize = 3;
+const T1: usize = 4;
+const T2: usize = 5;
+const SHORTCUT: usize = 6;
+
+fn conv(
+    src: View,
+    dst: View,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    folded: (Vec<f32>, Option<Vec<f32>>, usize),
+    residual: Option<View>,
+    relu: bool,
+) -> Op {
+    let (weight, bias, _) = folded;
+    Op::Conv(ConvOp {
+        src,
+        dst,
+        k,
+        stride,
+        pad,
+        pre: None,
+        pool2: false,
+        weight,
+        bias,
+        residual,
+        relu,
+    })
+}
+
+impl NativeResNet {
+    /// `size`: the square input size (512 for `resnet50-res512-all`).
+    pub fn new(net: &ResNet, size: usize, threads: usize) -> Result<Self, CpuError> {
+        let cfg = &net.cfg;
+        let mut buf_sizes = vec![0usize; 7];
+        let mut need =
+            |buf: usize, v: &View| buf_sizes[buf] = buf_sizes[buf].max(v.h * v.w * v.pitch);
+        let input = View::whole(INPUT, size, size, cfg.in_channels);
+        need(INPUT, &input);
+        let h1 = out_dim(size, 7, 2, 3);
+        let stem = View::whole(STEM, h1, h1, cfg.stem_channels);
+        need(STEM, &stem);
+        let h2 = out_dim(h1, 3, 2, 1);
+        let mut x = View::whole(PING, h2, h2, cfg.stem_channels);
+        need(PING, &x);
+        let mut ops = vec![
+            conv(
+                input,
+                stem,
+                7,
+                2,
+                3,
+                ConvOp::fold(&net.conv1, Some(&net.bn1))?,
+                None,
+                true,
+            ),
+            Op::MaxPool { src: stem, dst: x },
+        ];
+        for block in net.stages.iter().flatten() {
+            let s = block.stride;
+            let planes = block.conv1.weight().dim(0)?;
+            let c_out = block.conv3.weight().dim(0)?;
+            let h = out_dim(x.h, 3, s, 1);
+            let t1 = View::whole(T1, x.h, x.w, planes);
+            let t2 = View::whole(T2, h, h, planes);
+            let y = View::whole(if x.buf == PING { PONG } else { PING }, h, h, c_out);
+            for (b, v) in [(T1, &t1), (T2, &t2), (y.buf, &y)] {
+                need(b, v);
+            }
+            ops.push(conv(
+                x,
+                t1,
+                1,
+                1,
+                0,
+                ConvOp::fold(&block.conv1, Some(&block.bn1))?,
+                None,
+                true,
+            ));
+            ops.push(conv(
+                t1,
+                t2,
+                3,
+                s,
+                1,
+                ConvOp::fold(&block.conv2, Some(&block.bn2))?,
+                None,
+                true,
+            ));
+            let shortcut = match &block.downsample {
+                Some((dconv, dbn)) => {
+                    let d = View::whole(SHORTCUT, h, h, c_out);
+                    need(SHORTCUT, &d);
+                    ops.push(conv(
+                        x,
+                        d,
+                        1,
+                        s,
+                        0,
+                        ConvOp::fold(dconv, Some(dbn))?,
+                        None,
+                        false,
+                    ));
+                    d
+                }
+                None => x,
+            };
+            ops.push(conv(
+                t2,
+                y,
+                1,
+                1,
+                0,
+                ConvOp::fold(&block.conv3, Some(&block.bn3))?,
+                Some(shortcut),
+                true,
+            ));
+            x = y;
+        }
+        let head = Head::new(x, None, &net.fc)?;
+        let plan = Plan {
+            in_channels: cfg.in_channels,
+            size,
+            buf_sizes,
+            ops,
+            head,
+        };
+        validate(&plan)?;
+        Ok(NativeResNet {
+            exec: Executor::new(plan, threads)?,
+            classes: cfg.num_classes,
+        })
+    }
+
+    /// Logits (batch, classes) for input (batch, in_channels, size, size).
+    pub fn forward(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, CpuError> {
+        self.exec.forward(input, batch)
+    }
+
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    pub fn threads(&self) -> usize {
+        self.exec.threads()
+    }
+}

@@ -1,0 +1,212 @@
+//! DenseNet (Huang et al., "Densely Connected Convolutional Networks", CVPR 2017) exactly as
+//! torchxrayvision 1.5.7 defines it (`xrv.models.DenseNet`, a copy of torchvision's with one
+//! input channel). Parameter names match the published checkpoints (`features.conv0.weight`,
+//! `features.denseblock1.denselayer1.norm1.running_mean`, ..., `classifier.bias`), so converted
+//! weights load unchanged.
+//!
+//! This is the candle path (GPUs, reference); on CPU [`crate::cpu::NativeDenseNet`] runs the same
+//! weights with Hilum's own kernels.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{
+    batch_norm, conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder,
+};
+use serde::{Deserialize, Serialize};
+
+/// torchvision/torchxrayvision use BatchNorm2d's default epsilon.
+pub const BN_EPS: f64 = 1e-5;
+
+/// Shape of a DenseNet. `Config::densenet121_res224_all()` is the published model; small
+/// configurations are used for reference fixtures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Channels each dense layer adds to the concatenation.
+    pub growth_rate: usize,
+    /// Dense layers per block.
+    pub block_config: Vec<usize>,
+    /// Channels of the stem convolution.
+    pub num_init_features: usize,
+    /// Bottleneck width multiplier: the 1x1 conv of a dense layer outputs `bn_size * growth_rate`.
+    pub bn_size: usize,
+    pub num_classes: usize,
+    pub in_channels: usize,
+}
+
+impl Config {
+    /// torchxrayvision `densenet121-res224-all`: DenseNet-121, 1 channel, 18 pathologies.
+    pub fn densenet121_res224_all() -> Self {
+        Config {
+            growth_rate: 32,
+            block_config: vec![6, 12, 24, 16],
+            num_init_features: 64,
+            bn_size: 4,
+            num_classes: 18,
+            in_channels: 1,
+        }
+    }
+
+    /// Channels entering each dense block, and the channels leaving the last one.
+    pub fn block_channels(&self) -> (Vec<usize>, usize) {
+        let mut c = self.num_init_features;
+        let mut ins = Vec::with_capacity(self.block_config.len());
+        for (i, &n) in self.block_config.iter().enumerate() {
+            ins.push(c);
+            c += n * self.growth_rate;
+            if i + 1 != self.block_config.len() {
+                c /= 2;
+            }
+        }
+        (ins, c)
+    }
+}
+
+/// norm1 → relu → conv1 (1x1) → norm2 → relu → conv2 (3x3); the output is concatenated.
+#[derive(Clone, Debug)]
+pub struct DenseLayer {
+    pub norm1: BatchNorm,
+    pub conv1: Conv2d,
+    pub norm2: BatchNorm,
+    pub conv2: Conv2d,
+}
+
+impl DenseLayer {
+    fn load(vb: VarBuilder, c_in: usize, cfg: &Config) -> Result<Self> {
+        let mid = cfg.bn_size * cfg.growth_rate;
+        let pad1 = Conv2dConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        Ok(DenseLayer {
+            norm1: batch_norm(c_in, BN_EPS, vb.pp("norm1"))?,
+            conv1: conv2d_no_bias(c_in, mid, 1, Default::default(), vb.pp("conv1"))?,
+            norm2: batch_norm(mid, BN_EPS, vb.pp("norm2"))?,
+            conv2: conv2d_no_bias(mid, cfg.growth_rate, 3, pad1, vb.pp("conv2"))?,
+        })
+    }
+
+    /// (b, c_in, h, w) → (b, growth_rate, h, w)
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.apply_t(&self.norm1, false)?
+            .relu()?
+            .apply(&self.conv1)?
+            .apply_t(&self.norm2, false)?
+            .relu()?
+            .apply(&self.conv2)
+    }
+}
+
+/// norm → relu → conv (1x1, halves channels) → 2x2 average pool.
+#[derive(Clone, Debug)]
+pub struct Transition {
+    pub norm: BatchNorm,
+    pub conv: Conv2d,
+}
+
+impl Transition {
+    fn load(vb: VarBuilder, c_in: usize, c_out: usize) -> Result<Self> {
+        Ok(Transition {
+            norm: batch_norm(c_in, BN_EPS, vb.pp("norm"))?,
+            conv: conv2d_no_bias(c_in, c_out, 1, Default::default(), vb.pp("conv"))?,
+        })
+    }
+
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.apply_t(&self.norm, false)?
+            .relu()?
+            .apply(&self.conv)?
+            .avg_pool2d(2)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DenseNet {
+    pub cfg: Config,
+    pub conv0: Conv2d,
+    pub norm0: BatchNorm,
+    /// One Vec of layers per dense block.
+    pub blocks: Vec<Vec<DenseLayer>>,
+    /// One transition after every block but the last.
+    pub transitions: Vec<Transition>,
+    pub norm5: BatchNorm,
+    pub classifier: Linear,
+}
+
+impl DenseNet {
+    /// `vb` is the checkpoint root (holding `features.*` and `classifier.*`).
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let f = vb.pp("features");
+        let stem = Conv2dConfig {
+            padding: 3,
+            stride: 2,
+            ..Default::default()
+        };
+        let conv0 = conv2d_no_bias(
+            cfg.in_channels,
+            cfg.num_init_features,
+            7,
+            stem,
+            f.pp("conv0"),
+        )?;
+        let norm0 = batch_norm(cfg.num_init_features, BN_EPS, f.pp("norm0"))?;
+        let (block_in, c_final) = cfg.block_channels();
+        let mut blocks = Vec::new();
+        let mut transitions = Vec::new();
+        for (i, &n_layers) in cfg.block_config.iter().enumerate() {
+            let bvb = f.pp(format!("denseblock{}", i + 1));
+            let layers = (0..n_layers)
+                .map(|j| {
+                    let c_in = block_in[i] + j * cfg.growth_rate;
+                    DenseLayer::load(bvb.pp(format!("denselayer{}", j + 1)), c_in, cfg)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            blocks.push(layers);
+            if i + 1 != cfg.block_config.len() {
+                let c = block_in[i] + n_layers * cfg.growth_rate;
+                transitions.push(Transition::load(
+                    f.pp(format!("transition{}", i + 1)),
+                    c,
+                    c / 2,
+                )?);
+            }
+        }
+        Ok(DenseNet {
+            cfg: cfg.clone(),
+            conv0,
+            norm0,
+            blocks,
+            transitions,
+            norm5: batch_norm(c_final, BN_EPS, f.pp("norm5"))?,
+            classifier: linear(c_final, cfg.num_classes, vb.pp("classifier"))?,
+        })
+    }
+
+    /// Pooled features: (b, in_channels, h, w) → (b, c_final), after norm5 and ReLU.
+    pub fn features(&self, xs: &Tensor) -> Result<Tensor> {
+        // Zero padding equals -inf padding here: the max pool follows a ReLU.
+        let mut xs = xs
+            .apply(&self.conv0)?
+            .apply_t(&self.norm0, false)?
+            .relu()?
+            .pad_with_zeros(2, 1, 1)?
+            .pad_with_zeros(3, 1, 1)?
+            .max_pool2d_with_stride(3, 2)?;
+        for (i, layers) in self.blocks.iter().enumerate() {
+            for layer in layers {
+                let new = layer.forward(&xs)?;
+                xs = Tensor::cat(&[&xs, &new], 1)?;
+            }
+            if let Some(t) = self.transitions.get(i) {
+                xs = t.forward(&xs)?;
+            }
+        }
+        // (b, c_final, h/32, w/32) → (b, c_final)
+        xs.apply_t(&self.norm5, false)?.relu()?.mean((2, 3))
+    }
+}
+
+impl Module for DenseNet {
+    /// Raw logits (b, num_classes); sigmoid and op_norm are in [`crate::xrv`].
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.features(xs)?.apply(&self.classifier)
+    }
+}

@@ -1,0 +1,185 @@
+//! ResNet with bottleneck blocks (He et al., "Deep Residual Learning for Image Recognition",
+//! CVPR 2016; torchvision's v1.5 layout with the stride on the 3x3 conv), as torchxrayvision
+//! 1.5.7 uses it for `resnet50-res512-all`: torchvision's resnet50 with a one-channel `conv1`.
+//! Parameter names match the published state dict (`conv1.weight`, `layer1.0.conv2.weight`,
+//! `layer2.0.downsample.0.weight`, `fc.bias`).
+//!
+//! This is the candle path; on CPU [`crate::cpu::NativeResNet`] runs the same weights.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{
+    batch_norm, conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::densenet::BN_EPS;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Bottleneck blocks per stage.
+    pub layers: Vec<usize>,
+    /// Channels of the stem convolution.
+    pub stem_channels: usize,
+    /// Inner (3x3) width of each stage's blocks; a stage outputs `planes * expansion` channels.
+    pub planes: Vec<usize>,
+    pub expansion: usize,
+    pub num_classes: usize,
+    pub in_channels: usize,
+}
+
+impl Config {
+    /// torchxrayvision `resnet50-res512-all`: ResNet-50, 1 channel, 18 pathologies.
+    pub fn resnet50_res512_all() -> Self {
+        Config {
+            layers: vec![3, 4, 6, 3],
+            stem_channels: 64,
+            planes: vec![64, 128, 256, 512],
+            expansion: 4,
+            num_classes: 18,
+            in_channels: 1,
+        }
+    }
+
+    pub fn out_channels(&self) -> usize {
+        self.planes.last().copied().unwrap_or(self.stem_channels) * self.expansion
+    }
+}
+
+/// 1x1 → 3x3 (stride) → 1x1, each followed by BN; ReLU after the first two and after the sum.
+#[derive(Clone, Debug)]
+pub struct Bottleneck {
+    pub conv1: Conv2d,
+    pub bn1: BatchNorm,
+    pub conv2: Conv2d,
+    pub bn2: BatchNorm,
+    pub conv3: Conv2d,
+    pub bn3: BatchNorm,
+    /// 1x1 conv (with the block's stride) + BN, when the shortcut changes shape.
+    pub downsample: Option<(Conv2d, BatchNorm)>,
+    pub stride: usize,
+}
+
+impl Bottleneck {
+    fn load(
+        vb: VarBuilder,
+        c_in: usize,
+        planes: usize,
+        stride: usize,
+        cfg: &Config,
+    ) -> Result<Self> {
+        let c_out = planes * cfg.expansion;
+        let c3 = Conv2dConfig {
+            padding: 1,
+            stride,
+            ..Default::default()
+        };
+        let downsample = if stride != 1 || c_in != c_out {
+            let ds = Conv2dConfig {
+                stride,
+                ..Default::default()
+            };
+            Some((
+                conv2d_no_bias(c_in, c_out, 1, ds, vb.pp("downsample.0"))?,
+                batch_norm(c_out, BN_EPS, vb.pp("downsample.1"))?,
+            ))
+        } else {
+            None
+        };
+        Ok(Bottleneck {
+            conv1: conv2d_no_bias(c_in, planes, 1, Default::default(), vb.pp("conv1"))?,
+            bn1: batch_norm(planes, BN_EPS, vb.pp("bn1"))?,
+            conv2: conv2d_no_bias(planes, planes, 3, c3, vb.pp("conv2"))?,
+            bn2: batch_norm(planes, BN_EPS, vb.pp("bn2"))?,
+            conv3: conv2d_no_bias(planes, c_out, 1, Default::default(), vb.pp("conv3"))?,
+            bn3: batch_norm(c_out, BN_EPS, vb.pp("bn3"))?,
+            downsample,
+            stride,
+        })
+    }
+}
+
+impl Module for Bottleneck {
+    /// (b, c_in, h, w) → (b, planes * expansion, h / stride, w / stride)
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let shortcut = match &self.downsample {
+            Some((conv, bn)) => xs.apply(conv)?.apply_t(bn, false)?,
+            None => xs.clone(),
+        };
+        let ys = xs
+            .apply(&self.conv1)?
+            .apply_t(&self.bn1, false)?
+            .relu()?
+            .apply(&self.conv2)?
+            .apply_t(&self.bn2, false)?
+            .relu()?
+            .apply(&self.conv3)?
+            .apply_t(&self.bn3, false)?;
+        (ys + shortcut)?.relu()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ResNet {
+    pub cfg: Config,
+    pub conv1: Conv2d,
+    pub bn1: BatchNorm,
+    /// One Vec of blocks per stage (`layer1` ..).
+    pub stages: Vec<Vec<Bottleneck>>,
+    pub fc: Linear,
+}
+
+impl ResNet {
+    /// `vb` is the state dict's root (`conv1.weight`, `layer1.0...`, `fc.weight`).
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let stem = Conv2dConfig {
+            padding: 3,
+            stride: 2,
+            ..Default::default()
+        };
+        let conv1 = conv2d_no_bias(cfg.in_channels, cfg.stem_channels, 7, stem, vb.pp("conv1"))?;
+        let bn1 = batch_norm(cfg.stem_channels, BN_EPS, vb.pp("bn1"))?;
+        let mut c_in = cfg.stem_channels;
+        let mut stages = Vec::new();
+        for (i, (&n, &planes)) in cfg.layers.iter().zip(&cfg.planes).enumerate() {
+            let svb = vb.pp(format!("layer{}", i + 1));
+            let mut blocks = Vec::with_capacity(n);
+            for j in 0..n {
+                // The first block of every stage but the first halves the resolution.
+                let stride = if i > 0 && j == 0 { 2 } else { 1 };
+                blocks.push(Bottleneck::load(svb.pp(j), c_in, planes, stride, cfg)?);
+                c_in = planes * cfg.expansion;
+            }
+            stages.push(blocks);
+        }
+        Ok(ResNet {
+            cfg: cfg.clone(),
+            conv1,
+            bn1,
+            stages,
+            fc: linear(c_in, cfg.num_classes, vb.pp("fc"))?,
+        })
+    }
+
+    /// Pooled features: (b, in_channels, h, w) → (b, planes.last * expansion).
+    pub fn features(&self, xs: &Tensor) -> Result<Tensor> {
+        // Zero padding equals -inf padding here: the max pool follows a ReLU.
+        let mut xs = xs
+            .apply(&self.conv1)?
+            .apply_t(&self.bn1, false)?
+            .relu()?
+            .pad_with_zeros(2, 1, 1)?
+            .pad_with_zeros(3, 1, 1)?
+            .max_pool2d_with_stride(3, 2)?;
+        for block in self.stages.iter().flatten() {
+            xs = xs.apply(block)?;
+        }
+        xs.mean((2, 3))
+    }
+}
+
+impl Module for ResNet {
+    /// Raw logits (b, num_classes).
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.features(xs)?.apply(&self.fc)
+    }
+}

@@ -1,0 +1,540 @@
+//! torchxrayvision (Cohen et al., "TorchXRayVision: A library of chest X-ray datasets and
+//! models", MIDL 2022; version 1.5.7) around the DenseNet and ResNet networks: its 18 labels,
+//! its preprocessing (values scaled to [-1024, 1024], centre crop, resize), and its operating
+//! point calibration `op_norm`, which rescales each sigmoid output so that the published
+//! threshold maps to 0.5.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use candle_core::{Module, Tensor};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use crate::cpu::{CpuError, NativeDenseNet, NativeResNet};
+use crate::{densenet, resnet, Device, InstalledModel, Manifest, ModelError};
+
+/// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
+pub const LABELS: [&str; 18] = [
+    "Atelectasis",
+    "Consolidation",
+    "Infiltration",
+    "Pneumothorax",
+    "Edema",
+    "Emphysema",
+    "Fibrosis",
+    "Effusion",
+    "Pneumonia",
+    "Pleural_Thickening",
+    "Cardiomegaly",
+    "Nodule",
+    "Mass",
+    "Hernia",
+    "Lung Lesion",
+    "Fracture",
+    "Lung Opacity",
+    "Enlarged Cardiomediastinum",
+];
+
+/// torchxrayvision 1.5.7 `model_urls["all"]["op_threshs"]`.
+const DENSENET121_ALL_THRESHS: [f32; 18] = [
+    0.07422872,
+    0.038290843,
+    0.09814756,
+    0.0098118475,
+    0.023601074,
+    0.0022490358,
+    0.010060724,
+    0.103246614,
+    0.056810737,
+    0.026791653,
+    0.050318155,
+    0.023985857,
+    0.01939503,
+    0.042889766,
+    0.053369623,
+    0.035975814,
+    0.20204692,
+    0.05015312,
+];
+
+/// torchxrayvision 1.5.7 `model_urls["resnet50-res512-all"]["op_threshs"]` (NaN: no
+/// operating point; torchxrayvision then outputs a constant 0.5).
+const RESNET50_ALL_THRESHS: [f32; 18] = [
+    0.51570356,
+    0.50444704,
+    0.53787947,
+    0.50723547,
+    0.5025118,
+    0.5035252,
+    0.5038076,
+    0.51862943,
+    0.5078151,
+    0.50724894,
+    0.5056339,
+    0.510706,
+    0.5053923,
+    0.5020846,
+    f32::NAN,
+    0.5080557,
+    0.5138526,
+    f32::NAN,
+];
+
+/// Which network, with its shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "architecture", rename_all = "lowercase")]
+pub enum Arch {
+    DenseNet(densenet::Config),
+    ResNet(resnet::Config),
+}
+
+/// Everything about a published torchxrayvision model besides its weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct XrvSpec {
+    pub id: String,
+    pub arch: Arch,
+    pub labels: Vec<String>,
+    /// Per-label operating point; `None` where the model has none.
+    pub op_threshs: Vec<Option<f32>>,
+    /// Square input size the model was trained at.
+    pub resolution: usize,
+}
+
+fn threshs(t: &[f32]) -> Vec<Option<f32>> {
+    t.iter().map(|&v| (!v.is_nan()).then_some(v)).collect()
+}
+
+impl XrvSpec {
+    pub fn densenet121_res224_all() -> Self {
+        XrvSpec {
+            id: "densenet121-res224-all".into(),
+            arch: Arch::DenseNet(densenet::Config::densenet121_res224_all()),
+            labels: LABELS.iter().map(|s| s.to_string()).collect(),
+            op_threshs: threshs(&DENSENET121_ALL_THRESHS),
+            resolution: 224,
+        }
+    }
+
+    pub fn resnet50_res512_all() -> Self {
+        XrvSpec {
+            id: "resnet50-res512-all".into(),
+            arch: Arch::ResNet(resnet::Config::resnet50_res512_all()),
+            labels: LABELS.iter().map(|s| s.to_string()).collect(),
+            op_threshs: threshs(&RESNET50_ALL_THRESHS),
+            resolution: 512,
+        }
+    }
+
+    /// The spec of a registry manifest: the built-in spec of its architecture, with the
+    /// manifest's id, labels and thresholds when it gives them.
+    pub fn from_manifest(m: &Manifest) -> Result<Self, ModelError> {
+        let bad = |reason: String| ModelError::Manifest {
+            id: m.id.clone(),
+            reason,
+        };
+        let mut spec = match m.architecture.as_str() {
+            "densenet121" => Self::densenet121_res224_all(),
+            "resnet50" => Self::resnet50_res512_all(),
+            other => {
+                return Err(bad(format!(
+                    "`{other}` is not a torchxrayvision classifier"
+                )))
+            }
+        };
+        spec.id = m.id.clone();
+        if !m.labels.is_empty() {
+            spec.labels = m.labels.clone();
+        }
+        if let Some(t) = m
+            .postprocessing
+            .get("op_threshs")
+            .and_then(|v| v.as_array())
+        {
+            spec.op_threshs = t
+                .iter()
+                .map(|v| v.as_float().map(|f| f as f32).filter(|f| !f.is_nan()))
+                .collect();
+        }
+        if let Some(r) = m
+            .config
+            .get("input_resolution")
+            .and_then(|v| v.as_integer())
+        {
+            spec.resolution =
+                usize::try_from(r).map_err(|_| bad(format!("bad input_resolution {r}")))?;
+        }
+        let classes = match &spec.arch {
+            Arch::DenseNet(c) => c.num_classes,
+            Arch::ResNet(c) => c.num_classes,
+        };
+        if spec.labels.len() != classes || spec.op_threshs.len() != classes {
+            return Err(bad(format!(
+                "{} labels and {} thresholds for {classes} outputs",
+                spec.labels.len(),
+                spec.op_threshs.len()
+            )));
+        }
+        Ok(spec)
+    }
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// torchxrayvision's `op_norm` for one probability: below the threshold `t` scales to [0, 0.5),
+/// above it to [0.5, 1]; without a threshold the output is 0.5.
+pub fn op_norm(p: f32, t: Option<f32>) -> f32 {
+    match t {
+        None => 0.5,
+        Some(t) if p < t => p / (t * 2.0),
+        Some(t) => 1.0 - (1.0 - p) / ((1.0 - t) * 2.0),
+    }
+}
+
+/// torchxrayvision's input: `(2 * v / max_value - 1) * 1024`, the centred square crop of the
+/// shorter side (`XRayCenterCrop`), resized to `size` x `size`. The resize is area averaging
+/// (torchxrayvision's `XRayResizer(engine="cv2")`, `INTER_AREA`) when shrinking and bilinear
+/// when enlarging. Returns `size * size` values, row-major.
+pub fn preprocess(
+    pixels: &[f32],
+    width: usize,
+    height: usize,
+    max_value: f32,
+    size: usize,
+) -> Vec<f32> {
+    let crop = width.min(height);
+    // Same offsets as `x // 2 - crop // 2`.
+    let (x0, y0) = (width / 2 - crop / 2, height / 2 - crop / 2);
+    let scale = 2.0 / max_value.max(1.0);
+    let cropped: Vec<f32> = (0..crop)
+        .flat_map(|y| {
+            let row = &pixels[(y0 + y) * width + x0..][..crop];
+            row.iter().map(move |&v| (v * scale - 1.0) * 1024.0)
+        })
+        .collect();
+    let wx = resample_weights(crop, size);
+    // Separable: rows first (crop x size), then columns (size x size).
+    let mut tmp = vec![0f32; crop * size];
+    for y in 0..crop {
+        let src = &cropped[y * crop..(y + 1) * crop];
+        for (ox, taps) in wx.iter().enumerate() {
+            tmp[y * size + ox] = taps.iter().map(|&(i, w)| src[i] * w).sum();
+        }
+    }
+    let mut out = vec![0f32; size * size];
+    for (oy, taps) in wx.iter().enumerate() {
+        for ox in 0..size {
+            out[oy * size + ox] = taps.iter().map(|&(i, w)| tmp[i * size + ox] * w).sum();
+        }
+    }
+    out
+}
+
+/// Per output index, the (source index, weight) taps of a 1-D resize from `n` to `m`.
+fn resample_weights(n: usize, m: usize) -> Vec<Vec<(usize, f32)>> {
+    let s = n as f64 / m as f64;
+    (0..m)
+        .map(|o| {
+            if s >= 1.0 {
+                // Area: the fraction of each source pixel inside [o*s, (o+1)*s).
+                let (a, b) = (o as f64 * s, (o + 1) as f64 * s);
+                let mut taps = Vec::new();
+                let mut i = a.floor() as usize;
+                while (i as f64) < b && i < n {
+                    let cover = (b.min(i as f64 + 1.0) - a.max(i as f64)) / s;
+                    if cover > 0.0 {
+                        taps.push((i, cover as f32));
+                    }
+                    i += 1;
+                }
+                taps
+            } else {
+                // Bilinear with half-pixel centres, clamped at the edges.
+                let x = ((o as f64 + 0.5) * s - 0.5).clamp(0.0, (n - 1) as f64);
+                let i = x.floor() as usize;
+                let f = (x - i as f64) as f32;
+                if i + 1 < n {
+                    vec![(i, 1.0 - f), (i + 1, f)]
+                } else {
+                    vec![(i, 1.0)]
+                }
+            }
+        })
+        .collect()
+}
+
+/// Which implementation runs the network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Hilum's own CPU kernels ([`crate::cpu`]): the default on CPU.
+    Native,
+    /// candle (CUDA, Metal; on CPU mainly as the reference).
+    Candle,
+}
+
+impl Backend {
+    pub fn default_for(device: Device) -> Backend {
+        if device.is_gpu() {
+            Backend::Candle
+        } else {
+            Backend::Native
+        }
+    }
+}
+
+enum Net {
+    CandleDense(densenet::DenseNet),
+    CandleRes(resnet::ResNet),
+    NativeDense(NativeDenseNet),
+    NativeRes(NativeResNet),
+}
+
+/// One label's result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LabelScore {
+    pub label: String,
+    /// Calibrated score: 0.5 is the published operating point. `None` where the model has
+    /// no operating point for this label.
+    pub score: Option<f32>,
+    /// The network's sigmoid output, uncalibrated.
+    pub probability: f32,
+    pub threshold: Option<f32>,
+}
+
+impl LabelScore {
+    pub fn positive(&self) -> bool {
+        self.score.is_some_and(|s| s >= 0.5)
+    }
+}
+
+/// A torchxrayvision classifier ready to run.
+pub struct Classifier {
+    pub spec: XrvSpec,
+    backend: Backend,
+    device: candle_core::Device,
+    net: Net,
+    /// Whether the weights are a site's own checkpoint rather than the published ones.
+    pub custom: bool,
+    /// The candle path is not re-entrant on every device; one forward at a time.
+    candle_lock: Mutex<()>,
+}
+
+fn cpu_err(e: CpuError) -> ModelError {
+    ModelError::Compute(e.to_string())
+}
+
+/// Worker threads for the native path: `HILUM_CPU_THREADS`, else all cores.
+pub fn default_threads() -> usize {
+    std::env::var("HILUM_CPU_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+impl Classifier {
+    /// Builds the network from `vb` (checkpoint names at its root). `threads` is used by the
+    /// native backend only.
+    pub fn new(
+        vb: VarBuilder,
+        spec: XrvSpec,
+        backend: Backend,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let device = vb.device().clone();
+        if backend == Backend::Native && !device.is_cpu() {
+            return Err(ModelError::Device {
+                device: format!("{device:?}"),
+                reason: "the native backend runs on the CPU only; use the candle backend on GPUs"
+                    .into(),
+            });
+        }
+        let size = spec.resolution;
+        let net = match (&spec.arch, backend) {
+            (Arch::DenseNet(c), Backend::Candle) => {
+                Net::CandleDense(densenet::DenseNet::load(vb, c)?)
+            }
+            (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
+            (Arch::DenseNet(c), Backend::Native) => {
+                let net = densenet::DenseNet::load(vb, c)?;
+                Net::NativeDense(NativeDenseNet::new(&net, size, threads).map_err(cpu_err)?)
+            }
+            (Arch::ResNet(c), Backend::Native) => {
+                let net = resnet::ResNet::load(vb, c)?;
+                Net::NativeRes(NativeResNet::new(&net, size, threads).map_err(cpu_err)?)
+            }
+        };
+        Ok(Classifier {
+            spec,
+            backend,
+            device,
+            net,
+            custom: false,
+            candle_lock: Mutex::new(()),
+        })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn classes(&self) -> usize {
+        self.spec.labels.len()
+    }
+
+    /// Raw logits (batch, classes) for preprocessed images (batch, 1, res, res) row-major.
+    pub fn logits(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, ModelError> {
+        let size = self.spec.resolution;
+        if batch == 0 || input.len() != batch * size * size {
+            return Err(ModelError::Compute(format!(
+                "classifier input has {} values, expected {batch} x {size} x {size}",
+                input.len()
+            )));
+        }
+        match &self.net {
+            Net::NativeDense(n) => n.forward(input, batch).map_err(cpu_err),
+            Net::NativeRes(n) => n.forward(input, batch).map_err(cpu_err),
+            Net::CandleDense(n) => self.candle_logits(n, input, batch),
+            Net::CandleRes(n) => self.candle_logits(n, input, batch),
+        }
+    }
+
+    fn candle_logits(
+        &self,
+        m: &impl Module,
+        input: &[f32],
+        batch: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let _one = self.candle_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let size = self.spec.resolution;
+        let x = Tensor::from_slice(input, (batch, 1, size, size), &self.device)?;
+        Ok(m.forward(&x)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// Calibrated scores for preprocessed images, one Vec of 18 (label order) per image.
+    pub fn predict(&self, input: &[f32], batch: usize) -> Result<Vec<Vec<LabelScore>>, ModelError> {
+        let logits = self.logits(input, batch)?;
+        let k = self.classes();
+        Ok(logits
+            .chunks(k)
+            .map(|row| {
+                row.iter()
+                    .zip(&self.spec.labels)
+                    .zip(&self.spec.op_threshs)
+                    .map(|((&z, label), &t)| {
+                        let p = sigmoid(z);
+                        LabelScore {
+                            label: label.clone(),
+                            score: t.map(|t| op_norm(p, Some(t))),
+                            probability: p,
+                            threshold: t,
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// Preprocesses one image (luminance, values 0..=max_value) and classifies it.
+    pub fn classify(
+        &self,
+        pixels: &[f32],
+        width: usize,
+        height: usize,
+        max_value: f32,
+    ) -> Result<Vec<LabelScore>, ModelError> {
+        if width == 0 || height == 0 || pixels.len() != width * height {
+            return Err(ModelError::Compute(format!(
+                "image has {} pixels, expected {width} x {height}",
+                pixels.len()
+            )));
+        }
+        let x = preprocess(pixels, width, height, max_value, self.spec.resolution);
+        self.predict(&x, 1)?
+            .pop()
+            .ok_or_else(|| ModelError::Compute("no output".into()))
+    }
+}
+
+impl crate::Model for Classifier {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let spec = XrvSpec::from_manifest(manifest)?;
+        let vb = crate::weights::var_builder(&installed.weights, device)?;
+        let mut c = Classifier::new(vb, spec, Backend::default_for(device), default_threads())
+            .map_err(|e| match e {
+                ModelError::Compute(reason) => ModelError::Corrupt {
+                    id: manifest.id.clone(),
+                    reason,
+                },
+                other => other,
+            })?;
+        c.custom = installed.record.custom;
+        Ok(c)
+    }
+}
+
+/// Parameter names and shapes the network reads, in checkpoint naming. Checkpoints from
+/// PyTorch also hold `*.num_batches_tracked` (training bookkeeping, unused at inference);
+/// `scripts/convert_xrv.py` leaves them out.
+pub fn expected_params(arch: &Arch) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let rec = Recorder::default();
+    let names = rec.seen.clone();
+    let vb = VarBuilder::from_backend(
+        Box::new(rec),
+        candle_core::DType::F32,
+        candle_core::Device::Cpu,
+    );
+    match arch {
+        Arch::DenseNet(c) => {
+            densenet::DenseNet::load(vb, c)?;
+        }
+        Arch::ResNet(c) => {
+            resnet::ResNet::load(vb, c)?;
+        }
+    }
+    let seen = names.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    Ok(seen)
+}
+
+/// A VarBuilder backend that hands out zeros and writes down what was asked for.
+#[derive(Default)]
+struct Recorder {
+    seen: std::sync::Arc<Mutex<BTreeMap<String, Vec<usize>>>>,
+}
+
+impl candle_nn::var_builder::SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: candle_core::DType,
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        self.seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), s.dims().to_vec());
+        Tensor::zeros(s, dtype, dev)
+    }
+
+    fn get_unchecked(
+        &self,
+        name: &str,
+        _dtype: candle_core::DType,
+        _dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        candle_core::bail!("the shape of `{name}` is not known when recording")
+    }
+
+    fn contains_tensor(&self, _name: &str) -> bool {
+        true
+    }
+}
