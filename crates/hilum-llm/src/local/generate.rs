@@ -1,0 +1,523 @@
+//! One completion on the local model: fit the prompt into the context, reuse the cached prefix,
+//! prefill the rest in batches, then sample token by token (constrained inside tool calls),
+//! streaming text and finished calls.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use llguidance::Matcher;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
+
+use super::grammar::Constraint;
+use super::tokenizer::Utf8Stream;
+use super::toolcall::parse_call_body;
+use super::{next_call_id, Inner, LocalError};
+
+/// Prompt tokens per forward pass: bounds the attention scratch (heads x chunk x context).
+const PREFILL_CHUNK: usize = 512;
+/// The answer space a prompt must leave, at least, before old tool results are shortened.
+const MIN_ANSWER_TOKENS: usize = 256;
+/// A turn ends after this many tool calls even if the model wants more.
+const MAX_CALLS_PER_TURN: usize = 8;
+/// Longest repeated period the repetition guard looks for.
+const MAX_REPEAT_PERIOD: usize = 32;
+/// Tool results are first cut to this many characters, then omitted, to fit the context.
+const SHORT_RESULT_CHARS: usize = 400;
+
+/// What the last request cost.
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV entries were already cached from an earlier round.
+    pub reused_tokens: usize,
+    /// Prompt tokens run through the model in this request.
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_tokens: usize,
+    pub decode_secs: f64,
+    /// Seconds from the request to the end of its first complete tool call.
+    pub first_tool_call_secs: Option<f64>,
+    pub total_secs: f64,
+    /// Tool results shortened to fit the context.
+    pub shortened_tool_results: usize,
+}
+
+impl GenStats {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prefill_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+struct Prepared {
+    tokens: Vec<u32>,
+    max_new: usize,
+    sampling: Sampling,
+    stop: Vec<String>,
+    constraint: Option<Constraint>,
+    has_tools: bool,
+    shortened: usize,
+    started: Instant,
+}
+
+pub(crate) fn start(inner: Arc<Inner>, req: ChatRequest) -> Result<DeltaStream, LlmError> {
+    let prep = prepare(&inner, &req)?;
+    let (tx, rx) = mpsc::channel(256);
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = run(&inner, prep, &tx) {
+            let _ = tx.blocking_send(Err(e.into()));
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+fn image_ids(messages: &[Message]) -> Vec<String> {
+    let mut ids = Vec::new();
+    for m in messages {
+        if let Message::User { images, .. } = m {
+            for id in images {
+                if !ids.contains(id) {
+                    ids.push(id.clone());
+                }
+            }
+        }
+    }
+    ids
+}
+
+fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
+    let started = Instant::now();
+    let limit = {
+        let st = inner
+            .state
+            .lock()
+            .map_err(|_| LocalError::Inference("the model state was poisoned by a panic".into()))?;
+        st.model.max_positions()
+    };
+    let want_new = req.max_tokens.unwrap_or(inner.cfg.max_tokens).max(1) as usize;
+    let (tokens, shortened) = fit_context(inner, &req.messages, req, limit, want_new)?;
+    let max_new = want_new.min(limit - tokens.len());
+    let temperature = req.temperature.unwrap_or(inner.cfg.temperature) as f64;
+    let sampling = if temperature <= 0.0 {
+        Sampling::ArgMax
+    } else {
+        match inner.cfg.top_p {
+            Some(p) if p < 1.0 => Sampling::TopP { p, temperature },
+            _ => Sampling::All { temperature },
+        }
+    };
+    let constraint = if inner.cfg.constrain_tool_calls && !req.tools.is_empty() {
+        Some(Constraint::new(
+            &inner.tok,
+            &req.tools,
+            &image_ids(&req.messages),
+        )?)
+    } else {
+        None
+    };
+    Ok(Prepared {
+        tokens,
+        max_new,
+        sampling,
+        stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
+        constraint,
+        has_tools: !req.tools.is_empty(),
+        shortened,
+        started,
+    })
+}
+
+/// Renders and tokenizes the prompt; when it leaves too little room for an answer, old tool
+/// results are shortened (oldest first), then omitted, before giving up.
+fn fit_context(
+    inner: &Inner,
+    messages: &[Message],
+    req: &ChatRequest,
+    limit: usize,
+    want_new: usize,
+) -> Result<(Vec<u32>, usize), LocalError> {
+    let room = want_new.min(MIN_ANSWER_TOKENS);
+    let encode = |msgs: &[Message]| -> Result<Vec<u32>, LocalError> {
+        let text = inner.template.render(msgs, &req.tools, true)?;
+        inner.tok.encode(&text)
+    };
+    let mut msgs = messages.to_vec();
+    let mut tokens = encode(&msgs)?;
+    let mut shortened = 0;
+    let tool_idx: Vec<usize> = msgs
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| matches!(m, Message::Tool { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    for pass in 0..2 {
+        for &i in &tool_idx {
+            if tokens.len() + room <= limit {
+                return Ok((tokens, shortened));
+            }
+            if let Message::Tool { content, .. } = &mut msgs[i] {
+                let n = content.chars().count();
+                let new = if pass == 0 && n > SHORT_RESULT_CHARS {
+                    let head: String = content.chars().take(SHORT_RESULT_CHARS).collect();
+                    format!(
+                        "{head} [... {} characters cut to fit the context]",
+                        n - SHORT_RESULT_CHARS
+                    )
+                } else if pass == 1 {
+                    "[result omitted to fit the context]".to_string()
+                } else {
+                    continue;
+                };
+                if new.len() < content.len() {
+                    *content = new;
+                    shortened += 1;
+                    tokens = encode(&msgs)?;
+                }
+            }
+        }
+    }
+    if tokens.len() + room <= limit {
+        Ok((tokens, shortened))
+    } else {
+        Err(LocalError::ContextFull {
+            needed: tokens.len() + room,
+            limit,
+        })
+    }
+}
+
+/// Length of the shortest period p (<= 32) with which the last `window` tokens repeat.
+pub(crate) fn repetition(generated: &[u32], window: usize) -> Option<usize> {
+    if window == 0 || generated.len() < window {
+        return None;
+    }
+    let tail = &generated[generated.len() - window..];
+    (1..=MAX_REPEAT_PERIOD.min(window / 2)).find(|&p| (p..window).all(|i| tail[i] == tail[i - p]))
+}
+
+/// Free text not yet streamed, held back while it could be the start of a stop sequence.
+struct TextOut {
+    text: String,
+    sent: usize,
+    stops: Vec<String>,
+}
+
+impl TextOut {
+    /// Appends `s`; returns what may be streamed now and whether a stop sequence was hit.
+    fn push(&mut self, s: &str) -> (String, bool) {
+        self.text.push_str(s);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|st| {
+                self.text[self.sent..]
+                    .find(st.as_str())
+                    .map(|i| self.sent + i)
+            })
+            .min();
+        if let Some(end) = hit {
+            let out = self.text[self.sent..end].to_string();
+            self.text.truncate(end);
+            self.sent = end;
+            return (out, true);
+        }
+        let hold = self.stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        let mut end = self.text.len().saturating_sub(hold).max(self.sent);
+        while !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let out = self.text[self.sent..end].to_string();
+        self.sent = end;
+        (out, false)
+    }
+
+    fn flush(&mut self) -> String {
+        let out = self.text[self.sent..].to_string();
+        self.sent = self.text.len();
+        out
+    }
+}
+
+enum Mode {
+    Free,
+    /// Inside the tool-call section; `body` collects the bytes of the open call.
+    Call {
+        matcher: Option<Matcher>,
+        body: Option<Vec<u8>>,
+    },
+}
+
+fn send(tx: &mpsc::Sender<Result<ChatDelta, LlmError>>, d: ChatDelta) -> bool {
+    tx.blocking_send(Ok(d)).is_ok()
+}
+
+fn run(
+    inner: &Inner,
+    prep: Prepared,
+    tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
+) -> Result<(), LocalError> {
+    let mut guard = inner
+        .state
+        .lock()
+        .map_err(|_| LocalError::Inference("the model state was poisoned by a panic".into()))?;
+    let st = &mut *guard;
+    let result = decode(inner, &prep, st, tx);
+    if result.is_err() {
+        // The cache may hold positions `cached` does not describe: start clean next time.
+        let _ = st.model.truncate_cache(0);
+        st.cached.clear();
+    }
+    result
+}
+
+fn decode(
+    inner: &Inner,
+    prep: &Prepared,
+    st: &mut super::State,
+    tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
+) -> Result<(), LocalError> {
+    let tok = &inner.tok;
+    let tokens = &prep.tokens;
+    let mut stats = GenStats {
+        prompt_tokens: tokens.len(),
+        shortened_tool_results: prep.shortened,
+        ..GenStats::default()
+    };
+
+    // Reuse the longest cached prefix; at least the last prompt token is run to get logits.
+    let mut common = st
+        .cached
+        .iter()
+        .zip(tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    common = common.min(tokens.len() - 1).min(st.model.cached_len());
+    st.model.truncate_cache(common)?;
+    st.cached.truncate(common);
+    stats.reused_tokens = common;
+    let t_prefill = Instant::now();
+    let mut logits: Option<Tensor> = None;
+    for chunk in tokens[common..].chunks(PREFILL_CHUNK) {
+        logits = Some(st.model.forward(chunk)?);
+        st.cached.extend_from_slice(chunk);
+        if tx.is_closed() {
+            return Ok(());
+        }
+    }
+    stats.prefill_tokens = tokens.len() - common;
+    stats.prefill_secs = t_prefill.elapsed().as_secs_f64();
+    let mut logits =
+        logits.ok_or_else(|| LocalError::Inference("the prompt produced no tokens".into()))?;
+
+    let mut sampler = LogitsProcessor::from_sampling(inner.cfg.seed, prep.sampling.clone());
+    let open = tok.special("<tool_call>");
+    let close = tok.special("</tool_call>");
+    let mut mode = Mode::Free;
+    let mut utf8 = Utf8Stream::default();
+    let mut text = TextOut {
+        text: String::new(),
+        sent: 0,
+        stops: prep.stop.clone(),
+    };
+    let mut generated: Vec<u32> = Vec::new();
+    let mut calls = 0usize;
+    let mut finish = FinishReason::Stop;
+    let t_decode = Instant::now();
+    loop {
+        if generated.len() >= prep.max_new {
+            if let Mode::Call { body: Some(_), .. } = mode {
+                return Err(LocalError::CallCutOff(prep.max_new as u32));
+            }
+            finish = FinishReason::Length;
+            break;
+        }
+        let mut l: Vec<f32> = logits.to_vec1()?;
+        match &mut mode {
+            Mode::Call {
+                matcher: Some(m), ..
+            } => {
+                let mask = m
+                    .compute_mask()
+                    .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                for (i, v) in l.iter_mut().enumerate() {
+                    if !mask.is_allowed(i as u32) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            Mode::Free if !prep.has_tools => {
+                if let Some(t) = open {
+                    if let Some(v) = l.get_mut(t as usize) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            _ => {}
+        }
+        let next = sampler.sample(&Tensor::new(l.as_slice(), &Device::Cpu)?)?;
+
+        if tok.stop_tokens.contains(&next) {
+            if let Mode::Call { body: Some(_), .. } = mode {
+                return Err(LocalError::Grammar(
+                    "the model ended its turn inside a tool call".into(),
+                ));
+            }
+            break;
+        }
+        match &mut mode {
+            Mode::Free if Some(next) == open => {
+                let mut matcher = match &prep.constraint {
+                    Some(c) => Some(c.matcher()?),
+                    None => None,
+                };
+                if let Some(m) = matcher.as_mut() {
+                    m.consume_token(next)
+                        .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                }
+                mode = Mode::Call {
+                    matcher,
+                    body: Some(Vec::new()),
+                };
+            }
+            Mode::Free => {
+                if tok.is_special(next) {
+                    // Any other control token (`<|im_start|>`, `</tool_call>` out of place) ends the turn.
+                    break;
+                }
+                let piece = utf8.push(tok.token_bytes(next));
+                let (out, hit) = text.push(&piece);
+                if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+                    return Ok(());
+                }
+                if hit {
+                    break;
+                }
+            }
+            Mode::Call { matcher, body } => {
+                if let Some(m) = matcher.as_mut() {
+                    m.consume_token(next)
+                        .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                }
+                if Some(next) == open {
+                    *body = Some(Vec::new());
+                } else if Some(next) == close {
+                    let raw = body.take().unwrap_or_default();
+                    let call = parse_call_body(&String::from_utf8_lossy(&raw)).map_err(|e| {
+                        LocalError::Grammar(format!("the model wrote an invalid tool call: {e}"))
+                    })?;
+                    if stats.first_tool_call_secs.is_none() {
+                        stats.first_tool_call_secs = Some(prep.started.elapsed().as_secs_f64());
+                    }
+                    let delta = ChatDelta::ToolCall {
+                        index: calls,
+                        id: Some(next_call_id(inner)),
+                        name: Some(call.name),
+                        arguments: call.arguments,
+                    };
+                    calls += 1;
+                    if !send(tx, delta) {
+                        return Ok(());
+                    }
+                    if calls >= MAX_CALLS_PER_TURN {
+                        generated.push(next);
+                        break;
+                    }
+                } else if let Some(b) = body.as_mut() {
+                    b.extend_from_slice(tok.token_bytes(next));
+                } else if prep.constraint.is_none()
+                    && !tok.token_bytes(next).iter().all(u8::is_ascii_whitespace)
+                {
+                    // Unconstrained text after the calls: the turn is over.
+                    break;
+                }
+            }
+        }
+        generated.push(next);
+        if let Some(period) = repetition(&generated, inner.cfg.repetition_window) {
+            return Err(LocalError::Repetition {
+                period,
+                window: inner.cfg.repetition_window,
+            });
+        }
+        logits = st.model.forward(&[next])?;
+        st.cached.push(next);
+        if tx.is_closed() {
+            return Ok(());
+        }
+    }
+    let rest = text.flush();
+    let rest = rest + &utf8.push(&[]);
+    if !rest.is_empty() && !send(tx, ChatDelta::Text(rest)) {
+        return Ok(());
+    }
+    stats.decode_tokens = generated.len();
+    stats.decode_secs = t_decode.elapsed().as_secs_f64();
+    stats.total_secs = prep.started.elapsed().as_secs_f64();
+    if calls > 0 {
+        finish = FinishReason::ToolCalls;
+    }
+    let usage = Usage {
+        prompt_tokens: stats.prompt_tokens as u32,
+        completion_tokens: generated.len() as u32,
+    };
+    tracing::debug!(?stats, "local generation finished");
+    if let Ok(mut s) = inner.stats.lock() {
+        *s = stats;
+    }
+    send(
+        tx,
+        ChatDelta::Finish {
+            reason: finish,
+            usage: Some(usage),
+        },
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repetition_finds_short_loops_only_when_the_window_is_full() {
+        let looped: Vec<u32> = (0..40).map(|i| [7, 8, 9][i % 3]).collect();
+        assert_eq!(repetition(&looped, 30), Some(3));
+        assert_eq!(repetition(&looped, 41), None);
+        let varied: Vec<u32> = (0..100).collect();
+        assert_eq!(repetition(&varied, 96), None);
+        assert_eq!(repetition(&[5; 10], 10), Some(1));
+    }
+
+    #[test]
+    fn stop_sequences_cut_text_even_across_tokens() {
+        let mut t = TextOut {
+            text: String::new(),
+            sent: 0,
+            stops: vec!["Observation:".into()],
+        };
+        let (a, hit) = t.push("Action: x\nObserv");
+        assert!(!hit);
+        assert!(!a.contains("Observ"), "{a}");
+        let (b, hit) = t.push("ation: 42");
+        assert!(hit);
+        assert_eq!(format!("{a}{b}"), "Action: x\n");
+        assert_eq!(t.flush(), "");
+    }
+
+    #[test]
+    fn text_without_stops_streams_at_once() {
+        let mut t = TextOut {
+            text: String::new(),
+            sent: 0,
+            stops: vec![],
+        };
+        assert_eq!(t.push("héllo").0, "héllo");
+    }
+}

@@ -1,0 +1,247 @@
+//! In-process local models: a quantized GGUF (Qwen2/Qwen2.5, Llama) run on candle, with the
+//! GGUF's own tokenizer and chat template, grammar-constrained tool calls, and a KV cache kept
+//! across the rounds of a conversation.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use hilum_llm::local::{LocalConfig, LocalLlm};
+//! let llm = LocalLlm::load(LocalConfig::new("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))?;
+//! # Ok(()) }
+//! ```
+
+mod generate;
+pub mod grammar;
+pub mod model;
+mod template;
+pub mod tokenizer;
+pub mod toolcall;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use candle_core::quantized::gguf_file;
+use candle_core::Device;
+use thiserror::Error;
+
+use crate::{Capabilities, ChatRequest, DeltaStream, Llm, LlmError};
+
+pub use generate::GenStats;
+pub use template::ChatTemplate;
+pub use tokenizer::GgufTokenizer;
+
+/// File name of the default local model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M) under the models dir.
+pub const DEFAULT_MODEL_FILE: &str = "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+/// Where Hilum keeps models: `$HILUM_MODELS_DIR`, else `~/.cache/hilum/models`.
+pub fn models_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("HILUM_MODELS_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/hilum/models")
+}
+
+/// The installed default local model, if `scripts/fetch_local_llm.sh` has put it in place.
+pub fn default_model_path() -> Option<PathBuf> {
+    let p = models_dir().join(DEFAULT_MODEL_FILE);
+    p.is_file().then_some(p)
+}
+
+#[derive(Debug, Error)]
+pub enum LocalError {
+    #[error("local model file {path}: {reason} (fetch the default model with scripts/fetch_local_llm.sh)")]
+    Io { path: String, reason: String },
+    #[error("local model {path} is not a readable GGUF file: {reason}")]
+    BadGguf { path: String, reason: String },
+    #[error("local model not supported: {0}")]
+    Unsupported(String),
+    #[error("local model tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("local model chat template: {0}")]
+    Template(String),
+    #[error("tool-call grammar: {0}")]
+    Grammar(String),
+    #[error("local model inference failed: {0}")]
+    Inference(String),
+    #[error("the conversation needs {needed} tokens but the local model's context is {limit} even after shortening old tool results; start a new conversation or raise the context with --llm-context")]
+    ContextFull { needed: usize, limit: usize },
+    #[error("the local model repeated the same {period} token(s) over its last {window} tokens and was stopped; try a higher temperature or a clearer question")]
+    Repetition { period: usize, window: usize },
+    #[error(
+        "the local model reached max_tokens ({0}) in the middle of a tool call; raise max_tokens"
+    )]
+    CallCutOff(u32),
+}
+
+impl From<LocalError> for LlmError {
+    fn from(e: LocalError) -> Self {
+        LlmError::Other(e.to_string())
+    }
+}
+
+impl From<candle_core::Error> for LocalError {
+    fn from(e: candle_core::Error) -> Self {
+        LocalError::Inference(e.to_string())
+    }
+}
+
+/// How a local model is loaded and sampled. Request fields (temperature, max_tokens, stop)
+/// override the defaults here.
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    pub path: PathBuf,
+    /// Longest conversation in tokens (prompt + answer); capped by the model's own context.
+    pub context: usize,
+    /// Answer length when the request gives none.
+    pub max_tokens: u32,
+    /// 0 = greedy.
+    pub temperature: f32,
+    pub top_p: Option<f64>,
+    pub seed: u64,
+    /// Decode tool calls under a grammar built from the request's tools.
+    pub constrain_tool_calls: bool,
+    /// Stop when the last `repetition_window` tokens repeat a period of at most 32 tokens.
+    pub repetition_window: usize,
+}
+
+impl LocalConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        LocalConfig {
+            path: path.into(),
+            context: 8192,
+            max_tokens: 512,
+            temperature: 0.0,
+            top_p: None,
+            seed: 299_792_458,
+            constrain_tool_calls: true,
+            repetition_window: 96,
+        }
+    }
+}
+
+pub(crate) struct State {
+    pub model: model::Model,
+    /// Tokens whose keys/values are in the model's KV cache, in order.
+    pub cached: Vec<u32>,
+}
+
+pub(crate) struct Inner {
+    pub cfg: LocalConfig,
+    pub tok: Arc<GgufTokenizer>,
+    pub template: ChatTemplate,
+    pub state: Mutex<State>,
+    pub stats: Mutex<GenStats>,
+    pub call_counter: AtomicU64,
+}
+
+/// A GGUF model running in this process. Cloning shares the model and its KV cache.
+#[derive(Clone)]
+pub struct LocalLlm {
+    inner: Arc<Inner>,
+    name: String,
+}
+
+impl LocalLlm {
+    /// Reads the GGUF, builds its tokenizer and template and dequantizes the weights (a few
+    /// seconds for a 0.5B model).
+    pub fn load(cfg: LocalConfig) -> Result<Self, LocalError> {
+        let path_s = cfg.path.display().to_string();
+        let mut file = std::fs::File::open(&cfg.path).map_err(|e| LocalError::Io {
+            path: path_s.clone(),
+            reason: e.to_string(),
+        })?;
+        let ct = gguf_file::Content::read(&mut file).map_err(|e| LocalError::BadGguf {
+            path: path_s.clone(),
+            reason: e.to_string(),
+        })?;
+        let tok = Arc::new(GgufTokenizer::from_gguf(&ct)?);
+        let template = ChatTemplate::new(
+            ct.metadata
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.to_string().ok())
+                .cloned(),
+        )?;
+        let model = model::Model::load(&ct, &mut file, cfg.context, &Device::Cpu)?;
+        let name = format!(
+            "local:{}",
+            cfg.path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or(path_s)
+        );
+        Ok(LocalLlm {
+            inner: Arc::new(Inner {
+                cfg,
+                tok,
+                template,
+                state: Mutex::new(State {
+                    model,
+                    cached: Vec::new(),
+                }),
+                stats: Mutex::new(GenStats::default()),
+                call_counter: AtomicU64::new(0),
+            }),
+            name,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.cfg.path
+    }
+
+    pub fn tokenizer(&self) -> &Arc<GgufTokenizer> {
+        &self.inner.tok
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.inner.template
+    }
+
+    /// Timings and token counts of the last completed request.
+    pub fn last_stats(&self) -> GenStats {
+        self.inner
+            .stats
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
+    }
+
+    /// Drops the KV cache (the next request processes its whole prompt).
+    pub fn reset_cache(&self) {
+        if let Ok(mut st) = self.inner.state.lock() {
+            let _ = st.model.truncate_cache(0);
+            st.cached.clear();
+        }
+    }
+}
+
+#[async_trait]
+impl Llm for LocalLlm {
+    async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
+        generate::start(self.inner.clone(), req)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            native_tools: true,
+            parallel_tool_calls: true,
+            images: false,
+            local: true,
+        }
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
+
+pub(crate) fn next_call_id(inner: &Inner) -> String {
+    format!(
+        "call_{}",
+        inner.call_counter.fetch_add(1, Ordering::Relaxed)
+    )
+}

@@ -1,0 +1,299 @@
+//! The tokenizer of a GGUF file, built from its own vocabulary and merges, plus the token trie
+//! llguidance needs to constrain sampling.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+use super::LocalError;
+
+// GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+const TYPE_CONTROL: i64 = 3;
+const TYPE_USER_DEFINED: i64 = 4;
+const TYPE_UNUSED: i64 = 5;
+
+pub struct GgufTokenizer {
+    hf: tokenizers::Tokenizer,
+    /// Raw bytes of each token (special tokens: their text).
+    bytes: Vec<Vec<u8>>,
+    special: HashMap<String, u32>,
+    is_special: Vec<bool>,
+    pub eos: u32,
+    /// End-of-turn tokens that end generation (eos, `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`).
+    pub stop_tokens: Vec<u32>,
+    trie: Arc<TokTrie>,
+}
+
+/// The GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves, the other bytes
+/// were shifted to U+0100.. in order. Returns the inverse map (char -> byte).
+fn byte_decoder() -> HashMap<char, u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut map = HashMap::with_capacity(256);
+    let mut shifted = 0u32;
+    for b in 0u32..256 {
+        let c = if printable(b) {
+            b
+        } else {
+            shifted += 1;
+            255 + shifted
+        };
+        if let Some(c) = char::from_u32(c) {
+            map.insert(c, b as u8);
+        }
+    }
+    map
+}
+
+fn metadata_ints(ct: &gguf_file::Content, key: &str) -> Vec<i64> {
+    let Some(v) = ct.metadata.get(key).and_then(|v| v.to_vec().ok()) else {
+        return Vec::new();
+    };
+    v.iter()
+        .map(|x| {
+            x.to_i32()
+                .map(i64::from)
+                .or_else(|_| x.to_u32().map(i64::from))
+                .unwrap_or(1)
+        })
+        .collect()
+}
+
+impl GgufTokenizer {
+    /// Reads only the metadata of a GGUF file (fast: no weights).
+    pub fn from_file(path: &std::path::Path) -> Result<Self, LocalError> {
+        let mut f = std::fs::File::open(path).map_err(|e| LocalError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let ct = gguf_file::Content::read(&mut f).map_err(|e| LocalError::BadGguf {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_gguf(&ct)
+    }
+
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self, LocalError> {
+        let hf = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| {
+            LocalError::Unsupported(format!(
+                "cannot build a tokenizer from this GGUF's vocabulary ({e}); only byte-level BPE (`gpt2`-type) vocabularies are supported"
+            ))
+        })?;
+        let tokens: Vec<String> = ct
+            .metadata
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.to_vec().ok())
+            .map(|v| {
+                v.iter()
+                    .map(|t| t.to_string().cloned().unwrap_or_default())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if tokens.is_empty() {
+            return Err(LocalError::Unsupported(
+                "the GGUF has no tokenizer.ggml.tokens".into(),
+            ));
+        }
+        let types = metadata_ints(ct, "tokenizer.ggml.token_type");
+        let dec = byte_decoder();
+        let mut bytes = Vec::with_capacity(tokens.len());
+        let mut special = HashMap::new();
+        let mut is_special = Vec::with_capacity(tokens.len());
+        for (i, tok) in tokens.iter().enumerate() {
+            let ty = types.get(i).copied().unwrap_or(1);
+            if matches!(ty, TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNUSED) {
+                special.insert(tok.clone(), i as u32);
+                bytes.push(tok.as_bytes().to_vec());
+                is_special.push(true);
+            } else {
+                // A normal token's text is in the byte-level alphabet; characters outside it
+                // (should not occur) are kept as UTF-8.
+                let mut b = Vec::with_capacity(tok.len());
+                for c in tok.chars() {
+                    match dec.get(&c) {
+                        Some(&x) => b.push(x),
+                        None => {
+                            let mut buf = [0u8; 4];
+                            b.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                        }
+                    }
+                }
+                bytes.push(b);
+                is_special.push(false);
+            }
+        }
+        let id = |k: &str| {
+            ct.metadata.get(k).and_then(|v| {
+                v.to_u32()
+                    .ok()
+                    .or_else(|| v.to_i32().ok().map(|x| x as u32))
+            })
+        };
+        let eos = id("tokenizer.ggml.eos_token_id")
+            .or_else(|| special.get("<|im_end|>").copied())
+            .ok_or_else(|| LocalError::Unsupported("the GGUF names no eos token".into()))?;
+        let mut stop_tokens = vec![eos];
+        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"] {
+            if let Some(&t) = special.get(name) {
+                if !stop_tokens.contains(&t) {
+                    stop_tokens.push(t);
+                }
+            }
+        }
+        // The trie marks special tokens with a 0xFF prefix so grammars can name them (`<tool_call>`).
+        let words: Vec<Vec<u8>> = bytes
+            .iter()
+            .zip(&is_special)
+            .map(|(b, &s)| {
+                if s {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(b);
+                    w
+                } else {
+                    b.clone()
+                }
+            })
+            .collect();
+        let mut info = TokRxInfo::new(words.len() as u32, eos);
+        info.tok_end_of_turn = special.get("<|im_end|>").copied();
+        let trie = Arc::new(TokTrie::from(&info, &words));
+        Ok(GgufTokenizer {
+            hf,
+            bytes,
+            special,
+            is_special,
+            eos,
+            stop_tokens,
+            trie,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Tokenizes a rendered prompt; special-token text (`<|im_start|>`) becomes the special token,
+    /// as llama.cpp does with `parse_special`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, LocalError> {
+        let enc = self
+            .hf
+            .encode(text, false)
+            .map_err(|e| LocalError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The bytes a token stands for (special tokens: their name).
+    pub fn token_bytes(&self, t: u32) -> &[u8] {
+        self.bytes.get(t as usize).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    pub fn is_special(&self, t: u32) -> bool {
+        self.is_special.get(t as usize).copied().unwrap_or(false)
+    }
+
+    pub fn special(&self, name: &str) -> Option<u32> {
+        self.special.get(name).copied()
+    }
+
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        let mut out = Vec::new();
+        for &t in tokens {
+            out.extend_from_slice(self.token_bytes(t));
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    pub fn trie(&self) -> Arc<TokTrie> {
+        self.trie.clone()
+    }
+
+    /// The environment llguidance builds parsers from.
+    pub fn env(self: &Arc<Self>) -> toktrie::TokEnv {
+        Arc::new(TrieEnv { tok: self.clone() })
+    }
+}
+
+struct TrieEnv {
+    tok: Arc<GgufTokenizer>,
+}
+
+impl TokenizerEnv for TrieEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.tok.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        // Grammar literals are text; bytes that are not UTF-8 fall back to the trie's greedy split.
+        match std::str::from_utf8(s) {
+            Ok(text) => self
+                .tok
+                .hf
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_else(|_| self.tok.trie.greedy_tokenize(s)),
+            Err(_) => self.tok.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// Turns a stream of token bytes into text, holding back an incomplete UTF-8 sequence.
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let out = s.to_string();
+                self.pending.clear();
+                out
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                // An invalid (not just incomplete) sequence is replaced rather than held forever.
+                let cut = if e.error_len().is_some() {
+                    self.pending.len()
+                } else {
+                    valid
+                };
+                let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
+                self.pending.drain(..cut);
+                out
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_decoder_is_a_bijection_on_256_bytes() {
+        let d = byte_decoder();
+        assert_eq!(d.len(), 256);
+        let mut seen: Vec<u8> = d.values().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 256);
+        // Space is shifted to 'Ġ' (U+0120), newline to 'Ċ' (U+010A) in GPT-2 vocabularies.
+        assert_eq!(d[&'Ġ'], b' ');
+        assert_eq!(d[&'Ċ'], b'\n');
+        assert_eq!(d[&'a'], b'a');
+    }
+
+    #[test]
+    fn utf8_stream_holds_back_split_characters() {
+        let mut s = Utf8Stream::default();
+        let e = "é".as_bytes();
+        assert_eq!(s.push(&e[..1]), "");
+        assert_eq!(s.push(&e[1..]), "é");
+        assert_eq!(s.push(b"ok"), "ok");
+        assert_eq!(s.push(&[0xff, b'a']), "\u{fffd}a");
+    }
+}
