@@ -1,0 +1,111 @@
+//! The `hilum` binary end to end, on real radiographs from ../shared/data.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn data(rel: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data")
+        .join(rel);
+    assert!(p.exists(), "missing test data {} (../shared/data beside the checkout)", p.display());
+    p
+}
+
+fn hilum() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hilum"));
+    // Tests must not pick up a developer's key or config.
+    c.env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("HILUM_LLM")
+        .env_remove("HILUM_CONFIG")
+        .env("HOME", "/nonexistent-hilum-home")
+        .env("HILUM_MODELS_DIR", "/nonexistent-hilum-models");
+    c
+}
+
+#[test]
+fn analyze_json_streams_events_ending_with_complete() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("script.json");
+    std::fs::write(
+        &script,
+        r#"[{"content":"Checking.","tool_calls":[{"id":"c1","name":"image_info","arguments":{"image":"$IMAGE"}}]},
+            {"content":"The image is 512x512."}]"#,
+    )
+    .expect("write script");
+    let out = hilum()
+        .args(["analyze", "--json", "--question", "How big is it?", "--llm"])
+        .arg(format!("script:{}", script.display()))
+        .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .output()
+        .expect("run hilum");
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).filter(|t| *t != "token").collect();
+    assert_eq!(types, ["decision", "tool_started", "tool_finished", "decision", "final", "complete"]);
+    let finished = &events.iter().find(|e| e["type"] == "tool_finished").expect("finished")["data"];
+    assert_eq!(finished["width"], 512, "images.csv says 512x512");
+    assert_eq!(finished["height"], 512);
+    assert!(finished["image"].as_str().unwrap_or("").starts_with("img_"));
+    assert_eq!(events.last().expect("events")["ok"], true);
+    // No file name reaches the model or the events.
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("cardiomegaly.png"));
+}
+
+#[test]
+fn tools_call_fills_the_image_argument() {
+    let out = hilum()
+        .args(["tools", "call", "image_info", "--image"])
+        .arg(data("cxr/images/kermany_IM-0025-0001_normal.jpeg"))
+        .output()
+        .expect("run hilum");
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    assert_eq!(v["tool"], "image_info");
+    assert!(v["data"]["width"].as_u64().unwrap_or(0) > 500);
+    assert_eq!(v["data"]["bit_depth"], 8);
+}
+
+#[test]
+fn failing_tool_call_exits_non_zero_with_the_reason() {
+    let out = hilum()
+        .args(["tools", "call", "image_info", "--args", r#"{"image": "img_000000000000"}"#])
+        .output()
+        .expect("run hilum");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no image with id") && err.contains("tool_error"), "{err}");
+
+    let out = hilum()
+        .args(["tools", "call", "image_info", "--args", r#"{"image": "../../etc/passwd"}"#])
+        .output()
+        .expect("run hilum");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid_arguments"));
+}
+
+#[test]
+fn analyze_without_a_model_says_how_to_configure_one() {
+    let out = hilum()
+        .args(["analyze"])
+        .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .output()
+        .expect("run hilum");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--llm"), "{err}");
+}
+
+#[test]
+fn tools_list_json_has_schemas() {
+    let out = hilum().args(["tools", "list", "--json"]).output().expect("run hilum");
+    assert!(out.status.success());
+    let v: Vec<Value> = serde_json::from_slice(&out.stdout).expect("JSON");
+    let info = v.iter().find(|t| t["name"] == "image_info").expect("image_info listed");
+    assert_eq!(info["parameters"]["required"][0], "image");
+}
