@@ -9,12 +9,18 @@ if [ ! -d ../shared/data ]; then
   exit 2
 fi
 
-# Optional set-up steps contributed by the crates (ONNX Runtime, local model, browser, ...).
+# Set-up steps contributed by the crates. Each may append KEY=VALUE lines to $HILUM_SETUP_ENV
+# (e.g. ORT_DYLIB_PATH); they are exported for the tests.
+export HILUM_SETUP_ENV
+HILUM_SETUP_ENV=$(mktemp)
+trap 'rm -f "$HILUM_SETUP_ENV"' EXIT
 for step in scripts/setup_*.sh; do
   [ -e "$step" ] || continue
   echo "== $step"
-  # shellcheck disable=SC1090
-  source "$step"
+  bash "$step"
 done
+while IFS='=' read -r key value; do
+  [ -n "$key" ] && export "$key=$value"
+done < "$HILUM_SETUP_ENV"
 
 cargo test --workspace "$@"
