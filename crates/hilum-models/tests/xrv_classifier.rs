@@ -1,10 +1,10 @@
 //! The torchxrayvision classifiers against reference outputs of the original Python code
 //! (tests/fixtures/classifier, written by scripts/make_fixtures.py), on both backends.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use hilum_models::xrv::{self, Arch, Backend, Classifier, XrvSpec};
 use hilum_models::{densenet, resnet};
@@ -210,46 +210,8 @@ fn resnet50_reads_exactly_the_published_parameters() {
     );
 }
 
-/// Seeded weights of the full-size network with activations of order one, so an absolute
-/// bound is meaningful.
-fn random_weights(arch: &Arch, seed: u64) -> HashMap<String, Tensor> {
-    let params = xrv::expected_params(arch).expect("params");
-    let mut state = seed;
-    let mut next = move || {
-        // xorshift64*: a small deterministic generator, enough for test weights.
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
-    params
-        .into_iter()
-        .map(|(name, shape)| {
-            let n: usize = shape.iter().product();
-            let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
-            let v: Vec<f32> = (0..n)
-                .map(|_| {
-                    let u = next();
-                    if name.ends_with("running_var") {
-                        1.0 + u
-                    } else if name.ends_with("running_mean") || name.ends_with("bias") {
-                        0.2 * u
-                    } else if shape.len() == 1 {
-                        1.0 + 0.4 * u
-                    } else {
-                        // Uniform with variance 2 / fan_in (He initialisation).
-                        u * (24.0 / fan_in as f32).sqrt()
-                    }
-                })
-                .collect();
-            let t = Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor");
-            (name, t)
-        })
-        .collect()
-}
-
 fn native_matches_candle(spec: XrvSpec, batch: usize) {
-    let w = random_weights(&spec.arch, 7);
+    let w = xrv::synthetic_weights(&spec.arch, 7).expect("weights");
     let size = spec.resolution;
     let x: Vec<f32> = (0..batch * size * size)
         .map(|i| ((i * 7919) % 2048) as f32 / 1024.0 - 1.0)
