@@ -1,1 +1,107 @@
-//! placeholder
+//! Hilum's neural networks and the machinery to run them: devices, the model registry
+//! (manifests in `models/`, weights under a models directory), a pool that loads models lazily
+//! and keeps them warm, and fetch/import/verify of weights.
+
+pub mod cpu;
+pub mod densenet;
+mod device;
+mod fetch;
+mod import;
+#[cfg(feature = "onnx")]
+pub mod onnx;
+mod pool;
+mod registry;
+pub mod resnet;
+pub mod unet;
+pub mod weights;
+pub mod xrv;
+
+pub use device::Device;
+pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
+pub use import::{import, python, ImportOptions};
+pub use pool::{Model, ModelPool};
+pub use registry::{
+    InstallRecord, InstalledModel, Manifest, ModelRegistry, ModelStatus, Source, VerifyReport,
+};
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("unknown device `{0}`: use cpu, cuda, cuda:N or metal")]
+    BadDevice(String),
+    #[error("cannot use device {device}: {reason}")]
+    Device { device: String, reason: String },
+    #[error("unknown model `{id}`; known models: {known} (see `hilum models list`)")]
+    UnknownModel { id: String, known: String },
+    #[error(
+        "model `{id}` is not installed in {dir}: run `hilum models fetch {id}`, or on a machine \
+         without internet `hilum models import {id} PATH` (set HILUM_MODELS_DIR to use another directory)"
+    )]
+    NotInstalled { id: String, dir: String },
+    #[error("the installed weights of `{id}` are unusable ({reason}); reinstall them with `hilum models fetch {id}` or `hilum models import {id} PATH`")]
+    Corrupt { id: String, reason: String },
+    #[error("{what} does not fit architecture `{architecture}`: {details}")]
+    WeightsMismatch {
+        what: String,
+        architecture: String,
+        details: String,
+    },
+    #[error("sha256 of {what} is {actual}, expected {expected}: {hint}")]
+    Checksum {
+        what: String,
+        expected: String,
+        actual: String,
+        hint: String,
+    },
+    #[error("bad manifest for `{id}`: {reason}")]
+    Manifest { id: String, reason: String },
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("cannot convert {what}: {reason}")]
+    Convert { what: String, reason: String },
+    #[error("no download source is known for `{id}`{detail}: copy the weights here another way and run `hilum models import {id} PATH`")]
+    NoDownload { id: String, detail: String },
+    #[error("download of {url} failed: {reason}")]
+    Fetch { url: String, reason: String },
+    #[error("model computation failed: {0}")]
+    Compute(String),
+    #[error("ONNX Runtime: {0}")]
+    Onnx(String),
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(e: candle_core::Error) -> Self {
+        ModelError::Compute(e.to_string())
+    }
+}
+
+impl ModelError {
+    pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
+        ModelError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Lowercase hex sha256 of a file, streamed.
+pub fn sha256_file(path: &std::path::Path) -> Result<String, ModelError> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| ModelError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

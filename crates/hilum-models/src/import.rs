@@ -1,0 +1,159 @@
+//! `hilum models import ID PATH`: installs weights from a local file (air-gapped sites, or a
+//! site's own checkpoint with `--custom`). Keras `.h5` files are converted by
+//! `scripts/convert_keras_h5.py` (embedded here), run with `$HILUM_PYTHON` or `python3`, which
+//! needs h5py and numpy.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::registry::check_architecture;
+use crate::{sha256_file, InstallRecord, InstalledModel, ModelError, ModelRegistry};
+
+const KERAS_CONVERTER: &str = include_str!("../../../scripts/convert_keras_h5.py");
+
+#[derive(Clone, Debug, Default)]
+pub struct ImportOptions {
+    /// A site's own checkpoint of the architecture: any sha256 is accepted, names and shapes
+    /// must still match, and the model is marked custom everywhere.
+    pub custom: bool,
+    /// Python interpreter for converters; default `$HILUM_PYTHON`, else `python3`.
+    pub python: Option<PathBuf>,
+    /// Where the file came from, for the record (default: the path).
+    pub origin: Option<String>,
+}
+
+/// Checks, converts and installs `path` as model `id`.
+pub fn import(
+    registry: &ModelRegistry,
+    id: &str,
+    path: &Path,
+    opts: &ImportOptions,
+) -> Result<InstalledModel, ModelError> {
+    let manifest = registry.manifest(id)?;
+    if !path.is_file() {
+        return Err(ModelError::io(path, "no such file"));
+    }
+    let source_sha256 = sha256_file(path)?;
+    if !opts.custom {
+        if let Some(expected) = &manifest.source.sha256 {
+            if !expected.eq_ignore_ascii_case(&source_sha256) {
+                return Err(ModelError::Checksum {
+                    what: path.display().to_string(),
+                    expected: expected.clone(),
+                    actual: source_sha256,
+                    hint: format!(
+                        "this is not the published {} of `{id}`; if it is your own checkpoint of \
+                         the same architecture, import it with `hilum models import {id} PATH --custom`",
+                        manifest.source.file.as_deref().unwrap_or("checkpoint")
+                    ),
+                });
+            }
+        }
+    }
+    if opts.custom && crate::registry::expected_params(manifest).is_none() {
+        return Err(ModelError::WeightsMismatch {
+            what: path.display().to_string(),
+            architecture: manifest.architecture.clone(),
+            details: "Hilum cannot check custom checkpoints of this architecture yet".into(),
+        });
+    }
+
+    let work = tempfile::tempdir().map_err(|e| ModelError::io(Path::new("temporary dir"), e))?;
+    let converted = match format_of(path, &manifest.source.format).as_str() {
+        "safetensors" => path.to_path_buf(),
+        "keras-h5" => {
+            let out = work.path().join("model.safetensors");
+            run_converter(KERAS_CONVERTER, "convert_keras_h5.py", path, &out, opts)?;
+            out
+        }
+        other => {
+            return Err(ModelError::Convert {
+                what: path.display().to_string(),
+                reason: format!(
+                    "{other} checkpoints are converted to safetensors by the scripts in scripts/ \
+                     (see models/{id}.toml); import the resulting .safetensors file"
+                ),
+            })
+        }
+    };
+    check_architecture(manifest, &converted)?;
+
+    let record = InstallRecord {
+        id: id.to_string(),
+        sha256: sha256_file(&converted)?,
+        source_sha256,
+        source: opts.origin.clone().unwrap_or_else(|| {
+            std::fs::canonicalize(path)
+                .unwrap_or_else(|_| path.to_path_buf())
+                .display()
+                .to_string()
+        }),
+        custom: opts.custom,
+        installed_at: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        hilum_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    registry.install(id, &converted, &record)
+}
+
+/// The checkpoint format, from the extension, else the manifest's source format.
+fn format_of(path: &Path, manifest_format: &str) -> String {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("safetensors") => "safetensors".into(),
+        Some("h5") | Some("hdf5") | Some("keras") => "keras-h5".into(),
+        Some("pt") | Some("pth") | Some("bin") => "pytorch".into(),
+        _ => manifest_format.to_string(),
+    }
+}
+
+/// Python used by converters.
+pub fn python(opts: &ImportOptions) -> PathBuf {
+    opts.python
+        .clone()
+        .or_else(|| std::env::var_os("HILUM_PYTHON").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
+fn run_converter(
+    script: &str,
+    name: &str,
+    input: &Path,
+    output: &Path,
+    opts: &ImportOptions,
+) -> Result<(), ModelError> {
+    let dir = output.parent().unwrap_or(Path::new("."));
+    let script_path = dir.join(name);
+    std::fs::write(&script_path, script).map_err(|e| ModelError::io(&script_path, e))?;
+    let py = python(opts);
+    let help = format!(
+        "converting needs Python 3 with h5py and numpy: run `scripts/setup_onnxruntime.sh` (it \
+         makes scripts/.venv-models) or `pip install -r scripts/requirements-models.txt`, then set \
+         HILUM_PYTHON to that python (tried `{}`)",
+        py.display()
+    );
+    let out = Command::new(&py)
+        .arg(&script_path)
+        .arg(input)
+        .arg(output)
+        .output()
+        .map_err(|e| ModelError::Convert {
+            what: input.display().to_string(),
+            reason: format!("cannot run {}: {e}; {help}", py.display()),
+        })?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        return Err(ModelError::Convert {
+            what: input.display().to_string(),
+            reason: format!("{} ({help})", tail.join(" | ")),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,94 @@
+//! The ONNX Runtime backend (`ort` with `load-dynamic`): the runtime library is loaded at run
+//! time from `ORT_DYLIB_PATH` (scripts/setup_onnxruntime.sh installs the PyPI `onnxruntime`
+//! wheel and prints the path), so builds never download binaries.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use ort::session::Session;
+use ort::value::TensorRef;
+
+use crate::ModelError;
+
+/// The process-wide ONNX Runtime environment (ONNX Runtime allows one per process).
+fn environment() -> Result<&'static ort::environment::Environment, ModelError> {
+    static ENV: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let path = dylib_path().ok_or_else(|| {
+            "ORT_DYLIB_PATH is not set: run scripts/setup_onnxruntime.sh and export the \
+             ORT_DYLIB_PATH it prints (the libonnxruntime.so of onnxruntime 1.31.1)"
+                .to_string()
+        })?;
+        ort::init_from(&path)
+            .map_err(|e| format!("cannot load {}: {e}", path.display()))?
+            .with_name("hilum")
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| ModelError::Onnx(e.clone()))
+}
+
+/// `ORT_DYLIB_PATH`, when set to an existing file.
+pub fn dylib_path() -> Option<PathBuf> {
+    std::env::var_os("ORT_DYLIB_PATH")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Whether ONNX Runtime can be used in this process (for `available()` checks and tests).
+pub fn available() -> bool {
+    environment().is_ok()
+}
+
+/// One ONNX graph, ready to run. `ort` sessions need `&mut` to run: calls are serialised.
+pub struct OnnxModel {
+    session: Mutex<Session>,
+    input: String,
+    output: String,
+}
+
+impl OnnxModel {
+    /// Loads `path` on the CPU execution provider with `threads` intra-op threads (0 = ONNX
+    /// Runtime's default).
+    pub fn load(path: &Path, threads: usize) -> Result<Self, ModelError> {
+        let env = environment()?;
+        let onnx = |e: ort::Error| ModelError::Onnx(format!("{}: {e}", path.display()));
+        let mut builder = Session::builder(env).map_err(onnx)?;
+        if threads > 0 {
+            builder = builder
+                .with_intra_threads(threads)
+                .map_err(|e| ModelError::Onnx(e.to_string()))?;
+        }
+        let session = builder.commit_from_file(path).map_err(onnx)?;
+        let name_of = |outlets: &[ort::value::Outlet], what: &str| {
+            outlets
+                .first()
+                .map(|o| o.name().to_string())
+                .ok_or_else(|| ModelError::Onnx(format!("{}: graph has no {what}", path.display())))
+        };
+        let input = name_of(session.inputs(), "input")?;
+        let output = name_of(session.outputs(), "output")?;
+        Ok(OnnxModel {
+            session: Mutex::new(session),
+            input,
+            output,
+        })
+    }
+
+    /// Runs the graph on one f32 tensor; returns the first output's shape and values.
+    pub fn run(&self, shape: &[usize], data: &[f32]) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let err = |e: ort::Error| ModelError::Onnx(e.to_string());
+        let tensor = TensorRef::from_array_view((shape.to_vec(), data)).map_err(err)?;
+        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        let outputs = session
+            .run(ort::inputs![self.input.as_str() => tensor])
+            .map_err(err)?;
+        let value = outputs
+            .get(&self.output)
+            .ok_or_else(|| ModelError::Onnx(format!("no output `{}`", self.output)))?;
+        let (out_shape, values) = value.try_extract_tensor::<f32>().map_err(err)?;
+        let out_shape = out_shape.iter().map(|&d| d.max(0) as usize).collect();
+        Ok((out_shape, values.to_vec()))
+    }
+}

@@ -1,0 +1,215 @@
+//! The model pool: loads each (model, device, type) once, on first use, keeps it warm, and
+//! hands out per-device permits so concurrent tool calls never oversubscribe a device.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::{Device, InstalledModel, Manifest, ModelError, ModelRegistry};
+
+/// A network the pool can load from an installed model.
+pub trait Model: Send + Sync + Sized + 'static {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError>;
+}
+
+type Key = (String, Device, TypeId);
+type Slot = Arc<Mutex<Option<(Arc<dyn Any + Send + Sync>, Duration)>>>;
+
+pub struct ModelPool {
+    registry: Arc<ModelRegistry>,
+    slots: Mutex<HashMap<Key, Slot>>,
+    permits: Mutex<HashMap<Device, Arc<Semaphore>>>,
+}
+
+impl ModelPool {
+    pub fn new(registry: Arc<ModelRegistry>) -> Self {
+        ModelPool {
+            registry,
+            slots: Mutex::new(HashMap::new()),
+            permits: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A pool over [`ModelRegistry::from_env`].
+    pub fn from_env() -> Result<Self, ModelError> {
+        Ok(Self::new(Arc::new(ModelRegistry::from_env()?)))
+    }
+
+    /// Like [`ModelPool::from_env`], but never fails: a broken built-in manifest (a bug caught
+    /// by the registry's tests) leaves a pool that knows no models.
+    pub fn from_env_or_empty() -> Self {
+        Self::from_env().unwrap_or_else(|_| {
+            Self::new(Arc::new(ModelRegistry::empty(ModelRegistry::default_dir())))
+        })
+    }
+
+    pub fn registry(&self) -> &ModelRegistry {
+        &self.registry
+    }
+
+    /// The warm model, loading it first if needed. Blocking (reads and maps weights): call it
+    /// from `spawn_blocking`. Concurrent callers of the same model wait for one load.
+    pub fn get_or_load<M: Model>(&self, id: &str, device: Device) -> Result<Arc<M>, ModelError> {
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots
+                .entry((id.to_string(), device, TypeId::of::<M>()))
+                .or_default()
+                .clone()
+        };
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((any, _)) = guard.as_ref() {
+            if let Ok(m) = any.clone().downcast::<M>() {
+                return Ok(m);
+            }
+        }
+        let manifest = self.registry.manifest(id)?;
+        let installed = self.registry.installed(id)?;
+        let t0 = Instant::now();
+        let model = Arc::new(M::load(manifest, &installed, device)?);
+        *guard = Some((model.clone(), t0.elapsed()));
+        Ok(model)
+    }
+
+    /// How long the warm copy took to load, if it is loaded.
+    pub fn load_time<M: Model>(&self, id: &str, device: Device) -> Option<Duration> {
+        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = slots
+            .get(&(id.to_string(), device, TypeId::of::<M>()))?
+            .clone();
+        drop(slots);
+        let g = slot.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().map(|(_, d)| *d)
+    }
+
+    /// Drops every warm copy of `id` (e.g. after a re-import).
+    pub fn evict(&self, id: &str) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.retain(|(k, _, _), _| k != id);
+    }
+
+    /// A permit to run work on `device`; hold it for the duration of the forward pass.
+    pub async fn acquire(&self, device: Device) -> Result<OwnedSemaphorePermit, ModelError> {
+        self.semaphore(device)
+            .acquire_owned()
+            .await
+            .map_err(|_| ModelError::Device {
+                device: device.to_string(),
+                reason: "the device queue was closed (Hilum is shutting down)".into(),
+            })
+    }
+
+    /// How many forward passes may run at once on `device`: one per GPU (a GPU is never
+    /// oversubscribed), and on the CPU `HILUM_CPU_CONCURRENCY` or the number of cores.
+    pub fn concurrency(device: Device) -> usize {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        match device {
+            Device::Cpu => env("HILUM_CPU_CONCURRENCY")
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            _ => env("HILUM_GPU_CONCURRENCY").unwrap_or(1),
+        }
+        .max(1)
+    }
+
+    fn semaphore(&self, device: Device) -> Arc<Semaphore> {
+        let mut p = self.permits.lock().unwrap_or_else(|p| p.into_inner());
+        p.entry(device)
+            .or_insert_with(|| Arc::new(Semaphore::new(Self::concurrency(device))))
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static LOADS: AtomicUsize = AtomicUsize::new(0);
+
+    struct Counting;
+    impl Model for Counting {
+        fn load(_: &Manifest, _: &InstalledModel, _: Device) -> Result<Self, ModelError> {
+            LOADS.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
+            Ok(Counting)
+        }
+    }
+
+    fn fake_install(reg: &ModelRegistry) {
+        let dir = reg.model_dir("lung-unet");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("model.safetensors"), b"x").expect("write");
+        let rec = crate::InstallRecord {
+            id: "lung-unet".into(),
+            sha256: "0".repeat(64),
+            source_sha256: "0".repeat(64),
+            source: "test".into(),
+            custom: false,
+            installed_at: 0,
+            hilum_version: "test".into(),
+        };
+        std::fs::write(
+            dir.join("install.toml"),
+            toml::to_string(&rec).expect("toml"),
+        )
+        .expect("write");
+    }
+
+    #[test]
+    fn loads_once_and_keeps_warm_under_concurrency() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reg = ModelRegistry::new(dir.path()).expect("registry");
+        fake_install(&reg);
+        let pool = Arc::new(ModelPool::new(Arc::new(reg)));
+        let before = LOADS.load(Ordering::SeqCst);
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let pool = pool.clone();
+                std::thread::spawn(move || pool.get_or_load::<Counting>("lung-unet", Device::Cpu))
+            })
+            .collect();
+        let models: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().expect("thread").expect("load"))
+            .collect();
+        assert_eq!(LOADS.load(Ordering::SeqCst) - before, 1);
+        assert!(Arc::ptr_eq(&models[0], &models[3]));
+        assert!(pool
+            .load_time::<Counting>("lung-unet", Device::Cpu)
+            .is_some());
+        pool.evict("lung-unet");
+        assert!(pool
+            .load_time::<Counting>("lung-unet", Device::Cpu)
+            .is_none());
+    }
+
+    #[test]
+    fn absent_model_is_an_error_not_a_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = ModelPool::new(Arc::new(ModelRegistry::new(dir.path()).expect("registry")));
+        let err = pool.get_or_load::<Counting>("lung-unet", Device::Cpu).err();
+        assert!(
+            matches!(err, Some(ModelError::NotInstalled { .. })),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn gpu_permits_serialise_work() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = ModelPool::new(Arc::new(ModelRegistry::new(dir.path()).expect("registry")));
+        let first = pool.acquire(Device::Cuda(0)).await.expect("permit");
+        let second = tokio::time::timeout(Duration::from_millis(50), pool.acquire(Device::Cuda(0)));
+        assert!(second.await.is_err(), "a second GPU permit must wait");
+        drop(first);
+        let third = tokio::time::timeout(Duration::from_millis(50), pool.acquire(Device::Cuda(0)));
+        assert!(third.await.is_ok());
+    }
+}

@@ -1,0 +1,350 @@
+//! The model registry: one TOML manifest per model (compiled in from the repository's
+//! `models/`), and a models directory holding the installed weights:
+//! `<dir>/<id>/model.safetensors` plus `<dir>/<id>/install.toml` (where they came from, their
+//! sha256, whether they are a site's custom checkpoint).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{weights, ModelError};
+
+/// The manifests shipped with Hilum, so the binary works from any directory.
+const BUILTIN: &[(&str, &str)] = &[
+    ("lung-unet", include_str!("../../../models/lung-unet.toml")),
+    (
+        "densenet121-res224-all",
+        include_str!("../../../models/densenet121-res224-all.toml"),
+    ),
+    (
+        "resnet50-res512-all",
+        include_str!("../../../models/resnet50-res512-all.toml"),
+    ),
+];
+
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub const RECORD_FILE: &str = "install.toml";
+
+/// What `models/<id>.toml` says about a model.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub id: String,
+    pub name: String,
+    /// `classification`, `segmentation`, ...
+    pub task: String,
+    /// The Rust implementation that runs it, e.g. `lung-unet`, `densenet121`.
+    pub architecture: String,
+    /// Architecture configuration (free-form, read by the architecture's `Config`).
+    #[serde(default)]
+    pub config: toml::Table,
+    pub license: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub labels: Vec<String>,
+    pub source: Source,
+    #[serde(default)]
+    pub preprocessing: toml::Table,
+    #[serde(default)]
+    pub postprocessing: toml::Table,
+}
+
+/// Where the published weights live.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Source {
+    /// Project page (for people; never downloaded).
+    #[serde(default)]
+    pub homepage: Option<String>,
+    /// Direct HTTPS download of the published file.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Hugging Face repository, file and revision (downloaded through `url` when given).
+    #[serde(default)]
+    pub hf_repo: Option<String>,
+    #[serde(default)]
+    pub hf_file: Option<String>,
+    #[serde(default)]
+    pub revision: Option<String>,
+    /// File name of the published checkpoint.
+    #[serde(default)]
+    pub file: Option<String>,
+    /// `safetensors`, `keras-h5` or `pytorch`.
+    pub format: String,
+    /// sha256 of the published file; `None` when the publisher gives none.
+    #[serde(default)]
+    pub sha256: Option<String>,
+    #[serde(default)]
+    pub size: Option<u64>,
+}
+
+impl Source {
+    /// The URL `hilum models fetch` downloads, if any.
+    pub fn download_url(&self) -> Option<String> {
+        if let Some(u) = &self.url {
+            return Some(u.clone());
+        }
+        match (&self.hf_repo, &self.hf_file) {
+            (Some(repo), Some(file)) => Some(format!(
+                "https://huggingface.co/{repo}/resolve/{}/{file}",
+                self.revision.as_deref().unwrap_or("main")
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// What an installation wrote to `install.toml`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InstallRecord {
+    pub id: String,
+    /// sha256 of `model.safetensors`.
+    pub sha256: String,
+    /// sha256 of the file that was fetched or imported (before conversion).
+    pub source_sha256: String,
+    /// URL or local path it came from.
+    pub source: String,
+    /// A site's own checkpoint of this architecture, not the published weights.
+    pub custom: bool,
+    /// Seconds since the Unix epoch.
+    pub installed_at: u64,
+    pub hilum_version: String,
+}
+
+/// An installed model: where its weights are and what the record says.
+#[derive(Clone, Debug)]
+pub struct InstalledModel {
+    pub weights: PathBuf,
+    pub record: InstallRecord,
+    pub size: u64,
+}
+
+/// One line of `hilum models list`.
+#[derive(Clone, Debug)]
+pub struct ModelStatus {
+    pub manifest: Manifest,
+    pub installed: Option<InstalledModel>,
+}
+
+/// Result of `hilum models verify` for one model.
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    pub id: String,
+    pub ok: bool,
+    pub problems: Vec<String>,
+}
+
+pub struct ModelRegistry {
+    dir: PathBuf,
+    manifests: BTreeMap<String, Manifest>,
+}
+
+impl ModelRegistry {
+    /// The built-in manifests over the models directory `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Result<Self, ModelError> {
+        let mut manifests = BTreeMap::new();
+        for (id, text) in BUILTIN {
+            let m: Manifest = toml::from_str(text).map_err(|e| ModelError::Manifest {
+                id: id.to_string(),
+                reason: e.to_string(),
+            })?;
+            if m.id != *id {
+                return Err(ModelError::Manifest {
+                    id: id.to_string(),
+                    reason: format!("its id field says `{}`", m.id),
+                });
+            }
+            manifests.insert(m.id.clone(), m);
+        }
+        Ok(ModelRegistry {
+            dir: dir.into(),
+            manifests,
+        })
+    }
+
+    /// A registry with no manifests.
+    pub fn empty(dir: impl Into<PathBuf>) -> Self {
+        ModelRegistry {
+            dir: dir.into(),
+            manifests: BTreeMap::new(),
+        }
+    }
+
+    /// `HILUM_MODELS_DIR`, else `<user data dir>/hilum/models`, else `.hilum/models`.
+    pub fn default_dir() -> PathBuf {
+        if let Some(d) = std::env::var_os("HILUM_MODELS_DIR").filter(|d| !d.is_empty()) {
+            return PathBuf::from(d);
+        }
+        dirs::data_dir()
+            .map(|d| d.join("hilum").join("models"))
+            .unwrap_or_else(|| PathBuf::from(".hilum/models"))
+    }
+
+    /// The built-in manifests over [`ModelRegistry::default_dir`].
+    pub fn from_env() -> Result<Self, ModelError> {
+        Self::new(Self::default_dir())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn manifests(&self) -> impl Iterator<Item = &Manifest> {
+        self.manifests.values()
+    }
+
+    pub fn manifest(&self, id: &str) -> Result<&Manifest, ModelError> {
+        self.manifests
+            .get(id)
+            .ok_or_else(|| ModelError::UnknownModel {
+                id: id.to_string(),
+                known: self
+                    .manifests
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    pub fn model_dir(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    /// The installed weights of `id`, or an error naming the command that installs them.
+    pub fn installed(&self, id: &str) -> Result<InstalledModel, ModelError> {
+        self.manifest(id)?;
+        let dir = self.model_dir(id);
+        let weights = dir.join(WEIGHTS_FILE);
+        let record_path = dir.join(RECORD_FILE);
+        let not_installed = || ModelError::NotInstalled {
+            id: id.to_string(),
+            dir: self.dir.display().to_string(),
+        };
+        let size = std::fs::metadata(&weights)
+            .map_err(|_| not_installed())?
+            .len();
+        let text = std::fs::read_to_string(&record_path).map_err(|_| not_installed())?;
+        let record: InstallRecord = toml::from_str(&text).map_err(|e| ModelError::Corrupt {
+            id: id.to_string(),
+            reason: format!("{}: {e}", record_path.display()),
+        })?;
+        Ok(InstalledModel {
+            weights,
+            record,
+            size,
+        })
+    }
+
+    pub fn status(&self) -> Vec<ModelStatus> {
+        self.manifests
+            .values()
+            .map(|m| ModelStatus {
+                manifest: m.clone(),
+                installed: self.installed(&m.id).ok(),
+            })
+            .collect()
+    }
+
+    /// Moves converted weights into place (by rename, so readers never see half a file) and
+    /// writes the record.
+    pub(crate) fn install(
+        &self,
+        id: &str,
+        converted: &Path,
+        record: &InstallRecord,
+    ) -> Result<InstalledModel, ModelError> {
+        let dir = self.model_dir(id);
+        std::fs::create_dir_all(&dir).map_err(|e| ModelError::io(&dir, e))?;
+        let tmp = dir.join(format!("{WEIGHTS_FILE}.partial"));
+        std::fs::copy(converted, &tmp).map_err(|e| ModelError::io(&tmp, e))?;
+        let weights = dir.join(WEIGHTS_FILE);
+        std::fs::rename(&tmp, &weights).map_err(|e| ModelError::io(&weights, e))?;
+        let text = toml::to_string(record).map_err(|e| ModelError::Manifest {
+            id: id.to_string(),
+            reason: e.to_string(),
+        })?;
+        let rec = dir.join(RECORD_FILE);
+        std::fs::write(&rec, text).map_err(|e| ModelError::io(&rec, e))?;
+        self.installed(id)
+    }
+
+    /// Recomputes the sha256 of the installed weights and checks their names and shapes
+    /// against the architecture.
+    pub fn verify(&self, id: &str) -> Result<VerifyReport, ModelError> {
+        let manifest = self.manifest(id)?;
+        let inst = self.installed(id)?;
+        let mut problems = Vec::new();
+        let sha = crate::sha256_file(&inst.weights)?;
+        if sha != inst.record.sha256 {
+            problems.push(format!(
+                "sha256 of {} is {sha}, install.toml recorded {} (the file changed after installation)",
+                inst.weights.display(),
+                inst.record.sha256
+            ));
+        }
+        if let Err(e) = check_architecture(manifest, &inst.weights) {
+            problems.push(e.to_string());
+        }
+        Ok(VerifyReport {
+            id: id.to_string(),
+            ok: problems.is_empty(),
+            problems,
+        })
+    }
+}
+
+/// Parameter names and shapes an architecture expects, when Hilum knows them. Add one arm per
+/// architecture.
+pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize>>> {
+    match manifest.architecture.as_str() {
+        "lung-unet" => Some(crate::unet::expected_params()),
+        "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
+            .and_then(|s| crate::xrv::expected_params(&s.arch))
+            .ok(),
+        _ => None,
+    }
+}
+
+/// Fails unless the safetensors file at `path` has exactly the architecture's parameters.
+pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelError> {
+    let actual = weights::shapes(path)?;
+    if let Some(expected) = expected_params(manifest) {
+        weights::compare(&expected, &actual).map_err(|details| ModelError::WeightsMismatch {
+            what: path.display().to_string(),
+            architecture: manifest.architecture.clone(),
+            details,
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_manifests_parse_and_name_their_source() {
+        let reg = ModelRegistry::new("/nonexistent").expect("manifests parse");
+        let ids: Vec<_> = reg.manifests().map(|m| m.id.clone()).collect();
+        assert!(ids.contains(&"lung-unet".to_string()), "{ids:?}");
+        let unet = reg.manifest("lung-unet").expect("lung-unet");
+        assert_eq!(unet.source.format, "keras-h5");
+        assert_eq!(unet.source.sha256.as_deref().map(str::len), Some(64));
+        let d = reg.manifest("densenet121-res224-all").expect("densenet");
+        assert_eq!(d.labels.len(), 18);
+        assert!(d.source.download_url().is_some());
+    }
+
+    #[test]
+    fn missing_model_names_the_install_commands() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reg = ModelRegistry::new(dir.path()).expect("registry");
+        let err = reg.installed("lung-unet").err().map(|e| e.to_string());
+        let err = err.unwrap_or_default();
+        assert!(err.contains("hilum models fetch lung-unet"), "{err}");
+        assert!(err.contains("hilum models import lung-unet PATH"), "{err}");
+        let unknown = reg.installed("nope").err().map(|e| e.to_string());
+        assert!(unknown.unwrap_or_default().contains("lung-unet"));
+    }
+}

@@ -1,0 +1,562 @@
+//! The lung-field U-Net of vk1996/Lung-Segmentation-TF (`lung_seg_valiou_088.h5`, Keras 2.2.4):
+//! an encoder of six conv stages (swish activations, batch norm, residual adds where the width
+//! is kept, squeeze-excitation), a nearest-upsampling decoder with additive skips, and a
+//! sigmoid head giving one lung probability per pixel.
+//!
+//! Parameter names are the Keras layer and weight names (`conv1.kernel`, `bn1.moving_mean`,
+//! `conv2d_17.bias`) with Keras shapes (kernels HWIO), so the converted checkpoint is a plain
+//! renaming of the published one. Preprocessing and postprocessing (resize, threshold,
+//! upsampling to the original size) live here, beside the network.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Module, Tensor, D};
+use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::{Device, InstalledModel, Manifest, ModelError};
+
+/// Keras' default batch-norm epsilon, used by every BN layer of the checkpoint.
+const BN_EPS: f64 = 1e-3;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Square input side in pixels.
+    pub input_size: usize,
+    pub in_channels: usize,
+    /// Output width of each encoder stage; stage 0 convolves with stride 2, later stages
+    /// max-pool first.
+    pub encoder_channels: Vec<usize>,
+    /// Keras numbering of the encoder's 3x3 convs (`conv{n}`, `bn{n}`, `bn{n}_a`).
+    pub encoder_ids: Vec<usize>,
+    /// Output width of each decoder stage (each upsamples 2x first).
+    pub decoder_channels: Vec<usize>,
+    /// Keras numbering of the decoder's 3x3 convs (`resize_conv{n}`, `resize_bn{n}`).
+    pub decoder_ids: Vec<usize>,
+    /// Keras numbering of the head (`resize_conv{n}`, `resize_bn{n}`), one output channel.
+    pub head_id: usize,
+    /// Squeeze-excitation bottleneck = width / this.
+    pub se_reduction: usize,
+}
+
+impl Config {
+    /// `lung_seg_valiou_088.h5`.
+    pub fn lung_seg_valiou_088() -> Self {
+        Config {
+            input_size: 256,
+            in_channels: 3,
+            encoder_channels: vec![16, 16, 32, 32, 64, 64],
+            encoder_ids: vec![1, 3, 4, 5, 6, 7],
+            decoder_channels: vec![64, 32, 32, 16, 16, 8],
+            decoder_ids: vec![7, 6, 5, 4, 3, 2],
+            head_id: 1,
+            se_reduction: 4,
+        }
+    }
+}
+
+/// Keras names its unnamed 1x1 convs `conv2d`, `conv2d_1`, ... in creation order.
+fn conv2d_name(n: usize) -> String {
+    if n == 0 {
+        "conv2d".to_string()
+    } else {
+        format!("conv2d_{n}")
+    }
+}
+
+/// One stage: a 3x3 conv + BN + swish, an optional residual add + BN + swish (encoder stages
+/// that keep their width), squeeze-excitation, and a 1x1 conv + swish.
+struct Block {
+    conv: Conv2d,
+    stride: usize,
+    residual_bn: Option<Affine>,
+    se_reduce: Conv2d,
+    se_expand: Conv2d,
+    project: Conv2d,
+}
+
+/// A per-channel `x * scale + shift` (an inference-mode batch norm), shapes (1, c, 1, 1).
+struct Affine {
+    scale: Tensor,
+    shift: Tensor,
+}
+
+impl Affine {
+    fn load(vb: VarBuilder, c: usize) -> candle_core::Result<Self> {
+        let gamma = vb.get(c, "gamma")?;
+        let beta = vb.get(c, "beta")?;
+        let mean = vb.get(c, "moving_mean")?;
+        let var = vb.get(c, "moving_variance")?;
+        let scale = gamma.broadcast_div(&(var + BN_EPS)?.sqrt()?)?;
+        let shift = (beta - mean.mul(&scale)?)?;
+        Ok(Affine {
+            scale: scale.reshape((1, c, 1, 1))?,
+            shift: shift.reshape((1, c, 1, 1))?,
+        })
+    }
+}
+
+impl Module for Affine {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        xs.broadcast_mul(&self.scale)?.broadcast_add(&self.shift)
+    }
+}
+
+/// A Keras conv (kernel HWIO) as a candle conv (OIHW), with an optional following batch norm
+/// folded into its weights. Padding is applied by the caller (Keras `same` may be asymmetric).
+fn conv(
+    vb: &VarBuilder,
+    name: &str,
+    k: usize,
+    c_in: usize,
+    c_out: usize,
+    stride: usize,
+    bn: Option<&str>,
+) -> candle_core::Result<Conv2d> {
+    let v = vb.pp(name);
+    let kernel = v
+        .get((k, k, c_in, c_out), "kernel")?
+        .permute((3, 2, 0, 1))?; // (o, i, kh, kw)
+    let bias = v.get(c_out, "bias")?;
+    let (w, b) = match bn {
+        None => (kernel, bias),
+        Some(bn) => {
+            let a = Affine::load(vb.pp(bn), c_out)?;
+            let s = a.scale.reshape(c_out)?;
+            let w = kernel.broadcast_mul(&s.reshape((c_out, 1, 1, 1))?)?;
+            let b = bias.mul(&s)?.add(&a.shift.reshape(c_out)?)?;
+            (w, b)
+        }
+    };
+    let cfg = Conv2dConfig {
+        stride,
+        ..Default::default()
+    };
+    Ok(Conv2d::new(w.contiguous()?, Some(b), cfg))
+}
+
+/// TensorFlow `same` padding along one axis: (before, after).
+fn same_padding(size: usize, k: usize, stride: usize) -> (usize, usize) {
+    let out = size.div_ceil(stride);
+    let total = ((out - 1) * stride + k).saturating_sub(size);
+    (total / 2, total - total / 2)
+}
+
+impl Block {
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        vb: &VarBuilder,
+        conv_name: &str,
+        bn_name: &str,
+        residual_bn: Option<&str>,
+        se_first: usize,
+        c_in: usize,
+        c_out: usize,
+        stride: usize,
+        se_reduction: usize,
+    ) -> candle_core::Result<Self> {
+        let c_se = c_out / se_reduction;
+        Ok(Block {
+            conv: conv(vb, conv_name, 3, c_in, c_out, stride, Some(bn_name))?,
+            stride,
+            residual_bn: match residual_bn {
+                Some(n) => Some(Affine::load(vb.pp(n), c_out)?),
+                None => None,
+            },
+            se_reduce: conv(vb, &conv2d_name(se_first), 1, c_out, c_se, 1, None)?,
+            se_expand: conv(vb, &conv2d_name(se_first + 1), 1, c_se, c_out, 1, None)?,
+            project: conv(vb, &conv2d_name(se_first + 2), 1, c_out, c_out, 1, None)?,
+        })
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let (_, _, h, w) = xs.dims4()?;
+        let (pt, pb) = same_padding(h, 3, self.stride);
+        let (pl, pr) = same_padding(w, 3, self.stride);
+        let padded = xs.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
+        let mut ys = padded.apply(&self.conv)?.silu()?; // conv + folded BN + swish
+        if let Some(bn) = &self.residual_bn {
+            ys = (xs + ys)?.apply(bn)?.silu()?;
+        }
+        let gate = ys
+            .mean_keepdim(D::Minus1)?
+            .mean_keepdim(D::Minus2)? // (b, c, 1, 1)
+            .apply(&self.se_reduce)?
+            .silu()?
+            .apply(&self.se_expand)?;
+        let gate = candle_nn::ops::sigmoid(&gate)?;
+        ys.broadcast_mul(&gate)?.apply(&self.project)?.silu()
+    }
+}
+
+/// The lung U-Net. Input (b, 256, 256, 3) NHWC raw 0..255 RGB; output (b, 256, 256, 1) lung
+/// probability, as in Keras.
+pub struct LungUnet {
+    config: Config,
+    encoder: Vec<Block>,
+    decoder: Vec<Block>,
+    head: Conv2d,
+    device: candle_core::Device,
+}
+
+impl LungUnet {
+    pub fn load(vb: VarBuilder, config: &Config) -> Result<Self, ModelError> {
+        let mut se = 0;
+        let mut encoder = Vec::new();
+        let mut c_in = config.in_channels;
+        for (i, (&c, &n)) in config
+            .encoder_channels
+            .iter()
+            .zip(&config.encoder_ids)
+            .enumerate()
+        {
+            let stride = if i == 0 { 2 } else { 1 };
+            let residual = (i > 0 && c == c_in).then(|| format!("bn{n}_a"));
+            encoder.push(Block::load(
+                &vb,
+                &format!("conv{n}"),
+                &format!("bn{n}"),
+                residual.as_deref(),
+                se,
+                c_in,
+                c,
+                stride,
+                config.se_reduction,
+            )?);
+            se += 3;
+            c_in = c;
+        }
+        let mut decoder = Vec::new();
+        for (&c, &n) in config.decoder_channels.iter().zip(&config.decoder_ids) {
+            decoder.push(Block::load(
+                &vb,
+                &format!("resize_conv{n}"),
+                &format!("resize_bn{n}"),
+                None,
+                se,
+                c_in,
+                c,
+                1,
+                config.se_reduction,
+            )?);
+            se += 3;
+            c_in = c;
+        }
+        let head = conv(
+            &vb,
+            &format!("resize_conv{}", config.head_id),
+            3,
+            c_in,
+            1,
+            1,
+            Some(&format!("resize_bn{}", config.head_id)),
+        )?;
+        Ok(LungUnet {
+            config: config.clone(),
+            encoder,
+            decoder,
+            head,
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        &self.device
+    }
+
+    /// (b, s, s, 3) NHWC → (b, s, s, 1) probabilities.
+    pub fn forward_nhwc(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let xs = xs.permute((0, 3, 1, 2))?.contiguous()?; // (b, 3, 256, 256)
+        let mut skips = Vec::with_capacity(self.encoder.len());
+        let mut h = xs;
+        for (i, block) in self.encoder.iter().enumerate() {
+            if i > 0 {
+                h = h.max_pool2d(2)?;
+            }
+            h = h.apply(block)?;
+            skips.push(h.clone());
+        }
+        skips.pop(); // the bottleneck (b, 64, 4, 4) is `h` itself
+        for block in &self.decoder {
+            let (_, _, hh, ww) = h.dims4()?;
+            h = h.upsample_nearest2d(hh * 2, ww * 2)?.apply(block)?;
+            if let Some(skip) = skips.pop() {
+                h = (h + skip)?;
+            }
+        }
+        let padded = h.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
+        let out = candle_nn::ops::sigmoid(&padded.apply(&self.head)?)?; // (b, 1, 256, 256)
+        out.permute((0, 2, 3, 1))?.contiguous()
+    }
+
+    /// Lung probability maps at the model's resolution for a batch of preprocessed inputs
+    /// (each `s*s*3` values, NHWC, from [`preprocess_rgb`] / [`preprocess_gray`]).
+    pub fn predict(&self, inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let s = self.config.input_size;
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut flat = Vec::with_capacity(inputs.len() * s * s * 3);
+        for x in inputs {
+            if x.len() != s * s * 3 {
+                return Err(ModelError::Compute(format!(
+                    "input has {} values, expected {s}x{s}x3",
+                    x.len()
+                )));
+            }
+            flat.extend_from_slice(x);
+        }
+        let xs = Tensor::from_vec(flat, (inputs.len(), s, s, 3), &self.device)?;
+        let ys = self.forward_nhwc(&xs)?.to_dtype(DType::F32)?;
+        let ys = ys.flatten_all()?.to_vec1::<f32>()?;
+        Ok(ys.chunks(s * s).map(<[f32]>::to_vec).collect())
+    }
+}
+
+impl crate::Model for LungUnet {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let mut config = Config::lung_seg_valiou_088();
+        if let Some(s) = manifest
+            .config
+            .get("input_size")
+            .and_then(|v| v.as_integer())
+        {
+            config.input_size = s.max(1) as usize;
+        }
+        let vb = crate::weights::var_builder(&installed.weights, device)?;
+        LungUnet::load(vb, &config).map_err(|e| ModelError::Corrupt {
+            id: manifest.id.clone(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// Every parameter of [`Config::lung_seg_valiou_088`] with its Keras shape.
+pub fn expected_params() -> BTreeMap<String, Vec<usize>> {
+    let cfg = Config::lung_seg_valiou_088();
+    let mut out = BTreeMap::new();
+    let add_conv = |out: &mut BTreeMap<String, Vec<usize>>, name: &str, k, i, o| {
+        out.insert(format!("{name}.kernel"), vec![k, k, i, o]);
+        out.insert(format!("{name}.bias"), vec![o]);
+    };
+    let add_bn = |out: &mut BTreeMap<String, Vec<usize>>, name: &str, c| {
+        for p in ["gamma", "beta", "moving_mean", "moving_variance"] {
+            out.insert(format!("{name}.{p}"), vec![c]);
+        }
+    };
+    let mut se = 0;
+    let mut c_in = cfg.in_channels;
+    let mut stages: Vec<(String, String, Option<String>, usize)> = Vec::new();
+    for (i, (&c, &n)) in cfg
+        .encoder_channels
+        .iter()
+        .zip(&cfg.encoder_ids)
+        .enumerate()
+    {
+        let res = (i > 0 && c == c_in).then(|| format!("bn{n}_a"));
+        stages.push((format!("conv{n}"), format!("bn{n}"), res, c));
+        c_in = c;
+    }
+    for (&c, &n) in cfg.decoder_channels.iter().zip(&cfg.decoder_ids) {
+        stages.push((format!("resize_conv{n}"), format!("resize_bn{n}"), None, c));
+    }
+    let mut c_in = cfg.in_channels;
+    for (conv_name, bn_name, res, c) in stages {
+        add_conv(&mut out, &conv_name, 3, c_in, c);
+        add_bn(&mut out, &bn_name, c);
+        if let Some(r) = res {
+            add_bn(&mut out, &r, c);
+        }
+        let c_se = c / cfg.se_reduction;
+        add_conv(&mut out, &conv2d_name(se), 1, c, c_se);
+        add_conv(&mut out, &conv2d_name(se + 1), 1, c_se, c);
+        add_conv(&mut out, &conv2d_name(se + 2), 1, c, c);
+        se += 3;
+        c_in = c;
+    }
+    add_conv(&mut out, &format!("resize_conv{}", cfg.head_id), 3, c_in, 1);
+    add_bn(&mut out, &format!("resize_bn{}", cfg.head_id), 1);
+    out
+}
+
+/// PIL-style separable resize with a triangle (bilinear) filter whose support grows with the
+/// downscale factor (antialiasing), on interleaved `channels`-channel f32 pixels.
+pub fn resize_bilinear(
+    src: &[f32],
+    width: usize,
+    height: usize,
+    channels: usize,
+    new_width: usize,
+    new_height: usize,
+) -> Vec<f32> {
+    let horizontal = resample_axis(src, width, height, channels, new_width, true);
+    resample_axis(&horizontal, new_width, height, channels, new_height, false)
+}
+
+/// Weights of each output sample along one axis: (first input index, weights).
+fn axis_weights(in_size: usize, out_size: usize) -> Vec<(usize, Vec<f32>)> {
+    let scale = in_size as f64 / out_size as f64;
+    let support = scale.max(1.0); // triangle radius in input pixels
+    (0..out_size)
+        .map(|o| {
+            let center = (o as f64 + 0.5) * scale;
+            let lo = ((center - support).floor().max(0.0)) as usize;
+            let hi = ((center + support).ceil() as usize).min(in_size);
+            let mut w: Vec<f64> = (lo..hi)
+                .map(|i| {
+                    let d = ((i as f64 + 0.5 - center) / support).abs();
+                    (1.0 - d).max(0.0)
+                })
+                .collect();
+            let sum: f64 = w.iter().sum();
+            if sum > 0.0 {
+                w.iter_mut().for_each(|v| *v /= sum);
+            }
+            (lo, w.into_iter().map(|v| v as f32).collect())
+        })
+        .collect()
+}
+
+fn resample_axis(
+    src: &[f32],
+    width: usize,
+    height: usize,
+    channels: usize,
+    new_len: usize,
+    horizontal: bool,
+) -> Vec<f32> {
+    let (in_len, other) = if horizontal {
+        (width, height)
+    } else {
+        (height, width)
+    };
+    let weights = axis_weights(in_len, new_len);
+    let (out_w, out_h) = if horizontal {
+        (new_len, height)
+    } else {
+        (width, new_len)
+    };
+    let mut out = vec![0f32; out_w * out_h * channels];
+    for o in 0..other {
+        for (n, (lo, ws)) in weights.iter().enumerate() {
+            for c in 0..channels {
+                let mut acc = 0f32;
+                for (k, w) in ws.iter().enumerate() {
+                    let i = lo + k;
+                    let idx = if horizontal {
+                        (o * width + i) * channels + c
+                    } else {
+                        (i * width + o) * channels + c
+                    };
+                    acc += w * src[idx];
+                }
+                let oidx = if horizontal {
+                    (o * out_w + n) * channels + c
+                } else {
+                    (n * out_w + o) * channels + c
+                };
+                out[oidx] = acc;
+            }
+        }
+    }
+    out
+}
+
+/// Model input from an interleaved 8-bit-range RGB image: resize to `size`² and round to whole
+/// values, as the reference (PIL on uint8) does.
+pub fn preprocess_rgb(rgb: &[f32], width: usize, height: usize, size: usize) -> Vec<f32> {
+    resize_u8_like(rgb, width, height, 3, size)
+}
+
+/// PIL resizes 8-bit images in two passes, rounding to whole values after each.
+fn resize_u8_like(
+    src: &[f32],
+    width: usize,
+    height: usize,
+    channels: usize,
+    size: usize,
+) -> Vec<f32> {
+    let round = |mut v: Vec<f32>| {
+        v.iter_mut().for_each(|x| *x = x.round().clamp(0.0, 255.0));
+        v
+    };
+    let horizontal = round(resample_axis(src, width, height, channels, size, true));
+    round(resample_axis(
+        &horizontal,
+        size,
+        height,
+        channels,
+        size,
+        false,
+    ))
+}
+
+/// Model input from one luminance channel scaled to 0..255 (grey replicated to RGB).
+pub fn preprocess_gray(gray: &[f32], width: usize, height: usize, size: usize) -> Vec<f32> {
+    resize_u8_like(gray, width, height, 1, size)
+        .into_iter()
+        .flat_map(|v| [v, v, v])
+        .collect()
+}
+
+/// The probability map upsampled (bilinear) to the original size and thresholded.
+pub fn mask_at(
+    prob: &[f32],
+    size: usize,
+    width: usize,
+    height: usize,
+    threshold: f32,
+) -> Vec<bool> {
+    resize_bilinear(prob, size, size, 1, width, height)
+        .into_iter()
+        .map(|p| p > threshold)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_padding_matches_tensorflow() {
+        assert_eq!(same_padding(256, 3, 2), (0, 1));
+        assert_eq!(same_padding(255, 3, 2), (1, 1));
+        assert_eq!(same_padding(64, 3, 1), (1, 1));
+        assert_eq!(same_padding(8, 1, 1), (0, 0));
+    }
+
+    #[test]
+    fn expected_params_count_matches_published_174k() {
+        let p = expected_params();
+        let n: usize = p.values().map(|s| s.iter().product::<usize>()).sum();
+        // The checkpoint has 174k parameters (including BN statistics).
+        assert!((170_000..180_000).contains(&n), "{n}");
+        assert_eq!(p["conv1.kernel"], vec![3, 3, 3, 16]);
+        assert_eq!(p["conv2d_35.kernel"], vec![1, 1, 8, 8]);
+        assert!(p.contains_key("bn7_a.moving_variance"));
+        assert!(!p.contains_key("bn4_a.gamma"));
+    }
+
+    #[test]
+    fn resize_keeps_constants_and_averages_on_downscale() {
+        let flat = vec![7.0f32; 10 * 6];
+        assert!(resize_bilinear(&flat, 10, 6, 1, 4, 3)
+            .iter()
+            .all(|v| (v - 7.0).abs() < 1e-5));
+        // 2x downscale of a 0/1 column stripe pattern averages to 0.5 everywhere inside.
+        let stripes: Vec<f32> = (0..8 * 8).map(|i| (i % 2) as f32).collect();
+        let half = resize_bilinear(&stripes, 8, 8, 1, 4, 4);
+        let inner = half.chunks(4).flat_map(|row| row[1..3].to_vec());
+        assert!(inner.clone().all(|v| (v - 0.5).abs() < 1e-5), "{half:?}");
+    }
+}

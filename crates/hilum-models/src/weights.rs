@@ -1,0 +1,90 @@
+//! Safetensors weights: names and shapes (to check a checkpoint against an architecture before
+//! trusting it) and memory-mapped loading.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_nn::VarBuilder;
+
+use crate::{Device, ModelError};
+
+/// Parameter name → shape, as stored in a safetensors file (reads only the header).
+pub fn shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    // SAFETY: read-only map of a file we do not modify; a concurrent writer would be a bug in
+    // the installer, which replaces files by rename.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Io {
+        path: path.display().to_string(),
+        reason: format!("not a safetensors file: {e}"),
+    })?;
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, info.shape.clone()))
+        .collect())
+}
+
+/// Compares a checkpoint's names and shapes with what an architecture expects, one to one.
+/// Returns a readable list of the differences (missing, unexpected, wrong shape).
+pub fn compare(
+    expected: &BTreeMap<String, Vec<usize>>,
+    actual: &BTreeMap<String, Vec<usize>>,
+) -> Result<(), String> {
+    let mut problems = Vec::new();
+    for (name, shape) in expected {
+        match actual.get(name) {
+            None => problems.push(format!("missing `{name}` {shape:?}")),
+            Some(s) if s != shape => {
+                problems.push(format!("`{name}` has shape {s:?}, expected {shape:?}"))
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, shape) in actual {
+        if !expected.contains_key(name) {
+            problems.push(format!("unexpected `{name}` {shape:?}"));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let n = problems.len();
+    problems.truncate(8);
+    let more = if n > 8 {
+        format!(" (and {} more)", n - 8)
+    } else {
+        String::new()
+    };
+    Err(format!("{}{more}", problems.join("; ")))
+}
+
+/// A memory-mapped `VarBuilder` over one safetensors file, in f32 on `device`.
+pub fn var_builder(path: &Path, device: Device) -> Result<VarBuilder<'static>, ModelError> {
+    let dev = device.candle()?;
+    // SAFETY: as in `shapes`; installed weights are only ever replaced by rename.
+    unsafe {
+        VarBuilder::from_mmaped_safetensors(&[path], candle_core::DType::F32, &dev)
+            .map_err(|e| ModelError::io(path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compare_lists_every_kind_of_difference() {
+        let exp: BTreeMap<_, _> = [("a".to_string(), vec![3]), ("b".to_string(), vec![2, 2])]
+            .into_iter()
+            .collect();
+        assert!(compare(&exp, &exp).is_ok());
+        let act: BTreeMap<_, _> = [("a".to_string(), vec![4]), ("c".to_string(), vec![1])]
+            .into_iter()
+            .collect();
+        let err = compare(&exp, &act).err().unwrap_or_default();
+        assert!(err.contains("`a` has shape [4], expected [3]"), "{err}");
+        assert!(err.contains("missing `b`"), "{err}");
+        assert!(err.contains("unexpected `c`"), "{err}");
+    }
+}
