@@ -3,24 +3,37 @@
 
 mod common;
 mod image_info;
+mod segment_lungs;
 
 use std::sync::Arc;
 
 use hilum_agent::Toolbox;
 use hilum_imaging::ImageStore;
+use hilum_models::ModelPool;
 
 pub use common::image_arg;
 pub use image_info::ImageInfo;
+pub use segment_lungs::SegmentLungs;
 
-/// Everything the tools share: the image store (and, as they land, the model pool).
+/// Everything the tools share: the image store and the model pool.
 #[derive(Clone)]
 pub struct ToolDeps {
     pub images: Arc<ImageStore>,
+    pub models: Arc<ModelPool>,
 }
 
 impl ToolDeps {
+    /// Models come from `HILUM_MODELS_DIR` (or the user's data dir); see [`ToolDeps::with_models`].
     pub fn new(images: Arc<ImageStore>) -> Self {
-        ToolDeps { images }
+        ToolDeps {
+            images,
+            models: Arc::new(ModelPool::from_env_or_empty()),
+        }
+    }
+
+    pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
+        self.models = models;
+        self
     }
 }
 
@@ -28,5 +41,9 @@ impl ToolDeps {
 pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
     let mut tb = Toolbox::new();
     tb.register(Arc::new(ImageInfo::new(deps.images.clone())))?;
+    tb.register(Arc::new(SegmentLungs::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
     Ok(tb)
 }

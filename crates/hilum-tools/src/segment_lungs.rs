@@ -1,0 +1,388 @@
+//! `segment_lungs`: lung fields with the real lung U-Net; mask, per-lung areas and sizes,
+//! left/right ratio, and an overlay.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{CxrImage, ImageStore};
+use hilum_models::unet::{self, LungUnet};
+use hilum_models::{Device, ModelError, ModelPool};
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+
+pub const MODEL_ID: &str = "lung-unet";
+/// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
+const OVERLAY_MAX_SIDE: u32 = 1024;
+
+pub struct SegmentLungs {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+    models: Arc<ModelPool>,
+    device: Device,
+}
+
+impl SegmentLungs {
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
+        SegmentLungs {
+            spec: ToolSpec {
+                name: "segment_lungs".into(),
+                description: "Segments both lung fields on a frontal (PA/AP) chest radiograph with a \
+                    trained U-Net. Returns per-lung area (pixels, and cm² when the pixel spacing is \
+                    known), lung heights and widths, the left/right area ratio and the lung fraction of \
+                    the image, plus a mask and an overlay. Right/left follow the radiological \
+                    convention: the patient's right lung is on the image's left. Not meaningful on \
+                    lateral views."
+                    .into(),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {
+                        "image": image_arg(),
+                        "threshold": {
+                            "type": "number", "minimum": 0.05, "maximum": 0.95, "default": 0.5,
+                            "description": "Probability above which a pixel is lung (default 0.5)"
+                        }
+                    },
+                    "required": ["image"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+            models,
+            device: Device::Cpu,
+        }
+    }
+
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+}
+
+fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
+    match e {
+        ModelError::NotInstalled { id, .. } => {
+            let fetchable = models
+                .registry()
+                .manifest(&id)
+                .map(|m| m.source.download_url().is_some())
+                .unwrap_or(false);
+            let fix = if fetchable {
+                format!("hilum models fetch {id}")
+            } else {
+                format!("hilum models import {id} PATH")
+            };
+            ToolError::ModelMissing { model: id, fix }
+        }
+        other => ToolError::Internal(other.to_string()),
+    }
+}
+
+/// Measurements of one connected lung region.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Region {
+    pub area_px: usize,
+    pub min_x: usize,
+    pub max_x: usize,
+    pub min_y: usize,
+    pub max_y: usize,
+    pub centroid_x: f64,
+}
+
+/// Connected regions (4-connectivity) of a mask, largest first.
+pub fn regions(mask: &[bool], width: usize, height: usize) -> Vec<(Region, Vec<usize>)> {
+    let mut label = vec![0u32; mask.len()];
+    let mut out = Vec::new();
+    let mut stack = Vec::new();
+    for start in 0..mask.len() {
+        if !mask[start] || label[start] != 0 {
+            continue;
+        }
+        let id = out.len() as u32 + 1;
+        label[start] = id;
+        stack.push(start);
+        let mut pixels = Vec::new();
+        while let Some(p) = stack.pop() {
+            pixels.push(p);
+            let (x, y) = (p % width, p / width);
+            let mut visit = |q: usize| {
+                if mask[q] && label[q] == 0 {
+                    label[q] = id;
+                    stack.push(q);
+                }
+            };
+            if x > 0 {
+                visit(p - 1);
+            }
+            if x + 1 < width {
+                visit(p + 1);
+            }
+            if y > 0 {
+                visit(p - width);
+            }
+            if y + 1 < height {
+                visit(p + width);
+            }
+        }
+        let xs = pixels.iter().map(|p| p % width);
+        let ys = pixels.iter().map(|p| p / width);
+        let r = Region {
+            area_px: pixels.len(),
+            min_x: xs.clone().min().unwrap_or(0),
+            max_x: xs.clone().max().unwrap_or(0),
+            min_y: ys.clone().min().unwrap_or(0),
+            max_y: ys.max().unwrap_or(0),
+            centroid_x: xs.map(|x| x as f64).sum::<f64>() / pixels.len().max(1) as f64,
+        };
+        out.push((r, pixels));
+    }
+    out.sort_by(|a, b| b.0.area_px.cmp(&a.0.area_px));
+    out
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+fn lung_json(r: &Region, spacing: Option<(f64, f64)>) -> Value {
+    let h = r.max_y - r.min_y + 1;
+    let w = r.max_x - r.min_x + 1;
+    let mut v = json!({
+        "area_px": r.area_px,
+        "height_px": h,
+        "width_px": w,
+        "bbox": [r.min_x, r.min_y, w, h],
+    });
+    if let Some((row_mm, col_mm)) = spacing {
+        v["area_cm2"] = json!(round2(r.area_px as f64 * row_mm * col_mm / 100.0));
+        v["height_cm"] = json!(round2(h as f64 * row_mm / 10.0));
+        v["width_cm"] = json!(round2(w as f64 * col_mm / 10.0));
+    }
+    v
+}
+
+fn encode_png(img: image::DynamicImage) -> Result<Vec<u8>, ToolError> {
+    let mut buf = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut buf, image::ImageFormat::Png)
+        .map_err(|e| ToolError::Internal(format!("PNG encoding: {e}")))?;
+    Ok(buf.into_inner())
+}
+
+/// The radiograph in grey with the patient's right lung tinted red and the left blue.
+fn overlay(img: &CxrImage, right: &[usize], left: &[usize]) -> Result<Vec<u8>, ToolError> {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let scale = 255.0 / img.max_value().max(1.0);
+    let mut rgb: Vec<u8> = img
+        .pixels
+        .iter()
+        .flat_map(|&v| {
+            let g = (v * scale).round().clamp(0.0, 255.0) as u8;
+            [g, g, g]
+        })
+        .collect();
+    let tint = |rgb: &mut [u8], pixels: &[usize], color: [u8; 3]| {
+        for &p in pixels {
+            for c in 0..3 {
+                let v = &mut rgb[p * 3 + c];
+                *v = ((*v as u16 * 3 + color[c] as u16 * 2) / 5) as u8;
+            }
+        }
+    };
+    tint(&mut rgb, right, [255, 60, 60]);
+    tint(&mut rgb, left, [60, 120, 255]);
+    let buf = image::RgbImage::from_raw(w as u32, h as u32, rgb)
+        .ok_or_else(|| ToolError::Internal("overlay buffer size".into()))?;
+    let mut out = image::DynamicImage::ImageRgb8(buf);
+    if img.width.max(img.height) > OVERLAY_MAX_SIDE {
+        out = out.resize(
+            OVERLAY_MAX_SIDE,
+            OVERLAY_MAX_SIDE,
+            image::imageops::FilterType::Triangle,
+        );
+    }
+    encode_png(out)
+}
+
+#[async_trait]
+impl Tool for SegmentLungs {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        let threshold = args.get("threshold").and_then(Value::as_f64).unwrap_or(0.5) as f32;
+        if !(0.05..=0.95).contains(&threshold) {
+            return Err(ToolError::InvalidArguments(
+                "threshold must be between 0.05 and 0.95".into(),
+            ));
+        }
+        let installed = self
+            .models
+            .registry()
+            .installed(MODEL_ID)
+            .map_err(|e| model_error(&self.models, e))?;
+        let _permit = self
+            .models
+            .acquire(self.device)
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (models, device, image) = (self.models.clone(), self.device, img.clone());
+        let t0 = Instant::now();
+        let (mask, infer_ms) = tokio::task::spawn_blocking(move || {
+            let model = models
+                .get_or_load::<LungUnet>(MODEL_ID, device)
+                .map_err(|e| model_error(&models, e))?;
+            let (w, h) = (image.width as usize, image.height as usize);
+            let scale = 255.0 / image.max_value().max(1.0);
+            let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
+            let size = model.config().input_size;
+            let t = Instant::now();
+            let x = unet::preprocess_gray(&gray, w, h, size);
+            let prob = model
+                .predict(&[x])
+                .map_err(|e| ToolError::Internal(e.to_string()))?
+                .remove(0);
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            Ok::<_, ToolError>((unet::mask_at(&prob, size, w, h, threshold), ms))
+        })
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+        drop(_permit);
+
+        let (w, h) = (img.width as usize, img.height as usize);
+        let regs = regions(&mask, w, h);
+        // The two largest regions are the lungs; specks are ignored in the measurements.
+        let mut lungs: Vec<&(Region, Vec<usize>)> = regs
+            .iter()
+            .take(2)
+            .filter(|(r, _)| r.area_px * 50 >= w * h / 100)
+            .collect();
+        lungs.sort_by(|a, b| a.0.centroid_x.total_cmp(&b.0.centroid_x));
+        let spacing = img.meta.pixel_spacing_mm;
+        let total_px = mask.iter().filter(|m| **m).count();
+        let (right, left) = match lungs.as_slice() {
+            [r, l] => (Some(*r), Some(*l)),
+            [one] if one.0.centroid_x < w as f64 / 2.0 => (Some(*one), None),
+            [one] => (None, Some(*one)),
+            _ => (None, None),
+        };
+        let ratio = match (right, left) {
+            (Some(r), Some(l)) => Some(round2(l.0.area_px as f64 / r.0.area_px as f64)),
+            _ => None,
+        };
+        let record = &installed.record;
+        let mut data = json!({
+            "image": id,
+            "width": w,
+            "height": h,
+            "model": MODEL_ID,
+            "model_custom": record.custom,
+            "model_sha256": record.sha256,
+            "threshold": threshold,
+            "lung_fraction": round2(total_px as f64 / (w * h).max(1) as f64 * 100.0) / 100.0,
+            "lungs_found": lungs.len(),
+            "right_lung": right.map(|r| lung_json(&r.0, spacing)),
+            "left_lung": left.map(|l| lung_json(&l.0, spacing)),
+            "left_right_area_ratio": ratio,
+            "pixel_spacing_mm": spacing,
+            "inference_ms": round2(infer_ms),
+            "latency_ms": round2(t0.elapsed().as_secs_f64() * 1e3),
+            "convention": "right_lung is the patient's right (image left on a PA/AP view)",
+        });
+        if spacing.is_none() {
+            data["note"] = json!("pixel spacing unknown: areas in pixels only");
+        }
+
+        let mask_png = encode_png(image::DynamicImage::ImageLuma8(
+            image::GrayImage::from_raw(
+                w as u32,
+                h as u32,
+                mask.iter().map(|&m| if m { 255 } else { 0 }).collect(),
+            )
+            .ok_or_else(|| ToolError::Internal("mask buffer size".into()))?,
+        ))?;
+        let empty = Vec::new();
+        let overlay_png = overlay(
+            &img,
+            right.map_or(&empty, |r| &r.1),
+            left.map_or(&empty, |l| &l.1),
+        )?;
+
+        let area = |v: Option<&(Region, Vec<usize>)>| match (v, spacing) {
+            (Some(r), Some((a, b))) => format!("{:.1} cm²", r.0.area_px as f64 * a * b / 100.0),
+            (Some(r), None) => format!("{} px", r.0.area_px),
+            (None, _) => "not found".into(),
+        };
+        let summary = format!(
+            "{id}: {} lung field(s); right {} , left {}{}; lungs cover {:.0}% of the image{}",
+            lungs.len(),
+            area(right),
+            area(left),
+            ratio.map_or(String::new(), |r| format!(", left/right area ratio {r}")),
+            total_px as f64 / (w * h).max(1) as f64 * 100.0,
+            if record.custom {
+                " (custom site checkpoint of lung-unet)"
+            } else {
+                ""
+            }
+        );
+        Ok(ToolOutput::new(summary, data)
+            .with_artifact(Artifact::png("lung_mask.png", "mask", mask_png))
+            .with_artifact(Artifact::png("lung_overlay.png", "overlay", overlay_png)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_separated_and_sorted() {
+        // Two blobs: 2x2 at the left, 3x2 at the right of a 7x3 image.
+        let w = 7;
+        let mut mask = vec![false; w * 3];
+        for (x, y) in [
+            (0, 0),
+            (1, 0),
+            (0, 1),
+            (1, 1),
+            (4, 1),
+            (5, 1),
+            (6, 1),
+            (4, 2),
+            (5, 2),
+            (6, 2),
+        ] {
+            mask[y * w + x] = true;
+        }
+        let r = regions(&mask, w, 3);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].0.area_px, 6);
+        assert_eq!(
+            (r[0].0.min_x, r[0].0.max_x, r[0].0.min_y, r[0].0.max_y),
+            (4, 6, 1, 2)
+        );
+        assert_eq!(r[1].0.area_px, 4);
+        assert!((r[1].0.centroid_x - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn lung_json_converts_with_spacing() {
+        let r = Region {
+            area_px: 10_000,
+            min_x: 0,
+            max_x: 99,
+            min_y: 0,
+            max_y: 199,
+            centroid_x: 50.0,
+        };
+        let v = lung_json(&r, Some((0.2, 0.1)));
+        assert_eq!(v["area_cm2"], json!(2.0)); // 10_000 * 0.02 mm² = 200 mm²
+        assert_eq!(v["height_cm"], json!(4.0));
+        assert_eq!(v["width_cm"], json!(1.0));
+        assert!(lung_json(&r, None).get("area_cm2").is_none());
+    }
+}
