@@ -1,0 +1,98 @@
+//! Two backends, one answer: the lung U-Net on candle (weights converted from the Keras .h5)
+//! and on ONNX Runtime (the published .onnx of the same network) agree to 1e-4.
+//!
+//! Needs ORT_DYLIB_PATH (scripts/setup_onnxruntime.sh prints it); without it the tests say so
+//! and pass without checking anything.
+
+use std::path::{Path, PathBuf};
+
+use hilum_models::onnx::OnnxModel;
+use hilum_models::unet::{self, LungUnet};
+use hilum_models::{Device, ImportOptions, ModelPool, ModelRegistry};
+
+fn data() -> PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+    assert!(
+        d.join("models/lung_seg_unet").is_dir(),
+        "real test data missing: expected {}",
+        d.display()
+    );
+    d
+}
+
+fn ort_ready() -> bool {
+    if hilum_models::onnx::dylib_path().is_none() {
+        eprintln!(
+            "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \
+             test the ONNX Runtime backend"
+        );
+        return false;
+    }
+    true
+}
+
+fn candle_model(dir: &Path) -> std::sync::Arc<LungUnet> {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    let reg = ModelRegistry::new(dir).expect("registry");
+    let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+    let opts = ImportOptions {
+        python,
+        ..Default::default()
+    };
+    hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
+    let pool = ModelPool::new(std::sync::Arc::new(reg));
+    pool.get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+        .expect("load")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn candle_and_onnx_runtime_agree_on_real_images() {
+    if !ort_ready() {
+        return;
+    }
+    let onnx = OnnxModel::load(
+        &data().join("models/lung_seg_unet/lung_seg_valiou_088.onnx"),
+        2,
+    )
+    .expect("load onnx");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let candle = candle_model(dir.path());
+
+    for file in ["nih_00000001_000_cardiomegaly.png", "covid_2c35005f.jpg"] {
+        let img = image::open(data().join("cxr/images").join(file))
+            .expect("decode")
+            .to_rgb8();
+        let (w, h) = img.dimensions();
+        let rgb: Vec<f32> = img.as_raw().iter().map(|&v| v as f32).collect();
+        let x = unet::preprocess_rgb(&rgb, w as usize, h as usize, 256);
+        let (shape, ort_out) = onnx.run(&[1, 256, 256, 3], &x).expect("onnx run");
+        assert_eq!(shape, vec![1, 256, 256, 1]);
+        let candle_out = candle.predict(&[x]).expect("candle").remove(0);
+        let d = max_diff(&candle_out, &ort_out);
+        eprintln!("{file}: candle vs ONNX Runtime max abs diff {d:.2e}");
+        assert!(d <= 1e-4, "{file}: {d}");
+        // Not a trivial agreement: the map has both lung and background.
+        assert!(ort_out.iter().any(|p| *p > 0.9) && ort_out.iter().any(|p| *p < 0.1));
+    }
+}
+
+#[test]
+fn missing_graph_is_a_clear_error() {
+    if !ort_ready() {
+        return;
+    }
+    let err = OnnxModel::load(Path::new("/nonexistent/model.onnx"), 1).err();
+    let msg = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("/nonexistent/model.onnx"), "{msg}");
+}
