@@ -1,6 +1,7 @@
 //! The chest X-ray tools of Hilum. Each tool is one file: a spec (name, description written
 //! for a model, JSON Schema) and one async function. [`default_toolbox`] registers them all.
 
+mod classify;
 mod common;
 mod image_info;
 mod segment_lungs;
@@ -11,6 +12,7 @@ use hilum_agent::Toolbox;
 use hilum_imaging::ImageStore;
 use hilum_models::ModelPool;
 
+pub use classify::ClassifyChestXray;
 pub use common::image_arg;
 pub use image_info::ImageInfo;
 pub use segment_lungs::SegmentLungs;
@@ -41,6 +43,10 @@ impl ToolDeps {
 pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
     let mut tb = Toolbox::new();
     tb.register(Arc::new(ImageInfo::new(deps.images.clone())))?;
+    tb.register(Arc::new(ClassifyChestXray::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
     tb.register(Arc::new(SegmentLungs::new(
         deps.images.clone(),
         deps.models.clone(),

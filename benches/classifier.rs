@@ -1,0 +1,52 @@
+//! Forward-pass latency of the torchxrayvision classifiers: Hilum's native CPU kernels (the
+//! default on CPU) and the candle path, on seeded weights of the full-size networks (speed does
+//! not depend on the weights' values). Threads: `HILUM_CPU_THREADS`, else all cores.
+//! Compare with `scripts/bench_torch.py` (PyTorch and ONNX Runtime, same threads, same machine).
+//!
+//! `cargo bench --bench classifier` (add `-- native` for the native path only).
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+
+fn input(batch: usize, size: usize) -> Vec<f32> {
+    (0..batch * size * size)
+        .map(|i| ((i * 7919) % 2048) as f32 - 1024.0)
+        .collect()
+}
+
+fn model(spec: &XrvSpec, backend: Backend) -> Classifier {
+    let w = xrv::synthetic_weights(&spec.arch, 7).expect("weights");
+    let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
+    Classifier::new(vb, spec.clone(), backend, xrv::default_threads()).expect("model")
+}
+
+fn bench(c: &mut Criterion) {
+    let threads = xrv::default_threads();
+    for (spec, batches) in [
+        (XrvSpec::densenet121_res224_all(), vec![1, 16]),
+        (XrvSpec::resnet50_res512_all(), vec![1]),
+    ] {
+        let mut g = c.benchmark_group(format!("{}/{threads}threads", spec.id));
+        g.sample_size(10);
+        for backend in [Backend::Native, Backend::Candle] {
+            let m = model(&spec, backend);
+            for &b in &batches {
+                // candle's CPU conv is ~10x slower: batch 1 is enough to show it.
+                if backend == Backend::Candle && b > 1 {
+                    continue;
+                }
+                let x = input(b, spec.resolution);
+                let name = format!("{backend:?}").to_lowercase();
+                g.bench_with_input(BenchmarkId::new(name, format!("batch{b}")), &x, |bch, x| {
+                    bch.iter(|| m.logits(x, b).expect("forward"))
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
