@@ -1,15 +1,19 @@
+//! One entry point for every input: PNG, JPEG or DICOM bytes in, one canonical image out.
+
 use serde::{Deserialize, Serialize};
 
-use crate::ImagingError;
+use crate::{dicom, ImagingError};
 
-/// What is known about where an image came from. Holds no patient identifiers.
+/// What is known about where an image came from. Holds no patient identifiers: it is what a
+/// model may be shown.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ImageMeta {
     /// `png`, `jpeg`, `dicom`.
     pub format: String,
+    /// Size of the original image (the canonical image keeps it).
     pub width: u32,
     pub height: u32,
-    /// Bits per sample of the stored pixels (8, 10, 12, 15, 16).
+    /// Significant bits per sample of the canonical pixels (8, 10, 12, 15, 16).
     pub bit_depth: u8,
     /// Channels in the file before conversion to one luminance channel.
     pub source_channels: u8,
@@ -17,7 +21,36 @@ pub struct ImageMeta {
     pub pixel_spacing_mm: Option<(f64, f64)>,
     /// `PA`, `AP`, `LL`, … when the file says.
     pub view_position: Option<String>,
+    /// `MONOCHROME1`, `MONOCHROME2`, `RGB`, … (DICOM), or the raster colour type.
     pub photometric: Option<String>,
+    /// DICOM modality (`CR`, `DX`, …).
+    #[serde(default)]
+    pub modality: Option<String>,
+    #[serde(default)]
+    pub body_part: Option<String>,
+    /// DICOM transfer syntax UID and its name.
+    #[serde(default)]
+    pub transfer_syntax: Option<(String, String)>,
+    /// Bits allocated per sample in the DICOM file.
+    #[serde(default)]
+    pub bits_allocated: Option<u8>,
+    /// (slope, intercept) of the DICOM modality rescale.
+    #[serde(default)]
+    pub rescale: Option<(f64, f64)>,
+    /// The first window (centre, width) the file recommends, in rescaled units.
+    #[serde(default)]
+    pub file_window: Option<(f64, f64)>,
+    /// The window (centre, width) applied to produce the canonical pixels, if any.
+    #[serde(default)]
+    pub window_applied: Option<(f64, f64)>,
+    /// True when stored values were inverted (MONOCHROME1) so that bright = dense.
+    #[serde(default)]
+    pub inverted: bool,
+    #[serde(default)]
+    pub frames: Option<u32>,
+    /// Things a careful reader should know (missing File Meta, extra frames ignored, …).
+    #[serde(default)]
+    pub warnings: Vec<String>,
 }
 
 /// One canonical radiograph: a single luminance channel, row-major, values in
@@ -33,48 +66,155 @@ pub struct CxrImage {
 impl CxrImage {
     /// The largest value a pixel can take.
     pub fn max_value(&self) -> f32 {
-        ((1u32 << self.meta.bit_depth.min(31)) - 1) as f32
+        ((1u64 << self.meta.bit_depth.min(32)) - 1) as f32
+    }
+
+    /// Bytes held by the pixels (for cache accounting).
+    pub fn size_bytes(&self) -> usize {
+        self.pixels.len() * std::mem::size_of::<f32>()
     }
 }
 
-/// Decodes an image file's bytes. `what` names the input in errors (no paths of patients'
-/// files are logged; the caller chooses what to show).
+/// Which VOI (window) transformation to apply to DICOM pixels. Raster images have none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Voi {
+    /// Keep the full stored range (only MONOCHROME1 inversion and the sign offset).
+    None,
+    /// The first window the file recommends (LINEAR, LINEAR_EXACT or SIGMOID as it says);
+    /// the full stored range when it recommends none.
+    #[default]
+    FromFile,
+    /// This window, in rescaled (modality) units.
+    Window { center: f64, width: f64 },
+}
+
+/// How to decode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeOptions {
+    /// Largest accepted width x height (x frames), checked before any pixel is allocated.
+    pub max_pixels: u64,
+    pub voi: Voi,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            max_pixels: 100_000_000,
+            voi: Voi::FromFile,
+        }
+    }
+}
+
+/// The container format of some bytes, from their first bytes only.
+pub fn sniff_format(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some("png")
+    } else if bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        Some("jpeg")
+    } else if dicom::looks_like_dicom(bytes) {
+        Some("dicom")
+    } else {
+        None
+    }
+}
+
+/// Decodes an image file's bytes with the default window (the file's). `what` names the input
+/// in errors (no paths of patients' files are logged; the caller chooses what to show).
 pub fn decode(bytes: &[u8], what: &str, max_pixels: u64) -> Result<CxrImage, ImagingError> {
+    decode_with(
+        bytes,
+        what,
+        &DecodeOptions {
+            max_pixels,
+            ..Default::default()
+        },
+    )
+}
+
+/// Decodes PNG (8/16-bit, gray, RGB, RGBA, palette), JPEG or DICOM bytes.
+pub fn decode_with(
+    bytes: &[u8],
+    what: &str,
+    opts: &DecodeOptions,
+) -> Result<CxrImage, ImagingError> {
+    if bytes.is_empty() {
+        return Err(ImagingError::Empty {
+            what: what.to_string(),
+            width: 0,
+            height: 0,
+        });
+    }
+    match sniff_format(bytes) {
+        Some("dicom") => dicom::decode_dicom(bytes, what, opts),
+        Some(format) => decode_raster(bytes, what, format, opts.max_pixels),
+        None => Err(ImagingError::Decode {
+            what: what.to_string(),
+            reason: "not a PNG, JPEG or DICOM file".into(),
+        }),
+    }
+}
+
+/// Refuses an image above the pixel budget or with no pixels; called before allocating.
+pub(crate) fn check_size(
+    what: &str,
+    width: u64,
+    height: u64,
+    frames: u64,
+    max_pixels: u64,
+) -> Result<(), ImagingError> {
+    if width == 0 || height == 0 || frames == 0 {
+        return Err(ImagingError::Empty {
+            what: what.to_string(),
+            width,
+            height,
+        });
+    }
+    if width.saturating_mul(height).saturating_mul(frames) > max_pixels {
+        return Err(ImagingError::TooLarge {
+            what: what.to_string(),
+            width,
+            height,
+            limit: max_pixels,
+        });
+    }
+    Ok(())
+}
+
+fn decode_raster(
+    bytes: &[u8],
+    what: &str,
+    format: &str,
+    max_pixels: u64,
+) -> Result<CxrImage, ImagingError> {
     let err = |reason: String| ImagingError::Decode {
         what: what.to_string(),
         reason,
     };
-    let reader = image::ImageReader::new(std::io::Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| err(e.to_string()))?;
-    let format = match reader.format() {
-        Some(image::ImageFormat::Png) => "png",
-        Some(image::ImageFormat::Jpeg) => "jpeg",
-        Some(other) => return Err(err(format!("unsupported image format {other:?}"))),
-        None => return Err(err("not a PNG, JPEG or DICOM file".into())),
+    let image_format = if format == "png" {
+        image::ImageFormat::Png
+    } else {
+        image::ImageFormat::Jpeg
     };
-    let (w, h) = reader.into_dimensions().map_err(|e| err(e.to_string()))?;
-    if (w as u64) * (h as u64) > max_pixels {
-        return Err(ImagingError::TooLarge {
-            what: what.to_string(),
-            width: w as u64,
-            height: h as u64,
-            limit: max_pixels,
-        });
-    }
-    let img = image::load_from_memory(bytes).map_err(|e| err(e.to_string()))?;
-    let channels = img.color().channel_count();
-    let sixteen = matches!(
-        img.color(),
-        image::ColorType::L16
-            | image::ColorType::La16
-            | image::ColorType::Rgb16
-            | image::ColorType::Rgba16
-    );
+    let reader = || {
+        let mut r = image::ImageReader::with_format(std::io::Cursor::new(bytes), image_format);
+        // Defence in depth: the decoder itself refuses to allocate beyond the budget too.
+        let mut limits = image::Limits::default();
+        limits.max_alloc = Some(max_pixels.saturating_mul(8).max(1 << 20));
+        r.limits(limits);
+        r
+    };
+    // Header only: the bomb check happens before any pixel buffer exists.
+    let (w, h) = reader().into_dimensions().map_err(|e| err(e.to_string()))?;
+    check_size(what, w as u64, h as u64, 1, max_pixels)?;
+    let img = reader().decode().map_err(|e| err(e.to_string()))?;
+    let color = img.color();
+    let channels = color.channel_count();
+    let sixteen = color.bytes_per_pixel() / channels >= 2;
     let (bit_depth, pixels): (u8, Vec<f32>) = if sixteen {
         (
             16,
-            img.to_luma16()
+            img.into_luma16()
                 .into_raw()
                 .into_iter()
                 .map(f32::from)
@@ -83,7 +223,7 @@ pub fn decode(bytes: &[u8], what: &str, max_pixels: u64) -> Result<CxrImage, Ima
     } else {
         (
             8,
-            img.to_luma8()
+            img.into_luma8()
                 .into_raw()
                 .into_iter()
                 .map(f32::from)
@@ -100,6 +240,7 @@ pub fn decode(bytes: &[u8], what: &str, max_pixels: u64) -> Result<CxrImage, Ima
             height: h,
             bit_depth,
             source_channels: channels,
+            photometric: Some(format!("{color:?}")),
             ..Default::default()
         },
     })

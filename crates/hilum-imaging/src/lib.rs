@@ -1,11 +1,31 @@
-//! Decoding of chest radiographs into one canonical image, and the content-addressed
-//! [`ImageStore`] through which every tool reads them.
+//! Decoding of chest radiographs into one canonical image, the content-addressed
+//! [`ImageStore`] through which every tool reads them, the preprocessing transforms the models
+//! use (with their inverse mapping), DICOM de-identification, and overlay rendering.
+//!
+//! The canonical image ([`CxrImage`]) is one luminance channel of `f32` values in
+//! `0..=2^bit_depth - 1`, bright = dense, whatever the source: RGB/palette become luminance,
+//! 16-bit stays 16-bit, MONOCHROME1 is inverted, and a DICOM file's window (VOI) is applied
+//! when [`DecodeOptions::voi`] asks for it (the store's default: the file's own window).
+//!
+//! Models do not resize pixels themselves: they ask the store for a variant,
+//! `store.prepared(id, &Preprocess::xrv(224))`, which is computed once per (image, transform)
+//! and shared by every tool of a round; the returned [`Prepared`] carries the [`Geometry`] to map
+//! boxes and masks back onto the original image.
 
 mod decode;
+mod deid;
+mod dicom;
+mod font;
+mod render;
 mod store;
+mod transform;
 
-pub use decode::{decode, CxrImage, ImageMeta};
-pub use store::{ImageStore, StoreLimits};
+pub use decode::{decode, decode_with, sniff_format, CxrImage, DecodeOptions, ImageMeta, Voi};
+pub use deid::{deidentify, export_deidentified, DeidOptions, DeidReport};
+pub use dicom::{read_dicom, DicomSummary};
+pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
+pub use store::{ImageStore, Layer, StoreLimits, StoreStats};
+pub use transform::{resize, Filter, Fit, Geometry, Layout, Norm, Prepared, Preprocess};
 
 use thiserror::Error;
 
@@ -30,4 +50,26 @@ pub enum ImagingError {
     },
     #[error("cannot read file {path}: {reason}")]
     Io { path: String, reason: String },
+    #[error("{what} has no pixels ({width}x{height}); the file is empty or its header is wrong")]
+    Empty {
+        what: String,
+        width: u64,
+        height: u64,
+    },
+    #[error("{what} uses the DICOM transfer syntax {uid} ({name}), which Hilum cannot decode; convert it to an uncompressed, JPEG or JPEG 2000 transfer syntax (e.g. `gdcmconv --raw`)")]
+    UnsupportedTransferSyntax {
+        what: String,
+        uid: String,
+        name: String,
+    },
+    #[error("{what} is a DICOM {kind} object, which holds no image to analyse; give the radiograph (CR/DX) instead")]
+    NotAnImage { what: String, kind: String },
+    #[error("{what} is not a DICOM file, so it has no DICOM metadata; use `image_info` instead")]
+    NotDicom { what: String },
+    #[error("invalid transform: {0}")]
+    InvalidTransform(String),
+    #[error("cannot write {what}: {reason}")]
+    Encode { what: String, reason: String },
 }
+
+pub type Result<T, E = ImagingError> = std::result::Result<T, E>;

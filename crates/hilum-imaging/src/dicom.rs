@@ -1,0 +1,533 @@
+//! DICOM reading (with or without Part 10 header) and decoding to the canonical image.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use dicom_core::dictionary::{UidDictionary, UidDictionaryEntry};
+use dicom_core::Tag;
+use dicom_dictionary_std::{tags, StandardSopClassDictionary};
+use dicom_encoding::TransferSyntaxIndex;
+use dicom_object::{FileDicomObject, FileMetaTableBuilder, InMemDicomObject};
+use dicom_pixeldata::{ConvertOptions, ModalityLutOption, PixelDecoder};
+use dicom_transfer_syntax_registry::TransferSyntaxRegistry;
+use serde::{Deserialize, Serialize};
+
+use crate::decode::{check_size, CxrImage, DecodeOptions, ImageMeta, Voi};
+use crate::ImagingError;
+
+pub(crate) type DicomFile = FileDicomObject<InMemDicomObject>;
+
+const IMPLICIT_VR_LE: &str = "1.2.840.10008.1.2";
+const EXPLICIT_VR_LE: &str = "1.2.840.10008.1.2.1";
+/// Secondary Capture, used only to complete a File Meta table the file did not have.
+const SECONDARY_CAPTURE: &str = "1.2.840.10008.5.1.4.1.1.7";
+
+/// Non-PHI facts about a DICOM object: what `dicom_info` shows and decode uses.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DicomSummary {
+    pub sop_class: Option<String>,
+    pub sop_class_name: Option<String>,
+    pub modality: Option<String>,
+    pub body_part: Option<String>,
+    pub view_position: Option<String>,
+    pub laterality: Option<String>,
+    pub patient_orientation: Option<String>,
+    pub manufacturer: Option<String>,
+    pub rows: u32,
+    pub columns: u32,
+    pub frames: u32,
+    pub samples_per_pixel: u16,
+    pub bits_allocated: u16,
+    pub bits_stored: u16,
+    pub signed: bool,
+    pub photometric: Option<String>,
+    pub transfer_syntax: String,
+    pub transfer_syntax_name: String,
+    /// (row, column) in mm: Pixel Spacing, else Imager Pixel Spacing; zeros count as unknown.
+    pub pixel_spacing_mm: Option<(f64, f64)>,
+    pub rescale: (f64, f64),
+    /// Every (centre, width) pair the file recommends.
+    pub windows: Vec<(f64, f64)>,
+    pub voi_lut_function: Option<String>,
+    pub has_voi_lut_table: bool,
+    pub has_pixel_data: bool,
+    pub burned_in_annotation: Option<String>,
+    pub patient_identity_removed: Option<String>,
+    /// Names (never values) of identifying attributes present in the source.
+    pub phi_attributes_present: Vec<String>,
+    /// Things a careful reader should know (no File Meta, …).
+    pub warnings: Vec<String>,
+}
+
+/// True when the bytes are a DICOM file: Part 10 (with or without preamble) or a bare
+/// little-endian dataset starting at a group 0x0002/0x0008 element.
+pub(crate) fn looks_like_dicom(bytes: &[u8]) -> bool {
+    if bytes.len() >= 132 && &bytes[128..132] == b"DICM" {
+        return true;
+    }
+    if bytes.starts_with(b"DICM") {
+        return true;
+    }
+    bare_dataset_ts(bytes).is_some()
+}
+
+/// The transfer syntax of a dataset with no File Meta, guessed from its first element header.
+fn bare_dataset_ts(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.len() < 8 {
+        return None;
+    }
+    let group = u16::from_le_bytes([bytes[0], bytes[1]]);
+    let element = u16::from_le_bytes([bytes[2], bytes[3]]);
+    if !(group == 0x0002 || group == 0x0008) || element > 0x00FF {
+        return None;
+    }
+    if bytes[4].is_ascii_uppercase() && bytes[5].is_ascii_uppercase() {
+        return Some(EXPLICIT_VR_LE);
+    }
+    let len = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    (len as usize <= bytes.len()).then_some(IMPLICIT_VR_LE)
+}
+
+/// Parses a DICOM file. A dataset without preamble / File Meta is read as implicit (or
+/// explicit) VR little endian with a warning, as many archives still hold such files.
+pub(crate) fn parse(bytes: &[u8], what: &str) -> Result<(DicomFile, Vec<String>), ImagingError> {
+    let err = |reason: String| ImagingError::Decode {
+        what: what.to_string(),
+        reason,
+    };
+    let part10 = (bytes.len() >= 132 && &bytes[128..132] == b"DICM") || bytes.starts_with(b"DICM");
+    let guarded = catch_unwind(AssertUnwindSafe(|| {
+        if part10 {
+            return dicom_object::from_reader(bytes)
+                .map(|o| (o, Vec::new()))
+                .map_err(|e| err(format!("invalid DICOM file: {e}")));
+        }
+        let ts_uid = bare_dataset_ts(bytes).ok_or_else(|| err("not a DICOM file".into()))?;
+        let ts = TransferSyntaxRegistry
+            .get(ts_uid)
+            .ok_or_else(|| err(format!("transfer syntax {ts_uid} is not registered")))?;
+        let obj = InMemDicomObject::read_dataset_with_ts(bytes, ts)
+            .map_err(|e| err(format!("invalid DICOM dataset: {e}")))?;
+        let meta = FileMetaTableBuilder::new()
+            .transfer_syntax(ts_uid)
+            .media_storage_sop_class_uid(SECONDARY_CAPTURE)
+            .media_storage_sop_instance_uid("2.25.0");
+        let obj = obj
+            .with_meta(meta)
+            .map_err(|e| err(format!("cannot complete the missing File Meta: {e}")))?;
+        let warning = format!(
+            "no DICOM preamble / File Meta: read as a bare {} dataset",
+            if ts_uid == IMPLICIT_VR_LE {
+                "implicit VR little endian"
+            } else {
+                "explicit VR little endian"
+            }
+        );
+        tracing::warn!(what, "{warning}");
+        Ok((obj, vec![warning]))
+    }));
+    guarded.unwrap_or_else(|_| Err(err("malformed DICOM structure".into())))
+}
+
+fn text(obj: &DicomFile, tag: Tag) -> Option<String> {
+    let s = obj.get(tag)?.to_str().ok()?;
+    let s = s.trim_matches(|c: char| c.is_whitespace() || c == '\0');
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+fn floats(obj: &DicomFile, tag: Tag) -> Vec<f64> {
+    obj.get(tag)
+        .and_then(|e| e.to_multi_float64().ok())
+        .unwrap_or_default()
+}
+
+fn uint(obj: &DicomFile, tag: Tag) -> Option<u32> {
+    obj.get(tag).and_then(|e| e.to_int::<u32>().ok())
+}
+
+/// Identifying attributes the de-identification profile acts on (for the summary only).
+pub(crate) const PHI_NAMES: &[(Tag, &str)] = &[
+    (tags::PATIENT_NAME, "PatientName"),
+    (tags::PATIENT_ID, "PatientID"),
+    (tags::PATIENT_BIRTH_DATE, "PatientBirthDate"),
+    (tags::PATIENT_ADDRESS, "PatientAddress"),
+    (Tag(0x0010, 0x1000), "OtherPatientIDs"),
+    (tags::INSTITUTION_NAME, "InstitutionName"),
+    (tags::REFERRING_PHYSICIAN_NAME, "ReferringPhysicianName"),
+    (tags::PERFORMING_PHYSICIAN_NAME, "PerformingPhysicianName"),
+    (tags::OPERATORS_NAME, "OperatorsName"),
+    (tags::ACCESSION_NUMBER, "AccessionNumber"),
+    (tags::STUDY_DATE, "StudyDate"),
+];
+
+fn summarise(obj: &DicomFile, warnings: Vec<String>) -> DicomSummary {
+    let ts_uid = obj
+        .meta()
+        .transfer_syntax()
+        .trim_end_matches('\0')
+        .to_string();
+    let ts_name = TransferSyntaxRegistry
+        .get(&ts_uid)
+        .map(|t| t.name().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let sop_class = text(obj, tags::SOP_CLASS_UID);
+    let sop_class_name = sop_class
+        .as_deref()
+        .and_then(|u| StandardSopClassDictionary.by_uid(u))
+        .map(|e| e.name().to_string());
+    let spacing = |tag| {
+        let v = floats(obj, tag);
+        (v.len() >= 2 && v[0] > 0.0 && v[1] > 0.0).then(|| (v[0], v[1]))
+    };
+    let centers = floats(obj, tags::WINDOW_CENTER);
+    let widths = floats(obj, tags::WINDOW_WIDTH);
+    let windows = centers
+        .iter()
+        .zip(widths.iter())
+        .map(|(&c, &w)| (c, w))
+        .collect();
+    let slope = floats(obj, tags::RESCALE_SLOPE).first().copied();
+    let intercept = floats(obj, tags::RESCALE_INTERCEPT).first().copied();
+    let phi = PHI_NAMES
+        .iter()
+        .filter(|(t, _)| text(obj, *t).is_some())
+        .map(|(_, n)| n.to_string())
+        .collect();
+    DicomSummary {
+        sop_class,
+        sop_class_name,
+        modality: text(obj, tags::MODALITY),
+        body_part: text(obj, tags::BODY_PART_EXAMINED),
+        view_position: text(obj, tags::VIEW_POSITION),
+        laterality: text(obj, tags::IMAGE_LATERALITY).or_else(|| text(obj, tags::LATERALITY)),
+        patient_orientation: text(obj, tags::PATIENT_ORIENTATION),
+        manufacturer: text(obj, tags::MANUFACTURER),
+        rows: uint(obj, tags::ROWS).unwrap_or(0),
+        columns: uint(obj, tags::COLUMNS).unwrap_or(0),
+        frames: uint(obj, tags::NUMBER_OF_FRAMES).unwrap_or(1),
+        samples_per_pixel: uint(obj, tags::SAMPLES_PER_PIXEL).unwrap_or(1) as u16,
+        bits_allocated: uint(obj, tags::BITS_ALLOCATED).unwrap_or(0) as u16,
+        bits_stored: uint(obj, tags::BITS_STORED)
+            .or_else(|| uint(obj, tags::BITS_ALLOCATED))
+            .unwrap_or(0) as u16,
+        signed: uint(obj, tags::PIXEL_REPRESENTATION) == Some(1),
+        photometric: text(obj, tags::PHOTOMETRIC_INTERPRETATION),
+        transfer_syntax: ts_uid,
+        transfer_syntax_name: ts_name,
+        pixel_spacing_mm: spacing(tags::PIXEL_SPACING)
+            .or_else(|| spacing(tags::IMAGER_PIXEL_SPACING)),
+        rescale: (
+            slope.filter(|s| *s != 0.0).unwrap_or(1.0),
+            intercept.unwrap_or(0.0),
+        ),
+        windows,
+        voi_lut_function: text(obj, tags::VOILUT_FUNCTION),
+        has_voi_lut_table: obj.get(tags::VOILUT_SEQUENCE).is_some(),
+        has_pixel_data: obj.get(tags::PIXEL_DATA).is_some(),
+        burned_in_annotation: text(obj, tags::BURNED_IN_ANNOTATION),
+        patient_identity_removed: text(obj, tags::PATIENT_IDENTITY_REMOVED),
+        phi_attributes_present: phi,
+        warnings,
+    }
+}
+
+/// Reads a DICOM file's non-identifying attributes without decoding its pixels.
+pub fn read_dicom(bytes: &[u8], what: &str) -> Result<DicomSummary, ImagingError> {
+    if !looks_like_dicom(bytes) {
+        return Err(ImagingError::NotDicom {
+            what: what.to_string(),
+        });
+    }
+    let (obj, warnings) = parse(bytes, what)?;
+    Ok(summarise(&obj, warnings))
+}
+
+pub(crate) fn decode_dicom(
+    bytes: &[u8],
+    what: &str,
+    opts: &DecodeOptions,
+) -> Result<CxrImage, ImagingError> {
+    let (obj, warnings) = parse(bytes, what)?;
+    let s = summarise(&obj, warnings);
+    decode_object(&obj, s, what, opts)
+}
+
+fn decode_object(
+    obj: &DicomFile,
+    mut s: DicomSummary,
+    what: &str,
+    opts: &DecodeOptions,
+) -> Result<CxrImage, ImagingError> {
+    let err = |reason: String| ImagingError::Decode {
+        what: what.to_string(),
+        reason,
+    };
+    if !s.has_pixel_data {
+        let kind = s
+            .modality
+            .clone()
+            .or_else(|| s.sop_class_name.clone())
+            .unwrap_or_else(|| "non-image".into());
+        return Err(ImagingError::NotAnImage {
+            what: what.to_string(),
+            kind,
+        });
+    }
+    match TransferSyntaxRegistry.get(&s.transfer_syntax) {
+        Some(ts) if ts.can_decode_all() => {}
+        other => {
+            return Err(ImagingError::UnsupportedTransferSyntax {
+                what: what.to_string(),
+                uid: s.transfer_syntax.clone(),
+                name: other
+                    .map(|t| t.name().to_string())
+                    .unwrap_or_else(|| "unknown".into()),
+            })
+        }
+    }
+    // The pixel budget is checked on the header, before the codec allocates anything.
+    check_size(
+        what,
+        s.columns as u64,
+        s.rows as u64,
+        s.samples_per_pixel.max(1) as u64,
+        opts.max_pixels,
+    )?;
+    if !(1..=16).contains(&s.bits_stored) || !matches!(s.bits_allocated, 8 | 16) {
+        return Err(err(format!(
+            "{} bits stored in {} bits allocated is not a radiograph layout Hilum supports",
+            s.bits_stored, s.bits_allocated
+        )));
+    }
+    if !matches!(s.samples_per_pixel, 1 | 3) {
+        return Err(err(format!(
+            "{} samples per pixel is not supported",
+            s.samples_per_pixel
+        )));
+    }
+    if s.frames > 1 {
+        s.warnings
+            .push(format!("{} frames: only the first is used", s.frames));
+    }
+    if let Some(pixels) = obj.get(tags::PIXEL_DATA) {
+        // Native pixel data must hold at least one whole frame; the codec would slice past it.
+        if let Some(raw) = pixels.value().primitive().map(|p| p.to_bytes()) {
+            {
+                let need = s.rows as usize
+                    * s.columns as usize
+                    * s.samples_per_pixel as usize
+                    * (s.bits_allocated as usize / 8);
+                if raw.len() < need {
+                    return Err(err(format!(
+                        "pixel data is truncated: {} bytes, one frame needs {need}",
+                        raw.len()
+                    )));
+                }
+            }
+        }
+    }
+    let options = ConvertOptions::new().with_modality_lut(ModalityLutOption::None);
+    let stored: Vec<f32> = catch_unwind(AssertUnwindSafe(|| {
+        let px = obj.decode_pixel_data_frame(0).map_err(|e| {
+            let msg = e.to_string();
+            if msg.contains("Unsupported") {
+                ImagingError::UnsupportedTransferSyntax {
+                    what: what.to_string(),
+                    uid: s.transfer_syntax.clone(),
+                    name: s.transfer_syntax_name.clone(),
+                }
+            } else {
+                err(format!("cannot decode the pixel data: {msg}"))
+            }
+        })?;
+        px.to_vec_frame_with_options::<f32>(0, &options)
+            .map_err(|e| err(format!("cannot convert the pixel data: {e}")))
+    }))
+    .unwrap_or_else(|_| Err(err("the pixel data is malformed".into())))?;
+
+    let (w, h) = (s.columns, s.rows);
+    let n = w as usize * h as usize;
+    let spp = s.samples_per_pixel as usize;
+    if stored.len() < n * spp {
+        return Err(err(format!(
+            "decoded {} samples, expected {} for {w}x{h}",
+            stored.len(),
+            n * spp
+        )));
+    }
+    let photometric = s
+        .photometric
+        .clone()
+        .unwrap_or_else(|| "MONOCHROME2".into());
+    let monochrome1 = photometric == "MONOCHROME1";
+    let (bit_depth, max, mut pixels) = if spp == 3 {
+        // Colour DICOM (secondary capture of a screen, …): luminance, 8 or 16 bits.
+        let max = ((1u32 << s.bits_stored) - 1) as f32;
+        let luma = stored
+            .chunks_exact(3)
+            .take(n)
+            .map(|p| (0.299 * p[0] + 0.587 * p[1] + 0.114 * p[2]).clamp(0.0, max))
+            .collect();
+        (s.bits_stored as u8, max, luma)
+    } else {
+        let bits = s.bits_stored;
+        let max = ((1u32 << bits) - 1) as f32;
+        let min_stored = if s.signed {
+            -((1u32 << (bits - 1)) as f32)
+        } else {
+            0.0
+        };
+        let window = match opts.voi {
+            Voi::None => None,
+            Voi::Window { center, width } => Some((center, width)),
+            Voi::FromFile => {
+                if s.windows.is_empty() && s.has_voi_lut_table {
+                    s.warnings.push(
+                        "the file's VOI LUT table is not applied (only windows are); pass a window"
+                            .into(),
+                    );
+                }
+                s.windows.first().copied()
+            }
+        };
+        let window = window.filter(|&(_, w)| {
+            let ok = w.is_finite() && w >= 1.0;
+            if !ok {
+                s.warnings
+                    .push(format!("window width {w} is invalid: ignored"));
+            }
+            ok
+        });
+        let (slope, intercept) = s.rescale;
+        let px: Vec<f32> = match window {
+            Some((c, wdt)) => {
+                let f = VoiFn::parse(s.voi_lut_function.as_deref(), opts.voi);
+                stored[..n]
+                    .iter()
+                    .map(|&v| f.apply(v as f64 * slope + intercept, c, wdt, max as f64) as f32)
+                    .collect()
+            }
+            None => stored[..n]
+                .iter()
+                .map(|&v| (v - min_stored).clamp(0.0, max))
+                .collect(),
+        };
+        (bits as u8, max, px)
+    };
+    if monochrome1 {
+        for v in pixels.iter_mut() {
+            *v = max - *v;
+        }
+    }
+    let window_applied = if spp == 1 {
+        match opts.voi {
+            Voi::None => None,
+            Voi::Window { center, width } if width >= 1.0 => Some((center, width)),
+            Voi::Window { .. } => None,
+            Voi::FromFile => s.windows.first().copied().filter(|&(_, w)| w >= 1.0),
+        }
+    } else {
+        None
+    };
+    Ok(CxrImage {
+        width: w,
+        height: h,
+        pixels,
+        meta: ImageMeta {
+            format: "dicom".into(),
+            width: w,
+            height: h,
+            bit_depth,
+            source_channels: spp as u8,
+            pixel_spacing_mm: s.pixel_spacing_mm,
+            view_position: s.view_position.clone(),
+            photometric: Some(photometric),
+            modality: s.modality.clone(),
+            body_part: s.body_part.clone(),
+            transfer_syntax: Some((s.transfer_syntax.clone(), s.transfer_syntax_name.clone())),
+            bits_allocated: Some(s.bits_allocated as u8),
+            rescale: Some(s.rescale),
+            file_window: s.windows.first().copied(),
+            window_applied,
+            inverted: monochrome1,
+            frames: Some(s.frames),
+            warnings: s.warnings,
+        },
+    })
+}
+
+/// The VOI LUT functions of DICOM PS3.3 C.11.2.1.2, mapping to `0..=y_max`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum VoiFn {
+    Linear,
+    LinearExact,
+    Sigmoid,
+}
+
+impl VoiFn {
+    fn parse(name: Option<&str>, voi: Voi) -> Self {
+        // A caller-given window is a plain linear window whatever the file says.
+        if matches!(voi, Voi::Window { .. }) {
+            return VoiFn::Linear;
+        }
+        match name {
+            Some("LINEAR_EXACT") => VoiFn::LinearExact,
+            Some("SIGMOID") => VoiFn::Sigmoid,
+            _ => VoiFn::Linear,
+        }
+    }
+
+    fn apply(self, x: f64, c: f64, w: f64, y_max: f64) -> f64 {
+        match self {
+            VoiFn::Linear => {
+                let (c, w) = (c - 0.5, w - 1.0);
+                if x <= c - w / 2.0 {
+                    0.0
+                } else if x > c + w / 2.0 {
+                    y_max
+                } else {
+                    ((x - c) / w.max(f64::EPSILON) + 0.5) * y_max
+                }
+            }
+            VoiFn::LinearExact => {
+                if x <= c - w / 2.0 {
+                    0.0
+                } else if x > c + w / 2.0 {
+                    y_max
+                } else {
+                    ((x - c) / w + 0.5) * y_max
+                }
+            }
+            VoiFn::Sigmoid => y_max / (1.0 + (-4.0 * (x - c) / w).exp()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_window_saturates_and_is_monotone() {
+        let f = VoiFn::Linear;
+        assert_eq!(f.apply(0.0, 550.0, 1024.0, 1023.0), 0.0);
+        assert_eq!(f.apply(2000.0, 550.0, 1024.0, 1023.0), 1023.0);
+        let mid = f.apply(550.0, 550.0, 1024.0, 1023.0);
+        assert!((mid - 511.5).abs() < 1.0, "{mid}");
+        let mut last = -1.0;
+        for x in 0..1200 {
+            let y = f.apply(x as f64, 550.0, 1024.0, 1023.0);
+            assert!(y >= last);
+            last = y;
+        }
+    }
+
+    #[test]
+    fn bare_dataset_detection_needs_a_plausible_first_element() {
+        assert!(
+            bare_dataset_ts(&[0x08, 0, 0x05, 0, 10, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+                .is_some()
+        );
+        assert!(bare_dataset_ts(b"\x89PNG\r\n\x1a\n").is_none());
+        assert!(bare_dataset_ts(&[0x08, 0, 0x05, 0, 0xff, 0xff, 0xff, 0x7f]).is_none());
+    }
+}

@@ -1,0 +1,568 @@
+//! Preprocessing for the models: resize (with aspect-preserving pad or centre crop),
+//! normalisation, channel replication, and the inverse mapping of coordinates and masks.
+//!
+//! Usage from model code (through the store, so the work is shared and cached):
+//!
+//! ```no_run
+//! # use hilum_imaging::{ImageStore, Preprocess, Layout, Norm};
+//! # let store = ImageStore::default();
+//! # let id = "img_000000000000";
+//! // torchxrayvision: centre crop, 224 px, [-1024, 1024], (1, 224, 224)
+//! let x = store.prepared(id, &Preprocess::xrv(224))?;
+//! // lung U-Net: 256 px stretched, RGB 0..255, interleaved (256, 256, 3)
+//! let u = store.prepared(id, &Preprocess::stretch(256, 256).norm(Norm::Byte).channels(3).layout(Layout::Hwc))?;
+//! // a probability map predicted at 256x256 goes back onto the original pixels:
+//! # let prob = vec![0.0f32; 256 * 256];
+//! let full = u.geometry.map_to_original(&prob);
+//! # Ok::<(), hilum_imaging::ImagingError>(())
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::{CxrImage, ImagingError};
+
+/// Resampling filter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Filter {
+    /// Nearest neighbour (label masks).
+    Nearest,
+    /// Triangle filter whose support widens when downscaling, so it antialiases like
+    /// PIL's `BILINEAR` resize (not like a 4-tap `cv2.INTER_LINEAR`).
+    #[default]
+    Bilinear,
+    /// Exact pixel-area averaging when downscaling (like `cv2.INTER_AREA`); bilinear when
+    /// upscaling.
+    Area,
+}
+
+/// How the image's aspect ratio meets the target size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fit {
+    /// Resize to exactly the target size, distorting the aspect ratio.
+    #[default]
+    Stretch,
+    /// Keep the aspect ratio, fit inside, pad the rest with black (0 before normalisation),
+    /// the image centred.
+    Pad,
+    /// Keep the aspect ratio, crop the centre to the target's aspect, then resize
+    /// (torchxrayvision's `XRayCenterCrop` for a square target).
+    CenterCrop,
+}
+
+/// Value scaling applied after resizing. `max` is the image's `2^bit_depth - 1`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Norm {
+    /// The canonical values, unchanged.
+    None,
+    /// `v / max`, in 0..=1.
+    #[default]
+    Unit,
+    /// `v / max * 255`, in 0..=255 (models trained on 8-bit files).
+    Byte,
+    /// torchxrayvision: `(2 v / max - 1) * 1024`, in -1024..=1024.
+    Xrv,
+    /// `(v / max - mean[c]) / std[c]` with ImageNet's RGB mean and std; implies 3 channels.
+    ImageNet,
+}
+
+/// Memory order of a multi-channel result.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Planar `(c, h, w)`, as PyTorch/candle models take it.
+    #[default]
+    Chw,
+    /// Interleaved `(h, w, c)`, as Keras/TF models take it.
+    Hwc,
+}
+
+/// One preprocessing recipe; also the cache key of the variant it produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Preprocess {
+    pub width: u32,
+    pub height: u32,
+    pub filter: Filter,
+    pub fit: Fit,
+    pub norm: Norm,
+    /// 1 or 3 (the luminance replicated).
+    pub channels: u8,
+    pub layout: Layout,
+}
+
+const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
+
+impl Preprocess {
+    /// `width` x `height`, stretched, bilinear, 0..1, one channel, planar.
+    pub fn stretch(width: u32, height: u32) -> Self {
+        Preprocess {
+            width,
+            height,
+            filter: Filter::Bilinear,
+            fit: Fit::Stretch,
+            norm: Norm::Unit,
+            channels: 1,
+            layout: Layout::Chw,
+        }
+    }
+
+    /// torchxrayvision's pipeline: centre crop to a square, `size` px, [-1024, 1024], 1 channel.
+    pub fn xrv(size: u32) -> Self {
+        Self::stretch(size, size)
+            .fit(Fit::CenterCrop)
+            .norm(Norm::Xrv)
+    }
+
+    /// ImageNet-pretrained CNNs: `size` px stretched, 3 channels, ImageNet mean/std, planar.
+    pub fn imagenet(size: u32) -> Self {
+        Self::stretch(size, size).norm(Norm::ImageNet).channels(3)
+    }
+
+    pub fn filter(mut self, filter: Filter) -> Self {
+        self.filter = filter;
+        self
+    }
+    pub fn fit(mut self, fit: Fit) -> Self {
+        self.fit = fit;
+        self
+    }
+    pub fn norm(mut self, norm: Norm) -> Self {
+        self.norm = norm;
+        self
+    }
+    pub fn channels(mut self, channels: u8) -> Self {
+        self.channels = channels;
+        self
+    }
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    fn validate(&self) -> Result<(), ImagingError> {
+        if self.width == 0 || self.height == 0 || self.width > 16384 || self.height > 16384 {
+            return Err(ImagingError::InvalidTransform(format!(
+                "target size {}x{} must be between 1 and 16384 per side",
+                self.width, self.height
+            )));
+        }
+        if !(self.channels == 1 || self.channels == 3) {
+            return Err(ImagingError::InvalidTransform(format!(
+                "{} channels: use 1 or 3",
+                self.channels
+            )));
+        }
+        if self.norm == Norm::ImageNet && self.channels != 3 {
+            return Err(ImagingError::InvalidTransform(
+                "ImageNet normalisation needs 3 channels".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where the original image lies in the model input: `input = original * scale + offset`,
+/// in continuous pixel coordinates (pixel `i` covers `[i, i + 1)`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Geometry {
+    pub src_width: u32,
+    pub src_height: u32,
+    pub dst_width: u32,
+    pub dst_height: u32,
+    pub scale_x: f64,
+    pub scale_y: f64,
+    pub offset_x: f64,
+    pub offset_y: f64,
+}
+
+impl Geometry {
+    /// A point of the original image in model-input coordinates.
+    pub fn to_input(&self, x: f64, y: f64) -> (f64, f64) {
+        (
+            x * self.scale_x + self.offset_x,
+            y * self.scale_y + self.offset_y,
+        )
+    }
+
+    /// A point of the model input in original-image coordinates.
+    pub fn to_original(&self, x: f64, y: f64) -> (f64, f64) {
+        (
+            (x - self.offset_x) / self.scale_x,
+            (y - self.offset_y) / self.scale_y,
+        )
+    }
+
+    /// A box `[x0, y0, x1, y1]` of the model input in original coordinates, clipped to the
+    /// original image (a box drawn on padding shrinks to the image edge).
+    pub fn box_to_original(&self, b: [f64; 4]) -> [f64; 4] {
+        let (x0, y0) = self.to_original(b[0], b[1]);
+        let (x1, y1) = self.to_original(b[2], b[3]);
+        let (w, h) = (self.src_width as f64, self.src_height as f64);
+        [
+            x0.clamp(0.0, w),
+            y0.clamp(0.0, h),
+            x1.clamp(0.0, w),
+            y1.clamp(0.0, h),
+        ]
+    }
+
+    /// A single-channel map at model-input size (`dst_width * dst_height`, row-major:
+    /// probabilities, logits, a heatmap) sampled bilinearly at every original pixel centre.
+    /// Original pixels the input did not cover (cropped away) get 0. Threshold the result
+    /// for a binary mask at full resolution.
+    pub fn map_to_original(&self, map: &[f32]) -> Vec<f32> {
+        let (dw, dh) = (self.dst_width as usize, self.dst_height as usize);
+        let (sw, sh) = (self.src_width as usize, self.src_height as usize);
+        if map.len() < dw * dh || dw == 0 || dh == 0 {
+            return vec![0.0; sw * sh];
+        }
+        // Per-axis sample positions, computed once: (index0, index1, weight1) or None outside.
+        let axis = |n_src: usize,
+                    n_dst: usize,
+                    scale: f64,
+                    offset: f64|
+         -> Vec<Option<(usize, usize, f32)>> {
+            (0..n_src)
+                .map(|i| {
+                    let p = (i as f64 + 0.5) * scale + offset;
+                    if p < 0.0 || p >= n_dst as f64 {
+                        return None;
+                    }
+                    let c = (p - 0.5).clamp(0.0, (n_dst - 1) as f64);
+                    let i0 = c.floor() as usize;
+                    let i1 = (i0 + 1).min(n_dst - 1);
+                    Some((i0, i1, (c - i0 as f64) as f32))
+                })
+                .collect()
+        };
+        let xs = axis(sw, dw, self.scale_x, self.offset_x);
+        let ys = axis(sh, dh, self.scale_y, self.offset_y);
+        let mut out = vec![0.0f32; sw * sh];
+        for (y, yy) in ys.iter().enumerate() {
+            let Some((y0, y1, fy)) = *yy else { continue };
+            let (r0, r1) = (&map[y0 * dw..(y0 + 1) * dw], &map[y1 * dw..(y1 + 1) * dw]);
+            let row = &mut out[y * sw..(y + 1) * sw];
+            for (o, xx) in row.iter_mut().zip(xs.iter()) {
+                if let Some((x0, x1, fx)) = *xx {
+                    let top = r0[x0] + (r0[x1] - r0[x0]) * fx;
+                    let bottom = r1[x0] + (r1[x1] - r1[x0]) * fx;
+                    *o = top + (bottom - top) * fy;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A preprocessed variant of an image, ready to wrap in a tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prepared {
+    pub width: u32,
+    pub height: u32,
+    pub channels: u8,
+    pub layout: Layout,
+    /// `channels * height * width` values in `layout` order.
+    pub data: Vec<f32>,
+    pub geometry: Geometry,
+}
+
+impl Prepared {
+    pub fn size_bytes(&self) -> usize {
+        self.data.len() * std::mem::size_of::<f32>()
+    }
+
+    /// Shape in the layout's order: `[c, h, w]` or `[h, w, c]`.
+    pub fn shape(&self) -> [usize; 3] {
+        let (c, h, w) = (
+            self.channels as usize,
+            self.height as usize,
+            self.width as usize,
+        );
+        match self.layout {
+            Layout::Chw => [c, h, w],
+            Layout::Hwc => [h, w, c],
+        }
+    }
+}
+
+/// Runs a recipe on an image (the store caches the result; call this directly only for
+/// one-off work).
+pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError> {
+    p.validate()?;
+    let (sw, sh) = (img.width as usize, img.height as usize);
+    if sw == 0 || sh == 0 || img.pixels.len() < sw * sh {
+        return Err(ImagingError::InvalidTransform(format!(
+            "the image has {} pixels for {sw}x{sh}",
+            img.pixels.len()
+        )));
+    }
+    let (dw, dh) = (p.width as usize, p.height as usize);
+    let (plane, geometry) = match p.fit {
+        Fit::Stretch => (
+            resize(&img.pixels, sw, sh, dw, dh, p.filter),
+            Geometry {
+                src_width: img.width,
+                src_height: img.height,
+                dst_width: p.width,
+                dst_height: p.height,
+                scale_x: dw as f64 / sw as f64,
+                scale_y: dh as f64 / sh as f64,
+                offset_x: 0.0,
+                offset_y: 0.0,
+            },
+        ),
+        Fit::Pad => {
+            let s = (dw as f64 / sw as f64).min(dh as f64 / sh as f64);
+            let rw = ((sw as f64 * s).round() as usize).clamp(1, dw);
+            let rh = ((sh as f64 * s).round() as usize).clamp(1, dh);
+            let (ox, oy) = ((dw - rw) / 2, (dh - rh) / 2);
+            let small = resize(&img.pixels, sw, sh, rw, rh, p.filter);
+            let mut plane = vec![0.0f32; dw * dh];
+            for y in 0..rh {
+                plane[(y + oy) * dw + ox..(y + oy) * dw + ox + rw]
+                    .copy_from_slice(&small[y * rw..(y + 1) * rw]);
+            }
+            (
+                plane,
+                Geometry {
+                    src_width: img.width,
+                    src_height: img.height,
+                    dst_width: p.width,
+                    dst_height: p.height,
+                    scale_x: rw as f64 / sw as f64,
+                    scale_y: rh as f64 / sh as f64,
+                    offset_x: ox as f64,
+                    offset_y: oy as f64,
+                },
+            )
+        }
+        Fit::CenterCrop => {
+            let target = dw as f64 / dh as f64;
+            let (cw, ch) = if sw as f64 / sh as f64 > target {
+                (((sh as f64 * target).round() as usize).clamp(1, sw), sh)
+            } else {
+                (sw, ((sw as f64 / target).round() as usize).clamp(1, sh))
+            };
+            let (x0, y0) = ((sw - cw) / 2, (sh - ch) / 2);
+            let mut crop = Vec::with_capacity(cw * ch);
+            for y in y0..y0 + ch {
+                crop.extend_from_slice(&img.pixels[y * sw + x0..y * sw + x0 + cw]);
+            }
+            let (sx, sy) = (dw as f64 / cw as f64, dh as f64 / ch as f64);
+            (
+                resize(&crop, cw, ch, dw, dh, p.filter),
+                Geometry {
+                    src_width: img.width,
+                    src_height: img.height,
+                    dst_width: p.width,
+                    dst_height: p.height,
+                    scale_x: sx,
+                    scale_y: sy,
+                    offset_x: -(x0 as f64) * sx,
+                    offset_y: -(y0 as f64) * sy,
+                },
+            )
+        }
+    };
+    let max = img.max_value();
+    let channels = p.channels as usize;
+    let scaled: Vec<Vec<f32>> = (0..channels)
+        .map(|c| {
+            let f: Box<dyn Fn(f32) -> f32> = match p.norm {
+                Norm::None => Box::new(|v| v),
+                Norm::Unit => Box::new(move |v| v / max),
+                Norm::Byte => Box::new(move |v| v / max * 255.0),
+                Norm::Xrv => Box::new(move |v| (2.0 * (v / max) - 1.0) * 1024.0),
+                Norm::ImageNet => Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c]),
+            };
+            plane.iter().map(|&v| f(v)).collect()
+        })
+        .collect();
+    let data = match (p.layout, channels) {
+        (_, 1) | (Layout::Chw, _) => scaled.concat(),
+        (Layout::Hwc, _) => {
+            let mut out = Vec::with_capacity(dw * dh * channels);
+            for i in 0..dw * dh {
+                for ch in &scaled {
+                    out.push(ch[i]);
+                }
+            }
+            out
+        }
+    };
+    Ok(Prepared {
+        width: p.width,
+        height: p.height,
+        channels: p.channels,
+        layout: p.layout,
+        data,
+        geometry,
+    })
+}
+
+/// Taps of one output sample along one axis.
+struct Taps {
+    start: usize,
+    weights: Vec<f32>,
+}
+
+fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
+    let scale = n_in as f64 / n_out as f64;
+    (0..n_out)
+        .map(|i| {
+            let center = (i as f64 + 0.5) * scale;
+            match filter {
+                Filter::Nearest => Taps {
+                    start: (center.floor() as usize).min(n_in - 1),
+                    weights: vec![1.0],
+                },
+                Filter::Area if scale > 1.0 => {
+                    // Overlap of [i*scale, (i+1)*scale) with each source pixel.
+                    let (lo, hi) = (i as f64 * scale, (i as f64 + 1.0) * scale);
+                    let start = lo.floor() as usize;
+                    let end = (hi.ceil() as usize).min(n_in);
+                    let weights: Vec<f64> = (start..end)
+                        .map(|j| (hi.min(j as f64 + 1.0) - lo.max(j as f64)).max(0.0))
+                        .collect();
+                    normalised(start, weights)
+                }
+                Filter::Bilinear | Filter::Area => {
+                    let stretch = scale.max(1.0);
+                    let support = stretch;
+                    let start = ((center - support + 0.5).floor().max(0.0)) as usize;
+                    let end = ((center + support + 0.5).floor() as usize).min(n_in);
+                    let weights: Vec<f64> = (start..end)
+                        .map(|j| (1.0 - ((j as f64 + 0.5 - center) / stretch).abs()).max(0.0))
+                        .collect();
+                    normalised(start.min(n_in - 1), weights)
+                }
+            }
+        })
+        .collect()
+}
+
+fn normalised(start: usize, weights: Vec<f64>) -> Taps {
+    let sum: f64 = weights.iter().sum();
+    let weights = if sum > 0.0 {
+        weights.iter().map(|w| (w / sum) as f32).collect()
+    } else {
+        vec![1.0]
+    };
+    Taps { start, weights }
+}
+
+/// Resizes one row-major channel of `sw` x `sh` values to `dw` x `dh` (separable: rows
+/// first, then columns).
+pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: Filter) -> Vec<f32> {
+    if sw == dw && sh == dh {
+        return src[..sw * sh].to_vec();
+    }
+    let hx = taps(sw, dw, filter);
+    let mut tmp = vec![0.0f32; sh * dw];
+    for (row_in, row_out) in src.chunks_exact(sw).take(sh).zip(tmp.chunks_exact_mut(dw)) {
+        for (o, t) in row_out.iter_mut().zip(hx.iter()) {
+            let window = &row_in[t.start..t.start + t.weights.len()];
+            *o = window
+                .iter()
+                .zip(t.weights.iter())
+                .map(|(a, b)| a * b)
+                .sum();
+        }
+    }
+    let vy = taps(sh, dh, filter);
+    let mut out = vec![0.0f32; dh * dw];
+    for (row_out, t) in out.chunks_exact_mut(dw).zip(vy.iter()) {
+        for (k, &w) in t.weights.iter().enumerate() {
+            let row_in = &tmp[(t.start + k) * dw..(t.start + k + 1) * dw];
+            for (o, &v) in row_out.iter_mut().zip(row_in.iter()) {
+                *o += w * v;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ImageMeta;
+
+    fn ramp(w: u32, h: u32) -> CxrImage {
+        CxrImage {
+            width: w,
+            height: h,
+            pixels: (0..w * h).map(|i| (i % w) as f32).collect(),
+            meta: ImageMeta {
+                bit_depth: 8,
+                width: w,
+                height: h,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn resize_keeps_constants_and_averages_blocks() {
+        let flat = vec![7.0f32; 60];
+        for f in [Filter::Bilinear, Filter::Area, Filter::Nearest] {
+            assert!(resize(&flat, 10, 6, 4, 3, f)
+                .iter()
+                .all(|v| (v - 7.0).abs() < 1e-5));
+        }
+        // 2x2 area averaging of a 4x2 image: exact block means.
+        let src = [0.0, 2.0, 4.0, 6.0, 2.0, 4.0, 6.0, 8.0];
+        assert_eq!(resize(&src, 4, 2, 2, 1, Filter::Area), vec![2.0, 6.0]);
+    }
+
+    #[test]
+    fn pad_keeps_aspect_and_maps_back() {
+        let img = ramp(200, 100);
+        let p = prepare(
+            &img,
+            &Preprocess::stretch(64, 64).fit(Fit::Pad).norm(Norm::None),
+        )
+        .unwrap();
+        let g = p.geometry;
+        assert_eq!((g.scale_x, g.scale_y), (0.32, 0.32));
+        assert_eq!(g.offset_y, 16.0);
+        // Padding rows are black, the content row is the ramp.
+        assert_eq!(p.data[0], 0.0);
+        assert!(p.data[32 * 64 + 63] > 190.0);
+        let (x, y) = g.to_original(g.to_input(150.0, 40.0).0, g.to_input(150.0, 40.0).1);
+        assert!((x - 150.0).abs() < 1e-9 && (y - 40.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn center_crop_matches_xrv_square_crop() {
+        let img = ramp(300, 100);
+        let p = prepare(&img, &Preprocess::xrv(50)).unwrap();
+        // The crop is columns 100..200; its left edge maps to input x = 0.
+        let (x, _) = p.geometry.to_input(100.0, 0.0);
+        assert!(x.abs() < 1e-9);
+        let min = p.data.iter().cloned().fold(f32::MAX, f32::min);
+        let max = p.data.iter().cloned().fold(f32::MIN, f32::max);
+        // Ramp 100..199 of 255 in xrv units.
+        assert!(
+            min > (2.0 * 99.0 / 255.0 - 1.0) * 1024.0 && max < (2.0 * 200.0 / 255.0 - 1.0) * 1024.0
+        );
+        // Cropped-away pixels map to nothing.
+        let back = p.geometry.map_to_original(&vec![1.0; 2500]);
+        assert_eq!(back[10], 0.0);
+        assert_eq!(back[150], 1.0);
+    }
+
+    #[test]
+    fn imagenet_is_three_planes_with_channel_stats() {
+        let img = ramp(10, 10);
+        let p = prepare(&img, &Preprocess::imagenet(4)).unwrap();
+        assert_eq!(p.shape(), [3, 4, 4]);
+        // Same pixel, different channel constants.
+        assert!((p.data[0] - p.data[16]).abs() > 1e-3);
+        let hwc = prepare(&img, &Preprocess::imagenet(4).layout(Layout::Hwc)).unwrap();
+        assert_eq!(hwc.data[1], p.data[16]);
+        assert!(prepare(&img, &Preprocess::stretch(4, 4).norm(Norm::ImageNet)).is_err());
+    }
+}

@@ -1,0 +1,236 @@
+//! Bad input is a clear error naming the file and the reason, never a panic or a huge
+//! allocation.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use dicom_core::{DataElement, PrimitiveValue, VR};
+use dicom_dictionary_std::tags;
+use dicom_object::{FileMetaTableBuilder, InMemDicomObject};
+use hilum_imaging::{decode_with, DecodeOptions, ImageStore, ImagingError, Voi};
+
+fn data(rel: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/cxr")
+        .join(rel);
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "real test data missing: {} ({e}); it lives beside the repository",
+            path.display()
+        )
+    })
+}
+
+fn opts() -> DecodeOptions {
+    DecodeOptions {
+        max_pixels: 50_000_000,
+        voi: Voi::FromFile,
+    }
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], body: &[u8]) {
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    let mut c = kind.to_vec();
+    c.extend_from_slice(body);
+    out.extend_from_slice(&c);
+    out.extend_from_slice(&crc32(&c).to_be_bytes());
+}
+
+/// A PNG whose header claims `w` x `h` gray pixels, with a tiny (wrong) IDAT.
+fn png_claiming(w: u32, h: u32) -> Vec<u8> {
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&w.to_be_bytes());
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 0, 0, 0, 0]);
+    chunk(&mut out, b"IHDR", &ihdr);
+    chunk(
+        &mut out,
+        b"IDAT",
+        &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01],
+    );
+    chunk(&mut out, b"IEND", &[]);
+    out
+}
+
+#[test]
+fn decompression_bomb_is_refused_before_allocating() {
+    let bomb = png_claiming(100_000, 100_000);
+    let t = Instant::now();
+    let err = decode_with(&bomb, "bomb.png", &opts()).unwrap_err();
+    assert!(t.elapsed().as_millis() < 500, "took {:?}", t.elapsed());
+    match &err {
+        ImagingError::TooLarge {
+            what,
+            width,
+            height,
+            limit,
+        } => {
+            assert_eq!(
+                (what.as_str(), *width, *height, *limit),
+                ("bomb.png", 100_000, 100_000, 50_000_000)
+            );
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert!(err.to_string().contains("bomb.png"));
+    // The limit is configurable: a small budget refuses a real 1024x1024 radiograph.
+    let real = data("images/nih_00009745_000_cardiomegaly.png");
+    let small = DecodeOptions {
+        max_pixels: 1000 * 1000,
+        voi: Voi::None,
+    };
+    assert!(matches!(
+        decode_with(&real, "nih.png", &small),
+        Err(ImagingError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn dicom_bomb_is_refused_from_its_header() {
+    let bytes = data("dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
+    let mut obj = dicom_object::from_reader(&bytes[..]).unwrap();
+    obj.put(DataElement::new(
+        tags::ROWS,
+        VR::US,
+        PrimitiveValue::from(60000u16),
+    ));
+    obj.put(DataElement::new(
+        tags::COLUMNS,
+        VR::US,
+        PrimitiveValue::from(60000u16),
+    ));
+    let mut out = Vec::new();
+    obj.write_all(&mut out).unwrap();
+    let err = decode_with(&out, "big.dcm", &opts()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ImagingError::TooLarge {
+                width: 60000,
+                height: 60000,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn zero_size_images_are_refused() {
+    let err = decode_with(&png_claiming(0, 10), "zero.png", &opts()).unwrap_err();
+    assert!(err.to_string().contains("zero.png"), "{err}");
+    let bytes = data("dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
+    let mut obj = dicom_object::from_reader(&bytes[..]).unwrap();
+    obj.put(DataElement::new(
+        tags::ROWS,
+        VR::US,
+        PrimitiveValue::from(0u16),
+    ));
+    let mut out = Vec::new();
+    obj.write_all(&mut out).unwrap();
+    let err = decode_with(&out, "zero.dcm", &opts()).unwrap_err();
+    assert!(matches!(err, ImagingError::Empty { .. }), "{err:?}");
+}
+
+#[test]
+fn truncated_files_are_errors_not_panics() {
+    for rel in [
+        "images/nih_00009745_000_cardiomegaly.png",
+        "images/covid_2c35005f.jpg",
+        "images/derived_CR-MONO1-10-chest_16bit.png",
+        "dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm",
+        "dicom/RG1_chest_cr_pa_jpeg2000_lossy.dcm",
+        "dicom/CR-MONO1-10-chest_noPart10header.dcm",
+    ] {
+        let bytes = data(rel);
+        for cut in [bytes.len() / 2, bytes.len() - 100, 200, 40] {
+            let name = format!("{rel}[..{cut}]");
+            match decode_with(&bytes[..cut], &name, &opts()) {
+                Err(e) => assert!(e.to_string().contains(&name), "{e}"),
+                // A JPEG decoder may fill a cut-off tail with grey; it must still be the right size.
+                Ok(img) => assert_eq!(
+                    img.pixels.len(),
+                    (img.width * img.height) as usize,
+                    "{name}"
+                ),
+            }
+        }
+    }
+}
+
+#[test]
+fn unsupported_transfer_syntax_is_named() {
+    let bytes = data("dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
+    let mut obj = dicom_object::from_reader(&bytes[..]).unwrap();
+    // JPEG-LS lossless: no pure-Rust decoder is built in.
+    obj.meta_mut().transfer_syntax = "1.2.840.10008.1.2.4.80".into();
+    let mut out = Vec::new();
+    obj.write_all(&mut out).unwrap();
+    let err = decode_with(&out, "jpegls.dcm", &opts()).unwrap_err();
+    match &err {
+        ImagingError::UnsupportedTransferSyntax { what, uid, .. } => {
+            assert_eq!(
+                (what.as_str(), uid.as_str()),
+                ("jpegls.dcm", "1.2.840.10008.1.2.4.80")
+            )
+        }
+        other => panic!("expected UnsupportedTransferSyntax, got {other:?}"),
+    }
+}
+
+#[test]
+fn non_image_dicom_is_refused() {
+    for (modality, sop) in [
+        ("SR", "1.2.840.10008.5.1.4.1.1.88.11"),
+        ("RTSTRUCT", "1.2.840.10008.5.1.4.1.1.481.3"),
+    ] {
+        let obj = InMemDicomObject::from_element_iter([
+            DataElement::new(tags::SOP_CLASS_UID, VR::UI, PrimitiveValue::from(sop)),
+            DataElement::new(
+                tags::SOP_INSTANCE_UID,
+                VR::UI,
+                PrimitiveValue::from("2.25.1234"),
+            ),
+            DataElement::new(tags::MODALITY, VR::CS, PrimitiveValue::from(modality)),
+        ]);
+        let file = obj
+            .with_meta(FileMetaTableBuilder::new().transfer_syntax("1.2.840.10008.1.2.1"))
+            .unwrap();
+        let mut out = Vec::new();
+        file.write_all(&mut out).unwrap();
+        let err = decode_with(&out, "report.dcm", &opts()).unwrap_err();
+        assert!(
+            matches!(&err, ImagingError::NotAnImage { kind, .. } if kind == modality),
+            "{err:?}"
+        );
+        // The store refuses it at ingest, so no tool ever sees it.
+        assert!(ImageStore::default()
+            .ingest_bytes(out.into(), "report.dcm")
+            .is_err());
+    }
+}
+
+#[test]
+fn garbage_after_dicom_magic_is_an_error() {
+    let mut bytes = vec![0u8; 128];
+    bytes.extend_from_slice(b"DICM");
+    bytes.extend((0..5000u32).map(|i| (i * 7919 % 251) as u8));
+    let err = decode_with(&bytes, "noise.dcm", &opts()).unwrap_err();
+    assert!(err.to_string().contains("noise.dcm"), "{err}");
+}
