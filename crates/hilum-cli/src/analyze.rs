@@ -26,8 +26,9 @@ pub struct AnalyzeArgs {
     /// The question to answer.
     #[arg(short, long, default_value = "Describe the findings in this chest X-ray.")]
     pub question: String,
-    /// Reasoning model: openai:MODEL (GPT-4o, Azure, vLLM, llama.cpp server, Ollama) or
-    /// script:FILE. Default: $HILUM_LLM, the config file, or openai:gpt-4o when OPENAI_API_KEY is set.
+    /// Reasoning model: openai:MODEL (GPT-4o, Azure, vLLM, llama.cpp server, Ollama),
+    /// local:PATH.gguf (in-process), or script:FILE. Default: $HILUM_LLM, the config file,
+    /// openai:gpt-4o when OPENAI_API_KEY is set, else the installed local model.
     #[arg(long)]
     pub llm: Option<String>,
     /// Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8080/v1 (env OPENAI_BASE_URL).
@@ -124,13 +125,20 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         ..defaults
     };
     let agent = Agent::new(llm.clone(), toolbox, Environment::default(), config);
+    if let Some(note) = &choice.note {
+        eprintln!("hilum: {note}");
+    }
     if !args.json {
         eprintln!(
             "hilum: {} image(s) {} · model {}{}",
             ids.len(),
             ids.join(", "),
             llm.name(),
-            if choice.is_local() { " (local)" } else { "" }
+            if choice.is_local() {
+                " (on this machine)"
+            } else {
+                " (remote)"
+            }
         );
     }
 

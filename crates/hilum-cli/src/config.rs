@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
-use hilum_llm::{Llm, OpenAiConfig, OpenAiLlm, ScriptLlm};
+use hilum_llm::{Llm, LocalConfig, LocalLlm, OpenAiConfig, OpenAiLlm, ScriptLlm};
 
 /// The `[llm]` and `[agent]` tables of the config file; every field optional.
 #[derive(Debug, Default, Deserialize)]
@@ -22,7 +22,7 @@ pub struct FileConfig {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LlmSection {
-    /// `openai:MODEL`, `script:FILE`, `local:PATH.gguf`
+    /// `openai:MODEL`, `local:PATH.gguf`, `script:FILE`
     pub spec: Option<String>,
     pub base_url: Option<String>,
     pub api_key: Option<String>,
@@ -67,6 +67,8 @@ pub struct LlmChoice {
     pub base_url: Option<String>,
     pub api_key: Option<String>,
     pub timeout_secs: u64,
+    /// Why this model was chosen when the user did not name one.
+    pub note: Option<String>,
 }
 
 impl LlmChoice {
@@ -79,14 +81,24 @@ impl LlmChoice {
             .ok()
             .filter(|k| !k.is_empty())
             .or_else(|| file.api_key.clone());
+        let mut note = None;
         let spec = flag_spec
             .or_else(|| std::env::var("HILUM_LLM").ok().filter(|s| !s.is_empty()))
             .or_else(|| file.spec.clone())
-            .or_else(|| api_key.as_ref().map(|_| "openai:gpt-4o".to_string()));
+            .or_else(|| api_key.as_ref().map(|_| "openai:gpt-4o".to_string()))
+            .or_else(|| {
+                let p = hilum_llm::local::default_model_path()?;
+                note = Some(format!(
+                    "no --llm and no OPENAI_API_KEY: using the installed local model {}",
+                    p.display()
+                ));
+                Some(format!("local:{}", p.display()))
+            });
         let Some(spec) = spec else {
             bail!(
-                "no reasoning model configured: pass --llm openai:MODEL (with OPENAI_API_KEY, or --base-url \
-                 for a local OpenAI-compatible server) or --llm script:FILE"
+                "no reasoning model configured: install the local model with scripts/fetch_local_llm.sh, \
+                 or pass --llm openai:MODEL (with OPENAI_API_KEY, or --base-url for a local \
+                 OpenAI-compatible server), --llm local:PATH.gguf or --llm script:FILE"
             );
         };
         let base_url = flag_base_url
@@ -97,6 +109,7 @@ impl LlmChoice {
             base_url,
             api_key,
             timeout_secs: file.timeout_secs.unwrap_or(120),
+            note,
         })
     }
 
@@ -118,6 +131,16 @@ impl LlmChoice {
             .with_context(|| format!("--llm `{}` must look like openai:MODEL or script:FILE", self.spec))?;
         match kind {
             "script" => Ok(Arc::new(ScriptLlm::from_file(Path::new(rest))?)),
+            "local" => {
+                let path = if rest.is_empty() {
+                    hilum_llm::local::default_model_path().context(
+                        "the default local model is not installed: run scripts/fetch_local_llm.sh",
+                    )?
+                } else {
+                    PathBuf::from(rest)
+                };
+                Ok(Arc::new(LocalLlm::load(LocalConfig::new(path))?))
+            }
             "openai" => {
                 let base_url = self
                     .base_url
@@ -136,7 +159,9 @@ impl LlmChoice {
                     ..OpenAiConfig::default()
                 })?))
             }
-            other => bail!("unknown model kind `{other}` in --llm: use openai:MODEL or script:FILE"),
+            other => bail!(
+                "unknown model kind `{other}` in --llm: use openai:MODEL, local:PATH.gguf or script:FILE"
+            ),
         }
     }
 }
