@@ -5,6 +5,7 @@
 
 mod analyze;
 mod config;
+mod models_cmd;
 mod render;
 mod tools_cmd;
 
@@ -36,6 +37,11 @@ enum Commands {
         #[command(subcommand)]
         cmd: tools_cmd::ToolsCmd,
     },
+    /// List, fetch, import and verify model weights.
+    Models {
+        #[command(subcommand)]
+        cmd: models_cmd::ModelsCmd,
+    },
 }
 
 #[tokio::main]
@@ -44,6 +50,7 @@ async fn main() {
     let result = match cli.command {
         Commands::Analyze(args) => analyze::run(args).await,
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,
+        Commands::Models { cmd } => models_cmd::run(cmd).await,
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,229 @@
+//! `hilum models`: list, fetch, import and verify model weights.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use hilum_models::{FetchOptions, FetchProgress, ImportOptions, ModelRegistry};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+#[derive(Subcommand)]
+pub enum ModelsCmd {
+    /// Known models: installed or not, size, license, custom checkpoints. Weights live in
+    /// HILUM_MODELS_DIR (default: the user's data directory, e.g. ~/.local/share/hilum/models).
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Download a model's published weights (HTTPS, resumable, sha256-verified), convert them
+    /// to safetensors where needed and install them.
+    Fetch {
+        /// Model id, e.g. lung-unet (see `hilum models list`).
+        id: String,
+        /// Download from this URL instead (a site mirror of the same file).
+        #[arg(long)]
+        url: Option<String>,
+        /// Python with h5py and numpy, used to convert Keras .h5 checkpoints.
+        #[arg(long, env = "HILUM_PYTHON")]
+        python: Option<PathBuf>,
+    },
+    /// Install weights from a local file: the published checkpoint on a machine without
+    /// internet, or a site's own checkpoint of the same architecture with --custom.
+    /// Keras .h5 files are converted by an embedded copy of scripts/convert_keras_h5.py, run with
+    /// $HILUM_PYTHON or python3 (needs h5py and numpy: scripts/setup_onnxruntime.sh makes such
+    /// a venv in scripts/.venv-models).
+    Import {
+        /// Model id, e.g. lung-unet.
+        id: String,
+        /// The checkpoint (.h5, .safetensors).
+        path: PathBuf,
+        /// Accept a checkpoint other than the published one when its parameter names and
+        /// shapes match the architecture; it is marked custom in listings and tool outputs.
+        #[arg(long)]
+        custom: bool,
+        /// Python with h5py and numpy, used to convert Keras .h5 checkpoints.
+        #[arg(long, env = "HILUM_PYTHON")]
+        python: Option<PathBuf>,
+    },
+    /// Re-check installed weights: sha256 against the install record, names and shapes against
+    /// the architecture. All installed models when no id is given.
+    Verify { ids: Vec<String> },
+}
+
+pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
+    let registry = ModelRegistry::from_env()?;
+    match cmd {
+        ModelsCmd::List { json } => list(&registry, json),
+        ModelsCmd::Fetch { id, url, python } => {
+            let opts = FetchOptions {
+                url,
+                import: ImportOptions {
+                    python,
+                    ..Default::default()
+                },
+            };
+            let mut bar = Bar(None);
+            let inst = hilum_models::fetch(&registry, &id, &opts, &mut bar).await?;
+            println!(
+                "installed {id}: {} ({} bytes, sha256 {})",
+                inst.weights.display(),
+                inst.size,
+                inst.record.sha256
+            );
+            Ok(())
+        }
+        ModelsCmd::Import {
+            id,
+            path,
+            custom,
+            python,
+        } => {
+            let opts = ImportOptions {
+                custom,
+                python,
+                origin: None,
+            };
+            let inst = tokio::task::spawn_blocking(move || {
+                hilum_models::import(&registry, &id, &path, &opts).map(|i| (id, i))
+            })
+            .await
+            .context("import task")??;
+            let (id, inst) = inst;
+            println!(
+                "installed {id}{}: {} ({} bytes)\n  sha256 {}\n  source sha256 {} ({})",
+                if inst.record.custom { " (custom)" } else { "" },
+                inst.weights.display(),
+                inst.size,
+                inst.record.sha256,
+                inst.record.source_sha256,
+                inst.record.source
+            );
+            Ok(())
+        }
+        ModelsCmd::Verify { ids } => verify(&registry, ids),
+    }
+}
+
+fn list(registry: &ModelRegistry, as_json: bool) -> anyhow::Result<()> {
+    let status = registry.status();
+    if as_json {
+        let rows: Vec<_> = status
+            .iter()
+            .map(|s| {
+                let m = &s.manifest;
+                json!({
+                    "id": m.id,
+                    "name": m.name,
+                    "task": m.task,
+                    "architecture": m.architecture,
+                    "license": m.license,
+                    "installed": s.installed.is_some(),
+                    "custom": s.installed.as_ref().map(|i| i.record.custom),
+                    "size_bytes": s.installed.as_ref().map(|i| i.size),
+                    "sha256": s.installed.as_ref().map(|i| i.record.sha256.clone()),
+                    "path": s.installed.as_ref().map(|i| i.weights.display().to_string()),
+                    "source": m.source.download_url().or(m.source.homepage.clone()),
+                })
+            })
+            .collect();
+        let out = json!({"models_dir": registry.dir().display().to_string(), "models": rows});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("models directory: {}", registry.dir().display());
+    println!(
+        "{:<24} {:<15} {:<10} {:>9}  {:<11} SOURCE",
+        "ID", "TASK", "INSTALLED", "SIZE", "LICENSE"
+    );
+    for s in &status {
+        let m = &s.manifest;
+        let (state, size) = match &s.installed {
+            Some(i) if i.record.custom => ("custom", human(i.size)),
+            Some(i) => ("yes", human(i.size)),
+            None => ("no", "-".to_string()),
+        };
+        let source = m
+            .source
+            .download_url()
+            .or(m.source.homepage.clone())
+            .unwrap_or_default();
+        println!(
+            "{:<24} {:<15} {:<10} {:>9}  {:<11} {}",
+            m.id, m.task, state, size, m.license, source
+        );
+    }
+    Ok(())
+}
+
+fn verify(registry: &ModelRegistry, ids: Vec<String>) -> anyhow::Result<()> {
+    let ids: Vec<String> = if ids.is_empty() {
+        registry
+            .status()
+            .into_iter()
+            .filter(|s| s.installed.is_some())
+            .map(|s| s.manifest.id)
+            .collect()
+    } else {
+        ids
+    };
+    if ids.is_empty() {
+        println!("no models installed in {}", registry.dir().display());
+        return Ok(());
+    }
+    let mut bad = 0;
+    for id in &ids {
+        let report = registry.verify(id)?;
+        if report.ok {
+            println!("{id}: ok");
+        } else {
+            bad += 1;
+            println!("{id}: FAILED");
+            for p in &report.problems {
+                println!("  - {p}");
+            }
+        }
+    }
+    if bad > 0 {
+        bail!("{bad} model(s) failed verification: reinstall them with `hilum models fetch ID` or `hilum models import ID PATH`");
+    }
+    Ok(())
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{:.1} MB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.0} kB", bytes as f64 / 1024.0)
+    }
+}
+
+/// A progress bar on stderr for downloads.
+struct Bar(Option<ProgressBar>);
+
+impl FetchProgress for Bar {
+    fn start(&mut self, total: Option<u64>, done: u64) {
+        let bar = match total {
+            Some(t) => ProgressBar::new(t),
+            None => ProgressBar::new_spinner(),
+        };
+        if let Ok(style) =
+            ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        {
+            bar.set_style(style);
+        }
+        bar.set_position(done);
+        self.0 = Some(bar);
+    }
+    fn advance(&mut self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.inc(bytes);
+        }
+    }
+    fn finish(&mut self) {
+        if let Some(b) = self.0.take() {
+            b.finish_and_clear();
+        }
+    }
+}
