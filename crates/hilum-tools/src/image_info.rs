@@ -108,6 +108,12 @@ impl Tool for ImageInfo {
             "source_channels": m.source_channels,
             "pixel_spacing_mm": m.pixel_spacing_mm,
             "view_position": m.view_position,
+            "photometric": m.photometric,
+            "modality": m.modality,
+            // Values are bright = dense: MONOCHROME1 was inverted, a DICOM window applied.
+            "inverted": m.inverted,
+            "window_applied": m.window_applied,
+            "warnings": m.warnings,
             "stats": s,
         });
         let summary = format!(

@@ -3,8 +3,10 @@
 
 mod classify;
 mod common;
+mod dicom_info;
 mod image_info;
 mod segment_lungs;
+mod visualize;
 
 use std::sync::Arc;
 
@@ -14,8 +16,10 @@ use hilum_models::ModelPool;
 
 pub use classify::ClassifyChestXray;
 pub use common::image_arg;
+pub use dicom_info::DicomInfo;
 pub use image_info::ImageInfo;
 pub use segment_lungs::SegmentLungs;
+pub use visualize::Visualize;
 
 /// Everything the tools share: the image store and the model pool.
 #[derive(Clone)]
@@ -43,6 +47,7 @@ impl ToolDeps {
 pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
     let mut tb = Toolbox::new();
     tb.register(Arc::new(ImageInfo::new(deps.images.clone())))?;
+    tb.register(Arc::new(DicomInfo::new(deps.images.clone())))?;
     tb.register(Arc::new(ClassifyChestXray::new(
         deps.images.clone(),
         deps.models.clone(),
@@ -51,5 +56,6 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.models.clone(),
     )))?;
+    tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
     Ok(tb)
 }

@@ -1,0 +1,273 @@
+//! `visualize`: renders an image with masks, heatmaps and labelled boxes to a PNG artifact.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{Box2d, Colormap, Heatmap, ImageStore, Layer, MaskLayer, Overlay};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+
+pub struct Visualize {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+}
+
+#[derive(Deserialize)]
+struct Args {
+    image: String,
+    #[serde(default)]
+    layers: Option<Vec<String>>,
+    #[serde(default)]
+    boxes: Vec<BoxArg>,
+    #[serde(default = "yes")]
+    legend: bool,
+    #[serde(default = "default_side")]
+    max_side: u32,
+    #[serde(default = "default_alpha")]
+    alpha: f32,
+}
+
+#[derive(Deserialize)]
+struct BoxArg {
+    x: f64,
+    y: f64,
+    w: f64,
+    h: f64,
+    label: String,
+    #[serde(default)]
+    score: Option<f64>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_side() -> u32 {
+    1024
+}
+fn default_alpha() -> f32 {
+    0.35
+}
+
+impl Visualize {
+    pub fn new(store: Arc<ImageStore>) -> Self {
+        Visualize {
+            spec: ToolSpec {
+                name: "visualize".into(),
+                description: "Draws results on a chest X-ray and returns a PNG for the user: segmentation \
+                    masks and heatmaps produced by other tools (by their layer ids, `lyr_...`; omit `layers` \
+                    to draw every layer of the image) in per-structure colours, and boxes with labels given \
+                    in original-image pixels (x, y = top-left corner). Use it to show the user where a \
+                    finding is. Returns no new findings."
+                    .into(),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {
+                        "image": image_arg(),
+                        "layers": {
+                            "type": "array",
+                            "items": {"type": "string", "pattern": "^lyr_[0-9a-f]{6,64}$"},
+                            "description": "Layer ids (masks, heatmaps) returned by other tools; omit for all layers of the image"
+                        },
+                        "boxes": {
+                            "type": "array",
+                            "maxItems": 50,
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "x": {"type": "number"}, "y": {"type": "number"},
+                                    "w": {"type": "number", "exclusiveMinimum": 0},
+                                    "h": {"type": "number", "exclusiveMinimum": 0},
+                                    "label": {"type": "string", "maxLength": 60},
+                                    "score": {"type": "number", "minimum": 0, "maximum": 1}
+                                },
+                                "required": ["x", "y", "w", "h", "label"],
+                                "additionalProperties": false
+                            }
+                        },
+                        "legend": {"type": "boolean", "default": true},
+                        "max_side": {"type": "integer", "minimum": 64, "maximum": 4096, "default": 1024},
+                        "alpha": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.35}
+                    },
+                    "required": ["image"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+        }
+    }
+}
+
+#[async_trait]
+impl Tool for Visualize {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        let a: Args =
+            serde_json::from_value(args).map_err(|e| ToolError::InvalidArguments(e.to_string()))?;
+        debug_assert_eq!(a.image, id);
+        let layer_ids = a.layers.unwrap_or_else(|| self.store.layers_of(&id));
+        let mut overlay = Overlay {
+            legend: a.legend,
+            max_side: Some(a.max_side.clamp(64, 4096)),
+            ..Default::default()
+        };
+        for lid in &layer_ids {
+            let (owner, layer) = self.store.layer(lid).map_err(|_| {
+                ToolError::NotFound(format!(
+                    "no layer `{lid}`; layers of {id}: {}",
+                    self.store.layers_of(&id).join(", ")
+                ))
+            })?;
+            if owner != id {
+                return Err(ToolError::InvalidArguments(format!(
+                    "layer `{lid}` belongs to {owner}, not {id}"
+                )));
+            }
+            match layer.as_ref().clone() {
+                Layer::Mask {
+                    label,
+                    width,
+                    height,
+                    data,
+                } => overlay.masks.push(MaskLayer {
+                    label,
+                    width,
+                    height,
+                    data,
+                    color: None,
+                    alpha: a.alpha,
+                }),
+                Layer::Heatmap {
+                    label,
+                    width,
+                    height,
+                    data,
+                } => overlay.heatmaps.push(Heatmap {
+                    label,
+                    width,
+                    height,
+                    data,
+                    colormap: Colormap::Jet,
+                    alpha: a.alpha.max(0.3),
+                    threshold: 0.2,
+                }),
+            }
+        }
+        let (w, h) = (img.width as f64, img.height as f64);
+        for b in &a.boxes {
+            if b.x >= w || b.y >= h || b.x + b.w <= 0.0 || b.y + b.h <= 0.0 {
+                return Err(ToolError::InvalidArguments(format!(
+                    "box `{}` ({}, {}, {}x{}) lies outside the {}x{} image",
+                    b.label, b.x, b.y, b.w, b.h, img.width, img.height
+                )));
+            }
+            overlay.boxes.push(Box2d {
+                x: b.x,
+                y: b.y,
+                w: b.w,
+                h: b.h,
+                label: b.label.clone(),
+                score: b.score,
+                color: None,
+            });
+        }
+        let n_masks = overlay.masks.len();
+        let n_heat = overlay.heatmaps.len();
+        let n_boxes = overlay.boxes.len();
+        let png = tokio::task::spawn_blocking(move || overlay.render_png(&img))
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?
+            .map_err(|e| ToolError::Unprocessable(e.to_string()))?;
+        let summary = format!(
+            "rendered {id} with {n_masks} mask(s), {n_heat} heatmap(s) and {n_boxes} box(es) as visualization.png"
+        );
+        let data = json!({
+            "image": id,
+            "layers": layer_ids,
+            "masks": n_masks,
+            "heatmaps": n_heat,
+            "boxes": n_boxes,
+            "artifact": "visualization.png",
+        });
+        Ok(ToolOutput::new(summary, data).with_artifact(Artifact::png(
+            "visualization.png",
+            "overlay",
+            png,
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn data(rel: &str) -> Vec<u8> {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/cxr")
+            .join(rel);
+        std::fs::read(&p)
+            .unwrap_or_else(|e| panic!("real test data missing: {} ({e})", p.display()))
+    }
+
+    #[tokio::test]
+    async fn draws_layers_and_boxes_on_a_real_image() {
+        let store = Arc::new(ImageStore::default());
+        let id = store
+            .ingest_bytes(
+                data("images/nih_00009745_000_cardiomegaly.png").into(),
+                "nih.png",
+            )
+            .unwrap();
+        // A 64x64 "heart" mask covering the middle of the image.
+        let mask: Vec<f32> = (0..64 * 64)
+            .map(|i| {
+                let (x, y) = (i % 64, i / 64);
+                ((20..44).contains(&x) && (28..52).contains(&y)) as u8 as f32
+            })
+            .collect();
+        let lid = store
+            .put_layer(
+                &id,
+                Layer::Mask {
+                    label: "heart".into(),
+                    width: 64,
+                    height: 64,
+                    data: mask,
+                },
+            )
+            .unwrap();
+        let tool = Visualize::new(store.clone());
+        let out = tool
+            .call(
+                &ToolContext::default(),
+                json!({"image": id, "boxes": [{"x": 600, "y": 300, "w": 200, "h": 150, "label": "Cardiomegaly", "score": 0.8}], "max_side": 512}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.data["layers"], json!([lid]));
+        let png = &out.artifacts[0].bytes;
+        let img = image::load_from_memory(png).unwrap().to_rgb8();
+        assert_eq!(img.dimensions(), (512, 512));
+        // Mask centre is tinted red (heart colour); a far corner of the radiograph stays grey.
+        let p = img.get_pixel(256, 320).0;
+        assert!(p[0] as i32 - p[1] as i32 > 40, "{p:?}");
+        let q = img.get_pixel(30, 500).0;
+        assert!(q[0] == q[1] && q[1] == q[2], "{q:?}");
+        // Box outside the image is refused with a reason.
+        let err = tool
+            .call(
+                &ToolContext::default(),
+                json!({"image": id, "boxes": [{"x": 5000, "y": 0, "w": 10, "h": 10, "label": "x"}]}),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("outside"), "{err}");
+    }
+}
