@@ -207,6 +207,43 @@ struct TextOut {
     text: String,
     sent: usize,
     stops: Vec<String>,
+    /// Hold everything back while the turn might still turn out to be a tool call.
+    hold_all: bool,
+}
+
+#[derive(Debug, PartialEq)]
+enum Trigger {
+    Undecided,
+    Call,
+    Text,
+}
+
+/// Whether a turn that began with `s` is a tool call written without `<tool_call>` (small
+/// models often answer with a bare JSON object or a fenced ```json block, which llama.cpp's
+/// Hermes parser also accepts).
+fn call_trigger(s: &str) -> Trigger {
+    let t = s.trim_start();
+    if t.is_empty() {
+        return Trigger::Undecided;
+    }
+    if t.starts_with('{') {
+        return Trigger::Call;
+    }
+    for fence in ["```json", "```"] {
+        if fence.starts_with(t) {
+            return Trigger::Undecided;
+        }
+        if let Some(rest) = t.strip_prefix(fence) {
+            let rest = rest.trim_start();
+            if rest.is_empty() {
+                return Trigger::Undecided;
+            }
+            if rest.starts_with('{') {
+                return Trigger::Call;
+            }
+        }
+    }
+    Trigger::Text
 }
 
 impl TextOut {
@@ -228,6 +265,9 @@ impl TextOut {
             self.sent = end;
             return (out, true);
         }
+        if self.hold_all {
+            return (String::new(), false);
+        }
         let hold = self.stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
         let mut end = self.text.len().saturating_sub(hold).max(self.sent);
         while !self.text.is_char_boundary(end) {
@@ -236,6 +276,11 @@ impl TextOut {
         let out = self.text[self.sent..end].to_string();
         self.sent = end;
         (out, false)
+    }
+
+    /// What `push("")` would release now that holding is over.
+    fn flush_safe(&mut self) -> String {
+        self.push("").0
     }
 
     fn flush(&mut self) -> String {
@@ -325,15 +370,27 @@ fn decode(
         text: String::new(),
         sent: 0,
         stops: prep.stop.clone(),
+        hold_all: prep.constraint.is_some(),
     };
+    let prompt_len = st.cached.len();
     let mut generated: Vec<u32> = Vec::new();
     let mut calls = 0usize;
     let mut finish = FinishReason::Stop;
     let t_decode = Instant::now();
     loop {
         if generated.len() >= prep.max_new {
-            if let Mode::Call { body: Some(_), .. } = mode {
-                return Err(LocalError::CallCutOff(prep.max_new as u32));
+            if let Mode::Call { body: Some(b), .. } = &mode {
+                if calls > 0 {
+                    // Keep the finished calls; the cut-off extra one is dropped.
+                    tracing::warn!(
+                        "local model: max_tokens reached in an extra tool call; dropped"
+                    );
+                    break;
+                }
+                return Err(LocalError::CallCutOff {
+                    max: prep.max_new as u32,
+                    partial: String::from_utf8_lossy(b).chars().take(200).collect(),
+                });
             }
             finish = FinishReason::Length;
             break;
@@ -392,7 +449,38 @@ fn decode(
                     break;
                 }
                 let piece = utf8.push(tok.token_bytes(next));
-                let (out, hit) = text.push(&piece);
+                let (mut out, hit) = text.push(&piece);
+                if text.hold_all && !hit {
+                    match (call_trigger(&text.text), &prep.constraint, open) {
+                        (Trigger::Call, Some(c), Some(open)) => {
+                            // Rewind the bare JSON and let the model write it as a proper,
+                            // constrained call instead.
+                            st.model.truncate_cache(prompt_len)?;
+                            st.cached.truncate(prompt_len);
+                            generated.clear();
+                            text.text.clear();
+                            text.sent = 0;
+                            text.hold_all = false;
+                            utf8 = Utf8Stream::default();
+                            let mut m = c.matcher()?;
+                            m.consume_token(open)
+                                .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                            mode = Mode::Call {
+                                matcher: Some(m),
+                                body: Some(Vec::new()),
+                            };
+                            generated.push(open);
+                            logits = st.model.forward(&[open])?;
+                            st.cached.push(open);
+                            continue;
+                        }
+                        (Trigger::Undecided, ..) => {}
+                        _ => {
+                            text.hold_all = false;
+                            out = text.flush_safe();
+                        }
+                    }
+                }
                 if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
                     return Ok(());
                 }
@@ -501,6 +589,7 @@ mod tests {
             text: String::new(),
             sent: 0,
             stops: vec!["Observation:".into()],
+            hold_all: false,
         };
         let (a, hit) = t.push("Action: x\nObserv");
         assert!(!hit);
@@ -512,11 +601,23 @@ mod tests {
     }
 
     #[test]
+    fn bare_json_and_fenced_json_start_a_call() {
+        assert_eq!(call_trigger("  "), Trigger::Undecided);
+        assert_eq!(call_trigger("``"), Trigger::Undecided);
+        assert_eq!(call_trigger("```json\n"), Trigger::Undecided);
+        assert_eq!(call_trigger("```json\n{"), Trigger::Call);
+        assert_eq!(call_trigger("\n{\"name\""), Trigger::Call);
+        assert_eq!(call_trigger("The lungs"), Trigger::Text);
+        assert_eq!(call_trigger("```python\n"), Trigger::Text);
+    }
+
+    #[test]
     fn text_without_stops_streams_at_once() {
         let mut t = TextOut {
             text: String::new(),
             sent: 0,
             stops: vec![],
+            hold_all: false,
         };
         assert_eq!(t.push("héllo").0, "héllo");
     }

@@ -71,10 +71,8 @@ pub enum LocalError {
     ContextFull { needed: usize, limit: usize },
     #[error("the local model repeated the same {period} token(s) over its last {window} tokens and was stopped; try a higher temperature or a clearer question")]
     Repetition { period: usize, window: usize },
-    #[error(
-        "the local model reached max_tokens ({0}) in the middle of a tool call; raise max_tokens"
-    )]
-    CallCutOff(u32),
+    #[error("the local model reached max_tokens ({max}) in the middle of a tool call ({partial}); raise max_tokens")]
+    CallCutOff { max: u32, partial: String },
 }
 
 impl From<LocalError> for LlmError {
