@@ -4,9 +4,13 @@
 mod classify;
 mod common;
 mod dicom_info;
+pub mod ground;
 mod image_info;
+pub mod localize;
 mod segment_lungs;
 mod visualize;
+pub mod vlm;
+pub mod vqa;
 
 use std::sync::Arc;
 
@@ -17,15 +21,21 @@ use hilum_models::ModelPool;
 pub use classify::ClassifyChestXray;
 pub use common::image_arg;
 pub use dicom_info::DicomInfo;
+pub use ground::GroundPhrase;
 pub use image_info::ImageInfo;
+pub use localize::LocalizeFinding;
 pub use segment_lungs::SegmentLungs;
 pub use visualize::Visualize;
+pub use vlm::VlmSettings;
+pub use vqa::AnswerVisualQuestion;
 
 /// Everything the tools share: the image store and the model pool.
 #[derive(Clone)]
 pub struct ToolDeps {
     pub images: Arc<ImageStore>,
     pub models: Arc<ModelPool>,
+    /// Served VLM endpoints (`[vlm]` table, `HILUM_VLM_*`).
+    pub vlm: Arc<VlmSettings>,
 }
 
 impl ToolDeps {
@@ -34,11 +44,17 @@ impl ToolDeps {
         ToolDeps {
             images,
             models: Arc::new(ModelPool::from_env_or_empty()),
+            vlm: Arc::new(VlmSettings::from_env_and_file_or_broken()),
         }
     }
 
     pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
         self.models = models;
+        self
+    }
+
+    pub fn with_vlm(mut self, vlm: Arc<VlmSettings>) -> Self {
+        self.vlm = vlm;
         self
     }
 }
@@ -55,6 +71,18 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
     tb.register(Arc::new(SegmentLungs::new(
         deps.images.clone(),
         deps.models.clone(),
+    )))?;
+    tb.register(Arc::new(LocalizeFinding::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
+    tb.register(Arc::new(GroundPhrase::new(
+        deps.images.clone(),
+        deps.vlm.clone(),
+    )))?;
+    tb.register(Arc::new(AnswerVisualQuestion::new(
+        deps.images.clone(),
+        deps.vlm.clone(),
     )))?;
     tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
     Ok(tb)

@@ -1,0 +1,611 @@
+//! `localize_finding`: where the torchxrayvision DenseNet-121 sees one of its 18 pathologies,
+//! as a class activation map (Zhou et al., "Learning Deep Features for Discriminative
+//! Localization", CVPR 2016): the classifier weights of that class times the last feature map
+//! (after `norm5` and ReLU), upsampled to the image, thresholded into boxes, and drawn as a
+//! heatmap overlay.
+//!
+//! With a global-average-pool + linear head, Grad-CAM (Selvaraju et al., ICCV 2017) on that
+//! feature map is `ReLU(CAM) / (h * w)`: after normalisation the two maps are identical, so
+//! only CAM is computed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use async_trait::async_trait;
+use candle_core::Tensor;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{CxrImage, ImageStore};
+use hilum_models::densenet::DenseNet;
+use hilum_models::xrv::{self, Arch, XrvSpec};
+use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{InstalledModel, Manifest};
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
+
+pub const NAME: &str = "localize_finding";
+pub const MODEL_ID: &str = "densenet121-res224-all";
+/// At most this many boxes are reported, strongest first.
+const MAX_BOXES: usize = 5;
+/// Regions smaller than this fraction of the analysed square are specks, not boxes.
+const MIN_REGION_FRACTION: f64 = 0.002;
+
+/// The candle DenseNet with access to its last feature map.
+pub struct CamNet {
+    pub net: DenseNet,
+    pub spec: XrvSpec,
+    device: candle_core::Device,
+    // One forward at a time, as the classifier's candle path.
+    lock: Mutex<()>,
+}
+
+/// A class activation map at feature-map resolution.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cam {
+    pub class: usize,
+    /// (h, w) of the feature map.
+    pub h: usize,
+    pub w: usize,
+    /// `sum_k W[class, k] * F[k, y, x]`, row-major, without the bias.
+    pub values: Vec<f32>,
+    /// The class logit: mean of `values` plus the bias, as the head computes it.
+    pub logit: f32,
+}
+
+impl CamNet {
+    pub fn new(net: DenseNet, spec: XrvSpec, device: candle_core::Device) -> Self {
+        CamNet {
+            net,
+            spec,
+            device,
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// (b, 1, res, res) → (b, c_final, res/32, res/32): `DenseNet::features` without the pool.
+    pub fn feature_map(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let n = &self.net;
+        let mut xs = xs
+            .apply(&n.conv0)?
+            .apply_t(&n.norm0, false)?
+            .relu()?
+            .pad_with_zeros(2, 1, 1)?
+            .pad_with_zeros(3, 1, 1)?
+            .max_pool2d_with_stride(3, 2)?;
+        for (i, layers) in n.blocks.iter().enumerate() {
+            for l in layers {
+                let new = xs
+                    .apply_t(&l.norm1, false)?
+                    .relu()?
+                    .apply(&l.conv1)?
+                    .apply_t(&l.norm2, false)?
+                    .relu()?
+                    .apply(&l.conv2)?;
+                xs = Tensor::cat(&[&xs, &new], 1)?;
+            }
+            if let Some(t) = n.transitions.get(i) {
+                xs = xs
+                    .apply_t(&t.norm, false)?
+                    .relu()?
+                    .apply(&t.conv)?
+                    .avg_pool2d(2)?;
+            }
+        }
+        xs.apply_t(&n.norm5, false)?.relu()
+    }
+
+    /// The CAM of `class` for one preprocessed input (res x res, xrv-normalised).
+    pub fn cam(&self, input: &[f32], class: usize) -> Result<Cam, ModelError> {
+        let res = self.spec.resolution;
+        if input.len() != res * res {
+            return Err(ModelError::Compute(format!(
+                "CAM input has {} values, expected {res} x {res}",
+                input.len()
+            )));
+        }
+        let k = self.net.cfg.num_classes;
+        if class >= k {
+            return Err(ModelError::Compute(format!(
+                "class {class} out of range (the model has {k})"
+            )));
+        }
+        let _one = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let x = Tensor::from_slice(input, (1, 1, res, res), &self.device)?;
+        let f = self.feature_map(&x)?; // (1, C, h, w)
+        let (_, c, h, w) = f.dims4()?;
+        let wc = self.net.classifier.weight().narrow(0, class, 1)?; // (1, C)
+        let values = wc
+            .matmul(&f.reshape((c, h * w))?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let bias = match self.net.classifier.bias() {
+            Some(b) => b.narrow(0, class, 1)?.to_vec1::<f32>()?[0],
+            None => 0.0,
+        };
+        let logit = values.iter().sum::<f32>() / values.len().max(1) as f32 + bias;
+        Ok(Cam {
+            class,
+            h,
+            w,
+            values,
+            logit,
+        })
+    }
+}
+
+impl hilum_models::Model for CamNet {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let spec = XrvSpec::from_manifest(manifest)?;
+        let Arch::DenseNet(cfg) = &spec.arch else {
+            return Err(ModelError::Manifest {
+                id: manifest.id.clone(),
+                reason: "localize_finding needs a DenseNet (its CAM uses the last dense block)"
+                    .into(),
+            });
+        };
+        let vb = hilum_models::weights::var_builder(&installed.weights, device)?;
+        let net = DenseNet::load(vb, cfg).map_err(|e| ModelError::Corrupt {
+            id: manifest.id.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(CamNet::new(net, spec, device.candle()?))
+    }
+}
+
+/// Bilinear resize (half-pixel centres, edges clamped, as `F.interpolate(align_corners=False)`)
+/// of an (h, w) map to (out_h, out_w).
+pub fn upsample(values: &[f32], h: usize, w: usize, out_h: usize, out_w: usize) -> Vec<f32> {
+    let taps = |n: usize, m: usize| -> Vec<(usize, usize, f32)> {
+        (0..m)
+            .map(|o| {
+                let x = ((o as f64 + 0.5) * n as f64 / m as f64 - 0.5).clamp(0.0, (n - 1) as f64);
+                let i = x.floor() as usize;
+                (i, (i + 1).min(n - 1), (x - i as f64) as f32)
+            })
+            .collect()
+    };
+    let (ty, tx) = (taps(h, out_h), taps(w, out_w));
+    let mut out = vec![0f32; out_h * out_w];
+    for (oy, &(y0, y1, fy)) in ty.iter().enumerate() {
+        let (r0, r1) = (&values[y0 * w..(y0 + 1) * w], &values[y1 * w..(y1 + 1) * w]);
+        let row = &mut out[oy * out_w..(oy + 1) * out_w];
+        for (o, &(x0, x1, fx)) in row.iter_mut().zip(&tx) {
+            let top = r0[x0] * (1.0 - fx) + r0[x1] * fx;
+            let bot = r1[x0] * (1.0 - fx) + r1[x1] * fx;
+            *o = top * (1.0 - fy) + bot * fy;
+        }
+    }
+    out
+}
+
+/// `ReLU(cam) / max`: 0..1, all zero when nothing is positive.
+pub fn normalise(values: &[f32]) -> Vec<f32> {
+    let max = values.iter().fold(0f32, |m, &v| m.max(v));
+    if max <= 0.0 {
+        return vec![0.0; values.len()];
+    }
+    values.iter().map(|&v| v.max(0.0) / max).collect()
+}
+
+/// A connected region of the thresholded map.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeatBox {
+    /// Corners in map pixels, `[x1, x2) x [y1, y2)`.
+    pub x1: usize,
+    pub y1: usize,
+    pub x2: usize,
+    pub y2: usize,
+    pub area: usize,
+    pub peak: f32,
+}
+
+/// Connected regions (4-connectivity) of `map >= threshold`, strongest peak first; regions
+/// under `min_area` pixels are dropped.
+pub fn boxes_from_map(
+    map: &[f32],
+    w: usize,
+    h: usize,
+    threshold: f32,
+    min_area: usize,
+) -> Vec<HeatBox> {
+    let mut seen = vec![false; map.len()];
+    let mut out = Vec::new();
+    let mut stack = Vec::new();
+    for start in 0..map.len() {
+        if seen[start] || map[start] < threshold {
+            continue;
+        }
+        seen[start] = true;
+        stack.push(start);
+        let mut b = HeatBox {
+            x1: usize::MAX,
+            y1: usize::MAX,
+            x2: 0,
+            y2: 0,
+            area: 0,
+            peak: 0.0,
+        };
+        while let Some(p) = stack.pop() {
+            let (x, y) = (p % w, p / w);
+            b.x1 = b.x1.min(x);
+            b.y1 = b.y1.min(y);
+            b.x2 = b.x2.max(x + 1);
+            b.y2 = b.y2.max(y + 1);
+            b.area += 1;
+            b.peak = b.peak.max(map[p]);
+            let mut visit = |q: usize| {
+                if !seen[q] && map[q] >= threshold {
+                    seen[q] = true;
+                    stack.push(q);
+                }
+            };
+            if x > 0 {
+                visit(p - 1);
+            }
+            if x + 1 < w {
+                visit(p + 1);
+            }
+            if y > 0 {
+                visit(p - w);
+            }
+            if y + 1 < h {
+                visit(p + w);
+            }
+        }
+        if b.area >= min_area.max(1) {
+            out.push(b);
+        }
+    }
+    out.sort_by(|a, b| b.peak.total_cmp(&a.peak).then(b.area.cmp(&a.area)));
+    out
+}
+
+/// Everything `localize_finding` computes for one image and class.
+#[derive(Clone, Debug)]
+pub struct Localization {
+    pub cam: Cam,
+    pub probability: f32,
+    /// Side and top-left corner of the centre square the model saw, in image pixels.
+    pub crop: usize,
+    pub crop_x: usize,
+    pub crop_y: usize,
+    /// Normalised CAM at crop resolution (crop x crop).
+    pub heat: Vec<f32>,
+    /// Boxes in original-image pixels, strongest first.
+    pub boxes: Vec<(HeatBox, PixelBox)>,
+}
+
+/// Runs the CAM of `class` on `img` and turns it into boxes (blocking; candle forward).
+pub fn localize(
+    net: &CamNet,
+    img: &CxrImage,
+    class: usize,
+    threshold: f32,
+) -> Result<Localization, ModelError> {
+    let (w, h) = (img.width as usize, img.height as usize);
+    if w == 0 || h == 0 || img.pixels.len() != w * h {
+        return Err(ModelError::Compute(
+            "image pixel buffer does not match its size".into(),
+        ));
+    }
+    let res = net.spec.resolution;
+    let input = xrv::preprocess(&img.pixels, w, h, img.max_value(), res);
+    let cam = net.cam(&input, class)?;
+    // The same centre square as `xrv::preprocess`.
+    let crop = w.min(h);
+    let (crop_x, crop_y) = (w / 2 - crop / 2, h / 2 - crop / 2);
+    let heat = upsample(&normalise(&cam.values), cam.h, cam.w, crop, crop);
+    let min_area = (MIN_REGION_FRACTION * (crop * crop) as f64) as usize;
+    let label = net.spec.labels.get(class).cloned().unwrap_or_default();
+    let boxes = boxes_from_map(&heat, crop, crop, threshold, min_area)
+        .into_iter()
+        .take(MAX_BOXES)
+        .map(|b| {
+            let p = PixelBox {
+                label: label.clone(),
+                x1: (crop_x + b.x1) as f64,
+                y1: (crop_y + b.y1) as f64,
+                x2: (crop_x + b.x2) as f64,
+                y2: (crop_y + b.y2) as f64,
+            };
+            (b, p)
+        })
+        .collect();
+    Ok(Localization {
+        probability: xrv::sigmoid(cam.logit),
+        cam,
+        crop,
+        crop_x,
+        crop_y,
+        heat,
+        boxes,
+    })
+}
+
+/// Jet-like colour for t in 0..1 (blue → cyan → yellow → red).
+fn jet(t: f32) -> [f32; 3] {
+    let t = t.clamp(0.0, 1.0);
+    let c = |x: f32| (1.5 - (4.0 * t - x).abs()).clamp(0.0, 1.0) * 255.0;
+    [c(3.0), c(2.0), c(1.0)]
+}
+
+/// The radiograph with the heat blended in (weaker heat more transparent) and the boxes drawn.
+pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolError> {
+    let (mut canvas, scale) = base_canvas(img)?;
+    let (cw, ch) = (canvas.width(), canvas.height());
+    for cy in 0..ch {
+        let oy = ((cy as f64 + 0.5) / scale) as usize;
+        if oy < loc.crop_y || oy >= loc.crop_y + loc.crop {
+            continue;
+        }
+        for cx in 0..cw {
+            let ox = ((cx as f64 + 0.5) / scale) as usize;
+            if ox < loc.crop_x || ox >= loc.crop_x + loc.crop {
+                continue;
+            }
+            let t = loc.heat[(oy - loc.crop_y) * loc.crop + (ox - loc.crop_x)];
+            if t < 0.1 {
+                continue;
+            }
+            let a = 0.55 * t;
+            let col = jet(t);
+            let px = canvas.get_pixel_mut(cx, cy);
+            for k in 0..3 {
+                px.0[k] = (px.0[k] as f32 * (1.0 - a) + col[k] * a).round() as u8;
+            }
+        }
+    }
+    let boxes: Vec<PixelBox> = loc.boxes.iter().map(|(_, p)| p.clone()).collect();
+    draw_boxes(&mut canvas, &boxes, scale);
+    encode_png(canvas)
+}
+
+fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
+    match e {
+        ModelError::NotInstalled { id, .. } => {
+            let fetchable = models
+                .registry()
+                .manifest(&id)
+                .map(|m| m.source.download_url().is_some())
+                .unwrap_or(false);
+            let fix = if fetchable {
+                format!("hilum models fetch {id}")
+            } else {
+                format!("hilum models import {id} PATH")
+            };
+            ToolError::ModelMissing { model: id, fix }
+        }
+        other => ToolError::Internal(other.to_string()),
+    }
+}
+
+pub struct LocalizeFinding {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+    models: Arc<ModelPool>,
+    device: Device,
+}
+
+impl LocalizeFinding {
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
+        LocalizeFinding {
+            spec: ToolSpec {
+                name: NAME.into(),
+                description:
+                    "Shows where the chest X-ray classifier (torchxrayvision DenseNet-121) \
+                    finds evidence for one of its 18 pathologies: a class activation map over the \
+                    image, thresholded into boxes (original-image pixels) and drawn as a heatmap \
+                    overlay. It explains the classifier's score; it is coarse (32-pixel grid at \
+                    224 px) and not a segmentation. Use it to answer \"where?\" when no grounding \
+                    model is available."
+                        .into(),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {
+                        "image": image_arg(),
+                        "finding": {
+                            "type": "string",
+                            "enum": xrv::LABELS,
+                            "description": "The pathology, as the classifier names it"
+                        },
+                        "threshold": {
+                            "type": "number", "minimum": 0.1, "maximum": 0.95, "default": 0.5,
+                            "description": "Fraction of the map's peak above which a pixel is inside a box"
+                        }
+                    },
+                    "required": ["image", "finding"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+            models,
+            device: Device::Cpu,
+        }
+    }
+
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+}
+
+/// Index of `finding` among the labels: exact, then ignoring case, spaces and underscores.
+pub fn class_index(labels: &[String], finding: &str) -> Option<usize> {
+    let key = |s: &str| -> String {
+        s.chars()
+            .filter(|c| c.is_alphanumeric())
+            .flat_map(char::to_lowercase)
+            .collect()
+    };
+    let f = key(finding);
+    labels
+        .iter()
+        .position(|l| l == finding)
+        .or_else(|| labels.iter().position(|l| key(l) == f))
+}
+
+#[async_trait]
+impl Tool for LocalizeFinding {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        let finding = args
+            .get("finding")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ToolError::InvalidArguments("`finding` must be a label".into()))?
+            .to_string();
+        let threshold = args.get("threshold").and_then(Value::as_f64).unwrap_or(0.5) as f32;
+        if !(0.1..=0.95).contains(&threshold) {
+            return Err(ToolError::InvalidArguments(
+                "threshold must be between 0.1 and 0.95".into(),
+            ));
+        }
+        let installed = self
+            .models
+            .registry()
+            .installed(MODEL_ID)
+            .map_err(|e| model_error(&self.models, e))?;
+        let _permit = self
+            .models
+            .acquire(self.device)
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (models, device, image) = (self.models.clone(), self.device, img.clone());
+        let t0 = Instant::now();
+        let (loc, label) = tokio::task::spawn_blocking(move || {
+            let net = models
+                .get_or_load::<CamNet>(MODEL_ID, device)
+                .map_err(|e| model_error(&models, e))?;
+            let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
+                ToolError::InvalidArguments(format!(
+                    "`{finding}` is not one of the model's labels: {}",
+                    net.spec.labels.join(", ")
+                ))
+            })?;
+            let loc = localize(&net, &image, class, threshold)
+                .map_err(|e| ToolError::Internal(e.to_string()))?;
+            Ok::<_, ToolError>((loc, net.spec.labels[class].clone()))
+        })
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+        drop(_permit);
+        let png = overlay_png(&img, &loc)?;
+        let r2 = |v: f64| (v * 100.0).round() / 100.0;
+        let boxes: Vec<Value> = loc
+            .boxes
+            .iter()
+            .map(|(h, p)| {
+                let mut v = p.to_json();
+                v["peak"] = json!(r2(h.peak as f64));
+                v["area_px"] = json!(h.area);
+                v
+            })
+            .collect();
+        let summary = if loc.boxes.is_empty() {
+            format!(
+                "{id}: no region of the map for {label} reaches {threshold} of its peak \
+                 (probability {:.2})",
+                loc.probability
+            )
+        } else {
+            let list: Vec<String> = loc
+                .boxes
+                .iter()
+                .map(|(_, p)| {
+                    format!(
+                        "x={:.0} y={:.0} w={:.0} h={:.0}",
+                        p.x1,
+                        p.y1,
+                        p.x2 - p.x1,
+                        p.y2 - p.y1
+                    )
+                })
+                .collect();
+            format!(
+                "{id}: {label} (probability {:.2}) evidence strongest at {}{}",
+                loc.probability,
+                list.join("; "),
+                if installed.record.custom {
+                    " (custom site checkpoint)"
+                } else {
+                    ""
+                }
+            )
+        };
+        let data = json!({
+            "image": id,
+            "finding": label,
+            "method": "CAM (= normalised Grad-CAM for this head) on the last dense block",
+            "model": MODEL_ID,
+            "model_custom": installed.record.custom,
+            "probability": r2(loc.probability as f64),
+            "logit": loc.cam.logit,
+            "threshold": threshold,
+            "boxes": boxes,
+            "grid": [loc.cam.h, loc.cam.w],
+            "cam": normalise(&loc.cam.values).iter().map(|v| r2(*v as f64)).collect::<Vec<_>>(),
+            "analysed_square": [loc.crop_x, loc.crop_y, loc.crop, loc.crop],
+            "latency_ms": r2(t0.elapsed().as_secs_f64() * 1e3),
+            "coordinates": "original-image pixels; the model sees only the centre square",
+        });
+        Ok(ToolOutput::new(summary, data).with_artifact(Artifact::png(
+            "cam_overlay.png",
+            "heatmap",
+            png,
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upsample_keeps_constant_and_interpolates() {
+        let up = upsample(&[1.0; 4], 2, 2, 5, 7);
+        assert!(up.iter().all(|v| (v - 1.0).abs() < 1e-6));
+        // 1x2 → 1x4 with half-pixel centres: 0, 0.25, 0.75, 1.
+        let up = upsample(&[0.0, 1.0], 1, 2, 1, 4);
+        assert_eq!(up, vec![0.0, 0.25, 0.75, 1.0]);
+    }
+
+    #[test]
+    fn boxes_follow_thresholded_regions() {
+        // 6x4 map: a strong 2x2 blob, a weak 1x3 blob, a one-pixel speck.
+        #[rustfmt::skip]
+        let map = [
+            0.9, 1.0, 0.0, 0.0, 0.0, 0.6,
+            0.8, 0.7, 0.0, 0.0, 0.0, 0.0,
+            0.0, 0.0, 0.0, 0.55, 0.6, 0.52,
+            0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+        ];
+        let b = boxes_from_map(&map, 6, 4, 0.5, 2);
+        assert_eq!(b.len(), 2);
+        assert_eq!(
+            (b[0].x1, b[0].y1, b[0].x2, b[0].y2, b[0].area),
+            (0, 0, 2, 2, 4)
+        );
+        assert_eq!(
+            (b[1].x1, b[1].y1, b[1].x2, b[1].y2, b[1].area),
+            (3, 2, 6, 3, 3)
+        );
+        assert_eq!(boxes_from_map(&map, 6, 4, 0.95, 1).len(), 1);
+    }
+
+    #[test]
+    fn labels_match_loosely() {
+        let labels: Vec<String> = xrv::LABELS.iter().map(|s| s.to_string()).collect();
+        assert_eq!(class_index(&labels, "Effusion"), Some(7));
+        assert_eq!(class_index(&labels, "pleural thickening"), Some(9));
+        assert_eq!(class_index(&labels, "enlarged_cardiomediastinum"), Some(17));
+        assert_eq!(class_index(&labels, "Infiltrate"), None);
+    }
+}

@@ -1,0 +1,541 @@
+//! The served VLM layer: one OpenAI-compatible multimodal chat endpoint (vLLM, SGLang,
+//! llama.cpp server, …) per tool, reached with the image as a PNG data URL. Used by
+//! `answer_visual_question` and `ground_phrase`.
+//!
+//! Configuration: the `[vlm]` table of the Hilum config file, with optional per-tool tables
+//! (`[vlm.tools.ground_phrase]`) overriding it, and `HILUM_VLM_BASE_URL`, `HILUM_VLM_MODEL`,
+//! `HILUM_VLM_FAMILY`, `HILUM_VLM_API_KEY` overriding the file. Pixels only go to a loopback
+//! endpoint, or to one the site marked `allow_pixels = true` (an on-site GPU server).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hilum_agent::ToolError;
+use hilum_imaging::CxrImage;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use thiserror::Error;
+
+/// Which model family sits behind the endpoint: decides the prompt and how boxes are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub enum Family {
+    /// Microsoft MAIRA-2: grounded phrases as `<obj>…</obj><box><x..><y..><x..><y..></box>`.
+    #[serde(rename = "maira2", alias = "maira-2")]
+    Maira2,
+    /// Qwen2.5-VL: JSON boxes `[{"bbox_2d": [x1, y1, x2, y2], "label": …}]` in input pixels.
+    #[serde(rename = "qwen2.5-vl", alias = "qwen2.5vl", alias = "qwen2_5_vl")]
+    Qwen25Vl,
+    /// Anything else (CheXagent, MedGemma, LLaVA-Med): both box formats are tried.
+    #[serde(rename = "generic")]
+    Generic,
+}
+
+impl Family {
+    pub fn parse(s: &str) -> Result<Family, VlmError> {
+        serde_json::from_value(Value::String(s.trim().to_ascii_lowercase())).map_err(|_| {
+            VlmError::Config(format!(
+                "unknown VLM family `{s}`: use maira2, qwen2.5-vl or generic"
+            ))
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::Maira2 => "maira2",
+            Family::Qwen25Vl => "qwen2.5-vl",
+            Family::Generic => "generic",
+        }
+    }
+}
+
+/// Why the VLM layer failed, in words a user can act on.
+#[derive(Debug, Error)]
+pub enum VlmError {
+    #[error(
+        "no VLM endpoint is configured for `{tool}`: set HILUM_VLM_BASE_URL and HILUM_VLM_MODEL \
+         (and HILUM_VLM_FAMILY), or base_url/model/family in the [vlm] table of the config file"
+    )]
+    NotConfigured { tool: String },
+    #[error("VLM configuration: {0}")]
+    Config(String),
+    #[error(
+        "refusing to send pixels to {url}: it is not a loopback address; if it is an on-site \
+         server allowed to see images, set allow_pixels = true in the [vlm] table"
+    )]
+    PixelsNotAllowed { url: String },
+    #[error("VLM endpoint {url} unreachable: {reason}; check that the server is running")]
+    Unreachable { url: String, reason: String },
+    #[error("VLM endpoint {url} answered HTTP {status}: {body}")]
+    Status {
+        url: String,
+        status: u16,
+        body: String,
+    },
+    #[error("VLM endpoint {url} sent a response that is not a chat completion: {reason}")]
+    BadResponse { url: String, reason: String },
+    #[error("could not prepare the image for the VLM: {0}")]
+    Image(String),
+}
+
+impl From<VlmError> for ToolError {
+    fn from(e: VlmError) -> ToolError {
+        match e {
+            VlmError::Image(m) => ToolError::Internal(m),
+            other => ToolError::Unprocessable(other.to_string()),
+        }
+    }
+}
+
+/// One table of settings; every field optional so per-tool tables can override a few.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointTable {
+    pub base_url: Option<String>,
+    pub model: Option<String>,
+    pub family: Option<Family>,
+    pub api_key: Option<String>,
+    /// The endpoint may receive pixels although it is not on loopback.
+    pub allow_pixels: Option<bool>,
+    pub timeout_secs: Option<u64>,
+    pub max_tokens: Option<u32>,
+    /// Longest side of the image sent (MAIRA-2 and generic families).
+    pub max_side: Option<u32>,
+    /// Pixel budget of the image sent to Qwen2.5-VL (its `max_pixels`).
+    pub max_pixels: Option<u32>,
+}
+
+impl EndpointTable {
+    fn or(&self, base: &EndpointTable) -> EndpointTable {
+        EndpointTable {
+            base_url: self.base_url.clone().or_else(|| base.base_url.clone()),
+            model: self.model.clone().or_else(|| base.model.clone()),
+            family: self.family.or(base.family),
+            api_key: self.api_key.clone().or_else(|| base.api_key.clone()),
+            allow_pixels: self.allow_pixels.or(base.allow_pixels),
+            timeout_secs: self.timeout_secs.or(base.timeout_secs),
+            max_tokens: self.max_tokens.or(base.max_tokens),
+            max_side: self.max_side.or(base.max_side),
+            max_pixels: self.max_pixels.or(base.max_pixels),
+        }
+    }
+}
+
+/// The `[vlm]` table: defaults for every VLM tool, and per-tool overrides.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VlmSettings {
+    #[serde(flatten)]
+    pub default: EndpointTable,
+    #[serde(default)]
+    pub tools: BTreeMap<String, EndpointTable>,
+    /// A configuration that failed to load: every endpoint reports it instead of guessing.
+    #[serde(skip)]
+    pub broken: Option<String>,
+}
+
+/// A resolved endpoint for one tool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Endpoint {
+    pub base_url: String,
+    pub model: String,
+    pub family: Family,
+    pub api_key: Option<String>,
+    pub allow_pixels: bool,
+    pub timeout: Duration,
+    pub max_tokens: u32,
+    pub max_side: u32,
+    pub max_pixels: u32,
+}
+
+/// Qwen2.5-VL's patch (14) times its spatial merge (2): input sides are multiples of 28.
+pub const QWEN_FACTOR: u32 = 28;
+/// Qwen2.5-VL's smallest accepted input (`min_pixels`).
+pub const QWEN_MIN_PIXELS: u32 = 56 * 56;
+
+impl VlmSettings {
+    /// Parses the `[vlm]` table of a config file's text (other tables are ignored).
+    pub fn from_config_text(text: &str) -> Result<VlmSettings, VlmError> {
+        let doc: toml::Table = toml::from_str(text)
+            .map_err(|e| VlmError::Config(format!("config file is not valid TOML: {e}")))?;
+        match doc.get("vlm") {
+            None => Ok(VlmSettings::default()),
+            Some(v) => v
+                .clone()
+                .try_into()
+                .map_err(|e| VlmError::Config(format!("[vlm] table: {e}"))),
+        }
+    }
+
+    /// The config file (`HILUM_CONFIG`, else `~/.config/hilum/config.toml` if present), then
+    /// `HILUM_VLM_*` on top.
+    pub fn from_env_and_file() -> Result<VlmSettings, VlmError> {
+        let path = match std::env::var_os("HILUM_CONFIG") {
+            Some(p) => Some((PathBuf::from(p), true)),
+            None => std::env::var_os("HOME")
+                .map(|h| (PathBuf::from(h).join(".config/hilum/config.toml"), false)),
+        };
+        let mut s = match path {
+            None => VlmSettings::default(),
+            Some((p, required)) => match std::fs::read_to_string(&p) {
+                Ok(text) => Self::from_config_text(&text)
+                    .map_err(|e| VlmError::Config(format!("{}: {e}", p.display())))?,
+                Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+                    VlmSettings::default()
+                }
+                Err(e) => {
+                    return Err(VlmError::Config(format!(
+                        "cannot read config file {}: {e}",
+                        p.display()
+                    )))
+                }
+            },
+        };
+        s.apply_env(|k| std::env::var(k).ok())?;
+        Ok(s)
+    }
+
+    /// Like [`VlmSettings::from_env_and_file`], but a bad configuration is kept as an error
+    /// that each VLM tool call reports (the other tools keep working).
+    pub fn from_env_and_file_or_broken() -> VlmSettings {
+        Self::from_env_and_file().unwrap_or_else(|e| VlmSettings {
+            broken: Some(e.to_string()),
+            ..VlmSettings::default()
+        })
+    }
+
+    /// Environment variables (read through `get`) override the file's defaults.
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), VlmError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get("HILUM_VLM_BASE_URL") {
+            self.default.base_url = Some(v);
+        }
+        if let Some(v) = get("HILUM_VLM_MODEL") {
+            self.default.model = Some(v);
+        }
+        if let Some(v) = get("HILUM_VLM_FAMILY") {
+            self.default.family = Some(Family::parse(&v)?);
+        }
+        if let Some(v) = get("HILUM_VLM_API_KEY") {
+            self.default.api_key = Some(v);
+        }
+        Ok(())
+    }
+
+    /// The endpoint of `tool`, or `None` when no base URL and model are set for it.
+    pub fn endpoint(&self, tool: &str) -> Result<Option<Endpoint>, VlmError> {
+        if let Some(why) = &self.broken {
+            return Err(VlmError::Config(why.clone()));
+        }
+        let t = match self.tools.get(tool) {
+            Some(over) => over.or(&self.default),
+            None => self.default.clone(),
+        };
+        let (Some(base_url), Some(model)) = (t.base_url, t.model) else {
+            return Ok(None);
+        };
+        if reqwest::Url::parse(&base_url).is_err() {
+            return Err(VlmError::Config(format!(
+                "base_url `{base_url}` of `{tool}` is not a URL (e.g. http://127.0.0.1:8000/v1)"
+            )));
+        }
+        Ok(Some(Endpoint {
+            base_url: base_url.trim_end_matches('/').to_string(),
+            model,
+            family: t.family.unwrap_or(Family::Generic),
+            api_key: t.api_key,
+            allow_pixels: t.allow_pixels.unwrap_or(false),
+            timeout: Duration::from_secs(t.timeout_secs.unwrap_or(120)),
+            max_tokens: t.max_tokens.unwrap_or(512),
+            max_side: t.max_side.unwrap_or(1024).max(64),
+            // Qwen's default is 12845056; a CXR needs far less, and tokens cost time.
+            max_pixels: t.max_pixels.unwrap_or(28 * 28 * 1280).max(QWEN_MIN_PIXELS),
+        }))
+    }
+}
+
+/// The image as the endpoint receives it, and the geometry needed to map boxes back.
+#[derive(Clone, Debug)]
+pub struct SentImage {
+    pub png: Vec<u8>,
+    /// Size of the PNG sent.
+    pub width: u32,
+    pub height: u32,
+    /// Size of the image in the store.
+    pub orig_width: u32,
+    pub orig_height: u32,
+}
+
+impl SentImage {
+    pub fn data_url(&self) -> String {
+        format!(
+            "data:image/png;base64,{}",
+            hilum_llm::base64_encode(&self.png)
+        )
+    }
+}
+
+/// Qwen2.5-VL's `smart_resize`: sides rounded to multiples of `factor`, area kept within
+/// `[min_pixels, max_pixels]`, aspect ratio nearly kept. Returns (height, width).
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u32,
+    max_pixels: u32,
+) -> (u32, u32) {
+    let (h, w, f) = (height.max(1) as f64, width.max(1) as f64, factor as f64);
+    let round = |v: f64| ((v / f).round() * f).max(f);
+    let (mut hb, mut wb) = (round(h), round(w));
+    if hb * wb > max_pixels as f64 {
+        let beta = (h * w / max_pixels as f64).sqrt();
+        hb = ((h / beta / f).floor() * f).max(f);
+        wb = ((w / beta / f).floor() * f).max(f);
+    } else if hb * wb < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        hb = (h * beta / f).ceil() * f;
+        wb = (w * beta / f).ceil() * f;
+    }
+    (hb as u32, wb as u32)
+}
+
+/// The radiograph as 8-bit grey, full resolution.
+pub(crate) fn to_gray8(img: &CxrImage) -> Result<image::GrayImage, VlmError> {
+    let scale = 255.0 / img.max_value().max(1.0);
+    let px = img
+        .pixels
+        .iter()
+        .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
+        .collect();
+    image::GrayImage::from_raw(img.width, img.height, px)
+        .ok_or_else(|| VlmError::Image("pixel buffer does not match the image size".into()))
+}
+
+/// Resizes the radiograph for `ep` and encodes it as PNG. For Qwen2.5-VL the size sent is
+/// already what its processor would resize to, so its box coordinates are in the pixels sent.
+pub fn prepare_image(img: &CxrImage, ep: &Endpoint) -> Result<SentImage, VlmError> {
+    let gray = to_gray8(img)?;
+    let (w, h) = (img.width, img.height);
+    let (tw, th) = match ep.family {
+        Family::Qwen25Vl => {
+            let (rh, rw) = smart_resize(h, w, QWEN_FACTOR, QWEN_MIN_PIXELS, ep.max_pixels);
+            (rw, rh)
+        }
+        Family::Maira2 | Family::Generic => {
+            let s = (ep.max_side as f64 / w.max(h) as f64).min(1.0);
+            (
+                ((w as f64 * s).round() as u32).max(1),
+                ((h as f64 * s).round() as u32).max(1),
+            )
+        }
+    };
+    let sent = if (tw, th) == (w, h) {
+        gray
+    } else {
+        image::imageops::resize(&gray, tw, th, image::imageops::FilterType::Triangle)
+    };
+    let mut buf = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::ImageLuma8(sent)
+        .write_to(&mut buf, image::ImageFormat::Png)
+        .map_err(|e| VlmError::Image(format!("PNG encoding: {e}")))?;
+    Ok(SentImage {
+        png: buf.into_inner(),
+        width: tw,
+        height: th,
+        orig_width: w,
+        orig_height: h,
+    })
+}
+
+/// A client for one endpoint. Construction enforces the pixel policy.
+#[derive(Clone, Debug)]
+pub struct VlmClient {
+    pub endpoint: Endpoint,
+    http: reqwest::Client,
+}
+
+/// What the endpoint answered.
+#[derive(Clone, Debug)]
+pub struct VlmAnswer {
+    pub text: String,
+    pub model: String,
+    pub completion_tokens: Option<u64>,
+    pub latency_ms: f64,
+}
+
+impl VlmClient {
+    pub fn new(endpoint: Endpoint) -> Result<VlmClient, VlmError> {
+        if !endpoint.allow_pixels && !hilum_llm::is_loopback_url(&endpoint.base_url) {
+            return Err(VlmError::PixelsNotAllowed {
+                url: endpoint.base_url.clone(),
+            });
+        }
+        let http = reqwest::Client::builder()
+            .timeout(endpoint.timeout)
+            .build()
+            .map_err(|e| VlmError::Config(format!("HTTP client: {e}")))?;
+        Ok(VlmClient { endpoint, http })
+    }
+
+    /// One non-streaming chat completion: the image, then the prompt, greedy decoding.
+    pub async fn ask(
+        &self,
+        image: &SentImage,
+        system: Option<&str>,
+        prompt: &str,
+    ) -> Result<VlmAnswer, VlmError> {
+        let ep = &self.endpoint;
+        let url = format!("{}/chat/completions", ep.base_url);
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image.data_url()}},
+                {"type": "text", "text": prompt}
+            ]
+        }));
+        let body = json!({
+            "model": ep.model,
+            "messages": messages,
+            "temperature": 0.0,
+            "max_tokens": ep.max_tokens,
+            "stream": false
+        });
+        let mut req = self.http.post(&url).json(&body);
+        if let Some(key) = &ep.api_key {
+            req = req.bearer_auth(key);
+        }
+        let t0 = std::time::Instant::now();
+        let resp = req.send().await.map_err(|e| VlmError::Unreachable {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+        let status = resp.status();
+        let text = resp.text().await.map_err(|e| VlmError::Unreachable {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+        if !status.is_success() {
+            return Err(VlmError::Status {
+                url,
+                status: status.as_u16(),
+                body: text.chars().take(400).collect(),
+            });
+        }
+        let v: Value = serde_json::from_str(&text).map_err(|e| VlmError::BadResponse {
+            url: url.clone(),
+            reason: format!("not JSON ({e})"),
+        })?;
+        let content = v
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| VlmError::BadResponse {
+                url: url.clone(),
+                reason: "no choices[0].message.content".into(),
+            })?;
+        Ok(VlmAnswer {
+            text: content.to_string(),
+            model: v
+                .get("model")
+                .and_then(Value::as_str)
+                .unwrap_or(&ep.model)
+                .to_string(),
+            completion_tokens: v
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64),
+            latency_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+}
+
+/// Resolves the client of `tool` from settings, for a tool call.
+pub(crate) fn client_for(settings: &VlmSettings, tool: &str) -> Result<VlmClient, VlmError> {
+    let ep = settings
+        .endpoint(tool)?
+        .ok_or_else(|| VlmError::NotConfigured { tool: tool.into() })?;
+    VlmClient::new(ep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smart_resize_gives_multiples_of_28_within_budget() {
+        let (h, w) = smart_resize(2544, 3056, 28, QWEN_MIN_PIXELS, 28 * 28 * 1280);
+        assert_eq!((h % 28, w % 28), (0, 0));
+        assert!(h * w <= 28 * 28 * 1280, "{h}x{w}");
+        // Aspect ratio kept within one patch.
+        assert!((w as f64 / h as f64 - 3056.0 / 2544.0).abs() < 0.03);
+        // Already-conforming sizes are left alone, so boxes are in the pixels sent.
+        assert_eq!(
+            smart_resize(h, w, 28, QWEN_MIN_PIXELS, 28 * 28 * 1280),
+            (h, w)
+        );
+        assert_eq!(smart_resize(10, 10, 28, QWEN_MIN_PIXELS, 1 << 20), (56, 56));
+    }
+
+    #[test]
+    fn per_tool_table_overrides_and_env_wins() {
+        let mut s = VlmSettings::from_config_text(
+            r#"
+            [llm]
+            spec = "openai:gpt-4o"
+            [vlm]
+            base_url = "http://127.0.0.1:8000/v1/"
+            model = "microsoft/maira-2"
+            family = "maira2"
+            [vlm.tools.answer_visual_question]
+            model = "Qwen/Qwen2.5-VL-7B-Instruct"
+            family = "qwen2.5-vl"
+            "#,
+        )
+        .expect("valid");
+        let g = s
+            .endpoint("ground_phrase")
+            .expect("ok")
+            .expect("configured");
+        assert_eq!(g.family, Family::Maira2);
+        assert_eq!(g.base_url, "http://127.0.0.1:8000/v1");
+        let q = s
+            .endpoint("answer_visual_question")
+            .expect("ok")
+            .expect("set");
+        assert_eq!(
+            (q.family, q.model.as_str()),
+            (Family::Qwen25Vl, "Qwen/Qwen2.5-VL-7B-Instruct")
+        );
+        s.apply_env(|k| (k == "HILUM_VLM_MODEL").then(|| "other".to_string()))
+            .expect("env");
+        assert_eq!(
+            s.endpoint("ground_phrase").expect("ok").expect("set").model,
+            "other"
+        );
+        assert!(VlmSettings::default()
+            .endpoint("ground_phrase")
+            .expect("ok")
+            .is_none());
+        assert!(matches!(
+            s.apply_env(|k| (k == "HILUM_VLM_FAMILY").then(|| "gpt".to_string())),
+            Err(VlmError::Config(_))
+        ));
+    }
+
+    #[test]
+    fn remote_endpoint_without_permission_is_refused() {
+        let mut s = VlmSettings::default();
+        s.default.base_url = Some("https://vlm.example.org/v1".into());
+        s.default.model = Some("m".into());
+        let err = client_for(&s, "ground_phrase").expect_err("must refuse");
+        assert!(matches!(err, VlmError::PixelsNotAllowed { .. }));
+        assert!(err.to_string().contains("allow_pixels"));
+        s.default.allow_pixels = Some(true);
+        assert!(client_for(&s, "ground_phrase").is_ok());
+        s.default.base_url = Some("http://localhost:9/v1".into());
+        s.default.allow_pixels = None;
+        assert!(client_for(&s, "ground_phrase").is_ok());
+    }
+}
