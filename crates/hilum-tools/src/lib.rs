@@ -7,6 +7,7 @@ mod dicom_info;
 pub mod ground;
 mod image_info;
 pub mod localize;
+pub mod measure;
 mod segment_lungs;
 mod visualize;
 pub mod vlm;
@@ -24,6 +25,7 @@ pub use dicom_info::DicomInfo;
 pub use ground::GroundPhrase;
 pub use image_info::ImageInfo;
 pub use localize::LocalizeFinding;
+pub use measure::MeasureChest;
 pub use segment_lungs::SegmentLungs;
 pub use visualize::Visualize;
 pub use vlm::VlmSettings;
@@ -72,6 +74,7 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.models.clone(),
     )))?;
+    tb.register(Arc::new(MeasureChest::new(deps.images.clone(), deps.models.clone())))?;
     tb.register(Arc::new(LocalizeFinding::new(
         deps.images.clone(),
         deps.models.clone(),

@@ -1,0 +1,669 @@
+//! `measure_chest`: cardiothoracic ratio, mediastinal width and lung area ratio from masks, with
+//! the measured lines drawn on an overlay. The geometry ([`measure`]) is pure and works on any
+//! masks; the tool gets them from the anatomy PSPNet when installed, else from the lung U-Net.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
+use hilum_models::unet::{self, LungUnet};
+use hilum_models::{Device, ModelError, ModelPool};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+use crate::segment_lungs::regions;
+
+pub const ANATOMY_MODEL_ID: &str = "chestx-det-pspnet";
+pub const LUNG_MODEL_ID: &str = "lung-unet";
+/// Smallest side, in pixels, on which a measurement means anything.
+pub const MIN_SIDE: u32 = 64;
+/// A lung region smaller than this fraction of the image is a speck, not a lung.
+const MIN_LUNG_FRACTION: f64 = 0.005;
+const OVERLAY_MAX_SIDE: u32 = 1024;
+
+/// Binary masks at one resolution (row-major, `width * height`).
+#[derive(Clone, Debug, Default)]
+pub struct ChestMasks {
+    pub width: usize,
+    pub height: usize,
+    /// Both lung fields (one mask or the union of the left and right masks).
+    pub lungs: Vec<bool>,
+    pub heart: Option<Vec<bool>>,
+    pub mediastinum: Option<Vec<bool>>,
+}
+
+/// A horizontal segment on row `y` from `x0` to `x1`, both inclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Span {
+    pub y: usize,
+    pub x0: usize,
+    pub x1: usize,
+}
+
+impl Span {
+    pub fn width(&self) -> usize {
+        self.x1 + 1 - self.x0
+    }
+}
+
+/// What [`measure`] found; `None` fields could not be measured (`missing` says why).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChestMeasurements {
+    /// Widest row of the heart.
+    pub heart: Option<Span>,
+    /// Widest row between the outer edges of the two lung fields.
+    pub thorax: Option<Span>,
+    pub ctr: Option<f64>,
+    pub mediastinum: Option<Span>,
+    pub mediastinum_method: Option<&'static str>,
+    /// The patient's right lung is on the image's left.
+    pub right_lung_px: Option<usize>,
+    pub left_lung_px: Option<usize>,
+    pub left_right_area_ratio: Option<f64>,
+    pub missing: Vec<String>,
+}
+
+/// Per row, the (min x, max x) of `pixels`.
+fn row_extents(pixels: &[usize], width: usize, height: usize) -> Vec<Option<(usize, usize)>> {
+    let mut rows: Vec<Option<(usize, usize)>> = vec![None; height];
+    for &p in pixels {
+        let (x, y) = (p % width, p / width);
+        let r = &mut rows[y];
+        *r = Some(match *r {
+            Some((a, b)) => (a.min(x), b.max(x)),
+            None => (x, x),
+        });
+    }
+    rows
+}
+
+/// The widest span of `rows` within `range`; ties go to the lowest row.
+fn widest(rows: impl Iterator<Item = (usize, Option<(usize, usize)>)>) -> Option<Span> {
+    let mut best: Option<Span> = None;
+    for (y, r) in rows {
+        if let Some((x0, x1)) = r {
+            let s = Span { y, x0, x1 };
+            if best.is_none_or(|b| s.width() >= b.width()) {
+                best = Some(s);
+            }
+        }
+    }
+    best
+}
+
+/// Pixels of the largest connected region of `mask` (specks and fragments are dropped).
+fn largest(mask: &[bool], width: usize, height: usize) -> Option<Vec<usize>> {
+    regions(mask, width, height)
+        .into_iter()
+        .next()
+        .map(|(_, p)| p)
+}
+
+fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+/// Cardiothoracic ratio (widest heart row / widest row between the lungs' outer edges),
+/// superior mediastinal width and the left/right lung area ratio, to the pixel.
+pub fn measure(m: &ChestMasks) -> ChestMeasurements {
+    let (w, h) = (m.width, m.height);
+    let mut out = ChestMeasurements::default();
+    if w == 0 || h == 0 || m.lungs.len() != w * h {
+        out.missing.push("lung mask has the wrong size".into());
+        return out;
+    }
+    let min_area = ((w * h) as f64 * MIN_LUNG_FRACTION) as usize;
+    let mut lungs: Vec<_> = regions(&m.lungs, w, h)
+        .into_iter()
+        .take(2)
+        .filter(|(r, _)| r.area_px >= min_area.max(1))
+        .collect();
+    lungs.sort_by(|a, b| a.0.centroid_x.total_cmp(&b.0.centroid_x));
+
+    let heart_px = m
+        .heart
+        .as_ref()
+        .filter(|hm| hm.len() == w * h)
+        .and_then(|hm| largest(hm, w, h));
+    if let Some(px) = &heart_px {
+        out.heart = widest(row_extents(px, w, h).into_iter().enumerate());
+    } else {
+        out.missing.push(if m.heart.is_some() {
+            "heart: the heart mask is empty".into()
+        } else {
+            "heart: no heart mask (needs the anatomy model chestx-det-pspnet)".into()
+        });
+    }
+
+    let (right, left) = match lungs.as_slice() {
+        [r, l] => (r, l),
+        _ => {
+            out.missing.push(format!(
+                "thoracic width and lung area ratio: {} lung field(s) found, two are needed",
+                lungs.len()
+            ));
+            return out;
+        }
+    };
+    out.right_lung_px = Some(right.0.area_px);
+    out.left_lung_px = Some(left.0.area_px);
+    out.left_right_area_ratio = Some(round3(left.0.area_px as f64 / right.0.area_px as f64));
+    let rr = row_extents(&right.1, w, h);
+    let lr = row_extents(&left.1, w, h);
+    // Rows where both lungs are present: outer edges give the internal thoracic width.
+    let both: Vec<(usize, (usize, usize), (usize, usize))> =
+        (0..h).filter_map(|y| Some((y, rr[y]?, lr[y]?))).collect();
+    out.thorax = widest(both.iter().map(|&(y, r, l)| (y, Some((r.0, l.1)))));
+    if out.thorax.is_none() {
+        out.missing
+            .push("thoracic width: the lung fields share no row".into());
+    }
+    if let (Some(hs), Some(ts)) = (out.heart, out.thorax) {
+        out.ctr = Some(round3(hs.width() as f64 / ts.width() as f64));
+    }
+
+    let heart_top = heart_px
+        .as_ref()
+        .and_then(|px| px.iter().map(|p| p / w).min());
+    let med_px = m
+        .mediastinum
+        .as_ref()
+        .filter(|mm| mm.len() == w * h)
+        .and_then(|mm| largest(mm, w, h));
+    if let Some(px) = med_px {
+        // The superior mediastinum: rows above the heart (else the upper half of the mask).
+        let rows = row_extents(&px, w, h);
+        let top = px.iter().map(|p| p / w).min().unwrap_or(0);
+        let bottom = px.iter().map(|p| p / w).max().unwrap_or(0);
+        let limit = match heart_top {
+            Some(t) if t > top => t,
+            _ => top + (bottom - top) / 2 + 1,
+        };
+        out.mediastinum = widest(rows.into_iter().enumerate().take(limit));
+        out.mediastinum_method = Some("mediastinum mask, widest row above the heart");
+    } else if let (Some(first), Some(last)) = (both.first(), both.last()) {
+        // Approximation: the gap between the lungs' inner edges from 1/6 to 1/3 of the way
+        // down the lung fields (below the apices, above the heart).
+        let span = last.0 - first.0;
+        let (a, b) = (first.0 + span / 6, first.0 + span / 3);
+        out.mediastinum = widest(
+            both.iter()
+                .filter(|(y, r, l)| (a..=b).contains(y) && r.1 + 1 < l.0)
+                .map(|&(y, r, l)| (y, Some((r.1 + 1, l.0 - 1)))),
+        );
+        out.mediastinum_method =
+            Some("gap between the lungs' inner edges in the upper third (approximation)");
+    }
+    if out.mediastinum.is_none() {
+        out.missing
+            .push("mediastinal width: no mediastinum found".into());
+    }
+    out
+}
+
+/// The view as far as it matters here, from the argument or the DICOM header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum View {
+    Pa,
+    Ap,
+    Lateral,
+    Unknown,
+}
+
+fn parse_view(s: &str) -> View {
+    match s.trim().to_ascii_uppercase().as_str() {
+        "PA" => View::Pa,
+        "AP" | "AP SUPINE" | "SUPINE" => View::Ap,
+        "LL" | "RL" | "LAT" | "LATERAL" | "LLD" | "RLD" => View::Lateral,
+        _ => View::Unknown,
+    }
+}
+
+fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
+    match e {
+        ModelError::NotInstalled { id, .. } => {
+            let fetchable = models
+                .registry()
+                .manifest(&id)
+                .map(|m| m.source.download_url().is_some())
+                .unwrap_or(false);
+            let fix = if fetchable {
+                format!("hilum models fetch {id}")
+            } else {
+                format!("hilum models import {id} PATH")
+            };
+            ToolError::ModelMissing { model: id, fix }
+        }
+        other => ToolError::Internal(other.to_string()),
+    }
+}
+
+/// Lung mask at the original resolution from the lung U-Net.
+fn lung_unet_mask(
+    models: &ModelPool,
+    device: Device,
+    image: &CxrImage,
+) -> Result<Vec<bool>, ToolError> {
+    let model = models
+        .get_or_load::<LungUnet>(LUNG_MODEL_ID, device)
+        .map_err(|e| model_error(models, e))?;
+    let (w, h) = (image.width as usize, image.height as usize);
+    let scale = 255.0 / image.max_value().max(1.0);
+    let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
+    let size = model.config().input_size;
+    let x = unet::preprocess_gray(&gray, w, h, size);
+    let prob = model
+        .predict(&[x])
+        .map_err(|e| ToolError::Internal(e.to_string()))?
+        .remove(0);
+    Ok(unet::mask_at(&prob, size, w, h, 0.5))
+}
+
+/// The overlay: masks, then the measured lines labelled with their widths.
+pub fn overlay_png(
+    img: &CxrImage,
+    masks: &ChestMasks,
+    r: &ChestMeasurements,
+) -> Result<Vec<u8>, ToolError> {
+    let layer = |label: &str, m: &[bool], color: Rgb| MaskLayer {
+        label: label.into(),
+        width: masks.width as u32,
+        height: masks.height as u32,
+        data: m.iter().map(|&b| if b { 1.0 } else { 0.0 }).collect(),
+        color: Some(color),
+        alpha: 0.2,
+    };
+    let mut ov = Overlay {
+        max_side: Some(OVERLAY_MAX_SIDE),
+        legend: true,
+        ..Default::default()
+    };
+    ov.masks
+        .push(layer("lungs", &masks.lungs, Rgb(0, 200, 200)));
+    if let Some(hm) = &masks.heart {
+        ov.masks.push(layer("heart", hm, Rgb(234, 67, 53)));
+    }
+    let line = |s: &Span, label: String, color: Rgb| Box2d {
+        x: s.x0 as f64,
+        y: s.y as f64,
+        w: s.width() as f64,
+        h: 0.0,
+        label,
+        score: None,
+        color: Some(color),
+    };
+    if let Some(s) = &r.thorax {
+        ov.boxes.push(line(
+            s,
+            format!("thorax {} px", s.width()),
+            Rgb(255, 215, 0),
+        ));
+    }
+    if let Some(s) = &r.heart {
+        ov.boxes
+            .push(line(s, format!("heart {} px", s.width()), Rgb(255, 64, 64)));
+    }
+    if let Some(s) = &r.mediastinum {
+        ov.boxes.push(line(
+            s,
+            format!("mediastinum {} px", s.width()),
+            Rgb(255, 64, 255),
+        ));
+    }
+    ov.render_png(img)
+        .map_err(|e| ToolError::Internal(format!("overlay: {e}")))
+}
+
+fn mask_png(m: &[bool], w: usize, h: usize) -> Result<Vec<u8>, ToolError> {
+    let px: Vec<u8> = m.iter().map(|&b| if b { 255 } else { 0 }).collect();
+    hilum_imaging::encode_png(w as u32, h as u32, &px, 1)
+        .map_err(|e| ToolError::Internal(format!("mask PNG: {e}")))
+}
+
+pub struct MeasureChest {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+    models: Arc<ModelPool>,
+    device: Device,
+}
+
+impl MeasureChest {
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
+        MeasureChest {
+            spec: ToolSpec {
+                name: "measure_chest".into(),
+                description: "Measures a frontal chest radiograph: cardiothoracic ratio (widest \
+                    heart width / widest internal thoracic width between the lungs' outer edges; \
+                    > 0.50 on a PA view suggests cardiomegaly), superior mediastinal width and the \
+                    left/right lung area ratio, with the measured lines drawn on an overlay. Use it \
+                    for 'is the heart enlarged?', 'is the mediastinum widened?'. Says which masks it \
+                    used and what it could not measure; on AP views the CTR overestimates the heart, \
+                    lateral views are refused."
+                    .into(),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {
+                        "image": image_arg(),
+                        "view": {
+                            "type": "string", "enum": ["PA", "AP", "lateral"],
+                            "description": "Projection, when known and not in the DICOM header"
+                        },
+                        "pediatric": {
+                            "type": "boolean", "default": false,
+                            "description": "True for a child: adult CTR thresholds do not apply"
+                        }
+                    },
+                    "required": ["image"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+            models,
+            device: Device::Cpu,
+        }
+    }
+
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+}
+
+#[async_trait]
+impl Tool for MeasureChest {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        if img.width < MIN_SIDE || img.height < MIN_SIDE {
+            return Err(ToolError::Unprocessable(format!(
+                "{id} is {}x{} px: chest measurements need at least {MIN_SIDE} px per side",
+                img.width, img.height
+            )));
+        }
+        let view = match args.get("view").and_then(Value::as_str) {
+            Some(v) => parse_view(v),
+            None => img
+                .meta
+                .view_position
+                .as_deref()
+                .map_or(View::Unknown, parse_view),
+        };
+        if view == View::Lateral {
+            return Err(ToolError::Unprocessable(format!(
+                "{id} is a lateral view: the cardiothoracic ratio and lung widths are defined on \
+                 frontal (PA/AP) views only"
+            )));
+        }
+        let pediatric = args
+            .get("pediatric")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+
+        // Masks: anatomy model first (heart, lungs, mediastinum), else lung U-Net (lungs only).
+        let reg = self.models.registry();
+        // The anatomy PSPNet runtime lands with segment_anatomy; until then lungs come from the U-Net.
+        let anatomy = false;
+        let lung_unet = reg.installed(LUNG_MODEL_ID).is_ok();
+        if !anatomy && !lung_unet {
+            return Err(ToolError::ModelMissing {
+                model: format!("{ANATOMY_MODEL_ID} (or {LUNG_MODEL_ID} for lungs only)"),
+                fix: format!(
+                    "hilum models fetch {ANATOMY_MODEL_ID}` or `hilum models import {LUNG_MODEL_ID} PATH"
+                ),
+            });
+        }
+        let _permit = self
+            .models
+            .acquire(self.device)
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (models, device, image) = (self.models.clone(), self.device, img.clone());
+        let t0 = Instant::now();
+        let (masks, source) = tokio::task::spawn_blocking(move || {
+            let (w, h) = (image.width as usize, image.height as usize);
+            {
+                let lungs = lung_unet_mask(&models, device, &image)?;
+                let m = ChestMasks {
+                    width: w,
+                    height: h,
+                    lungs,
+                    heart: None,
+                    mediastinum: None,
+                };
+                Ok::<_, ToolError>((m, format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)")))
+            }
+        })
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+        drop(_permit);
+
+        let r = measure(&masks);
+        let spacing = img.meta.pixel_spacing_mm;
+        let mut notes: Vec<String> = Vec::new();
+        match view {
+            View::Ap => notes.push(
+                "AP projection: the heart is magnified, so the CTR overestimates (the 0.50 \
+                 threshold is for PA views)"
+                    .into(),
+            ),
+            View::Unknown => notes.push(
+                "view not stated: the 0.50 CTR threshold assumes PA; on AP the CTR overestimates"
+                    .into(),
+            ),
+            _ => {}
+        }
+        if pediatric {
+            notes.push(
+                "pediatric patient: adult thresholds do not apply (CTR up to ~0.60 can be normal \
+                 in infants; the thymus widens the mediastinum)"
+                    .into(),
+            );
+        }
+        if !anatomy {
+            notes.push(format!(
+                "no heart mask: install {ANATOMY_MODEL_ID} (`hilum models fetch {ANATOMY_MODEL_ID}`) \
+                 to measure the CTR"
+            ));
+        }
+        let cm = |s: &Option<Span>| match (s, spacing) {
+            (Some(s), Some((_, col))) => {
+                json!((s.width() as f64 * col / 10.0 * 100.0).round() / 100.0)
+            }
+            _ => Value::Null,
+        };
+        let interpretation = r.ctr.map(|c| {
+            if pediatric {
+                "pediatric: interpret against age norms"
+            } else if c > 0.5 && view == View::Ap {
+                "above 0.50 on an AP view: may be magnification; confirm on PA"
+            } else if c > 0.5 {
+                "above 0.50: enlarged cardiac silhouette"
+            } else {
+                "0.50 or below: heart size within normal limits"
+            }
+        });
+        let data = json!({
+            "image": id,
+            "width": img.width,
+            "height": img.height,
+            "masks_source": source,
+            "view": format!("{view:?}"),
+            "cardiothoracic_ratio": r.ctr,
+            "ctr_interpretation": interpretation,
+            "heart_width_px": r.heart.map(|s| s.width()),
+            "heart_width_cm": cm(&r.heart),
+            "heart_line": r.heart,
+            "thoracic_width_px": r.thorax.map(|s| s.width()),
+            "thoracic_width_cm": cm(&r.thorax),
+            "thoracic_line": r.thorax,
+            "mediastinal_width_px": r.mediastinum.map(|s| s.width()),
+            "mediastinal_width_cm": cm(&r.mediastinum),
+            "mediastinal_line": r.mediastinum,
+            "mediastinal_method": r.mediastinum_method,
+            "right_lung_px": r.right_lung_px,
+            "left_lung_px": r.left_lung_px,
+            "left_right_lung_area_ratio": r.left_right_area_ratio,
+            "not_measured": r.missing,
+            "notes": notes,
+            "pixel_spacing_mm": spacing,
+            "lengths": if spacing.is_some() { "px and cm (pixel spacing from the file)" } else { "px only (pixel spacing unknown)" },
+            "convention": "right lung = patient's right = image left; lines are [x0, x1] inclusive on row y",
+            "latency_ms": (t0.elapsed().as_secs_f64() * 1e4).round() / 10.0,
+        });
+        let px =
+            |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
+        let summary = format!(
+            "{id}: CTR {}{}; heart {}, thorax {}, mediastinum {}; L/R lung area {}. Masks: {source}.{}",
+            r.ctr.map_or("not measured".into(), |c| format!("{c:.2}")),
+            interpretation.map_or(String::new(), |i| format!(" ({i})")),
+            px(r.heart),
+            px(r.thorax),
+            px(r.mediastinum),
+            r.left_right_area_ratio
+                .map_or("not measured".into(), |v| format!("{v:.2}")),
+            if notes.is_empty() {
+                String::new()
+            } else {
+                format!(" Notes: {}", notes.join("; "))
+            }
+        );
+        let overlay = overlay_png(&img, &masks, &r)?;
+        let mut out = ToolOutput::new(summary, data)
+            .with_artifact(Artifact::png("chest_measurements.png", "overlay", overlay))
+            .with_artifact(Artifact::png(
+                "lungs_mask.png",
+                "mask",
+                mask_png(&masks.lungs, masks.width, masks.height)?,
+            ));
+        if let Some(hm) = &masks.heart {
+            out = out.with_artifact(Artifact::png(
+                "heart_mask.png",
+                "mask",
+                mask_png(hm, masks.width, masks.height)?,
+            ));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ellipse(m: &mut [bool], w: usize, cx: f64, cy: f64, rx: f64, ry: f64) {
+        for (i, v) in m.iter_mut().enumerate() {
+            let (x, y) = ((i % w) as f64, (i / w) as f64);
+            if ((x - cx) / rx).powi(2) + ((y - cy) / ry).powi(2) <= 1.0 {
+                *v = true;
+            }
+        }
+    }
+
+    fn rect(m: &mut [bool], w: usize, x0: usize, x1: usize, y0: usize, y1: usize) {
+        for y in y0..=y1 {
+            for x in x0..=x1 {
+                m[y * w + x] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn ctr_is_exact_on_drawn_masks() {
+        let (w, h) = (300, 260);
+        let mut lungs = vec![false; w * h];
+        // Right lung (image left) outer edge at x=20, left lung outer edge at x=279 on rows
+        // 40..=200; the widest row is a one-row bulge at y=150 reaching x=15..=284.
+        rect(&mut lungs, w, 20, 120, 40, 200);
+        rect(&mut lungs, w, 180, 279, 40, 200);
+        rect(&mut lungs, w, 15, 19, 150, 150);
+        rect(&mut lungs, w, 280, 284, 150, 150);
+        let mut heart = vec![false; w * h];
+        // Heart ellipse: widest row y=170, x from 110 to 210 (101 px wide).
+        ellipse(&mut heart, w, 160.0, 170.0, 50.0, 30.0);
+        let m = ChestMasks {
+            width: w,
+            height: h,
+            lungs,
+            heart: Some(heart),
+            mediastinum: None,
+        };
+        let r = measure(&m);
+        let t = r.thorax.expect("thorax measured");
+        assert_eq!((t.y, t.x0, t.x1, t.width()), (150, 15, 284, 270));
+        let hs = r.heart.expect("heart measured");
+        assert_eq!((hs.y, hs.x0, hs.x1, hs.width()), (170, 110, 210, 101));
+        assert_eq!(r.ctr, Some(round3(101.0 / 270.0)));
+        // Areas: the bulges add 5 px to each lung.
+        assert_eq!(r.right_lung_px, Some(101 * 161 + 5));
+        assert_eq!(r.left_lung_px, Some(100 * 161 + 5));
+        // Mediastinum from the lungs' inner edges: gap 121..=179.
+        let md = r.mediastinum.expect("mediastinum");
+        assert_eq!((md.x0, md.x1), (121, 179));
+        assert!(r.missing.is_empty(), "{:?}", r.missing);
+    }
+
+    #[test]
+    fn mediastinum_mask_is_measured_above_the_heart() {
+        let (w, h) = (200, 200);
+        let mut lungs = vec![false; w * h];
+        rect(&mut lungs, w, 10, 80, 20, 180);
+        rect(&mut lungs, w, 120, 190, 20, 180);
+        let mut heart = vec![false; w * h];
+        rect(&mut heart, w, 70, 150, 120, 170);
+        let mut med = vec![false; w * h];
+        rect(&mut med, w, 90, 110, 30, 170);
+        rect(&mut med, w, 85, 116, 60, 60); // widest above the heart: 32 px
+        rect(&mut med, w, 60, 160, 140, 140); // wider, but at heart level: ignored
+        let r = measure(&ChestMasks {
+            width: w,
+            height: h,
+            lungs,
+            heart: Some(heart),
+            mediastinum: Some(med),
+        });
+        let md = r.mediastinum.expect("mediastinum");
+        assert_eq!((md.y, md.width()), (60, 32));
+        assert_eq!(r.heart.map(|s| s.width()), Some(81));
+    }
+
+    #[test]
+    fn one_lung_or_no_heart_is_reported_not_guessed() {
+        let (w, h) = (100, 100);
+        let mut lungs = vec![false; w * h];
+        rect(&mut lungs, w, 10, 40, 10, 90);
+        let r = measure(&ChestMasks {
+            width: w,
+            height: h,
+            lungs,
+            heart: None,
+            mediastinum: None,
+        });
+        assert_eq!(r.ctr, None);
+        assert_eq!(r.thorax, None);
+        assert_eq!(r.missing.len(), 2, "{:?}", r.missing);
+        assert!(r.missing[0].contains("heart"));
+        assert!(r.missing[1].contains("1 lung field"));
+        let bad = measure(&ChestMasks {
+            width: 10,
+            height: 10,
+            lungs: vec![true; 5],
+            ..Default::default()
+        });
+        assert!(bad.missing[0].contains("wrong size"));
+    }
+
+    #[test]
+    fn views_are_parsed() {
+        assert_eq!(parse_view("pa"), View::Pa);
+        assert_eq!(parse_view("AP"), View::Ap);
+        assert_eq!(parse_view("LL"), View::Lateral);
+        assert_eq!(parse_view("lateral"), View::Lateral);
+        assert_eq!(parse_view("?"), View::Unknown);
+    }
+}
