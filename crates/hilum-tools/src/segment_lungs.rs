@@ -317,7 +317,7 @@ impl Tool for SegmentLungs {
             (None, _) => "not found".into(),
         };
         let summary = format!(
-            "{id}: {} lung field(s); right {} , left {}{}; lungs cover {:.0}% of the image{}",
+            "{id}: {} lung field(s); right {}, left {}{}; lungs cover {:.0}% of the image{}",
             lungs.len(),
             area(right),
             area(left),

@@ -1,0 +1,147 @@
+//! `segment_lungs` on real radiographs with the real lung U-Net (imported from
+//! ../shared/data/models/lung_seg_unet; the import needs HILUM_PYTHON or
+//! scripts/.venv-models from scripts/setup_onnxruntime.sh).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput};
+use hilum_imaging::ImageStore;
+use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
+use hilum_tools::SegmentLungs;
+use serde_json::json;
+
+fn data() -> PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+    assert!(
+        d.join("models/lung_seg_unet").is_dir(),
+        "real test data missing: expected {}",
+        d.display()
+    );
+    d
+}
+
+fn pool() -> Arc<ModelPool> {
+    static POOL: OnceLock<(tempfile::TempDir, Arc<ModelPool>)> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reg = ModelRegistry::new(dir.path()).expect("registry");
+        let venv =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
+        let python = std::env::var_os("HILUM_PYTHON")
+            .map(PathBuf::from)
+            .or_else(|| venv.is_file().then_some(venv));
+        let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+        let opts = ImportOptions {
+            python,
+            ..Default::default()
+        };
+        hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
+        (dir, Arc::new(ModelPool::new(Arc::new(reg))))
+    })
+    .1
+    .clone()
+}
+
+async fn segment(file: &Path) -> ToolOutput {
+    let store = Arc::new(ImageStore::default());
+    let id = store.ingest_file(file).expect("ingest");
+    let tool = SegmentLungs::new(store, pool());
+    tool.call(&ToolContext::default(), json!({ "image": id }))
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+}
+
+fn mask_of(out: &ToolOutput) -> image::GrayImage {
+    let art = out
+        .artifacts
+        .iter()
+        .find(|a| a.kind == "mask")
+        .expect("mask artifact");
+    image::load_from_memory(&art.bytes)
+        .expect("mask png")
+        .to_luma8()
+}
+
+#[tokio::test]
+async fn mask_matches_ground_truth_at_original_resolution() {
+    let img = data().join("cxr/images/covid_2c35005f.jpg");
+    let out = segment(&img).await;
+    let mask = mask_of(&out);
+    let gt = image::open(data().join("cxr/ground_truth/lung_masks/covid_2c35005f.lungs.png"))
+        .expect("gt")
+        .to_luma8();
+    assert_eq!(mask.dimensions(), gt.dimensions());
+    let (mut inter, mut sum) = (0usize, 0usize);
+    for (a, b) in mask.as_raw().iter().zip(gt.as_raw()) {
+        let (a, b) = (*a > 127, *b > 127);
+        inter += (a && b) as usize;
+        sum += a as usize + b as usize;
+    }
+    let dice = 2.0 * inter as f64 / sum as f64;
+    eprintln!("segment_lungs covid_2c35005f Dice {dice:.4}");
+    assert!(dice >= 0.82, "{dice}");
+    assert_eq!(out.data["lungs_found"], 2);
+    assert!(
+        out.data["right_lung"]["area_cm2"].is_null(),
+        "no spacing in a JPEG"
+    );
+    // Patient's right lung is on the image's left.
+    let rx = out.data["right_lung"]["bbox"][0].as_u64().expect("bbox");
+    let lx = out.data["left_lung"]["bbox"][0].as_u64().expect("bbox");
+    assert!(rx < lx);
+    assert!(out.artifacts.iter().any(|a| a.kind == "overlay"));
+}
+
+#[tokio::test]
+async fn dicom_spacing_gives_areas_in_cm2() {
+    let out = segment(&data().join("cxr/dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm")).await;
+    eprintln!("{}", out.summary);
+    assert_eq!(out.data["lungs_found"], 2);
+    for side in ["right_lung", "left_lung"] {
+        let l = &out.data[side];
+        let px = l["area_px"].as_f64().expect("px");
+        let cm2 = l["area_cm2"].as_f64().expect("cm2 with spacing");
+        assert!((cm2 - px * 0.168 * 0.168 / 100.0).abs() < 0.01, "{l}");
+        // SIIM's spacing tag (0.168 mm) predates its resampling to 1024 px, so only the
+        // conversion is checked here, not anatomical plausibility.
+        let hpx = l["height_px"].as_f64().expect("height px");
+        let h = l["height_cm"].as_f64().expect("height cm");
+        assert!((h - hpx * 0.0168).abs() < 0.01, "{l}");
+    }
+    let ratio = out.data["left_right_area_ratio"].as_f64().expect("ratio");
+    assert!((0.6..1.5).contains(&ratio), "{ratio}");
+}
+
+#[tokio::test]
+async fn high_bit_depth_dicom_is_scaled_before_the_model() {
+    // 15-bit MONOCHROME1 JPEG 2000: values must be brought to 0..255 or the model sees white.
+    let out = segment(&data().join("cxr/dicom/RG1_chest_cr_pa_jpeg2000_lossy.dcm")).await;
+    eprintln!("{}", out.summary);
+    assert_eq!(out.data["lungs_found"], 2);
+    let f = out.data["lung_fraction"].as_f64().expect("fraction");
+    assert!((0.1..0.6).contains(&f), "{f}");
+}
+
+#[tokio::test]
+async fn missing_model_names_the_import_command() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let empty = Arc::new(ModelPool::new(Arc::new(
+        ModelRegistry::new(dir.path()).expect("registry"),
+    )));
+    let store = Arc::new(ImageStore::default());
+    let id = store
+        .ingest_file(&data().join("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .expect("ingest");
+    let err = SegmentLungs::new(store, empty)
+        .call(&ToolContext::default(), json!({ "image": id }))
+        .await
+        .err();
+    match err {
+        Some(ToolError::ModelMissing { model, fix }) => {
+            assert_eq!(model, "lung-unet");
+            assert_eq!(fix, "hilum models import lung-unet PATH");
+        }
+        other => panic!("expected ModelMissing, got {other:?}"),
+    }
+}
