@@ -9,6 +9,7 @@ mod fetch;
 mod import;
 #[cfg(feature = "onnx")]
 pub mod onnx;
+pub mod pspnet;
 mod pool;
 mod registry;
 pub mod resnet;

@@ -1,0 +1,360 @@
+//! ChestX-Det anatomy PSPNet, as torchxrayvision ships it
+//! (`baseline_models.chestx_det.PSPNet`, ptsemseg's `pspnet` with 14 classes): a dilated
+//! ResNet-101 style encoder, pyramid pooling (6, 3, 2, 1) and a 1x1 classifier, upsampled to
+//! the input. Parameter names match `pspnet_chestxray_best_model_4.pth` once `module.` is
+//! stripped. The auxiliary head (`convbnrelu4_aux`, `aux_cls`) is training-only and not loaded.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::{Module, Tensor};
+use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::registry::{InstalledModel, Manifest};
+use crate::{Device, ModelError};
+
+/// The 14 ChestX-Det structures, in output-channel order.
+pub const TARGETS: [&str; 14] = [
+    "Left Clavicle",
+    "Right Clavicle",
+    "Left Scapula",
+    "Right Scapula",
+    "Left Lung",
+    "Right Lung",
+    "Left Hilus Pulmonis",
+    "Right Hilus Pulmonis",
+    "Heart",
+    "Aorta",
+    "Facies Diaphragmatica",
+    "Mediastinum",
+    "Weasand",
+    "Spine",
+];
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    pub n_classes: usize,
+    /// Output channels of `convbnrelu1_1`, `_2`, `_3`.
+    pub stem: [usize; 3],
+    /// (mid, out) channels of `res_block2..5`.
+    pub stages: [[usize; 2]; 4],
+    /// Bottlenecks per stage.
+    pub block_config: [usize; 4],
+    pub pool_sizes: Vec<usize>,
+    pub final_channels: usize,
+    /// Side of the square network input.
+    pub input_size: usize,
+}
+
+impl Config {
+    /// The published ChestX-Det model (`pspnet(14)`, input 512 px).
+    pub fn chestx_det() -> Self {
+        Config {
+            n_classes: TARGETS.len(),
+            stem: [64, 64, 128],
+            stages: [[64, 256], [128, 512], [256, 1024], [512, 2048]],
+            block_config: [3, 4, 23, 3],
+            pool_sizes: vec![6, 3, 2, 1],
+            final_channels: 512,
+            input_size: 512,
+        }
+    }
+}
+
+/// conv (no bias) + batch norm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
+#[derive(Clone, Debug)]
+struct ConvBn {
+    conv: Conv2d,
+    bn: BatchNorm,
+    relu: bool,
+}
+
+impl ConvBn {
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        vb: VarBuilder,
+        unit: &str,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+        relu: bool,
+    ) -> candle_core::Result<Self> {
+        let cfg = Conv2dConfig {
+            padding,
+            stride,
+            dilation,
+            ..Default::default()
+        };
+        let vb = vb.pp(unit);
+        Ok(ConvBn {
+            conv: candle_nn::conv2d_no_bias(cin, cout, k, cfg, vb.pp("0"))?,
+            bn: candle_nn::batch_norm(cout, 1e-5, vb.pp("1"))?,
+            relu,
+        })
+    }
+
+    fn cbr(
+        vb: VarBuilder,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        s: usize,
+        p: usize,
+        d: usize,
+    ) -> candle_core::Result<Self> {
+        Self::load(vb, "cbr_unit", cin, cout, k, s, p, d, true)
+    }
+
+    fn cb(vb: VarBuilder, cin: usize, cout: usize, s: usize) -> candle_core::Result<Self> {
+        Self::load(vb, "cb_unit", cin, cout, 1, s, 0, 1, false)
+    }
+}
+
+impl Module for ConvBn {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let ys = xs.apply(&self.conv)?.apply_t(&self.bn, false)?;
+        if self.relu {
+            ys.relu()
+        } else {
+            Ok(ys)
+        }
+    }
+}
+
+/// `bottleNeckPSP` (with the projection `cb4`) or `bottleNeckIdentifyPSP` (without).
+#[derive(Clone, Debug)]
+struct Bottleneck {
+    cbr1: ConvBn,
+    cbr2: ConvBn,
+    cb3: ConvBn,
+    cb4: Option<ConvBn>,
+}
+
+impl Bottleneck {
+    fn load(
+        vb: VarBuilder,
+        cin: usize,
+        mid: usize,
+        cout: usize,
+        stride: usize,
+        dilation: usize,
+        project: bool,
+    ) -> candle_core::Result<Self> {
+        // ptsemseg drops the stride when the stage is dilated.
+        let stride = if dilation > 1 { 1 } else { stride };
+        let s2 = if project { stride } else { 1 };
+        Ok(Bottleneck {
+            cbr1: ConvBn::cbr(vb.pp("cbr1"), cin, mid, 1, 1, 0, 1)?,
+            cbr2: ConvBn::cbr(vb.pp("cbr2"), mid, mid, 3, s2, dilation, dilation)?,
+            cb3: ConvBn::cb(vb.pp("cb3"), mid, cout, 1)?,
+            cb4: if project {
+                Some(ConvBn::cb(vb.pp("cb4"), cin, cout, stride)?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+impl Module for Bottleneck {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let conv = xs.apply(&self.cbr1)?.apply(&self.cbr2)?.apply(&self.cb3)?;
+        let residual = match &self.cb4 {
+            Some(cb4) => xs.apply(cb4)?,
+            None => xs.clone(),
+        };
+        (conv + residual)?.relu()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct PspNet {
+    config: Config,
+    stem: [ConvBn; 3],
+    blocks: Vec<Bottleneck>,
+    pyramid: Vec<ConvBn>,
+    cbr_final: ConvBn,
+    classification: Conv2d,
+}
+
+impl PspNet {
+    pub fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        let [s1, s2, s3] = cfg.stem;
+        let stem = [
+            ConvBn::cbr(vb.pp("convbnrelu1_1"), 3, s1, 3, 2, 1, 1)?,
+            ConvBn::cbr(vb.pp("convbnrelu1_2"), s1, s2, 3, 1, 1, 1)?,
+            ConvBn::cbr(vb.pp("convbnrelu1_3"), s2, s3, 3, 1, 1, 1)?,
+        ];
+        // (stride, dilation) of res_block2..5: output stride 8, then dilation 2 and 4.
+        let plan = [(1, 1), (2, 1), (1, 2), (1, 4)];
+        let mut blocks = Vec::new();
+        let mut cin = s3;
+        for (i, ((&[mid, cout], &n), (stride, dil))) in cfg
+            .stages
+            .iter()
+            .zip(&cfg.block_config)
+            .zip(plan)
+            .enumerate()
+        {
+            let vb = vb.pp(format!("res_block{}", i + 2)).pp("layers");
+            for j in 0..n {
+                let (c, project) = if j == 0 { (cin, true) } else { (cout, false) };
+                blocks.push(Bottleneck::load(
+                    vb.pp(j),
+                    c,
+                    mid,
+                    cout,
+                    stride,
+                    dil,
+                    project,
+                )?);
+            }
+            cin = cout;
+        }
+        let paths = cfg.pool_sizes.len().max(1);
+        let pyramid = (0..cfg.pool_sizes.len())
+            .map(|i| {
+                let vb = vb.pp("pyramid_pooling").pp("path_module_list").pp(i);
+                ConvBn::cbr(vb, cin, cin / paths, 1, 1, 0, 1)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let cat = cin + (cin / paths) * cfg.pool_sizes.len();
+        let cbr_final = ConvBn::cbr(vb.pp("cbr_final"), cat, cfg.final_channels, 3, 1, 1, 1)?;
+        let classification = candle_nn::conv2d(
+            cfg.final_channels,
+            cfg.n_classes,
+            1,
+            Default::default(),
+            vb.pp("classification"),
+        )?;
+        Ok(PspNet {
+            config: cfg.clone(),
+            stem,
+            blocks,
+            pyramid,
+            cbr_final,
+            classification,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Logits `(b, n_classes, h, w)` for a normalised input `(b, 3, h, w)`.
+    pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let (_, _, h, w) = xs.dims4()?;
+        let mut x = xs.clone();
+        for s in &self.stem {
+            x = x.apply(s)?;
+        }
+        // max_pool2d(3, 2, padding 1): zero padding is exact here because x >= 0 after ReLU.
+        x = x.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
+        x = x.max_pool2d_with_stride(3, 2)?;
+        for b in &self.blocks {
+            x = x.apply(b)?;
+        } // (b, 2048, h/8, w/8)
+        let (_, _, fh, fw) = x.dims4()?;
+        let mut slices = vec![x.clone()];
+        for (path, &p) in self.pyramid.iter().zip(&self.config.pool_sizes) {
+            // ptsemseg: kernel = stride = floor(size / pool_size), no padding.
+            let k = ((fh / p).max(1), (fw / p).max(1));
+            let pooled = x.avg_pool2d_with_stride(k, k)?.apply(path)?;
+            slices.push(pooled.upsample_bilinear2d(fh, fw, false)?);
+        }
+        Tensor::cat(&slices, 1)? // (b, 4096, h/8, w/8)
+            .apply(&self.cbr_final)?
+            .apply(&self.classification)?
+            .upsample_bilinear2d(h, w, false)
+    }
+
+    /// Per-structure probabilities (sigmoid of the logits) for one prepared image
+    /// (`3 * input_size²` values from [`preprocess`]); returns `n_classes` maps of `input_size²`.
+    pub fn probabilities(
+        &self,
+        input: &[f32],
+        device: &candle_core::Device,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let s = self.config.input_size;
+        let run = || -> candle_core::Result<Vec<Vec<f32>>> {
+            let x = Tensor::from_slice(input, (1, 3, s, s), device)?;
+            let y = candle_nn::ops::sigmoid(&self.forward(&x)?)?.squeeze(0)?;
+            y.to_vec3::<f32>()
+                .map(|c| c.into_iter().map(|m| m.concat()).collect())
+        };
+        run().map_err(|e| ModelError::Compute(e.to_string()))
+    }
+}
+
+/// torchxrayvision's PSPNet input for a whole image: values to the xrv range, resized to
+/// `size` x `size` (bilinear; the image is stretched, not cropped, so masks map back onto the
+/// whole image), `(x + 1024) / 2048`, repeated to 3 channels with ImageNet normalisation.
+pub fn preprocess(
+    gray: &[f32],
+    width: usize,
+    height: usize,
+    max_value: f32,
+    size: usize,
+) -> Vec<f32> {
+    let resized = crate::unet::resize_bilinear(gray, width, height, 1, size, size);
+    let scale = 1.0 / max_value.max(1.0);
+    const MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+    const STD: [f32; 3] = [0.229, 0.224, 0.225];
+    let mut out = Vec::with_capacity(3 * size * size);
+    for c in 0..3 {
+        // (2v/max - 1) * 1024 then (x + 1024) / 2048 is v / max.
+        out.extend(resized.iter().map(|&v| ((v * scale) - MEAN[c]) / STD[c]));
+    }
+    out
+}
+
+/// Every parameter the published checkpoint holds for `cfg` (minus the training-only head and
+/// `num_batches_tracked`), as the loader asks for them.
+pub fn expected_params(cfg: &Config) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let map = candle_nn::VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, candle_core::DType::F32, &candle_core::Device::Cpu);
+    PspNet::load(vb, cfg).map_err(|e| ModelError::Compute(e.to_string()))?;
+    let data = map
+        .data()
+        .lock()
+        .map_err(|e| ModelError::Compute(e.to_string()))?;
+    Ok(data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().dims().to_vec()))
+        .collect())
+}
+
+/// Loads a safetensors file with [`Config::chestx_det`] (or `cfg`).
+pub fn load_file(path: &Path, cfg: &Config, device: Device) -> Result<PspNet, ModelError> {
+    let vb = crate::weights::var_builder(path, device)?;
+    PspNet::load(vb, cfg).map_err(|e| ModelError::Corrupt {
+        id: "chestx-det-pspnet".into(),
+        reason: e.to_string(),
+    })
+}
+
+impl crate::Model for PspNet {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let mut cfg = Config::chestx_det();
+        if let Some(s) = manifest
+            .config
+            .get("input_size")
+            .and_then(|v| v.as_integer())
+        {
+            cfg.input_size = s.max(64) as usize;
+        }
+        let vb = crate::weights::var_builder(&installed.weights, device)?;
+        PspNet::load(vb, &cfg).map_err(|e| ModelError::Corrupt {
+            id: manifest.id.clone(),
+            reason: e.to_string(),
+        })
+    }
+}

@@ -1,0 +1,90 @@
+//! ChestX-Det PSPNet against torchxrayvision's reference blocks (fixtures from
+//! scripts/make_anatomy_fixtures.py): seeded small configuration to 1e-4, and the full-size
+//! published parameter names and shapes one to one.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use candle_core::Device;
+use hilum_models::pspnet::{self, Config};
+
+fn fixtures() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/anatomy");
+    assert!(
+        p.is_dir(),
+        "{} missing: run scripts/make_anatomy_fixtures.py",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn small_pspnet_matches_reference_logits() {
+    let dir = fixtures();
+    let cfg: Config = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("pspnet_small_config.json")).expect("config"),
+    )
+    .expect("config parses");
+    let model = pspnet::load_file(
+        &dir.join("pspnet_small.safetensors"),
+        &cfg,
+        hilum_models::Device::Cpu,
+    )
+    .expect("small weights load");
+    let io = candle_core::safetensors::load(dir.join("pspnet_small_io.safetensors"), &Device::Cpu)
+        .expect("io fixture");
+    let y = model.forward(&io["input"]).expect("forward");
+    assert_eq!(y.dims(), io["logits"].dims());
+    let diff: f32 = (y - &io["logits"])
+        .expect("sub")
+        .abs()
+        .expect("abs")
+        .max_all()
+        .expect("max")
+        .to_scalar()
+        .expect("scalar");
+    let scale: f32 = io["logits"]
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    println!("max abs diff {diff:e} (logits up to {scale})");
+    assert!(diff < 1e-4, "max abs diff {diff}");
+}
+
+#[test]
+fn full_size_parameters_match_the_published_checkpoint() {
+    let json: BTreeMap<String, Vec<usize>> = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("pspnet_full_params.json")).expect("list"),
+    )
+    .expect("list parses");
+    // The checkpoint also holds BN counters and the training-only auxiliary head.
+    let published: BTreeMap<String, Vec<usize>> = json
+        .into_iter()
+        .filter(|(k, _)| {
+            !k.ends_with("num_batches_tracked")
+                && !k.starts_with("convbnrelu4_aux.")
+                && !k.starts_with("aux_cls.")
+        })
+        .collect();
+    let ours = pspnet::expected_params(&Config::chestx_det()).expect("names");
+    let only_ref: Vec<_> = published
+        .keys()
+        .filter(|k| !ours.contains_key(*k))
+        .collect();
+    let only_ours: Vec<_> = ours
+        .keys()
+        .filter(|k| !published.contains_key(*k))
+        .collect();
+    assert!(
+        only_ref.is_empty() && only_ours.is_empty(),
+        "missing {only_ref:?}, extra {only_ours:?}"
+    );
+    for (k, shape) in &published {
+        assert_eq!(&ours[k], shape, "{k}");
+    }
+    println!("{} parameters match", published.len());
+    assert!(published.len() > 500);
+}
