@@ -1,0 +1,295 @@
+//! The Hilum service: an HTTP API (axum) that stores images, runs the agent and streams its
+//! events as NDJSON or SSE, persists everything in SQLite with an append-only audit log,
+//! authenticates callers by bearer token, and serves the toolbox over MCP.
+//!
+//! Routing is in [`router`], top to bottom; handlers are in `api` and `run`.
+
+mod api;
+mod auth;
+pub mod db;
+pub mod deid;
+mod error;
+pub mod mcp;
+mod metrics;
+pub mod openapi;
+mod run;
+mod web;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::sync::Mutex as AsyncMutex;
+
+use hilum_agent::{AgentConfig, Environment, Llm, Toolbox};
+use hilum_imaging::ImageStore;
+use hilum_tools::{default_toolbox, ToolDeps};
+
+pub use auth::RateLimit;
+pub use db::{Caller, Db, DbError};
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+/// Builds the reasoning model for one run (a fresh one per run: a script replays from its
+/// first turn, an HTTP client is cheap to make).
+#[derive(Clone)]
+pub struct LlmFactory {
+    /// For logs, the audit log and run records, e.g. `openai:gpt-4o`.
+    pub name: String,
+    /// Whether the endpoint runs on this machine (so nothing leaves it).
+    pub local: bool,
+    pub build: Arc<dyn Fn() -> Result<Arc<dyn Llm>, String> + Send + Sync>,
+}
+
+impl LlmFactory {
+    /// Replays a script file (`hilum_llm::ScriptLlm`) for every run.
+    pub fn script(path: std::path::PathBuf) -> Self {
+        LlmFactory {
+            name: format!("script:{}", path.display()),
+            local: true,
+            build: Arc::new(move || {
+                hilum_llm::ScriptLlm::from_file(&path)
+                    .map(|l| Arc::new(l) as Arc<dyn Llm>)
+                    .map_err(|e| e.to_string())
+            }),
+        }
+    }
+}
+
+/// Makes the toolbox for one tenant's image store.
+pub type ToolboxFactory = Arc<dyn Fn(Arc<ImageStore>) -> Result<Toolbox, String> + Send + Sync>;
+
+/// The default toolbox of `hilum-tools`.
+pub fn default_toolbox_factory() -> ToolboxFactory {
+    Arc::new(|images| default_toolbox(&ToolDeps::new(images)))
+}
+
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// 127.0.0.1 by default: exposing the service is an explicit choice.
+    pub bind: SocketAddr,
+    /// `sqlite://PATH`.
+    pub db_url: String,
+    /// Largest upload (the whole multipart body), bytes.
+    pub max_upload_bytes: usize,
+    /// Largest JSON request body, bytes.
+    pub max_json_bytes: usize,
+    pub rate_limit: RateLimit,
+    /// `None`: sessions cannot ask questions (tools and uploads still work).
+    pub llm: Option<LlmFactory>,
+    /// The policy switch: unless true, no run may send pixels or image metadata (which tool
+    /// results carry) to a model endpoint that is not on this machine.
+    pub allow_remote_llm: bool,
+    /// Browser origins allowed by CORS; empty = CORS off.
+    pub cors_origins: Vec<String>,
+    pub agent: AgentConfig,
+    pub env: Environment,
+    pub toolbox: ToolboxFactory,
+    /// Budget of a direct tool call (`tools/{name}:call`, MCP).
+    pub tool_timeout: Duration,
+    /// Interval of keep-alive lines in event streams; a write to a gone client fails and
+    /// cancels its run.
+    pub heartbeat: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(db_url: impl Into<String>) -> Self {
+        ServerConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            db_url: db_url.into(),
+            max_upload_bytes: 64 << 20,
+            max_json_bytes: 1 << 20,
+            rate_limit: RateLimit::default(),
+            llm: None,
+            allow_remote_llm: false,
+            cors_origins: Vec::new(),
+            agent: AgentConfig::default(),
+            env: Environment::default(),
+            toolbox: default_toolbox_factory(),
+            tool_timeout: Duration::from_secs(300),
+            heartbeat: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One tenant's images and the toolbox that sees only them.
+pub struct Space {
+    pub images: Arc<ImageStore>,
+    pub toolbox: Arc<Toolbox>,
+}
+
+/// What [`AppState`] holds.
+pub struct Inner {
+    pub(crate) cfg: ServerConfig,
+    pub(crate) db: Db,
+    pub(crate) metrics: Metrics,
+    pub(crate) limiter: auth::Limiter,
+    pub(crate) auth_cache: auth::AuthCache,
+    spaces: AsyncMutex<HashMap<String, Arc<Space>>>,
+}
+
+/// Shared state of all handlers.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl AppState {
+    pub fn new(cfg: ServerConfig) -> Result<Self, DbError> {
+        let db = Db::open(&cfg.db_url)?;
+        Ok(AppState(Arc::new(Inner {
+            limiter: auth::Limiter::new(cfg.rate_limit),
+            cfg,
+            db,
+            metrics: Metrics::default(),
+            auth_cache: auth::AuthCache::default(),
+            spaces: AsyncMutex::new(HashMap::new()),
+        })))
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    /// The caller's space, rebuilt from the database on first use after a start.
+    pub async fn space(&self, caller: &Caller) -> Result<Arc<Space>, ApiError> {
+        let mut spaces = self.spaces.lock().await;
+        if let Some(s) = spaces.get(&caller.token_id) {
+            return Ok(s.clone());
+        }
+        let images = Arc::new(ImageStore::default());
+        for (id, bytes) in self.db.image_bytes_of(caller.token_id.clone()).await? {
+            let store = images.clone();
+            let loaded = tokio::task::spawn_blocking(move || {
+                store.ingest_bytes(bytes::Bytes::from(bytes), "stored image")
+            })
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+            if let Err(e) = loaded {
+                // A file that decoded at upload but not now (a decoder change) stays listed;
+                // tools will report it as unknown.
+                tracing::warn!(image = %id, error = %e, "stored image no longer decodes");
+            }
+        }
+        let toolbox = (self.cfg.toolbox)(images.clone()).map_err(ApiError::Internal)?;
+        let space = Arc::new(Space {
+            images,
+            toolbox: Arc::new(toolbox),
+        });
+        spaces.insert(caller.token_id.clone(), space.clone());
+        Ok(space)
+    }
+}
+
+/// Every route of the service. `/v1/*` and `/mcp` need a bearer token; `/healthz`,
+/// `/metrics`, `/openapi.json` and the web UI do not.
+pub fn router(state: AppState) -> Router {
+    let upload_limit = state.cfg.max_upload_bytes;
+    let api = Router::new()
+        .route(
+            "/v1/images",
+            post(api::upload_image)
+                // Uploads get their own, larger limit than JSON bodies.
+                .layer(DefaultBodyLimit::max(upload_limit))
+                .get(api::list_images),
+        )
+        .route(
+            "/v1/sessions",
+            post(api::create_session).get(api::list_sessions),
+        )
+        .route("/v1/sessions/{id}", get(api::get_session))
+        .route(
+            "/v1/sessions/{id}/messages",
+            post(run::ask).get(api::list_messages),
+        )
+        .route("/v1/sessions/{id}/runs", get(api::list_runs))
+        .route(
+            "/v1/sessions/{id}/runs/{run_id}/events",
+            get(api::run_events),
+        )
+        .route("/v1/sessions/{id}/artifacts", get(api::session_artifacts))
+        .route("/v1/artifacts/{id}", get(api::get_artifact))
+        .route("/v1/tools", get(api::list_tools))
+        // `{name}:call` is one path segment; the handler checks the `:call` suffix.
+        .route("/v1/tools/{call}", post(api::call_tool))
+        .route("/v1/audit", get(api::export_audit))
+        .nest_service("/mcp", mcp::http_service(state.clone()))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let public = Router::new()
+        .route("/healthz", get(api::healthz))
+        .route("/metrics", get(api::metrics))
+        .route("/openapi.json", get(openapi::serve));
+    let mut app = Router::new()
+        .merge(api)
+        .merge(public)
+        .merge(web::routes())
+        .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ));
+    if !state.cfg.cors_origins.is_empty() {
+        let origins: Vec<axum::http::HeaderValue> = state
+            .cfg
+            .cors_origins
+            .iter()
+            .filter_map(|o| o.parse().ok())
+            .collect();
+        app = app.layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(origins)
+                .allow_methods(tower_http::cors::Any)
+                .allow_headers(tower_http::cors::Any),
+        );
+    }
+    app.with_state(state)
+}
+
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = req.method().to_string();
+    let resp = next.run(req).await;
+    state
+        .metrics
+        .request(&method, &route, resp.status().as_u16());
+    resp
+}
+
+/// Binds and serves until `shutdown` resolves. Returns the bound address through `bound`
+/// (useful with port 0).
+pub async fn serve(
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(state.cfg.bind).await?;
+    let addr = listener.local_addr()?;
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "listening on a non-loopback address: put TLS in front of it");
+    }
+    tracing::info!(%addr, "hilum serve listening");
+    if let Some(tx) = bound {
+        let _ = tx.send(addr);
+    }
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,252 @@
+//! Shared helpers of the server tests: a real server on 127.0.0.1, tokens, real radiographs,
+//! and two test tools (an artifact-producing thumbnail and a slow call).
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::ImageStore;
+use hilum_server::{AppState, LlmFactory, RateLimit, ServerConfig, ToolboxFactory};
+use hilum_tools::{default_toolbox, ToolDeps};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+pub fn data_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+    assert!(
+        dir.join("cxr/images").is_dir(),
+        "real test data missing: expected {} (the shared data folder beside the repository)",
+        dir.display()
+    );
+    dir
+}
+
+pub fn image(name: &str) -> Vec<u8> {
+    let p = data_dir().join("cxr/images").join(name);
+    std::fs::read(&p).unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()))
+}
+
+/// A 64-px-wide PNG thumbnail of an image: a real artifact to store and fetch.
+pub struct Thumbnail {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+}
+
+#[async_trait]
+impl Tool for Thumbnail {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let id = args["image"].as_str().unwrap_or_default();
+        let img = self
+            .store
+            .get(id)
+            .map_err(|e| ToolError::NotFound(e.to_string()))?;
+        let w = 64u32;
+        let h = ((img.height as u64 * 64) / img.width.max(1) as u64).max(1) as u32;
+        let max = img.max_value();
+        let mut out = image::GrayImage::new(w, h);
+        for y in 0..h {
+            for x in 0..w {
+                let sx = (x as u64 * img.width as u64 / w as u64) as usize;
+                let sy = (y as u64 * img.height as u64 / h as u64) as usize;
+                let v = img.pixels[sy * img.width as usize + sx] / max * 255.0;
+                out.put_pixel(x, y, image::Luma([v.clamp(0.0, 255.0) as u8]));
+            }
+        }
+        let mut png = Vec::new();
+        out.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        Ok(ToolOutput::new(
+            format!("thumbnail {w}x{h}"),
+            json!({"width": w, "height": h}),
+        )
+        .with_artifact(Artifact::png("thumbnail.png", "overlay", png)))
+    }
+}
+
+/// Sleeps `seconds`: a run that is still busy when its client goes away.
+pub struct Sleep {
+    spec: ToolSpec,
+}
+
+#[async_trait]
+impl Tool for Sleep {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let s = args["seconds"].as_f64().unwrap_or(1.0);
+        tokio::time::sleep(Duration::from_secs_f64(s)).await;
+        Ok(ToolOutput::new("slept", json!({"seconds": s})))
+    }
+}
+
+pub fn test_toolbox() -> ToolboxFactory {
+    Arc::new(|store: Arc<ImageStore>| {
+        let mut tb = default_toolbox(&ToolDeps::new(store.clone()))?;
+        tb.register(Arc::new(Thumbnail {
+            spec: ToolSpec {
+                name: "thumbnail".into(),
+                description: "A small PNG of the image.".into(),
+                parameters: json!({"type": "object", "properties": {"image": {"type": "string"}}, "required": ["image"]}),
+            },
+            store,
+        }))?;
+        tb.register(Arc::new(Sleep {
+            spec: ToolSpec {
+                name: "sleep".into(),
+                description: "Waits.".into(),
+                parameters: json!({"type": "object", "properties": {"seconds": {"type": "number"}}}),
+            },
+        }))?;
+        Ok(tb)
+    })
+}
+
+pub struct Server {
+    pub addr: SocketAddr,
+    pub state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Server {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops the server and waits until it has let go of the database.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+/// A config for tests: port 0, the test toolbox, a script LLM if given, no rate limit.
+pub fn config(db: &Path, script: Option<&Path>) -> ServerConfig {
+    let mut cfg = ServerConfig::new(format!("sqlite://{}", db.display()));
+    cfg.bind = "127.0.0.1:0".parse().expect("addr");
+    cfg.toolbox = test_toolbox();
+    cfg.rate_limit = RateLimit {
+        per_sec: 0.0,
+        burst: 0.0,
+    };
+    cfg.heartbeat = Duration::from_millis(100);
+    cfg.llm = script.map(|p| LlmFactory::script(p.to_path_buf()));
+    cfg
+}
+
+pub async fn start(cfg: ServerConfig) -> Server {
+    let state = AppState::new(cfg).expect("open database");
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (addr_tx, addr_rx) = oneshot::channel();
+    let task = tokio::spawn(hilum_server::serve(
+        state.clone(),
+        async move {
+            let _ = stop_rx.await;
+        },
+        Some(addr_tx),
+    ));
+    let addr = addr_rx.await.expect("server bound");
+    Server {
+        addr,
+        state,
+        stop: Some(stop_tx),
+        task: Some(task),
+    }
+}
+
+pub fn token(state: &AppState, name: &str) -> String {
+    state.db().create_token(name, false).expect("token").1
+}
+
+pub fn write_script(dir: &Path, turns: Value) -> PathBuf {
+    let p = dir.join("script.json");
+    std::fs::write(&p, turns.to_string()).expect("write script");
+    p
+}
+
+pub async fn upload(
+    client: &reqwest::Client,
+    srv: &Server,
+    token: &str,
+    name: &str,
+) -> reqwest::Response {
+    let part = reqwest::multipart::Part::bytes(image(name))
+        .file_name(name.to_string())
+        .mime_str("image/png")
+        .expect("mime");
+    let form = reqwest::multipart::Form::new().part("file", part);
+    client
+        .post(srv.url("/v1/images"))
+        .bearer_auth(token)
+        .multipart(form)
+        .send()
+        .await
+        .expect("upload request")
+}
+
+pub async fn upload_id(
+    client: &reqwest::Client,
+    srv: &Server,
+    token: &str,
+    name: &str,
+) -> (String, Value) {
+    let resp = upload(client, srv, token, name).await;
+    assert_eq!(resp.status(), 201, "upload of {name}");
+    let body: Value = resp.json().await.expect("json");
+    let row = body["images"][0].clone();
+    (row["id"].as_str().expect("id").to_string(), row)
+}
+
+pub async fn new_session(client: &reqwest::Client, srv: &Server, token: &str) -> String {
+    let resp = client
+        .post(srv.url("/v1/sessions"))
+        .bearer_auth(token)
+        .json(&json!({"title": "test"}))
+        .send()
+        .await
+        .expect("session");
+    assert_eq!(resp.status(), 201);
+    let v: Value = resp.json().await.expect("json");
+    v["id"].as_str().expect("id").to_string()
+}
+
+/// Posts a question and reads the whole NDJSON stream.
+pub async fn ask_ndjson(
+    client: &reqwest::Client,
+    srv: &Server,
+    token: &str,
+    session: &str,
+    question: &str,
+    images: &[&str],
+) -> Vec<Value> {
+    let resp = client
+        .post(srv.url(&format!("/v1/sessions/{session}/messages")))
+        .bearer_auth(token)
+        .json(&json!({"question": question, "images": images}))
+        .send()
+        .await
+        .expect("ask");
+    assert_eq!(resp.status(), 200, "ask");
+    assert_eq!(
+        resp.headers()["content-type"].to_str().unwrap_or(""),
+        "application/x-ndjson"
+    );
+    let text = resp.text().await.expect("body");
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad NDJSON line {l}: {e}")))
+        .filter(|v: &Value| v["type"] != "heartbeat")
+        .collect()
+}

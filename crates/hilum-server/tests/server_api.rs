@@ -1,0 +1,724 @@
+//! End-to-end tests of `hilum serve` over real sockets on 127.0.0.1, with real radiographs
+//! from ../shared/data and the script LLM.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const IMG: &str = "nih_00000001_000_cardiomegaly.png";
+const IMG2: &str = "kermany_person1946_bacteria_4874.jpeg";
+
+fn two_round_script() -> Value {
+    json!([
+        {"content": "Let me look at the image.", "tool_calls": [
+            {"name": "image_info", "arguments": {"image": "$IMAGE"}},
+            {"name": "thumbnail", "arguments": {"image": "$IMAGE"}}
+        ]},
+        {"content": "The image was measured; see the thumbnail."}
+    ])
+}
+
+fn types(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["type"].as_str().unwrap_or("?").to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn upload_session_streamed_answer_and_artifacts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(dir.path(), two_round_script());
+    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+
+    let (img, row) = upload_id(&client, &srv, &tok, IMG).await;
+    let real = image::load_from_memory(&image(IMG)).expect("decode reference");
+    assert_eq!(row["width"], real.width());
+    assert_eq!(row["height"], real.height());
+
+    let listed: Value = client
+        .get(srv.url("/v1/images"))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("list")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(listed["images"][0]["id"], img.as_str());
+
+    let ses = new_session(&client, &srv, &tok).await;
+    let events = ask_ndjson(
+        &client,
+        &srv,
+        &tok,
+        &ses,
+        "How large is this image?",
+        &[&img],
+    )
+    .await;
+    let t = types(&events);
+    assert_eq!(t.first().map(String::as_str), Some("run_started"), "{t:?}");
+    assert_eq!(t.last().map(String::as_str), Some("complete"), "{t:?}");
+    assert_eq!(
+        t.iter().filter(|x| *x == "tool_finished").count(),
+        2,
+        "{t:?}"
+    );
+    assert!(t.contains(&"final".to_string()), "{t:?}");
+
+    let info = events
+        .iter()
+        .find(|e| e["type"] == "tool_finished" && e["name"] == "image_info")
+        .expect("image_info result");
+    assert_eq!(info["data"]["width"], real.width());
+
+    // The artifact announced in the stream is fetchable, and is the PNG the tool made.
+    let thumb = events
+        .iter()
+        .find(|e| e["type"] == "tool_finished" && e["name"] == "thumbnail")
+        .expect("thumbnail result");
+    let url = thumb["artifacts"][0]["url"].as_str().expect("artifact url");
+    let resp = client
+        .get(srv.url(url))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("artifact");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "image/png");
+    let png = image::load_from_memory(&resp.bytes().await.expect("bytes")).expect("png");
+    assert_eq!(png.width(), 64);
+    assert_eq!(png.height(), (real.height() * 64) / real.width());
+
+    let arts: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/artifacts")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("artifacts")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(arts["artifacts"].as_array().map(Vec::len), Some(1));
+
+    let msgs: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("messages")
+        .json()
+        .await
+        .expect("json");
+    let roles: Vec<&str> = msgs["messages"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|m| m["role"].as_str())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "tool", "assistant"]);
+    let last = &msgs["messages"][4]["message"]["content"];
+    assert_eq!(last, "The image was measured; see the thumbnail.");
+
+    // Every tool call and model turn of the run is in the audit log, without the question.
+    let audit = srv.state.db().audit_since(0, 1000).expect("audit");
+    let kinds: Vec<&str> = audit.iter().map(|a| a.kind.as_str()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "tool_call").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "llm_call").count(),
+        2,
+        "{kinds:?}"
+    );
+    let dump = serde_json::to_string(&audit).expect("json");
+    assert!(
+        !dump.contains("How large"),
+        "the question must not be audited"
+    );
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn sse_stream_carries_the_same_events() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(dir.path(), two_round_script());
+    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let (img, _) = upload_id(&client, &srv, &tok, IMG).await;
+    let ses = new_session(&client, &srv, &tok).await;
+    let resp = client
+        .post(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .header("accept", "text/event-stream")
+        .json(&json!({"question": "size?", "images": [img]}))
+        .send()
+        .await
+        .expect("ask");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap_or("")
+        .starts_with("text/event-stream"));
+    let text = resp.text().await.expect("body");
+    let names: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names.first(), Some(&"run_started"), "{names:?}");
+    assert_eq!(names.last(), Some(&"complete"), "{names:?}");
+    assert!(names.contains(&"final"));
+    // The stored events equal what was streamed (heartbeats are not stored).
+    let runs: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/runs")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("runs")
+        .json()
+        .await
+        .expect("json");
+    let run_id = runs["runs"][0]["id"].as_str().expect("run id");
+    assert_eq!(runs["runs"][0]["status"], "completed");
+    let stored: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/runs/{run_id}/events")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("events")
+        .json()
+        .await
+        .expect("json");
+    let stored_types: Vec<&str> = stored["events"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|e| e["type"].as_str())
+        .collect();
+    assert_eq!(stored_types, names);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn restart_on_the_same_database_keeps_sessions_and_images() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("h.db");
+    let script = write_script(dir.path(), two_round_script());
+    let client = reqwest::Client::new();
+
+    let srv = start(config(&db, Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let (img, _) = upload_id(&client, &srv, &tok, IMG).await;
+    let ses = new_session(&client, &srv, &tok).await;
+    let first = ask_ndjson(&client, &srv, &tok, &ses, "size?", &[&img]).await;
+    assert_eq!(types(&first).last().map(String::as_str), Some("complete"));
+    srv.stop().await;
+
+    let srv = start(config(&db, Some(&script))).await;
+    let resp = client
+        .get(srv.url(&format!("/v1/sessions/{ses}")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("session");
+    assert_eq!(resp.status(), 200, "the session survives a restart");
+    let msgs: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("messages")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(msgs["messages"].as_array().map(Vec::len), Some(5));
+
+    // Resume: the image is usable again and the conversation continues after message 5.
+    let second = ask_ndjson(&client, &srv, &tok, &ses, "and again?", &[&img]).await;
+    let info = second
+        .iter()
+        .find(|e| e["type"] == "tool_finished" && e["name"] == "image_info")
+        .expect("image_info after restart");
+    assert!(info["data"]["width"].as_u64().is_some());
+    let msgs: Value = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("messages")
+        .json()
+        .await
+        .expect("json");
+    let seqs: Vec<i64> = msgs["messages"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|m| m["seq"].as_i64())
+        .collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn missing_or_wrong_token_is_401() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = start(config(&dir.path().join("h.db"), None)).await;
+    let _ = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let none = client.get(srv.url("/v1/images")).send().await.expect("req");
+    assert_eq!(none.status(), 401);
+    assert_eq!(none.headers()["www-authenticate"], "Bearer");
+    let wrong = client
+        .get(srv.url("/v1/sessions"))
+        .bearer_auth("hlm_0000")
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(wrong.status(), 401);
+    let body: Value = wrong.json().await.expect("json");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("hilum serve token create"));
+    let mcp = client
+        .post(srv.url("/mcp"))
+        .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(mcp.status(), 401, "MCP needs a token too");
+    // Public endpoints stay open.
+    let health = client.get(srv.url("/healthz")).send().await.expect("req");
+    assert_eq!(health.status(), 200);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn another_tokens_images_sessions_and_artifacts_are_404() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(dir.path(), two_round_script());
+    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+    let alice = token(&srv.state, "alice");
+    let bob = token(&srv.state, "bob");
+    let client = reqwest::Client::new();
+    let (img, _) = upload_id(&client, &srv, &alice, IMG).await;
+    let ses = new_session(&client, &srv, &alice).await;
+    let events = ask_ndjson(&client, &srv, &alice, &ses, "size?", &[&img]).await;
+    let art_url = events
+        .iter()
+        .find_map(|e| e["artifacts"][0]["url"].as_str())
+        .expect("artifact")
+        .to_string();
+
+    let get = |path: String| {
+        let client = client.clone();
+        let bob = bob.clone();
+        let url = srv.url(&path);
+        async move {
+            client
+                .get(url)
+                .bearer_auth(bob)
+                .send()
+                .await
+                .expect("req")
+                .status()
+        }
+    };
+    assert_eq!(get(art_url.clone()).await, 404);
+    assert_eq!(get(format!("/v1/sessions/{ses}")).await, 404);
+    assert_eq!(get(format!("/v1/sessions/{ses}/messages")).await, 404);
+    assert_eq!(get(format!("/v1/sessions/{ses}/artifacts")).await, 404);
+
+    // Bob's own session cannot use Alice's image, neither in a question nor in a direct call.
+    let bob_ses = new_session(&client, &srv, &bob).await;
+    let ask = client
+        .post(srv.url(&format!("/v1/sessions/{bob_ses}/messages")))
+        .bearer_auth(&bob)
+        .json(&json!({"question": "size?", "images": [img]}))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(ask.status(), 404);
+    let call = client
+        .post(srv.url("/v1/tools/image_info:call"))
+        .bearer_auth(&bob)
+        .json(&json!({"image": img}))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(call.status(), 422);
+    let body: Value = call.json().await.expect("json");
+    assert_eq!(body["ok"], false);
+    let listed: Value = client
+        .get(srv.url("/v1/images"))
+        .bearer_auth(&bob)
+        .send()
+        .await
+        .expect("req")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(listed["images"].as_array().map(Vec::len), Some(0));
+    // Alice still sees hers.
+    let own = client
+        .get(srv.url(&art_url))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(own.status(), 200);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_upload_is_413() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&dir.path().join("h.db"), None);
+    cfg.max_upload_bytes = 100 * 1024;
+    let srv = start(cfg).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let big = image(IMG);
+    assert!(
+        big.len() > 100 * 1024,
+        "the test image must exceed the limit"
+    );
+    let resp = upload(&client, &srv, &tok, IMG).await;
+    assert_eq!(resp.status(), 413);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "payload_too_large");
+    // A file under the limit still goes through.
+    let small = image(IMG2);
+    assert!(small.len() < 100 * 1024);
+    let ok = upload(&client, &srv, &tok, IMG2).await;
+    assert_eq!(ok.status(), 201);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn direct_tool_calls_are_recorded_audited_and_measured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = start(config(&dir.path().join("h.db"), None)).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let (img, row) = upload_id(&client, &srv, &tok, IMG2).await;
+    let n = 5;
+    for _ in 0..n {
+        let resp = client
+            .post(srv.url("/v1/tools/image_info:call"))
+            .bearer_auth(&tok)
+            .json(&json!({"image": img}))
+            .send()
+            .await
+            .expect("call");
+        assert_eq!(resp.status(), 200);
+        let body: Value = resp.json().await.expect("json");
+        assert_eq!(body["data"]["width"], row["width"]);
+    }
+    let bad = client
+        .post(srv.url("/v1/tools/image_info:call"))
+        .bearer_auth(&tok)
+        .json(&json!({"image": 42}))
+        .send()
+        .await
+        .expect("call");
+    assert_eq!(bad.status(), 422);
+    let unknown = client
+        .post(srv.url("/v1/tools/no_such_tool:call"))
+        .bearer_auth(&tok)
+        .json(&json!({}))
+        .send()
+        .await
+        .expect("call");
+    assert_eq!(unknown.status(), 404);
+    let no_suffix = client
+        .post(srv.url("/v1/tools/image_info"))
+        .bearer_auth(&tok)
+        .json(&json!({"image": img}))
+        .send()
+        .await
+        .expect("call");
+    assert_eq!(no_suffix.status(), 404);
+
+    let audit = srv.state.db().audit_since(0, 1000).expect("audit");
+    let calls: Vec<_> = audit.iter().filter(|a| a.kind == "tool_call").collect();
+    assert_eq!(calls.len(), n + 1, "every executed call is audited once");
+    assert_eq!(calls.iter().filter(|a| a.outcome == "ok").count(), n);
+
+    let metrics = client
+        .get(srv.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let count_line = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("hilum_tool_call_duration_seconds_count")
+                && l.contains("tool=\"image_info\"")
+                && l.contains("outcome=\"ok\"")
+        })
+        .expect("histogram count");
+    assert!(count_line.ends_with(&format!(" {n}")), "{count_line}");
+    assert!(metrics.contains("route=\"/v1/tools/{call}\",status=\"200\""));
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn audit_export_needs_an_admin_token_and_is_json_lines() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = start(config(&dir.path().join("h.db"), None)).await;
+    let user = token(&srv.state, "alice");
+    let (_, admin) = srv.state.db().create_token("ops", true).expect("admin");
+    let client = reqwest::Client::new();
+    let (img, _) = upload_id(&client, &srv, &user, IMG2).await;
+    let _ = client
+        .post(srv.url("/v1/tools/image_info:call"))
+        .bearer_auth(&user)
+        .json(&json!({"image": img}))
+        .send()
+        .await
+        .expect("call");
+    let denied = client
+        .get(srv.url("/v1/audit"))
+        .bearer_auth(&user)
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(denied.status(), 403);
+    let resp = client
+        .get(srv.url("/v1/audit"))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.expect("text");
+    let rows: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows[0]["kind"], "upload");
+    assert_eq!(rows[1]["kind"], "tool_call");
+    assert_eq!(rows[1]["arguments"]["image"], img.as_str());
+    let since: Value = serde_json::from_str(
+        client
+            .get(srv.url(&format!("/v1/audit?since={}", rows[0]["seq"])))
+            .bearer_auth(&admin)
+            .send()
+            .await
+            .expect("req")
+            .text()
+            .await
+            .expect("text")
+            .trim(),
+    )
+    .expect("one row");
+    assert_eq!(since["seq"], rows[1]["seq"]);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(
+        dir.path(),
+        json!([
+            {"content": "Waiting.", "tool_calls": [{"name": "sleep", "arguments": {"seconds": 30}}]},
+            {"content": "done"}
+        ]),
+    );
+    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let ses = new_session(&client, &srv, &tok).await;
+    let mut resp = client
+        .post(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .json(&json!({"question": "wait"}))
+        .send()
+        .await
+        .expect("ask");
+    // Read until the slow tool has started, then hang up.
+    let mut seen = String::new();
+    while !seen.contains("tool_started") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+            .await
+            .expect("events in time")
+            .expect("chunk")
+            .expect("stream open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(resp);
+    drop(client);
+
+    let client = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        let runs: Value = client
+            .get(srv.url(&format!("/v1/sessions/{ses}/runs")))
+            .bearer_auth(&tok)
+            .send()
+            .await
+            .expect("runs")
+            .json()
+            .await
+            .expect("json");
+        let status = runs["runs"][0]["status"].as_str().unwrap_or("").to_string();
+        if status != "running" || std::time::Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        status, "cancelled",
+        "the run must stop well before the 30 s tool"
+    );
+    let audit = srv.state.db().audit_since(0, 100).expect("audit");
+    assert!(audit.iter().any(|a| a.kind == "run_cancelled"));
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn policy_forbids_non_local_model_endpoints_by_default() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(dir.path(), two_round_script());
+    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
+    if let Some(llm) = cfg.llm.as_mut() {
+        // The same backend, declared remote: what an openai: endpoint off this machine is.
+        llm.local = false;
+        llm.name = "openai:gpt-4o".into();
+    }
+    let srv = start(cfg.clone()).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let (img, _) = upload_id(&client, &srv, &tok, IMG2).await;
+    let ses = new_session(&client, &srv, &tok).await;
+    let resp = client
+        .post(srv.url(&format!("/v1/sessions/{ses}/messages")))
+        .bearer_auth(&tok)
+        .json(&json!({"question": "size?", "images": [img]}))
+        .send()
+        .await
+        .expect("ask");
+    assert_eq!(resp.status(), 403);
+    let body: Value = resp.json().await.expect("json");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("--allow-remote-llm"));
+    srv.stop().await;
+
+    cfg.allow_remote_llm = true;
+    let srv = start(cfg).await;
+    let ses = new_session(&client, &srv, &tok).await;
+    let events = ask_ndjson(&client, &srv, &tok, &ses, "size?", &[&img]).await;
+    assert_eq!(types(&events).last().map(String::as_str), Some("complete"));
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn rate_limit_is_per_token() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(&dir.path().join("h.db"), None);
+    cfg.rate_limit = hilum_server::RateLimit {
+        per_sec: 0.5,
+        burst: 3.0,
+    };
+    let srv = start(cfg).await;
+    let a = token(&srv.state, "alice");
+    let b = token(&srv.state, "bob");
+    let client = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let r = client
+            .get(srv.url("/v1/sessions"))
+            .bearer_auth(&a)
+            .send()
+            .await
+            .expect("req");
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    let r = client
+        .get(srv.url("/v1/sessions"))
+        .bearer_auth(&b)
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(r.status(), 200, "bob has his own budget");
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn openapi_document_matches_the_served_routes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = start(config(&dir.path().join("h.db"), None)).await;
+    let client = reqwest::Client::new();
+    let doc: Value = client
+        .get(srv.url("/openapi.json"))
+        .send()
+        .await
+        .expect("doc")
+        .json()
+        .await
+        .expect("json");
+    let paths = doc["paths"].as_object().expect("paths");
+    let mut documented = Vec::new();
+    for (path, item) in paths {
+        for method in ["get", "post", "put", "delete", "patch"] {
+            if item.get(method).is_some() {
+                documented.push((method.to_string(), path.clone()));
+            }
+        }
+    }
+    documented.sort();
+    let mut table: Vec<(String, String)> = hilum_server::openapi::ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    table.sort();
+    assert_eq!(
+        documented, table,
+        "the served document and the route table differ"
+    );
+
+    // Every documented operation is routed: no 405, and a 404 only from a handler (JSON body).
+    for (method, path) in &documented {
+        let concrete = path
+            .replace("{id}", "ses_0")
+            .replace("{run_id}", "run_0")
+            .replace("{name}", "image_info");
+        let req = match method.as_str() {
+            "get" => client.get(srv.url(&concrete)),
+            _ => client.post(srv.url(&concrete)).json(&json!({})),
+        };
+        let resp = req.send().await.expect("req");
+        let status = resp.status().as_u16();
+        let body = resp.text().await.unwrap_or_default();
+        assert_ne!(status, 405, "{method} {path}");
+        if status == 404 {
+            assert!(body.contains("\"error\""), "{method} {path} is not routed");
+        }
+    }
+    // And a route that is not documented is not served.
+    let stray = client
+        .get(srv.url("/v1/nothing"))
+        .send()
+        .await
+        .expect("req");
+    assert_eq!(stray.status(), 404);
+    srv.stop().await;
+}

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Load test of `hilum serve` on 127.0.0.1 only, bounded in time, with wrk:
+#   1. direct tool calls: POST /v1/tools/image_info:call on a real radiograph;
+#   2. full sessions: POST /v1/sessions/{id}/messages with the script LLM (one tool round +
+#      answer), streamed NDJSON read to the end.
+# Reports requests/s, p50/p99 latency and errors per phase, then checks the audit log against
+# what the server answered: audit rows == calls made, nothing lost.
+#
+# Usage: scripts/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
+# Env:   HILUM_BIN (default: target/release/hilum, built if missing), IMAGE (a radiograph).
+# Needs: wrk (scripts/setup_load_test.sh), curl, python3.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+secs="${1:-10}"
+conns="${2:-8}"
+image="${IMAGE:-$root/../shared/data/cxr/images/nih_00000001_000_cardiomegaly.png}"
+bin="${HILUM_BIN:-$root/target/release/hilum}"
+
+command -v wrk >/dev/null || { echo "wrk is missing: run scripts/setup_load_test.sh" >&2; exit 1; }
+[ -f "$image" ] || { echo "test image not found: $image" >&2; exit 1; }
+if [ ! -x "$bin" ]; then
+    echo "building $bin ..." >&2
+    (cd "$root" && cargo build --release -p hilum-cli >&2)
+fi
+
+work="$(mktemp -d)"
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+base="http://127.0.0.1:$port"
+db="sqlite://$work/load.db"
+server_pid=""
+cleanup() {
+    if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+cat > "$work/script.json" <<'JSON'
+[
+  {"content": "Measuring.", "tool_calls": [{"name": "image_info", "arguments": {"image": "$IMAGE"}}]},
+  {"content": "The image_info result gives the size and the intensity statistics."}
+]
+JSON
+
+token="$("$bin" serve token create --name load-test --admin --db "$db" 2>/dev/null)"
+"$bin" serve --db "$db" --bind "127.0.0.1:$port" --llm "script:$work/script.json" \
+    --rate-limit 0 > "$work/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 1 100); do
+    curl -fsS "$base/healthz" >/dev/null 2>&1 && break
+    sleep 0.1
+done
+curl -fsS "$base/healthz" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
+
+auth="Authorization: Bearer $token"
+img_id="$(curl -fsS -H "$auth" -F "file=@$image" "$base/v1/images" | python3 -c 'import json,sys; print(json.load(sys.stdin)["images"][0]["id"])')"
+
+# Sessions are spread so no single conversation history grows without bound.
+nsessions=$((conns * 4))
+sessions=""
+for _ in $(seq 1 "$nsessions"); do
+    sid="$(curl -fsS -H "$auth" -H 'content-type: application/json' -d '{"title":"load"}' "$base/v1/sessions" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')"
+    sessions="$sessions\"$sid\","
+done
+
+report_lua='
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "{\"requests\": %d, \"seconds\": %.3f, \"rps\": %.1f, \"p50_ms\": %.2f, \"p99_ms\": %.2f, \"max_ms\": %.2f, \"errors\": {\"connect\": %d, \"read\": %d, \"write\": %d, \"status\": %d, \"timeout\": %d}}\n",
+    summary.requests, summary.duration / 1e6, summary.requests / (summary.duration / 1e6),
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency.max / 1000,
+    e.connect, e.read, e.write, e.status, e.timeout))
+end
+'
+
+cat > "$work/tool.lua" <<LUA
+wrk.method = "POST"
+wrk.headers["Authorization"] = "Bearer $token"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"image": "$img_id"}'
+$report_lua
+LUA
+
+cat > "$work/session.lua" <<LUA
+local sessions = { ${sessions%,} }
+local n = 0
+request = function()
+  n = n + 1
+  local sid = sessions[(n % #sessions) + 1]
+  return wrk.format("POST", "/v1/sessions/" .. sid .. "/messages",
+    {["Authorization"] = "Bearer $token", ["Content-Type"] = "application/json"},
+    '{"question": "How large is this image?", "images": ["$img_id"]}')
+end
+$report_lua
+LUA
+
+echo "# hilum load test: ${secs}s per phase, $conns connections, 2 wrk threads, $(nproc) cores, loopback" >&2
+tools_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/tool.lua" "$base/v1/tools/image_info:call" | tail -1)"
+sessions_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/session.lua" "$base" | tail -1)"
+
+metrics="$(curl -fsS "$base/metrics")"
+# Stop the server, then read its audit log from the database.
+kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+"$bin" serve audit export --db "$db" > "$work/audit.jsonl"
+
+python3 - "$work/audit.jsonl" "$tools_json" "$sessions_json" "$metrics" <<'PY'
+import json, re, sys
+audit = [json.loads(l) for l in open(sys.argv[1])]
+tools, sessions, metrics = json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+
+def served(route, status="200"):
+    m = re.search(r'hilum_http_requests_total\{method="POST",route="%s",status="%s"\} (\d+)' % (re.escape(route), status), metrics)
+    return int(m.group(1)) if m else 0
+
+def runs(status):
+    m = re.search(r'hilum_runs_total\{status="%s"\} (\d+)' % status, metrics)
+    return int(m.group(1)) if m else 0
+
+direct_audit = sum(1 for a in audit if a["kind"] == "tool_call" and a["run_id"] is None)
+# Runs that wrk cut at its deadline are cancelled (client gone); count the others.
+cancelled = {a["run_id"] for a in audit if a["kind"] == "run_cancelled"}
+run_tool_audit = sum(1 for a in audit if a["kind"] == "tool_call" and a["run_id"] not in (None, *cancelled))
+llm_audit = sum(1 for a in audit if a["kind"] == "llm_call" and a["run_id"] not in cancelled)
+completed = runs("completed")
+result = {
+    "tool_calls": tools,
+    "sessions": sessions,
+    "server": {
+        "tool_calls_answered_200": served("/v1/tools/{call}"),
+        "questions_answered_200": served("/v1/sessions/{id}/messages"),
+        "runs_completed": completed,
+        "runs_cancelled": runs("cancelled"),
+        "runs_failed": runs("failed"),
+    },
+    "audit": {"direct_tool_calls": direct_audit, "run_tool_calls": run_tool_audit, "llm_calls": llm_audit},
+}
+checks = {
+    # Every direct call the server answered is in the audit log, once.
+    "direct_calls_all_audited": direct_audit == result["server"]["tool_calls_answered_200"],
+    # Each completed run made one tool call and two model calls.
+    "run_calls_all_audited": run_tool_audit == completed and llm_audit == 2 * completed,
+    # wrk counts only responses it finished before the deadline; the server may finish a few more.
+    "client_count_within_server_count": tools["requests"] <= direct_audit and sessions["requests"] <= completed,
+    "zero_errors": all(v == 0 for v in tools["errors"].values()) and all(v == 0 for v in sessions["errors"].values())
+                   and result["server"]["runs_failed"] == 0,
+}
+result["checks"] = checks
+print(json.dumps(result, indent=2))
+sys.exit(0 if all(checks.values()) else 1)
+PY
