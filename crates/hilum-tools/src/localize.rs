@@ -355,8 +355,8 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
             let a = 0.55 * t;
             let col = jet(t);
             let px = canvas.get_pixel_mut(cx, cy);
-            for k in 0..3 {
-                px.0[k] = (px.0[k] as f32 * (1.0 - a) + col[k] * a).round() as u8;
+            for (v, c) in px.0.iter_mut().zip(col) {
+                *v = (*v as f32 * (1.0 - a) + c * a).round() as u8;
             }
         }
     }

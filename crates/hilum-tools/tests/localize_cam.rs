@@ -1,0 +1,336 @@
+//! `localize_finding`: the CAM of the torchxrayvision DenseNet against direct computations on
+//! the seeded small DenseNet whose logits were matched to PyTorch (tests/fixtures/classifier),
+//! boxes against the thresholded map, and — informative, with real weights only — IoU against
+//! the NIH expert boxes.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use hilum_agent::{Tool, ToolContext, ToolError};
+use hilum_imaging::ImageStore;
+use hilum_models::densenet::{self, DenseNet};
+use hilum_models::xrv::{Arch, XrvSpec};
+use hilum_models::{ModelPool, ModelRegistry};
+use hilum_tools::localize::{self, CamNet, LocalizeFinding, MODEL_ID};
+use serde_json::json;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixtures() -> PathBuf {
+    let p = repo().join("tests/fixtures/classifier");
+    assert!(
+        p.join("densenet_small.safetensors").exists(),
+        "classifier fixtures missing in {}: run scripts/make_fixtures.py",
+        p.display()
+    );
+    p
+}
+
+fn shared() -> PathBuf {
+    let p = repo().join("../shared/data/cxr");
+    assert!(
+        p.is_dir(),
+        "real test data missing: expected {} (the shared data folder beside the repository)",
+        p.display()
+    );
+    p
+}
+
+fn small_net() -> CamNet {
+    let text = std::fs::read_to_string(fixtures().join("small_configs.json")).expect("configs");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let cfg: densenet::Config = serde_json::from_value(v["densenet"].clone()).expect("config");
+    // SAFETY: the fixture is not modified while the test runs.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(
+            &[fixtures().join("densenet_small.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+    }
+    .expect("weights");
+    let net = DenseNet::load(vb, &cfg).expect("small densenet");
+    let spec = XrvSpec {
+        resolution: 64,
+        arch: Arch::DenseNet(cfg),
+        ..XrvSpec::densenet121_res224_all()
+    };
+    CamNet::new(net, spec, Device::Cpu)
+}
+
+/// Inputs (b, 64*64) and PyTorch logits (b, 18) of the small DenseNet.
+fn torch_io() -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let t = candle_core::safetensors::load(
+        fixtures().join("densenet_small_io.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("io fixture");
+    let rows = |name: &str| -> Vec<Vec<f32>> {
+        let x = &t[name];
+        let b = x.dim(0).expect("batch");
+        (0..b)
+            .map(|i| {
+                x.get(i)
+                    .and_then(|r| r.flatten_all())
+                    .and_then(|r| r.to_vec1::<f32>())
+                    .expect("row")
+            })
+            .collect()
+    };
+    (rows("input"), rows("logits"))
+}
+
+#[test]
+fn cam_mean_plus_bias_is_the_pytorch_logit() {
+    let net = small_net();
+    let (inputs, logits) = torch_io();
+    for (x, want) in inputs.iter().zip(&logits) {
+        for (class, &w) in want.iter().enumerate() {
+            let cam = net.cam(x, class).expect("cam");
+            assert_eq!((cam.h, cam.w), (4, 4), "64 px / 16 for three dense blocks");
+            assert!(
+                (cam.logit - w).abs() <= 1e-4 * w.abs().max(1.0),
+                "class {class}: CAM logit {} vs PyTorch {w}",
+                cam.logit
+            );
+        }
+    }
+}
+
+#[test]
+fn cam_equals_weights_times_feature_map() {
+    let net = small_net();
+    let (inputs, _) = torch_io();
+    let x = Tensor::from_slice(&inputs[0], (1, 1, 64, 64), &Device::Cpu).expect("x");
+    let f = net.feature_map(&x).expect("feature map");
+    let (_, c, h, w) = f.dims4().expect("4-d");
+    // Pooling the map gives exactly DenseNet::features (norm5 + ReLU + mean).
+    let pooled = f.mean((2, 3)).and_then(|t| t.flatten_all());
+    let reference = net.net.features(&x).and_then(|t| t.flatten_all());
+    let (pooled, reference) = (
+        pooled.and_then(|t| t.to_vec1::<f32>()).expect("pooled"),
+        reference
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("features"),
+    );
+    let d = pooled
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        d < 1e-5,
+        "feature map pooled differs from DenseNet::features by {d}"
+    );
+    let fm = f
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("fm");
+    let wts = net
+        .net
+        .classifier
+        .weight()
+        .to_vec2::<f32>()
+        .expect("weights");
+    for class in [0, 7, 17] {
+        let cam = net.cam(&inputs[0], class).expect("cam");
+        for p in 0..h * w {
+            let direct: f64 = (0..c)
+                .map(|k| wts[class][k] as f64 * fm[k * h * w + p] as f64)
+                .sum();
+            assert!(
+                (cam.values[p] as f64 - direct).abs() < 1e-4,
+                "class {class} cell {p}: {} vs {direct}",
+                cam.values[p]
+            );
+        }
+    }
+    // And the whole head: the logits of the reference forward.
+    let logits = net
+        .net
+        .forward(&x)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("logits");
+    let cam = net.cam(&inputs[0], 3).expect("cam");
+    assert!((cam.logit - logits[3]).abs() < 1e-4);
+}
+
+#[test]
+fn boxes_are_the_regions_of_the_thresholded_map_on_a_real_image() {
+    let net = small_net();
+    let store = ImageStore::default();
+    // 920 x 977, 16-bit: a non-square image, so the centre square is offset in y.
+    let id = store
+        .ingest_file(&shared().join("images/derived_RG1_chest_pa_16bit.png"))
+        .expect("ingest");
+    let img = store.get(&id).expect("image");
+    let threshold = 0.5;
+    // Seeded weights: take the class whose map has the most positive cells (a real model's
+    // map for a present finding is positive where the evidence is).
+    let x = hilum_models::xrv::preprocess(&img.pixels, 920, 977, img.max_value(), 64);
+    let class = (0..18)
+        .max_by_key(|&c| {
+            let cam = net.cam(&x, c).expect("cam");
+            cam.values.iter().filter(|&&v| v > 0.0).count()
+        })
+        .expect("18 classes");
+    let loc = localize::localize(&net, &img, class, threshold).expect("localize");
+    assert_eq!((loc.crop, loc.crop_x, loc.crop_y), (920, 0, 28));
+    assert_eq!(loc.heat.len(), 920 * 920);
+    assert!(
+        !loc.boxes.is_empty(),
+        "the map's peak region must give a box"
+    );
+    // The normalised map peaks near 1 (bilinear between cells) and the first box holds it.
+    let (peak_at, peak) = loc
+        .heat
+        .iter()
+        .enumerate()
+        .fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m });
+    let (hb, _) = &loc.boxes[0];
+    assert!(peak > 0.9 && hb.peak == peak, "{} vs {peak}", hb.peak);
+    let (px, py) = (peak_at % loc.crop, peak_at / loc.crop);
+    assert!((hb.x1..hb.x2).contains(&px) && (hb.y1..hb.y2).contains(&py));
+    for (hb, pb) in &loc.boxes {
+        // Boxes are tight around above-threshold pixels: every edge holds one.
+        let above = |x: usize, y: usize| loc.heat[y * loc.crop + x] >= threshold;
+        assert!((hb.x1..hb.x2).any(|x| above(x, hb.y1)));
+        assert!((hb.x1..hb.x2).any(|x| above(x, hb.y2 - 1)));
+        assert!((hb.y1..hb.y2).any(|y| above(hb.x1, y)));
+        assert!((hb.y1..hb.y2).any(|y| above(hb.x2 - 1, y)));
+        let inside = (hb.y1..hb.y2)
+            .flat_map(|y| (hb.x1..hb.x2).map(move |x| (x, y)))
+            .filter(|&(x, y)| above(x, y))
+            .count();
+        assert!(inside >= hb.area);
+        // Original-image pixels: shifted by the centre square's offset.
+        assert_eq!((pb.x1, pb.y1), (hb.x1 as f64, (hb.y1 + 28) as f64));
+        assert_eq!(pb.label, net.spec.labels[class]);
+    }
+    // Every above-threshold pixel of the map is in a box, or in a dropped speck.
+    let covered: usize = loc.boxes.iter().map(|(h, _)| h.area).sum();
+    let total = loc.heat.iter().filter(|&&v| v >= threshold).count();
+    assert!(covered <= total);
+    let speck = (0.002 * (920.0 * 920.0)) as usize;
+    assert!(
+        total - covered < speck * 8,
+        "{total} above threshold, {covered} in boxes"
+    );
+    // A higher threshold can only shrink the boxed area.
+    let strict = localize::localize(&net, &img, class, 0.9).expect("localize");
+    let strict_area: usize = strict.boxes.iter().map(|(h, _)| h.area).sum();
+    assert!(strict_area <= covered);
+    // The overlay is a PNG of the image (<= 1024 px) with the heat blended in.
+    let png = localize::overlay_png(&img, &loc).expect("overlay");
+    let rgb = image::load_from_memory(&png).expect("png").to_rgb8();
+    assert_eq!(rgb.dimensions(), (920, 977));
+    let coloured = rgb.pixels().filter(|p| p.0[0] != p.0[2]).count();
+    assert!(coloured > 0, "heat must tint the image");
+}
+
+#[tokio::test]
+async fn missing_weights_name_the_fetch_command() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = Arc::new(ModelPool::new(Arc::new(
+        ModelRegistry::new(dir.path()).expect("registry"),
+    )));
+    let store = Arc::new(ImageStore::default());
+    let id = store
+        .ingest_file(&shared().join("images/nih_00004387_000_effusion.png"))
+        .expect("ingest");
+    let tool = LocalizeFinding::new(store, pool);
+    let err = tool
+        .call(
+            &ToolContext::default(),
+            json!({"image": id, "finding": "Effusion"}),
+        )
+        .await
+        .expect_err("no weights installed");
+    assert_eq!(
+        err,
+        ToolError::ModelMissing {
+            model: MODEL_ID.into(),
+            fix: format!("hilum models fetch {MODEL_ID}")
+        }
+    );
+}
+
+fn iou(a: [f64; 4], b: [f64; 4]) -> f64 {
+    let ix = (a[2].min(b[2]) - a[0].max(b[0])).max(0.0);
+    let iy = (a[3].min(b[3]) - a[1].max(b[1])).max(0.0);
+    let inter = ix * iy;
+    let union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter;
+    if union > 0.0 {
+        inter / union
+    } else {
+        0.0
+    }
+}
+
+/// Informative: IoU of CAM boxes with the NIH expert boxes, with the installed real weights.
+/// Skips (passing) when `densenet121-res224-all` is not installed (`hilum models fetch
+/// densenet121-res224-all`, or `HILUM_MODELS_DIR` pointing at a models folder).
+#[tokio::test]
+async fn cam_boxes_vs_nih_expert_boxes_iou_report() {
+    let csv = shared().join("ground_truth/nih_bbox_subset.csv");
+    let text = std::fs::read_to_string(&csv).expect("nih_bbox_subset.csv");
+    let pool = Arc::new(ModelPool::from_env_or_empty());
+    if let Err(e) = pool.registry().installed(MODEL_ID) {
+        eprintln!("SKIPPED cam IoU report: {e}");
+        return;
+    }
+    let store = Arc::new(ImageStore::default());
+    let tool = LocalizeFinding::new(store.clone(), pool);
+    let mut ious = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f.len(), 7, "bad row {line}");
+        let num = |i: usize| f[i].parse::<f64>().expect("number");
+        let gt = [num(3), num(4), num(3) + num(5), num(4) + num(6)];
+        // NIH's box label "Infiltrate" is the classifier's "Infiltration".
+        let finding = if f[2] == "Infiltrate" {
+            "Infiltration"
+        } else {
+            f[2]
+        };
+        let id = store
+            .ingest_file(&shared().join("images").join(f[0]))
+            .expect("ingest");
+        let out = tool
+            .call(
+                &ToolContext::default(),
+                json!({"image": id, "finding": finding}),
+            )
+            .await
+            .expect("localize");
+        let best = out.data["boxes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|b| {
+                let g = |k: &str| b[k].as_f64().unwrap_or(0.0);
+                iou([g("x1"), g("y1"), g("x2"), g("y2")], gt)
+            })
+            .fold(0.0, f64::max);
+        eprintln!(
+            "{:<40} {:<13} p={:.2} boxes={} best IoU={best:.3}",
+            f[0],
+            finding,
+            out.data["probability"].as_f64().unwrap_or(f64::NAN),
+            out.data["boxes"].as_array().map_or(0, Vec::len)
+        );
+        ious.push(best);
+    }
+    assert!(!ious.is_empty());
+    let mean = ious.iter().sum::<f64>() / ious.len() as f64;
+    let hit = ious.iter().filter(|&&v| v >= 0.1).count();
+    eprintln!(
+        "CAM vs NIH expert boxes: {} images, mean best IoU {mean:.3}, IoU>=0.1 on {hit}",
+        ious.len()
+    );
+}
