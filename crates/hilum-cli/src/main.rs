@@ -7,6 +7,7 @@ mod analyze;
 mod config;
 mod models_cmd;
 mod render;
+mod serve_cmd;
 mod tools_cmd;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +43,10 @@ enum Commands {
         #[command(subcommand)]
         cmd: models_cmd::ModelsCmd,
     },
+    /// Run the HTTP service (API, streaming, MCP at /mcp); manage its tokens and audit log.
+    Serve(serve_cmd::ServeArgs),
+    /// Serve every tool over the Model Context Protocol on stdin/stdout.
+    Mcp(serve_cmd::McpArgs),
 }
 
 #[tokio::main]
@@ -51,6 +56,8 @@ async fn main() {
         Commands::Analyze(args) => analyze::run(args).await,
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,
         Commands::Models { cmd } => models_cmd::run(cmd).await,
+        Commands::Serve(args) => serve_cmd::run(args).await,
+        Commands::Mcp(args) => serve_cmd::run_mcp(args).await,
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,207 @@
+//! `hilum serve` (the HTTP service, its tokens and audit export) and `hilum mcp` (the
+//! toolbox over MCP on stdio). The service itself lives in `hilum-server`.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use hilum_agent::Environment;
+use hilum_server::{AppState, Db, LlmFactory, RateLimit, ServerConfig};
+
+use crate::config::{load_file, LlmChoice};
+
+const DEFAULT_DB: &str = "sqlite://.hilum/hilum.db";
+
+#[derive(Args)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  hilum serve token create --name radiology-ws-1\n  \
+hilum serve --llm openai:gpt-4o --base-url http://127.0.0.1:8000/v1\n  \
+hilum serve --llm script:tests/fixtures/scripts/info.json --bind 127.0.0.1:8080\n  \
+hilum serve audit export > audit.jsonl"
+)]
+pub struct ServeArgs {
+    #[command(subcommand)]
+    pub cmd: Option<ServeCmd>,
+    /// Address to listen on. Loopback by default; anything else should sit behind TLS.
+    #[arg(long, env = "HILUM_BIND", default_value = "127.0.0.1:8080")]
+    pub bind: SocketAddr,
+    /// Database URL: sqlite://PATH.
+    #[arg(long, global = true, env = "HILUM_DB", default_value = DEFAULT_DB)]
+    pub db: String,
+    /// Reasoning model for sessions: openai:MODEL or script:FILE. Without one, uploads and
+    /// direct tool calls work and questions answer 503.
+    #[arg(long)]
+    pub llm: Option<String>,
+    /// Base URL of an OpenAI-compatible endpoint.
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Config file (TOML with [llm] and [agent] tables).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Allow sending image pixels and metadata to a model endpoint that is not on this machine.
+    #[arg(long)]
+    pub allow_remote_llm: bool,
+    /// Largest upload, MiB.
+    #[arg(long, default_value_t = 64)]
+    pub max_upload_mb: usize,
+    /// Requests per second per token (0 turns the limit off).
+    #[arg(long, default_value_t = 20.0)]
+    pub rate_limit: f64,
+    /// Burst of requests a token may make at once.
+    #[arg(long, default_value_t = 40.0)]
+    pub rate_burst: f64,
+    /// Allow browser requests from this origin (CORS is off unless given; repeatable).
+    #[arg(long)]
+    pub cors_origin: Vec<String>,
+    /// Budget of one direct tool call, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub tool_timeout: u64,
+}
+
+#[derive(Subcommand)]
+pub enum ServeCmd {
+    /// Manage API tokens (stored hashed; the token is printed once).
+    Token {
+        #[command(subcommand)]
+        cmd: TokenCmd,
+    },
+    /// The append-only audit log.
+    Audit {
+        #[command(subcommand)]
+        cmd: AuditCmd,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TokenCmd {
+    /// Create a token and print it.
+    Create {
+        /// Who or what uses it (a workstation, a service).
+        #[arg(long)]
+        name: String,
+        /// May export the audit log.
+        #[arg(long)]
+        admin: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCmd {
+    /// Print audit rows as JSON lines.
+    Export {
+        /// Only rows after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        since: i64,
+    },
+}
+
+#[derive(Args)]
+pub struct McpArgs {
+    /// Budget of one tool call, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub tool_timeout: u64,
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    match args.cmd {
+        Some(ServeCmd::Token {
+            cmd: TokenCmd::Create { name, admin },
+        }) => {
+            let db = Db::open(&args.db)?;
+            let (id, secret) = db.create_token(&name, admin)?;
+            eprintln!(
+                "created token {id} for `{name}`{}; it is shown only once:",
+                if admin { " (admin)" } else { "" }
+            );
+            println!("{secret}");
+            Ok(())
+        }
+        Some(ServeCmd::Audit {
+            cmd: AuditCmd::Export { since },
+        }) => {
+            let db = Db::open(&args.db)?;
+            let mut out = std::io::stdout().lock();
+            let mut since = since;
+            loop {
+                let rows = db.audit_since(since, 10_000)?;
+                let Some(last) = rows.last() else { break };
+                since = last.seq;
+                for r in &rows {
+                    writeln!(out, "{}", serde_json::to_string(r)?)?;
+                }
+            }
+            Ok(())
+        }
+        None => serve(args).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let file = load_file(args.config.as_deref())?;
+    let llm = match LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm) {
+        Ok(choice) => {
+            // Fail at start, not at the first question.
+            choice.build()?;
+            let choice = Arc::new(choice);
+            Some(LlmFactory {
+                name: choice.spec.clone(),
+                local: choice.is_local(),
+                build: Arc::new(move || choice.build().map_err(|e| format!("{e:#}"))),
+            })
+        }
+        Err(e) => {
+            eprintln!("hilum serve: {e:#}\nhilum serve: continuing without a model: questions will answer 503");
+            None
+        }
+    };
+    let mut cfg = ServerConfig::new(args.db.clone());
+    cfg.bind = args.bind;
+    cfg.max_upload_bytes = args.max_upload_mb << 20;
+    cfg.rate_limit = RateLimit {
+        per_sec: args.rate_limit,
+        burst: args.rate_burst,
+    };
+    cfg.allow_remote_llm = args.allow_remote_llm;
+    cfg.cors_origins = args.cors_origin.clone();
+    cfg.tool_timeout = Duration::from_secs(args.tool_timeout);
+    if let Some(l) = &llm {
+        if !l.local && !cfg.allow_remote_llm {
+            eprintln!(
+                "hilum serve: `{}` is not on this machine; questions are refused unless --allow-remote-llm",
+                l.name
+            );
+        }
+    }
+    cfg.llm = llm;
+    let state = AppState::new(cfg).with_context(|| format!("cannot open {}", args.db))?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(hilum_server::serve(state, shutdown_signal(), Some(tx)));
+    if let Ok(addr) = rx.await {
+        eprintln!(
+            "hilum serve: listening on http://{addr} (API /v1, MCP /mcp, docs /openapi.json)"
+        );
+    }
+    server.await.context("the server task failed")??;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {
+    // stdout carries the protocol: nothing else may be printed there.
+    hilum_server::mcp::serve_stdio(
+        &hilum_server::default_toolbox_factory(),
+        Environment::default(),
+        Duration::from_secs(args.tool_timeout),
+    )
+    .await
+    .map_err(anyhow::Error::msg)
+}
