@@ -17,6 +17,10 @@ pub struct FileConfig {
     pub llm: LlmSection,
     #[serde(default)]
     pub agent: AgentSection,
+    /// Served VLM endpoints for `ground_phrase` / `answer_visual_question` (validated here,
+    /// applied by `hilum_tools::VlmSettings`).
+    #[serde(default)]
+    pub vlm: hilum_tools::VlmSettings,
 }
 
 #[derive(Debug, Default, Deserialize)]

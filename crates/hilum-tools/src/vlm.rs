@@ -525,6 +525,13 @@ mod tests {
     }
 
     #[test]
+    fn misspelt_keys_are_rejected() {
+        let e = VlmSettings::from_config_text("[vlm]\nbase_ulr = \"http://127.0.0.1:8000/v1\"\n")
+            .expect_err("typo");
+        assert!(e.to_string().contains("base_ulr"), "{e}");
+    }
+
+    #[test]
     fn remote_endpoint_without_permission_is_refused() {
         let mut s = VlmSettings::default();
         s.default.base_url = Some("https://vlm.example.org/v1".into());
