@@ -94,6 +94,7 @@ pub(crate) fn parse(bytes: &[u8], what: &str) -> Result<(DicomFile, Vec<String>)
         what: what.to_string(),
         reason,
     };
+    check_lengths(bytes, what)?;
     let part10 = (bytes.len() >= 132 && &bytes[128..132] == b"DICM") || bytes.starts_with(b"DICM");
     let guarded = catch_unwind(AssertUnwindSafe(|| {
         if part10 {
@@ -530,4 +531,162 @@ mod tests {
         assert!(bare_dataset_ts(b"\x89PNG\r\n\x1a\n").is_none());
         assert!(bare_dataset_ts(&[0x08, 0, 0x05, 0, 0xff, 0xff, 0xff, 0x7f]).is_none());
     }
+}
+
+const UNDEFINED: u32 = 0xFFFF_FFFF;
+
+/// Walks the element headers and refuses any defined length longer than the bytes left.
+/// dicom-rs reserves and zero-fills the declared length before reading, so one corrupt
+/// length in a 100 KB file would otherwise cost gigabytes and seconds.
+pub(crate) fn check_lengths(bytes: &[u8], what: &str) -> Result<(), ImagingError> {
+    let corrupt = |at: usize, reason: String| ImagingError::Decode {
+        what: what.to_string(),
+        reason: format!("corrupt DICOM at byte {at}: {reason}"),
+    };
+    let n = bytes.len();
+    let rd16 = |p: usize, big: bool| {
+        let b = [bytes[p], bytes[p + 1]];
+        if big {
+            u16::from_be_bytes(b)
+        } else {
+            u16::from_le_bytes(b)
+        }
+    };
+    let rd32 = |p: usize, big: bool| {
+        let b = [bytes[p], bytes[p + 1], bytes[p + 2], bytes[p + 3]];
+        if big {
+            u32::from_be_bytes(b)
+        } else {
+            u32::from_le_bytes(b)
+        }
+    };
+    let long_vr = |vr: &[u8]| {
+        matches!(
+            vr,
+            b"OB"
+                | b"OD"
+                | b"OF"
+                | b"OL"
+                | b"OV"
+                | b"OW"
+                | b"SQ"
+                | b"SV"
+                | b"UC"
+                | b"UN"
+                | b"UR"
+                | b"UT"
+                | b"UV"
+        )
+    };
+    let (mut pos, ts) = if n >= 132 && &bytes[128..132] == b"DICM" {
+        (132, None)
+    } else if bytes.starts_with(b"DICM") {
+        (4, None)
+    } else {
+        (0, bare_dataset_ts(bytes).map(str::to_string))
+    };
+    let ts = match ts {
+        Some(ts) => ts,
+        None => {
+            // File Meta: always explicit VR little endian, group 0x0002.
+            let mut meta_ts = String::new();
+            while pos + 8 <= n && rd16(pos, false) == 0x0002 {
+                let vr = &bytes[pos + 4..pos + 6];
+                let (len, hdr) = if long_vr(vr) {
+                    if pos + 12 > n {
+                        break;
+                    }
+                    (rd32(pos + 8, false), 12)
+                } else {
+                    (rd16(pos + 6, false) as u32, 8)
+                };
+                if len == UNDEFINED || len as usize > n - pos - hdr {
+                    return Err(corrupt(
+                        pos,
+                        format!("File Meta element claims {len} bytes"),
+                    ));
+                }
+                if rd16(pos + 2, false) == 0x0010 {
+                    meta_ts = String::from_utf8_lossy(&bytes[pos + hdr..pos + hdr + len as usize])
+                        .trim_end_matches(['\0', ' '])
+                        .to_string();
+                }
+                pos += hdr + len as usize;
+            }
+            meta_ts
+        }
+    };
+    let (explicit, big) = match ts.as_str() {
+        IMPLICIT_VR_LE => (false, false),
+        "1.2.840.10008.1.2.2" => (true, true),
+        // Deflated: the rest is compressed; dicom-rs inflates it with its own bounds.
+        "1.2.840.10008.1.2.1.99" => return Ok(()),
+        _ => (true, false),
+    };
+    let mut in_pixels = false;
+    while pos + 8 <= n {
+        let (group, elem) = (rd16(pos, big), rd16(pos + 2, big));
+        if group == 0xFFFE {
+            let len = rd32(pos + 4, big);
+            pos += 8;
+            match elem {
+                0xE000 if len != UNDEFINED => {
+                    if len as usize > n - pos {
+                        return Err(corrupt(
+                            pos,
+                            format!("item claims {len} bytes, {} left", n - pos),
+                        ));
+                    }
+                    // Fragments are opaque; dataset items are walked into.
+                    if in_pixels {
+                        pos += len as usize;
+                    }
+                }
+                0xE0DD => in_pixels = false,
+                _ => {}
+            }
+            continue;
+        }
+        let (len, hdr, is_sq) = if explicit {
+            let vr = &bytes[pos + 4..pos + 6];
+            if !(vr[0].is_ascii_uppercase() && vr[1].is_ascii_uppercase()) {
+                return Err(corrupt(
+                    pos,
+                    format!("invalid VR in element ({group:04X},{elem:04X})"),
+                ));
+            }
+            if long_vr(vr) {
+                if pos + 12 > n {
+                    break;
+                }
+                (rd32(pos + 8, big), 12, vr == b"SQ")
+            } else {
+                (rd16(pos + 6, big) as u32, 8, false)
+            }
+        } else {
+            use dicom_core::dictionary::{DataDictionary, DataDictionaryEntry, VirtualVr};
+            let sq = dicom_dictionary_std::StandardDataDictionary
+                .by_tag(Tag(group, elem))
+                .is_some_and(|e| matches!(e.vr(), VirtualVr::Exact(dicom_core::VR::SQ)));
+            (rd32(pos + 4, big), 8, sq)
+        };
+        pos += hdr;
+        if len == UNDEFINED {
+            in_pixels |= (group, elem) == (0x7FE0, 0x0010);
+            continue;
+        }
+        if len as usize > n - pos {
+            return Err(corrupt(
+                pos,
+                format!(
+                    "element ({group:04X},{elem:04X}) claims {len} bytes, {} left (truncated?)",
+                    n - pos
+                ),
+            ));
+        }
+        if !is_sq {
+            pos += len as usize;
+        }
+    }
+    Ok(())
 }

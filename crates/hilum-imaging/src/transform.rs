@@ -346,7 +346,9 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             } else {
                 (sw, ((sw as f64 / target).round() as usize).clamp(1, sh))
             };
-            let (x0, y0) = ((sw - cw) / 2, (sh - ch) / 2);
+            // Same origin as torchxrayvision's XRayCenterCrop (differs from (sw - cw) / 2 by one
+            // pixel for some odd sizes).
+            let (x0, y0) = (sw / 2 - cw / 2, sh / 2 - ch / 2);
             let mut crop = Vec::with_capacity(cw * ch);
             for y in y0..y0 + ch {
                 crop.extend_from_slice(&img.pixels[y * sw + x0..y * sw + x0 + cw]);

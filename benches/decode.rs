@@ -1,0 +1,49 @@
+//! Decode + torchxrayvision normalisation + centre crop + resize to 224 of real radiographs:
+//! the largest JPEG (2544x3056, 8-bit) and the 1841x1955 JPEG 2000 DICOM (15-bit MONOCHROME1).
+//! Python counterpart: scripts/bench_decode.py (same files, same steps); compare the medians as
+//! a ratio on one machine. Run: `cargo bench --bench decode`.
+
+use std::path::PathBuf;
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use hilum_imaging::{decode_with, prepare, DecodeOptions, Preprocess, Voi};
+
+fn data(rel: &str) -> Vec<u8> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/data/cxr")
+        .join(rel);
+    std::fs::read(&p).unwrap_or_else(|e| panic!("real data missing: {} ({e})", p.display()))
+}
+
+fn bench(c: &mut Criterion) {
+    // Raw stored values, MONOCHROME1 inverted, no window: what xrv.utils.read_xray_dcm does.
+    let opts = DecodeOptions {
+        voi: Voi::None,
+        ..Default::default()
+    };
+    let recipe = Preprocess::xrv(224);
+    let mut g = c.benchmark_group("decode_xrv224");
+    g.sample_size(20);
+    for (name, rel) in [
+        ("jpeg_2544x3056", "images/medrax_normal3.jpg"),
+        (
+            "dicom_j2k_1841x1955",
+            "dicom/RG1_chest_cr_pa_jpeg2000_lossy.dcm",
+        ),
+    ] {
+        let bytes = data(rel);
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let img = decode_with(black_box(&bytes), name, &opts).expect("decode");
+                prepare(&img, &recipe).expect("prepare")
+            })
+        });
+        g.bench_function(format!("{name}_decode_only"), |b| {
+            b.iter(|| decode_with(black_box(&bytes), name, &opts).expect("decode"))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
