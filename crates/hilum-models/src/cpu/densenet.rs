@@ -22,7 +22,7 @@ impl NativeDenseNet {
         let h1 = out_dim(size, 7, 2, 3);
         let stem = View::whole(1, h1, h1, cfg.num_init_features);
         buf_sizes.push(h1 * h1 * cfg.num_init_features);
-        let (weight, bias, _) = ConvOp::fold(&net.conv0, Some(&net.norm0))?;
+        let (weight, bias) = ConvOp::fold(&net.conv0, Some(&net.norm0))?;
         ops.push(Op::Conv(ConvOp {
             src: View::whole(0, size, size, cfg.in_channels),
             dst: stem,
@@ -63,7 +63,7 @@ impl NativeDenseNet {
             for (j, layer) in layers.iter().enumerate() {
                 let c_in = block_in[i] + j * cfg.growth_rate;
                 // norm1 + ReLU on the way in; norm2 folded into conv1, its ReLU fused.
-                let (weight, bias, _) = ConvOp::fold(&layer.conv1, Some(&layer.norm2))?;
+                let (weight, bias) = ConvOp::fold(&layer.conv1, Some(&layer.norm2))?;
                 ops.push(Op::Conv(ConvOp {
                     src: block.slice(0, c_in),
                     dst: tmp,
@@ -78,7 +78,7 @@ impl NativeDenseNet {
                     relu: true,
                 }));
                 // conv2 writes its growth_rate channels straight into the concatenation.
-                let (weight, bias, _) = ConvOp::fold(&layer.conv2, None)?;
+                let (weight, bias) = ConvOp::fold(&layer.conv2, None)?;
                 ops.push(Op::Conv(ConvOp {
                     src: tmp,
                     dst: block.slice(c_in, cfg.growth_rate),
@@ -94,7 +94,7 @@ impl NativeDenseNet {
                 }));
             }
             if let (Some(t), Some(next)) = (net.transitions.get(i), blocks.get(i + 1)) {
-                let (weight, bias, _) = ConvOp::fold(&t.conv, None)?;
+                let (weight, bias) = ConvOp::fold(&t.conv, None)?;
                 ops.push(Op::Conv(ConvOp {
                     src: block,
                     dst: next.slice(0, block.c / 2),

@@ -106,6 +106,9 @@ pub(crate) fn bn_affine(bn: &BatchNorm) -> Result<Affine, CpuError> {
     Ok(Affine { scale, shift })
 }
 
+/// Gemm weights (k * k * c_in, c_out) and the bias of a conv with its BatchNorm folded in.
+pub(crate) type Folded = (Vec<f32>, Option<Vec<f32>>);
+
 /// One convolution with everything fused around it.
 #[derive(Clone, Debug)]
 pub(crate) struct ConvOp {
@@ -129,10 +132,7 @@ pub(crate) struct ConvOp {
 
 impl ConvOp {
     /// Conv (c_out, c_in, k, k) followed by an optional BatchNorm, as gemm weights and a bias.
-    pub fn fold(
-        conv: &Conv2d,
-        bn: Option<&BatchNorm>,
-    ) -> Result<(Vec<f32>, Option<Vec<f32>>, usize), CpuError> {
+    pub fn fold(conv: &Conv2d, bn: Option<&BatchNorm>) -> Result<Folded, CpuError> {
         let w = conv.weight();
         let (c_out, c_in, kh, kw) = w.dims4()?;
         if kh != kw {
@@ -153,7 +153,7 @@ impl ConvOp {
                 }
             }
         }
-        Ok((out, aff.map(|a| a.shift), kh))
+        Ok((out, aff.map(|a| a.shift)))
     }
 
     fn c_in(&self) -> usize {
@@ -366,18 +366,25 @@ impl Executor {
         let barrier = SpinBarrier::new(self.threads);
         let nt = self.threads;
         let scratch = &mut ws.scratch;
+        // HILUM_CPU_PROFILE=1: time of every op (thread 0, barrier to barrier) on stderr.
+        let mut profile = std::env::var_os("HILUM_CPU_PROFILE").map(|_| vec![0f64; p.ops.len()]);
         self.pool.scope(|s| {
             let (first, rest) = scratch.split_at_mut(1);
             for (i, sc) in rest.iter_mut().enumerate() {
                 let (shared, barrier) = (&shared, &barrier);
-                s.spawn(move |_| run_ops(p, batch, i + 1, nt, shared, barrier, sc));
+                s.spawn(move |_| run_ops(p, batch, i + 1, nt, shared, barrier, sc, None));
             }
-            run_ops(p, batch, 0, nt, &shared, &barrier, &mut first[0]);
+            let prof = profile.as_mut();
+            run_ops(p, batch, 0, nt, &shared, &barrier, &mut first[0], prof);
         });
+        if let Some(times) = profile {
+            print_profile(p, batch, nt, &times);
+        }
         Ok(head(&p.head, &ws.bufs[p.head.src.buf], batch))
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_ops(
     plan: &Plan,
     batch: usize,
@@ -386,13 +393,56 @@ fn run_ops(
     sh: &Shared,
     barrier: &SpinBarrier,
     scratch: &mut [f32],
+    mut profile: Option<&mut Vec<f64>>,
 ) {
-    for op in &plan.ops {
+    let mut t0 = std::time::Instant::now();
+    for (i, op) in plan.ops.iter().enumerate() {
         match op {
             Op::Conv(c) => conv_part(c, batch, t, nt, sh, scratch),
             Op::MaxPool { src, dst } => maxpool_part(*src, *dst, batch, t, nt, sh),
         }
         barrier.wait();
+        if let Some(p) = profile.as_deref_mut() {
+            let now = std::time::Instant::now();
+            p[i] += (now - t0).as_secs_f64() * 1e3;
+            t0 = now;
+        }
+    }
+}
+
+/// Per kind of op: count, milliseconds, GFLOP/s.
+fn print_profile(plan: &Plan, batch: usize, nt: usize, times: &[f64]) {
+    let mut rows: std::collections::BTreeMap<String, (usize, f64, f64)> = Default::default();
+    for (op, &ms) in plan.ops.iter().zip(times) {
+        let (kind, flops) = match op {
+            Op::Conv(c) => {
+                let kind = match (c.k, c.pre.is_some(), c.pool2, c.direct()) {
+                    (_, _, true, _) => "1x1 pre-act + pool2 (transition)".to_string(),
+                    (1, true, _, _) => "1x1 pre-act (gathered)".to_string(),
+                    (1, _, _, true) => "1x1 direct".to_string(),
+                    (k, _, _, _) => format!("{k}x{k} s{} im2col", c.stride),
+                };
+                let f = 2.0 * (batch * c.dst.h * c.dst.w * c.kdim() * c.c_out()) as f64;
+                (kind, f)
+            }
+            Op::MaxPool { .. } => ("maxpool".to_string(), 0.0),
+        };
+        let e = rows.entry(kind).or_default();
+        e.0 += 1;
+        e.1 += ms;
+        e.2 += flops;
+    }
+    let total: f64 = times.iter().sum();
+    eprintln!(
+        "hilum cpu profile: batch {batch}, {nt} threads, {total:.2} ms in {} ops",
+        times.len()
+    );
+    for (kind, (n, ms, f)) in rows {
+        eprintln!(
+            "  {kind:<36} {n:>4} ops {ms:>8.2} ms {:>5.1}% {:>7.1} GFLOP/s",
+            100.0 * ms / total.max(1e-9),
+            f / (ms.max(1e-9) * 1e6)
+        );
     }
 }
 
@@ -640,11 +690,11 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
             Op::Conv(c) => {
                 fits(&c.src)
                     && fits(&c.dst)
-                    && c.residual.as_ref().map_or(true, |r| {
+                    && c.residual.as_ref().is_none_or(|r| {
                         fits(r) && r.c == c.dst.c && r.h == c.dst.h && r.w == c.dst.w
                     })
                     && c.weight.len() == c.kdim() * c.c_out()
-                    && c.pre.as_ref().map_or(true, |a| a.scale.len() == c.src.c)
+                    && c.pre.as_ref().is_none_or(|a| a.scale.len() == c.src.c)
                     && (!c.pool2 || (c.k == 1 && c.src.h >= 2 * c.dst.h && c.src.w >= 2 * c.dst.w))
             }
             Op::MaxPool { src, dst } => fits(src) && fits(dst) && src.c == dst.c,

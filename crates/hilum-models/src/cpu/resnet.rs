@@ -1,6 +1,6 @@
 //! Bottleneck ResNet on the native CPU kernels, built from the candle model's weights.
 
-use super::{out_dim, validate, ConvOp, CpuError, Executor, Head, Op, Plan, View};
+use super::{out_dim, validate, ConvOp, CpuError, Executor, Folded, Head, Op, Plan, View};
 use crate::resnet::ResNet;
 
 /// A ResNet compiled for one input size into NHWC ops with BatchNorm folded.
@@ -17,17 +17,18 @@ const T1: usize = 4;
 const T2: usize = 5;
 const SHORTCUT: usize = 6;
 
+#[allow(clippy::too_many_arguments)]
 fn conv(
     src: View,
     dst: View,
     k: usize,
     stride: usize,
     pad: usize,
-    folded: (Vec<f32>, Option<Vec<f32>>, usize),
+    folded: Folded,
     residual: Option<View>,
     relu: bool,
 ) -> Op {
-    let (weight, bias, _) = folded;
+    let (weight, bias) = folded;
     Op::Conv(ConvOp {
         src,
         dst,
