@@ -35,6 +35,9 @@ pub fn import(
         return Err(ModelError::io(path, "no such file"));
     }
     let source_sha256 = sha256_file(path)?;
+    if format_of(path, "") == "onnx" {
+        return import_onnx(registry, id, path, source_sha256, opts);
+    }
     if !opts.custom {
         if let Some(expected) = &manifest.source.sha256 {
             if !expected.eq_ignore_ascii_case(&source_sha256) {
@@ -94,8 +97,52 @@ pub fn import(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         hilum_version: env!("CARGO_PKG_VERSION").to_string(),
+        onnx_sha256: None,
     };
     registry.install(id, &converted, &record)
+}
+
+/// Adds the ONNX graph of an installed model (the ONNX Runtime backend runs it).
+fn import_onnx(
+    registry: &ModelRegistry,
+    id: &str,
+    path: &Path,
+    sha256: String,
+    opts: &ImportOptions,
+) -> Result<InstalledModel, ModelError> {
+    let manifest = registry.manifest(id)?;
+    let installed = registry.installed(id).map_err(|_| ModelError::Convert {
+        what: path.display().to_string(),
+        reason: format!(
+            "an ONNX graph is added to installed weights: first run `hilum models import {id} \
+             WEIGHTS` (or `hilum models fetch {id}`), then import the .onnx"
+        ),
+    })?;
+    if !opts.custom && !installed.record.custom {
+        match &manifest.source.onnx_sha256 {
+            Some(expected) if !expected.eq_ignore_ascii_case(&sha256) => {
+                return Err(ModelError::Checksum {
+                    what: path.display().to_string(),
+                    expected: expected.clone(),
+                    actual: sha256,
+                    hint: format!(
+                        "this is not the published ONNX graph of `{id}`; a graph exported from \
+                         your own checkpoint is imported with --custom"
+                    ),
+                })
+            }
+            Some(_) => {}
+            None => {
+                return Err(ModelError::Convert {
+                    what: path.display().to_string(),
+                    reason: format!(
+                        "no published ONNX graph is known for `{id}`; import yours with --custom"
+                    ),
+                })
+            }
+        }
+    }
+    registry.install_onnx(id, path, sha256)
 }
 
 /// The checkpoint format, from the extension, else the manifest's source format.
@@ -108,6 +155,7 @@ fn format_of(path: &Path, manifest_format: &str) -> String {
         Some("safetensors") => "safetensors".into(),
         Some("h5") | Some("hdf5") | Some("keras") => "keras-h5".into(),
         Some("pt") | Some("pth") | Some("bin") => "pytorch".into(),
+        Some("onnx") => "onnx".into(),
         _ => manifest_format.to_string(),
     }
 }

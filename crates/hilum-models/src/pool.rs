@@ -154,6 +154,7 @@ mod tests {
             custom: false,
             installed_at: 0,
             hilum_version: "test".into(),
+            onnx_sha256: None,
         };
         std::fs::write(
             dir.join("install.toml"),

@@ -21,10 +21,15 @@ const BUILTIN: &[(&str, &str)] = &[
         "resnet50-res512-all",
         include_str!("../../../models/resnet50-res512-all.toml"),
     ),
+    (
+        "chestx-det-pspnet",
+        include_str!("../../../models/chestx-det-pspnet.toml"),
+    ),
 ];
 
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const RECORD_FILE: &str = "install.toml";
+pub const ONNX_FILE: &str = "model.onnx";
 
 /// What `models/<id>.toml` says about a model.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -76,6 +81,11 @@ pub struct Source {
     pub sha256: Option<String>,
     #[serde(default)]
     pub size: Option<u64>,
+    /// The same network as an ONNX graph (for the ONNX Runtime backend), when published.
+    #[serde(default)]
+    pub onnx_file: Option<String>,
+    #[serde(default)]
+    pub onnx_sha256: Option<String>,
 }
 
 impl Source {
@@ -109,12 +119,17 @@ pub struct InstallRecord {
     /// Seconds since the Unix epoch.
     pub installed_at: u64,
     pub hilum_version: String,
+    /// sha256 of `model.onnx`, when an ONNX graph was imported for the ONNX Runtime backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub onnx_sha256: Option<String>,
 }
 
 /// An installed model: where its weights are and what the record says.
 #[derive(Clone, Debug)]
 pub struct InstalledModel {
     pub weights: PathBuf,
+    /// `model.onnx`, when imported (ONNX Runtime backend).
+    pub onnx: Option<PathBuf>,
     pub record: InstallRecord,
     pub size: u64,
 }
@@ -229,8 +244,10 @@ impl ModelRegistry {
             id: id.to_string(),
             reason: format!("{}: {e}", record_path.display()),
         })?;
+        let onnx = Some(dir.join(ONNX_FILE)).filter(|p| p.is_file());
         Ok(InstalledModel {
             weights,
+            onnx,
             record,
             size,
         })
@@ -260,6 +277,31 @@ impl ModelRegistry {
         std::fs::copy(converted, &tmp).map_err(|e| ModelError::io(&tmp, e))?;
         let weights = dir.join(WEIGHTS_FILE);
         std::fs::rename(&tmp, &weights).map_err(|e| ModelError::io(&weights, e))?;
+        // New weights make an older ONNX graph stale.
+        let _ = std::fs::remove_file(dir.join(ONNX_FILE));
+        self.write_record(id, record)
+    }
+
+    /// Adds an ONNX graph of the installed model (for the ONNX Runtime backend).
+    pub(crate) fn install_onnx(
+        &self,
+        id: &str,
+        graph: &Path,
+        sha256: String,
+    ) -> Result<InstalledModel, ModelError> {
+        let inst = self.installed(id)?;
+        let dir = self.model_dir(id);
+        let tmp = dir.join(format!("{ONNX_FILE}.partial"));
+        std::fs::copy(graph, &tmp).map_err(|e| ModelError::io(&tmp, e))?;
+        let dst = dir.join(ONNX_FILE);
+        std::fs::rename(&tmp, &dst).map_err(|e| ModelError::io(&dst, e))?;
+        let mut record = inst.record;
+        record.onnx_sha256 = Some(sha256);
+        self.write_record(id, &record)
+    }
+
+    fn write_record(&self, id: &str, record: &InstallRecord) -> Result<InstalledModel, ModelError> {
+        let dir = self.model_dir(id);
         let text = toml::to_string(record).map_err(|e| ModelError::Manifest {
             id: id.to_string(),
             reason: e.to_string(),
@@ -286,6 +328,15 @@ impl ModelRegistry {
         if let Err(e) = check_architecture(manifest, &inst.weights) {
             problems.push(e.to_string());
         }
+        if let (Some(onnx), Some(expected)) = (&inst.onnx, &inst.record.onnx_sha256) {
+            let sha = crate::sha256_file(onnx)?;
+            if &sha != expected {
+                problems.push(format!(
+                    "sha256 of {} is {sha}, install.toml recorded {expected}",
+                    onnx.display()
+                ));
+            }
+        }
         Ok(VerifyReport {
             id: id.to_string(),
             ok: problems.is_empty(),
@@ -299,6 +350,7 @@ impl ModelRegistry {
 pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize>>> {
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
+        "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
         "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
             .and_then(|s| crate::xrv::expected_params(&s.arch))
             .ok(),

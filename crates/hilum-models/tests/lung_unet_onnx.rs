@@ -31,6 +31,17 @@ fn ort_ready() -> bool {
     true
 }
 
+fn import_opts() -> ImportOptions {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    ImportOptions {
+        python,
+        ..Default::default()
+    }
+}
+
 fn candle_model(dir: &Path) -> std::sync::Arc<LungUnet> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
     let python = std::env::var_os("HILUM_PYTHON")
@@ -95,4 +106,59 @@ fn missing_graph_is_a_clear_error() {
     let err = OnnxModel::load(Path::new("/nonexistent/model.onnx"), 1).err();
     let msg = err.map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("/nonexistent/model.onnx"), "{msg}");
+}
+
+#[test]
+fn imported_graph_runs_through_the_pool_and_auto_picks_onnx() {
+    if !ort_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = ModelRegistry::new(dir.path()).expect("registry");
+    let graph = data().join("models/lung_seg_unet/lung_seg_valiou_088.onnx");
+    // The graph is added to installed weights, not installed alone.
+    let err = hilum_models::import(&reg, "lung-unet", &graph, &import_opts()).err();
+    let msg = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        msg.contains("first run `hilum models import lung-unet"),
+        "{msg}"
+    );
+
+    let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+    let inst = hilum_models::import(&reg, "lung-unet", &h5, &import_opts()).expect("h5");
+    assert_eq!(
+        unet::Backend::auto(&inst, Device::Cpu),
+        unet::Backend::Candle
+    );
+    let inst = hilum_models::import(&reg, "lung-unet", &graph, &import_opts()).expect("onnx");
+    assert!(inst.onnx.is_some());
+    assert_eq!(unet::Backend::auto(&inst, Device::Cpu), unet::Backend::Onnx);
+    assert!(reg.verify("lung-unet").expect("verify").ok);
+
+    let pool = ModelPool::new(std::sync::Arc::new(reg));
+    let ort = pool
+        .get_or_load::<unet::LungUnetOnnx>("lung-unet", Device::Cpu)
+        .expect("onnx model");
+    let candle = pool
+        .get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+        .expect("candle model");
+    // A batch of two real radiographs (out-of-distribution noise amplifies float differences).
+    let batch: Vec<Vec<f32>> = ["nih_00000100_000_effusion_multi.png", "covid_0a7faa2a.jpg"]
+        .iter()
+        .map(|f| {
+            let img = image::open(data().join("cxr/images").join(f))
+                .expect("decode")
+                .to_rgb8();
+            let (w, h) = img.dimensions();
+            let rgb: Vec<f32> = img.as_raw().iter().map(|&v| v as f32).collect();
+            unet::preprocess_rgb(&rgb, w as usize, h as usize, 256)
+        })
+        .collect();
+    let a = ort.predict(&batch).expect("ort batch");
+    let b = candle.predict(&batch).expect("candle batch");
+    for (p, q) in a.iter().zip(&b) {
+        let d = max_diff(p, q);
+        eprintln!("batched candle vs ONNX Runtime via the pool: max abs diff {d:.2e}");
+        assert!(d <= 1e-4, "{d}");
+    }
 }

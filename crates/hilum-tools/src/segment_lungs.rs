@@ -22,6 +22,8 @@ pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
+    /// `None`: ONNX Runtime when its graph is installed and loads, else candle.
+    backend: Option<unet::Backend>,
 }
 
 impl SegmentLungs {
@@ -52,7 +54,13 @@ impl SegmentLungs {
             store,
             models,
             device: Device::Cpu,
+            backend: None,
         }
+    }
+
+    pub fn with_backend(mut self, backend: unet::Backend) -> Self {
+        self.backend = Some(backend);
+        self
     }
 
     pub fn on_device(mut self, device: Device) -> Self {
@@ -138,7 +146,7 @@ pub fn regions(mask: &[bool], width: usize, height: usize) -> Vec<(Region, Vec<u
         };
         out.push((r, pixels));
     }
-    out.sort_by(|a, b| b.0.area_px.cmp(&a.0.area_px));
+    out.sort_by_key(|r| std::cmp::Reverse(r.0.area_px));
     out
 }
 
@@ -229,20 +237,30 @@ impl Tool for SegmentLungs {
             .acquire(self.device)
             .await
             .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let backend = self
+            .backend
+            .unwrap_or_else(|| unet::Backend::auto(&installed, self.device));
         let (models, device, image) = (self.models.clone(), self.device, img.clone());
         let t0 = Instant::now();
         let (mask, infer_ms) = tokio::task::spawn_blocking(move || {
-            let model = models
-                .get_or_load::<LungUnet>(MODEL_ID, device)
-                .map_err(|e| model_error(&models, e))?;
             let (w, h) = (image.width as usize, image.height as usize);
             let scale = 255.0 / image.max_value().max(1.0);
             let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
-            let size = model.config().input_size;
+            let size = unet::Config::lung_seg_valiou_088().input_size;
+            let load = |e| model_error(&models, e);
             let t = Instant::now();
-            let x = unet::preprocess_gray(&gray, w, h, size);
-            let prob = model
-                .predict(&[x])
+            let x = vec![unet::preprocess_gray(&gray, w, h, size)];
+            let probs = match backend {
+                unet::Backend::Candle => models
+                    .get_or_load::<LungUnet>(MODEL_ID, device)
+                    .map_err(load)?
+                    .predict(&x),
+                unet::Backend::Onnx => models
+                    .get_or_load::<unet::LungUnetOnnx>(MODEL_ID, device)
+                    .map_err(load)?
+                    .predict(&x),
+            };
+            let prob = probs
                 .map_err(|e| ToolError::Internal(e.to_string()))?
                 .remove(0);
             let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -281,6 +299,7 @@ impl Tool for SegmentLungs {
             "model": MODEL_ID,
             "model_custom": record.custom,
             "model_sha256": record.sha256,
+            "backend": backend,
             "threshold": threshold,
             "lung_fraction": round2(total_px as f64 / (w * h).max(1) as f64 * 100.0) / 100.0,
             "lungs_found": lungs.len(),

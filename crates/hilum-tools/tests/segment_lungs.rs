@@ -145,3 +145,71 @@ async fn missing_model_names_the_import_command() {
         other => panic!("expected ModelMissing, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn onnx_runtime_backend_gives_the_same_mask() {
+    if hilum_models::onnx::dylib_path().is_none() {
+        eprintln!("SKIPPED: ORT_DYLIB_PATH is not set (eval \"$(scripts/setup_onnxruntime.sh)\")");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = ModelRegistry::new(dir.path()).expect("registry");
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
+    let opts = ImportOptions {
+        python: std::env::var_os("HILUM_PYTHON")
+            .map(PathBuf::from)
+            .or_else(|| venv.is_file().then_some(venv)),
+        ..Default::default()
+    };
+    let models = data().join("models/lung_seg_unet");
+    hilum_models::import(
+        &reg,
+        "lung-unet",
+        &models.join("lung_seg_valiou_088.h5"),
+        &opts,
+    )
+    .expect("h5");
+    hilum_models::import(
+        &reg,
+        "lung-unet",
+        &models.join("lung_seg_valiou_088.onnx"),
+        &opts,
+    )
+    .expect("onnx");
+    let pool = Arc::new(ModelPool::new(Arc::new(reg)));
+    let store = Arc::new(ImageStore::default());
+    let id = store
+        .ingest_file(&data().join("cxr/images/covid_00870a9c.jpg"))
+        .expect("ingest");
+    let run = |tool: SegmentLungs| {
+        let id = id.clone();
+        async move {
+            tool.call(&ToolContext::default(), json!({ "image": id }))
+                .await
+                .expect("segment")
+        }
+    };
+    let auto = run(SegmentLungs::new(store.clone(), pool.clone())).await;
+    let candle = run(SegmentLungs::new(store.clone(), pool.clone())
+        .with_backend(hilum_models::unet::Backend::Candle))
+    .await;
+    assert_eq!(
+        auto.data["backend"], "onnx",
+        "auto picks ONNX Runtime on CPU"
+    );
+    assert_eq!(candle.data["backend"], "candle");
+    let (a, b) = (mask_of(&auto), mask_of(&candle));
+    let differ = a
+        .as_raw()
+        .iter()
+        .zip(b.as_raw())
+        .filter(|(x, y)| x != y)
+        .count();
+    eprintln!(
+        "onnx vs candle masks: {differ} of {} pixels differ; inference {} ms vs {} ms",
+        a.as_raw().len(),
+        auto.data["inference_ms"],
+        candle.data["inference_ms"]
+    );
+    assert!(differ * 10_000 < a.as_raw().len(), "{differ} pixels differ");
+}
