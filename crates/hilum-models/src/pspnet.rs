@@ -179,6 +179,7 @@ pub struct PspNet {
     pyramid: Vec<ConvBn>,
     cbr_final: ConvBn,
     classification: Conv2d,
+    device: candle_core::Device,
 }
 
 impl PspNet {
@@ -238,6 +239,7 @@ impl PspNet {
             pyramid,
             cbr_final,
             classification,
+            device: vb.device().clone(),
         })
     }
 
@@ -274,14 +276,10 @@ impl PspNet {
 
     /// Per-structure probabilities (sigmoid of the logits) for one prepared image
     /// (`3 * input_size²` values from [`preprocess`]); returns `n_classes` maps of `input_size²`.
-    pub fn probabilities(
-        &self,
-        input: &[f32],
-        device: &candle_core::Device,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    pub fn probabilities(&self, input: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
         let s = self.config.input_size;
         let run = || -> candle_core::Result<Vec<Vec<f32>>> {
-            let x = Tensor::from_slice(input, (1, 3, s, s), device)?;
+            let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
             let y = candle_nn::ops::sigmoid(&self.forward(&x)?)?.squeeze(0)?;
             y.to_vec3::<f32>()
                 .map(|c| c.into_iter().map(|m| m.concat()).collect())

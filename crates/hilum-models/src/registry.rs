@@ -21,6 +21,10 @@ const BUILTIN: &[(&str, &str)] = &[
         "resnet50-res512-all",
         include_str!("../../../models/resnet50-res512-all.toml"),
     ),
+    (
+        "chestx-det-pspnet",
+        include_str!("../../../models/chestx-det-pspnet.toml"),
+    ),
 ];
 
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -346,6 +350,7 @@ impl ModelRegistry {
 pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize>>> {
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
+        "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
         "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
             .and_then(|s| crate::xrv::expected_params(&s.arch))
             .ok(),

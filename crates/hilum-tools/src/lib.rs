@@ -8,6 +8,7 @@ pub mod ground;
 mod image_info;
 pub mod localize;
 pub mod measure;
+pub mod segment_anatomy;
 mod segment_lungs;
 mod visualize;
 pub mod vlm;
@@ -26,6 +27,7 @@ pub use ground::GroundPhrase;
 pub use image_info::ImageInfo;
 pub use localize::LocalizeFinding;
 pub use measure::MeasureChest;
+pub use segment_anatomy::SegmentAnatomy;
 pub use segment_lungs::SegmentLungs;
 pub use visualize::Visualize;
 pub use vlm::VlmSettings;
@@ -74,6 +76,7 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.models.clone(),
     )))?;
+    tb.register(Arc::new(SegmentAnatomy::new(deps.images.clone(), deps.models.clone())))?;
     tb.register(Arc::new(MeasureChest::new(deps.images.clone(), deps.models.clone())))?;
     tb.register(Arc::new(LocalizeFinding::new(
         deps.images.clone(),

@@ -66,6 +66,9 @@ pub struct ChestMeasurements {
     pub missing: Vec<String>,
 }
 
+/// (min x, max x) of a row.
+type Extent = (usize, usize);
+
 /// Per row, the (min x, max x) of `pixels`.
 fn row_extents(pixels: &[usize], width: usize, height: usize) -> Vec<Option<(usize, usize)>> {
     let mut rows: Vec<Option<(usize, usize)>> = vec![None; height];
@@ -154,7 +157,7 @@ pub fn measure(m: &ChestMasks) -> ChestMeasurements {
     let rr = row_extents(&right.1, w, h);
     let lr = row_extents(&left.1, w, h);
     // Rows where both lungs are present: outer edges give the internal thoracic width.
-    let both: Vec<(usize, (usize, usize), (usize, usize))> =
+    let both: Vec<(usize, Extent, Extent)> =
         (0..h).filter_map(|y| Some((y, rr[y]?, lr[y]?))).collect();
     out.thorax = widest(both.iter().map(|&(y, r, l)| (y, Some((r.0, l.1)))));
     if out.thorax.is_none() {
@@ -286,6 +289,9 @@ pub fn overlay_png(
     if let Some(hm) = &masks.heart {
         ov.masks.push(layer("heart", hm, Rgb(234, 67, 53)));
     }
+    if let Some(mm) = &masks.mediastinum {
+        ov.masks.push(layer("mediastinum", mm, Rgb(255, 64, 255)));
+    }
     let line = |s: &Span, label: String, color: Rgb| Box2d {
         x: s.x0 as f64,
         y: s.y as f64,
@@ -407,8 +413,7 @@ impl Tool for MeasureChest {
 
         // Masks: anatomy model first (heart, lungs, mediastinum), else lung U-Net (lungs only).
         let reg = self.models.registry();
-        // The anatomy PSPNet runtime lands with segment_anatomy; until then lungs come from the U-Net.
-        let anatomy = false;
+        let anatomy = reg.installed(ANATOMY_MODEL_ID).is_ok();
         let lung_unet = reg.installed(LUNG_MODEL_ID).is_ok();
         if !anatomy && !lung_unet {
             return Err(ToolError::ModelMissing {
@@ -427,7 +432,10 @@ impl Tool for MeasureChest {
         let t0 = Instant::now();
         let (masks, source) = tokio::task::spawn_blocking(move || {
             let (w, h) = (image.width as usize, image.height as usize);
-            {
+            if anatomy {
+                let a = crate::segment_anatomy::anatomy_masks(&models, device, &image)?;
+                Ok::<_, ToolError>((a, format!("anatomy model {ANATOMY_MODEL_ID}")))
+            } else {
                 let lungs = lung_unet_mask(&models, device, &image)?;
                 let m = ChestMasks {
                     width: w,

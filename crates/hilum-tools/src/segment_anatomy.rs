@@ -1,0 +1,416 @@
+//! `segment_anatomy`: the 14 ChestX-Det structures with torchxrayvision's PSPNet; per structure a
+//! mask at the original resolution and its measurements, plus one overlay with a legend.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
+use hilum_models::pspnet::{self, PspNet, TARGETS};
+use hilum_models::{Device, ModelError, ModelPool};
+use serde_json::{json, Value};
+
+use crate::common::{image_arg, load_image};
+use crate::measure::{ChestMasks, MIN_SIDE};
+
+pub const MODEL_ID: &str = "chestx-det-pspnet";
+const OVERLAY_MAX_SIDE: u32 = 1024;
+const THRESHOLD: f32 = 0.5;
+
+/// One structure's probability map at the original resolution.
+pub struct StructureMap {
+    pub index: usize,
+    pub name: &'static str,
+    pub prob: Vec<f32>,
+}
+
+/// `name` (case, `_`/`-` and spaces ignored) to its output index.
+pub fn structure_index(name: &str) -> Option<usize> {
+    let norm = |s: &str| {
+        s.chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .collect::<String>()
+            .to_ascii_lowercase()
+    };
+    let n = norm(name);
+    TARGETS.iter().position(|t| norm(t) == n)
+}
+
+/// Parses the optional `structures` argument; unknown names fail listing the valid ones.
+pub fn parse_structures(args: &Value) -> Result<Vec<usize>, ToolError> {
+    let Some(list) = args.get("structures") else {
+        return Ok((0..TARGETS.len()).collect());
+    };
+    let list = list.as_array().ok_or_else(|| {
+        ToolError::InvalidArguments("`structures` must be a list of structure names".into())
+    })?;
+    let mut out = Vec::new();
+    for v in list {
+        let name = v.as_str().unwrap_or_default();
+        let i = structure_index(name).ok_or_else(|| {
+            ToolError::InvalidArguments(format!(
+                "unknown structure `{name}`; valid structures: {}",
+                TARGETS.join(", ")
+            ))
+        })?;
+        if !out.contains(&i) {
+            out.push(i);
+        }
+    }
+    if out.is_empty() {
+        return Err(ToolError::InvalidArguments(format!(
+            "`structures` is empty; leave it out for all, or choose from: {}",
+            TARGETS.join(", ")
+        )));
+    }
+    Ok(out)
+}
+
+fn model_error(e: ModelError) -> ToolError {
+    match e {
+        ModelError::NotInstalled { id, .. } => ToolError::ModelMissing {
+            fix: format!("hilum models fetch {id}"),
+            model: id,
+        },
+        other => ToolError::Internal(other.to_string()),
+    }
+}
+
+/// Runs the network on the whole image and brings the chosen maps back to its resolution.
+pub fn run(
+    model: &PspNet,
+    img: &CxrImage,
+    which: &[usize],
+) -> Result<Vec<StructureMap>, ToolError> {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let s = model.config().input_size;
+    let x = pspnet::preprocess(&img.pixels, w, h, img.max_value(), s);
+    let probs = model
+        .probabilities(&x)
+        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    which
+        .iter()
+        .map(|&i| {
+            let p = probs.get(i).ok_or_else(|| {
+                ToolError::Internal(format!("the model has no output channel {i}"))
+            })?;
+            Ok(StructureMap {
+                index: i,
+                name: TARGETS[i],
+                prob: hilum_models::unet::resize_bilinear(p, s, s, 1, w, h),
+            })
+        })
+        .collect()
+}
+
+/// The masks `measure_chest` needs: both lungs, heart and mediastinum.
+pub fn anatomy_masks(
+    models: &ModelPool,
+    device: Device,
+    img: &CxrImage,
+) -> Result<ChestMasks, ToolError> {
+    let model = models
+        .get_or_load::<PspNet>(MODEL_ID, device)
+        .map_err(model_error)?;
+    let idx = |n: &str| structure_index(n).unwrap_or(0);
+    let which = [
+        idx("Left Lung"),
+        idx("Right Lung"),
+        idx("Heart"),
+        idx("Mediastinum"),
+    ];
+    let maps = run(&model, img, &which)?;
+    let mask = |m: &StructureMap| m.prob.iter().map(|&p| p > THRESHOLD).collect::<Vec<bool>>();
+    let lungs = mask(&maps[0])
+        .into_iter()
+        .zip(mask(&maps[1]))
+        .map(|(a, b)| a || b)
+        .collect();
+    Ok(ChestMasks {
+        width: img.width as usize,
+        height: img.height as usize,
+        lungs,
+        heart: Some(mask(&maps[2])),
+        mediastinum: Some(mask(&maps[3])),
+    })
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+/// Measurements of one structure: area, centroid, bbox, size, mean intensity, confidence.
+pub fn describe(m: &StructureMap, img: &CxrImage) -> Value {
+    let w = img.width as usize;
+    let spacing = img.meta.pixel_spacing_mm;
+    let (mut n, mut sx, mut sy, mut si, mut sp) = (0usize, 0f64, 0f64, 0f64, 0f64);
+    let (mut x0, mut y0, mut x1, mut y1) = (usize::MAX, usize::MAX, 0, 0);
+    for (i, &p) in m.prob.iter().enumerate() {
+        if p > THRESHOLD {
+            let (x, y) = (i % w, i / w);
+            n += 1;
+            sx += x as f64;
+            sy += y as f64;
+            si += img.pixels.get(i).copied().unwrap_or(0.0) as f64;
+            sp += p as f64;
+            (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x), y1.max(y));
+        }
+    }
+    if n == 0 {
+        return json!({"structure": m.name, "found": false, "area_px": 0});
+    }
+    let (bw, bh) = (x1 - x0 + 1, y1 - y0 + 1);
+    let mut v = json!({
+        "structure": m.name,
+        "found": true,
+        "area_px": n,
+        "centroid": [round2(sx / n as f64), round2(sy / n as f64)],
+        "bbox": [x0, y0, bw, bh],
+        "width_px": bw,
+        "height_px": bh,
+        // Fraction of the image's full range, so 8- and 16-bit images compare.
+        "mean_intensity": round2(si / n as f64 / img.max_value().max(1.0) as f64 * 100.0) / 100.0,
+        "confidence": round2(sp / n as f64 * 100.0) / 100.0,
+    });
+    if let Some((row, col)) = spacing {
+        v["area_cm2"] = json!(round2(n as f64 * row * col / 100.0));
+        v["width_cm"] = json!(round2(bw as f64 * col / 10.0));
+        v["height_cm"] = json!(round2(bh as f64 * row / 10.0));
+    }
+    v
+}
+
+/// One PNG with every structure's mask and a legend.
+pub fn overlay_png(img: &CxrImage, maps: &[StructureMap]) -> Result<Vec<u8>, ToolError> {
+    let ov = Overlay {
+        masks: maps
+            .iter()
+            .map(|m| MaskLayer {
+                label: m.name.to_string(),
+                width: img.width,
+                height: img.height,
+                data: m
+                    .prob
+                    .iter()
+                    .map(|&p| if p > THRESHOLD { 1.0 } else { 0.0 })
+                    .collect(),
+                color: Some(Rgb::for_label(m.name, m.index)),
+                alpha: 0.3,
+            })
+            .collect(),
+        max_side: Some(OVERLAY_MAX_SIDE),
+        legend: true,
+        ..Default::default()
+    };
+    ov.render_png(img)
+        .map_err(|e| ToolError::Internal(format!("overlay: {e}")))
+}
+
+pub fn mask_png(m: &StructureMap, w: u32, h: u32) -> Result<Vec<u8>, ToolError> {
+    let px: Vec<u8> = m
+        .prob
+        .iter()
+        .map(|&p| if p > THRESHOLD { 255 } else { 0 })
+        .collect();
+    hilum_imaging::encode_png(w, h, &px, 1)
+        .map_err(|e| ToolError::Internal(format!("mask PNG: {e}")))
+}
+
+pub struct SegmentAnatomy {
+    spec: ToolSpec,
+    store: Arc<ImageStore>,
+    models: Arc<ModelPool>,
+    device: Device,
+}
+
+impl SegmentAnatomy {
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
+        SegmentAnatomy {
+            spec: ToolSpec {
+                name: "segment_anatomy".into(),
+                description: format!(
+                    "Segments anatomical structures on a frontal chest radiograph with the \
+                     ChestX-Det PSPNet: {}. Per structure: mask at the original resolution, area \
+                     (px, and cm² when the pixel spacing is known), centroid, bounding box, \
+                     width/height, mean intensity and a confidence (mean probability inside the \
+                     mask); plus one overlay with a legend. Use it to locate a finding relative \
+                     to anatomy or before measuring; for the cardiothoracic ratio use \
+                     measure_chest. Left/Right are the patient's.",
+                    TARGETS.join(", ")
+                ),
+                parameters: json!({
+                    "type": "object",
+                    "properties": {
+                        "image": image_arg(),
+                        "structures": {
+                            "type": "array",
+                            "items": {"type": "string", "enum": TARGETS},
+                            "description": "Subset of structures (default: all 14)"
+                        }
+                    },
+                    "required": ["image"],
+                    "additionalProperties": false
+                }),
+            },
+            store,
+            models,
+            device: Device::Cpu,
+        }
+    }
+
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+}
+
+#[async_trait]
+impl Tool for SegmentAnatomy {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let (id, img) = load_image(&self.store, &args, "image")?;
+        let which = parse_structures(&args)?;
+        if img.width < MIN_SIDE || img.height < MIN_SIDE {
+            return Err(ToolError::Unprocessable(format!(
+                "{id} is {}x{} px: anatomy segmentation needs at least {MIN_SIDE} px per side",
+                img.width, img.height
+            )));
+        }
+        self.models
+            .registry()
+            .installed(MODEL_ID)
+            .map_err(model_error)?;
+        let _permit = self
+            .models
+            .acquire(self.device)
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (models, device, image) = (self.models.clone(), self.device, img.clone());
+        let t0 = Instant::now();
+        let maps = tokio::task::spawn_blocking(move || {
+            let model = models
+                .get_or_load::<PspNet>(MODEL_ID, device)
+                .map_err(model_error)?;
+            run(&model, &image, &which)
+        })
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+        drop(_permit);
+        let latency = t0.elapsed().as_secs_f64() * 1e3;
+        let out = assemble(&id, &img, &maps, latency)?;
+        Ok(out)
+    }
+}
+
+/// Summary, data and artifacts from the maps.
+pub fn assemble(
+    id: &str,
+    img: &CxrImage,
+    maps: &[StructureMap],
+    latency_ms: f64,
+) -> Result<ToolOutput, ToolError> {
+    let structures: Vec<Value> = maps.iter().map(|m| describe(m, img)).collect();
+    let spacing = img.meta.pixel_spacing_mm;
+    let view = img.meta.view_position.as_deref().unwrap_or("unknown");
+    let mut notes = vec![];
+    if matches!(
+        view.to_ascii_uppercase().as_str(),
+        "LL" | "RL" | "LAT" | "LATERAL"
+    ) {
+        notes.push("lateral view: the model was trained on frontal views; masks are unreliable");
+    }
+    if spacing.is_none() {
+        notes.push("pixel spacing unknown: areas and sizes in pixels only");
+    }
+    let found: Vec<String> = structures
+        .iter()
+        .filter(|s| s["found"] == json!(true))
+        .map(|s| {
+            let area = match s.get("area_cm2") {
+                Some(a) => format!("{a} cm²"),
+                None => format!("{} px", s["area_px"]),
+            };
+            format!(
+                "{} {area} (conf {})",
+                s["structure"].as_str().unwrap_or(""),
+                s["confidence"]
+            )
+        })
+        .collect();
+    let missing: Vec<&str> = maps
+        .iter()
+        .zip(&structures)
+        .filter(|(_, s)| s["found"] != json!(true))
+        .map(|(m, _)| m.name)
+        .collect();
+    let summary = format!(
+        "{id}: {} of {} structures found: {}{}{}",
+        found.len(),
+        maps.len(),
+        found.join("; "),
+        if missing.is_empty() {
+            String::new()
+        } else {
+            format!(". Not found: {}", missing.join(", "))
+        },
+        if notes.is_empty() {
+            String::new()
+        } else {
+            format!(". Notes: {}", notes.join("; "))
+        }
+    );
+    let data = json!({
+        "image": id,
+        "width": img.width,
+        "height": img.height,
+        "model": MODEL_ID,
+        "threshold": THRESHOLD,
+        "structures": structures,
+        "areas": if spacing.is_some() { "px and cm² (pixel spacing from the file)" } else { "px only (pixel spacing unknown)" },
+        "pixel_spacing_mm": spacing,
+        "view": view,
+        "notes": notes,
+        "convention": "Left/Right are the patient's (Right is on the image's left on PA/AP)",
+        "latency_ms": round2(latency_ms),
+    });
+    let mut out = ToolOutput::new(summary, data).with_artifact(Artifact::png(
+        "anatomy_overlay.png",
+        "overlay",
+        overlay_png(img, maps)?,
+    ));
+    for m in maps {
+        let name = format!("{}_mask.png", m.name.to_ascii_lowercase().replace(' ', "_"));
+        out = out.with_artifact(Artifact::png(
+            name,
+            "mask",
+            mask_png(m, img.width, img.height)?,
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn structure_names_are_forgiving_but_unknown_ones_fail() {
+        assert_eq!(structure_index("heart"), Some(8));
+        assert_eq!(structure_index("left_lung"), Some(4));
+        assert_eq!(structure_index("Right Hilus Pulmonis"), Some(7));
+        let ok = parse_structures(&json!({"structures": ["Heart", "heart", "spine"]})).unwrap();
+        assert_eq!(ok, vec![8, 13]);
+        let e = parse_structures(&json!({"structures": ["liver"]})).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("liver") && msg.contains("Facies Diaphragmatica"),
+            "{msg}"
+        );
+        assert!(parse_structures(&json!({"structures": []})).is_err());
+        assert_eq!(parse_structures(&json!({})).unwrap().len(), 14);
+    }
+}
