@@ -1,0 +1,135 @@
+//! The web UI in a real browser: a real server on 127.0.0.1 with a script LLM, driven by
+//! headless Debian chromium through playwright-core (tests/ui/ui.test.mjs). Needs
+//! `scripts/setup_ui_tests.sh` (chromium, chromium-driver, `npm ci` in tests/ui).
+//! Screenshots go to target/ui-screenshots/.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::{config, data_dir, start, token, write_script};
+use hilum_imaging::ImageStore;
+use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
+use hilum_tools::{default_toolbox, ToolDeps};
+use serde_json::json;
+
+const IMAGE: &str = "covid_ARDSSevere.png";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn chromium() -> PathBuf {
+    std::env::var_os("HILUM_CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"))
+}
+
+/// The lung model imported into `dir`, if its converter can run here (the .h5 import needs
+/// the Python of scripts/setup_onnxruntime.sh); otherwise the script skips segment_lungs.
+fn lung_models(dir: &Path) -> Option<Arc<ModelPool>> {
+    let reg = ModelRegistry::new(dir).ok()?;
+    let venv = repo().join("scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    let h5 = data_dir().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+    let opts = ImportOptions {
+        python,
+        ..Default::default()
+    };
+    match hilum_models::import(&reg, "lung-unet", &h5, &opts) {
+        Ok(_) => Some(Arc::new(ModelPool::new(Arc::new(reg)))),
+        Err(e) => {
+            eprintln!(
+                "lung model not importable here ({e}); the UI test runs without segment_lungs"
+            );
+            None
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workstation_ui_in_headless_chromium() {
+    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
+    assert!(
+        chromium().is_file() && node_modules.is_dir(),
+        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh (installs Debian \
+         chromium + chromium-driver and runs `npm ci` in tests/ui)",
+        chromium().display(),
+        node_modules.display()
+    );
+    let image = data_dir().join("cxr/images").join(IMAGE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let models = lung_models(&dir.path().join("models"));
+    let mut round1 = vec![
+        json!({"name": "image_info", "arguments": {"image": "$IMAGE"}}),
+        // An overlay that exists without any model: a labelled box drawn by `visualize`.
+        json!({"name": "visualize", "arguments": {"image": "$IMAGE", "legend": false,
+            "boxes": [{"x": 100, "y": 100, "w": 300, "h": 200, "label": "test box"}]}}),
+    ];
+    if models.is_some() {
+        round1.push(json!({"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}));
+    }
+    let answer = "Scripted answer: the image was measured and the overlays are shown.";
+    let script = write_script(
+        dir.path(),
+        json!([
+            {"content": "I will look at the image.", "tool_calls": round1},
+            {"content": answer}
+        ]),
+    );
+    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
+    let pool = models.clone();
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        let mut deps = ToolDeps::new(store);
+        if let Some(p) = &pool {
+            deps = deps.with_models(p.clone());
+        }
+        default_toolbox(&deps)
+    });
+    let srv = start(cfg).await;
+    let tok = token(&srv.state, "radiologist");
+    let shots = repo().join("target/ui-screenshots");
+    std::fs::create_dir_all(&shots).expect("create target/ui-screenshots");
+
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg("ui.test.mjs")
+        .current_dir(repo().join("tests/ui"))
+        .env("HILUM_URL", srv.url("/"))
+        .env("HILUM_TOKEN", &tok)
+        .env("HILUM_IMAGE", &image)
+        .env("HILUM_ANSWER", answer)
+        .env(
+            "HILUM_EXPECT_LUNGS",
+            if models.is_some() { "1" } else { "0" },
+        )
+        .env("HILUM_SCREENSHOTS", &shots)
+        .env("HILUM_CHROMIUM", chromium())
+        .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
+        .await
+        .expect("the browser test took over 180 s")
+        .expect("run node (install Node.js 18+; see scripts/setup_ui_tests.sh)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    srv.stop().await;
+    assert!(
+        out.status.success(),
+        "browser test failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stdout.contains("UI TEST PASSED"),
+        "node exited 0 without finishing:\n{stdout}"
+    );
+    for name in ["01-bad-token.png", "03-answered.png", "04-overlay-off.png"] {
+        let p = shots.join(name);
+        let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
+        assert!(len > 10_000, "screenshot {} missing or empty", p.display());
+    }
+}

@@ -1,0 +1,160 @@
+// Browser test of the Hilum web UI: headless Debian chromium via playwright-core against a
+// server started by crates/hilum-server/tests/ui_browser.rs (which passes the environment).
+// Run through `cargo test -p hilum-server --test ui_browser`; set up with
+// scripts/setup_ui_tests.sh.
+import { chromium } from "playwright-core";
+import assert from "node:assert/strict";
+import path from "node:path";
+import fs from "node:fs";
+
+const env = (k) => {
+  const v = process.env[k];
+  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test ui_browser`);
+  return v;
+};
+const URL_ = env("HILUM_URL");
+const TOKEN = env("HILUM_TOKEN");
+const IMAGE = env("HILUM_IMAGE");
+const ANSWER = env("HILUM_ANSWER");
+const LUNGS = process.env.HILUM_EXPECT_LUNGS === "1";
+const SHOTS = env("HILUM_SCREENSHOTS");
+const PROFILE = env("HILUM_PROFILE");
+fs.mkdirSync(PROFILE, { recursive: true });
+
+const shot = (page, name) => page.screenshot({ path: path.join(SHOTS, name), fullPage: true });
+
+/** A fingerprint of the canvas pixels, to see that drawing changed. */
+const canvasHash = (page) => page.evaluate(() => {
+  const d = document.getElementById("canvas").getContext("2d").getImageData(0, 0, 800, 800).data;
+  let h = 0;
+  for (let i = 0; i < d.length; i += 7) h = (h * 31 + d[i]) >>> 0;
+  return h;
+});
+
+const context = await chromium.launchPersistentContext(PROFILE, {
+  executablePath: process.env.HILUM_CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+  viewport: { width: 1500, height: 1000 },
+  acceptDownloads: true,
+});
+const errors = [];
+try {
+  const page = context.pages()[0] || await context.newPage();
+  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(`console: ${m.text()}`); });
+  page.setDefaultTimeout(30_000);
+
+  await page.goto(URL_);
+  assert.match(await page.title(), /Hilum/);
+
+  // Every form control has a label (keyboard and screen-reader users need them).
+  const unlabelled = await page.evaluate(() => [...document.querySelectorAll("input, textarea, select")]
+    .filter((e) => e.labels.length === 0 && !e.getAttribute("aria-label")).map((e) => e.id));
+  assert.deepEqual(unlabelled, [], "controls without a label");
+
+  // A wrong token: a readable message naming the fix.
+  await page.fill("#token", "hlm_wrong");
+  await page.press("#token", "Enter");
+  await page.waitForSelector("#alert:not([hidden])");
+  const alertText = await page.textContent("#alert-text");
+  assert.match(alertText, /check your token/);
+  assert.match(alertText, /hilum serve token create/);
+  await shot(page, "01-bad-token.png");
+
+  // The right token, entered with the keyboard only.
+  await page.click("#alert-close");
+  await page.fill("#token", TOKEN);
+  await page.focus("#token");
+  await page.keyboard.press("Tab");
+  assert.equal(await page.evaluate(() => document.activeElement.textContent), "Use token");
+  await page.keyboard.press("Enter");
+  await page.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  assert.equal(await page.evaluate(() => sessionStorage.getItem("hilum.token")), TOKEN);
+
+  // Upload a real radiograph through the file picker.
+  const blank = await canvasHash(page);
+  await page.setInputFiles("#file", IMAGE);
+  await page.waitForSelector("#canvas[data-image]");
+  const imageId = await page.getAttribute("#canvas", "data-image");
+  assert.match(imageId, /\S{8,}/);
+  assert.equal(await page.locator("#images button").count(), 1);
+  const shown = await canvasHash(page);
+  assert.notEqual(shown, blank, "the image was not drawn");
+  await shot(page, "02-uploaded.png");
+
+  // Window/level changes the displayed pixels.
+  const setRange = (sel, v) => page.$eval(sel, (e, v) => {
+    e.value = v;
+    e.dispatchEvent(new Event("input", { bubbles: true }));
+  }, v);
+  await setRange("#ww", "60");
+  assert.notEqual(await canvasHash(page), shown, "window/level did not change the display");
+  await setRange("#ww", "255");
+  assert.equal(await canvasHash(page), shown, "the full window shows the original pixels");
+
+  // Ask (Ctrl+Enter from the question box) and follow the streamed run.
+  await page.fill("#question", "Describe this image and show the lungs.");
+  await page.press("#question", "Control+Enter");
+  await page.waitForSelector("#run-state[data-done=true]", { timeout: 90_000 });
+  const answer = await page.textContent("[data-role=answer]");
+  assert.equal(answer.trim(), ANSWER);
+  const tools = await page.$$eval(".call", (rows) => rows.map((r) => [r.dataset.tool, r.dataset.status]));
+  const expected = [["image_info", "ok"], ["visualize", "ok"]];
+  if (LUNGS) expected.push(["segment_lungs", "ok"]);
+  assert.deepEqual(tools.sort(), expected.sort(), "timeline rows");
+  const note = await page.textContent(".round .muted");
+  assert.match(note, new RegExp(`${expected.length} tool calls`));
+  const overlayNames = await page.$$eval("#overlay-list input", (cs) => cs.map((c) => c.dataset.overlay));
+  assert.ok(overlayNames.includes("visualization.png"), `overlays: ${overlayNames}`);
+  if (LUNGS) assert.ok(overlayNames.includes("lung_mask.png"), `overlays: ${overlayNames}`);
+  await shot(page, "03-answered.png");
+
+  // Toggle overlays off with the keyboard: the canvas changes, and back on restores it.
+  const withOverlays = await canvasHash(page);
+  for (const cb of await page.$$("#overlay-list input")) {
+    await cb.focus();
+    await page.keyboard.press("Space");
+  }
+  const without = await canvasHash(page);
+  assert.notEqual(without, withOverlays, "toggling overlays did not change the canvas");
+  assert.equal(without, shown, "with overlays off the canvas shows the plain image");
+  await shot(page, "04-overlay-off.png");
+  const first = page.locator("#overlay-list input").first();
+  await first.check();
+  assert.notEqual(await canvasHash(page), without);
+
+  // Exports carry the answer and its evidence.
+  const md = await page.evaluate(() => window.hilum.markdown());
+  assert.ok(md.includes(ANSWER) && md.includes("| image_info | ok |"), md);
+  const fhir = await page.evaluate(() => window.hilum.fhir());
+  assert.equal(fhir.resourceType, "DiagnosticReport");
+  assert.equal(fhir.status, "preliminary");
+  assert.equal(fhir.conclusion, ANSWER);
+  assert.ok(Buffer.from(fhir.presentedForm[0].data, "base64").toString("utf8").includes(ANSWER));
+  const [download] = await Promise.all([page.waitForEvent("download"), page.click("#export-fhir")]);
+  const saved = path.join(SHOTS, "report.fhir.json");
+  await download.saveAs(saved);
+  assert.equal(JSON.parse(fs.readFileSync(saved, "utf8")).conclusion, ANSWER);
+
+  // A fresh page: the session list brings the run back (replayed from stored events).
+  await page.reload();
+  await page.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  assert.equal(await page.locator("#sessions button").count(), 1);
+  await page.click("#sessions button");
+  await page.waitForSelector("[data-role=answer]");
+  await page.waitForFunction(() => document.querySelectorAll(".call[data-status=ok]").length > 0);
+  assert.equal((await page.textContent("[data-role=answer]")).trim(), ANSWER);
+  await shot(page, "05-session-reopened.png");
+
+  assert.deepEqual(errors, [], "browser errors");
+  console.log(`UI TEST PASSED (lungs: ${LUNGS}; screenshots in ${SHOTS})`);
+} catch (e) {
+  console.error(e);
+  console.error(errors.join("\n"));
+  try { await shot(context.pages()[0], "99-failure.png"); } catch { /* no page */ }
+  process.exitCode = 1;
+} finally {
+  await context.close();
+}
