@@ -238,6 +238,8 @@ pub fn router(state: AppState) -> Router {
         .merge(public)
         .merge(web::routes())
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
+        // One span per request; handlers and tool calls log inside it.
+        .layer(tower_http::trace::TraceLayer::new_for_http())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,
