@@ -162,3 +162,51 @@ fn imported_graph_runs_through_the_pool_and_auto_picks_onnx() {
         assert!(d <= 1e-4, "{d}");
     }
 }
+
+/// Latency of one 256x256 forward, candle vs ONNX Runtime, median of 10 after a warm-up.
+/// Run: `eval "$(scripts/setup_onnxruntime.sh)"; cargo test -p hilum-models --release --test
+/// lung_unet_onnx -- --ignored --nocapture` (dependencies are optimised even in test builds).
+#[test]
+#[ignore = "timing, not a check"]
+fn forward_latency_candle_vs_onnx_runtime() {
+    if !ort_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let candle = candle_model(dir.path());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ort = OnnxModel::load(
+        &data().join("models/lung_seg_unet/lung_seg_valiou_088.onnx"),
+        threads,
+    )
+    .expect("onnx");
+    let (_, x) = {
+        let img = image::open(data().join("cxr/images/nih_00000001_000_cardiomegaly.png"))
+            .expect("decode")
+            .to_rgb8();
+        let rgb: Vec<f32> = img.as_raw().iter().map(|&v| v as f32).collect();
+        ((), unet::preprocess_rgb(&rgb, 512, 512, 256))
+    };
+    let median = |f: &dyn Fn()| {
+        f();
+        let mut t: Vec<f64> = (0..10)
+            .map(|_| {
+                let s = std::time::Instant::now();
+                f();
+                s.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[5]
+    };
+    let c = median(&|| {
+        candle.predict(std::slice::from_ref(&x)).expect("candle");
+    });
+    let o = median(&|| {
+        ort.run(&[1, 256, 256, 3], &x).expect("ort");
+    });
+    eprintln!(
+        "lung U-Net 256x256 batch 1, {threads} threads: candle {c:.1} ms, ONNX Runtime {o:.1} ms, ratio {:.1}x",
+        c / o
+    );
+}

@@ -54,7 +54,10 @@ impl SegmentLungs {
             store,
             models,
             device: Device::Cpu,
-            backend: None,
+            // HILUM_LUNG_UNET_BACKEND=candle|onnx overrides the automatic choice.
+            backend: std::env::var("HILUM_LUNG_UNET_BACKEND")
+                .ok()
+                .and_then(|b| b.parse().ok()),
         }
     }
 
