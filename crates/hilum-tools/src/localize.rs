@@ -30,6 +30,8 @@ pub const MODEL_ID: &str = "densenet121-res224-all";
 const MAX_BOXES: usize = 5;
 /// Regions smaller than this fraction of the analysed square are specks, not boxes.
 const MIN_REGION_FRACTION: f64 = 0.002;
+/// Side of the upsampled map: the 7x7 CAM holds no detail finer than this on any image.
+const HEAT_MAX_SIDE: usize = 1024;
 
 /// The candle DenseNet with access to its last feature map.
 pub struct CamNet {
@@ -274,8 +276,10 @@ pub struct Localization {
     pub crop: usize,
     pub crop_x: usize,
     pub crop_y: usize,
-    /// Normalised CAM at crop resolution (crop x crop).
+    /// Normalised CAM upsampled to `heat_side` x `heat_side` over the centre square
+    /// (`heat_side` = the square's side, at most 1024).
     pub heat: Vec<f32>,
+    pub heat_side: usize,
     /// Boxes in original-image pixels, strongest first.
     pub boxes: Vec<(HeatBox, PixelBox)>,
 }
@@ -299,19 +303,21 @@ pub fn localize(
     // The same centre square as `xrv::preprocess`.
     let crop = w.min(h);
     let (crop_x, crop_y) = (w / 2 - crop / 2, h / 2 - crop / 2);
-    let heat = upsample(&normalise(&cam.values), cam.h, cam.w, crop, crop);
-    let min_area = (MIN_REGION_FRACTION * (crop * crop) as f64) as usize;
+    let g = crop.min(HEAT_MAX_SIDE);
+    let heat = upsample(&normalise(&cam.values), cam.h, cam.w, g, g);
+    let min_area = (MIN_REGION_FRACTION * (g * g) as f64) as usize;
+    let to_px = |v: usize| (v * crop) as f64 / g as f64;
     let label = net.spec.labels.get(class).cloned().unwrap_or_default();
-    let boxes = boxes_from_map(&heat, crop, crop, threshold, min_area)
+    let boxes = boxes_from_map(&heat, g, g, threshold, min_area)
         .into_iter()
         .take(MAX_BOXES)
         .map(|b| {
             let p = PixelBox {
                 label: label.clone(),
-                x1: (crop_x + b.x1) as f64,
-                y1: (crop_y + b.y1) as f64,
-                x2: (crop_x + b.x2) as f64,
-                y2: (crop_y + b.y2) as f64,
+                x1: crop_x as f64 + to_px(b.x1),
+                y1: crop_y as f64 + to_px(b.y1),
+                x2: crop_x as f64 + to_px(b.x2),
+                y2: crop_y as f64 + to_px(b.y2),
             };
             (b, p)
         })
@@ -323,6 +329,7 @@ pub fn localize(
         crop_x,
         crop_y,
         heat,
+        heat_side: g,
         boxes,
     })
 }
@@ -348,7 +355,8 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
             if ox < loc.crop_x || ox >= loc.crop_x + loc.crop {
                 continue;
             }
-            let t = loc.heat[(oy - loc.crop_y) * loc.crop + (ox - loc.crop_x)];
+            let (g, c) = (loc.heat_side, loc.crop);
+            let t = loc.heat[(oy - loc.crop_y) * g / c * g + (ox - loc.crop_x) * g / c];
             if t < 0.1 {
                 continue;
             }

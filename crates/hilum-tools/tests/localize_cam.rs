@@ -181,7 +181,7 @@ fn boxes_are_the_regions_of_the_thresholded_map_on_a_real_image() {
         .expect("18 classes");
     let loc = localize::localize(&net, &img, class, threshold).expect("localize");
     assert_eq!((loc.crop, loc.crop_x, loc.crop_y), (920, 0, 28));
-    assert_eq!(loc.heat.len(), 920 * 920);
+    assert_eq!((loc.heat.len(), loc.heat_side), (920 * 920, 920));
     assert!(
         !loc.boxes.is_empty(),
         "the map's peak region must give a box"
@@ -194,11 +194,11 @@ fn boxes_are_the_regions_of_the_thresholded_map_on_a_real_image() {
         .fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m });
     let (hb, _) = &loc.boxes[0];
     assert!(peak > 0.9 && hb.peak == peak, "{} vs {peak}", hb.peak);
-    let (px, py) = (peak_at % loc.crop, peak_at / loc.crop);
+    let (px, py) = (peak_at % loc.heat_side, peak_at / loc.heat_side);
     assert!((hb.x1..hb.x2).contains(&px) && (hb.y1..hb.y2).contains(&py));
     for (hb, pb) in &loc.boxes {
         // Boxes are tight around above-threshold pixels: every edge holds one.
-        let above = |x: usize, y: usize| loc.heat[y * loc.crop + x] >= threshold;
+        let above = |x: usize, y: usize| loc.heat[y * loc.heat_side + x] >= threshold;
         assert!((hb.x1..hb.x2).any(|x| above(x, hb.y1)));
         assert!((hb.x1..hb.x2).any(|x| above(x, hb.y2 - 1)));
         assert!((hb.y1..hb.y2).any(|y| above(hb.x1, y)));
@@ -333,4 +333,85 @@ async fn cam_boxes_vs_nih_expert_boxes_iou_report() {
         "CAM vs NIH expert boxes: {} images, mean best IoU {mean:.3}, IoU>=0.1 on {hit}",
         ious.len()
     );
+}
+
+/// Full-size DenseNet-121 (seeded weights, the real architecture): the CAM grid is 7x7 at
+/// 224 px, its mean plus bias is the reference forward's logit, and the latency is printed
+/// (`cargo test -p hilum-tools --test localize_cam full_size -- --nocapture`).
+#[test]
+fn full_size_densenet121_cam_matches_its_forward_and_reports_latency() {
+    let spec = XrvSpec::densenet121_res224_all();
+    let weights = hilum_models::xrv::synthetic_weights(&spec.arch, 7).expect("weights");
+    let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+    let Arch::DenseNet(cfg) = spec.arch.clone() else {
+        panic!("densenet121 spec is a DenseNet");
+    };
+    let net = CamNet::new(
+        DenseNet::load(vb, &cfg).expect("densenet121"),
+        spec,
+        Device::Cpu,
+    );
+    let store = ImageStore::default();
+    let id = store
+        .ingest_file(&shared().join("images/nih_00004387_000_effusion.png"))
+        .expect("ingest");
+    let img = store.get(&id).expect("image");
+    let x = hilum_models::xrv::preprocess(&img.pixels, 1024, 1024, img.max_value(), 224);
+    let cam = net.cam(&x, 7).expect("cam");
+    assert_eq!((cam.h, cam.w), (7, 7));
+    let logits = net
+        .net
+        .forward(&Tensor::from_slice(&x, (1, 1, 224, 224), &Device::Cpu).expect("x"))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("logits");
+    assert!(
+        (cam.logit - logits[7]).abs() <= 1e-4 * logits[7].abs().max(1.0),
+        "{} vs {}",
+        cam.logit,
+        logits[7]
+    );
+    let mut ms = Vec::new();
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        let loc = localize::localize(&net, &img, 7, 0.5).expect("localize");
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(loc.heat.len(), 1024 * 1024);
+    }
+    eprintln!(
+        "localize (DenseNet-121 candle CPU, 1024² image, CAM + upsample + boxes): {ms:.1?} ms"
+    );
+}
+
+#[test]
+fn large_images_keep_a_1024_map_and_scale_boxes_to_original_pixels() {
+    let net = small_net();
+    let store = ImageStore::default();
+    let id = store
+        .ingest_file(&shared().join("images/medrax_normal3.jpg"))
+        .expect("ingest");
+    let img = store.get(&id).expect("image");
+    let (w, h) = (img.width as usize, img.height as usize);
+    let crop = w.min(h);
+    assert!(crop > 1024, "this test needs an image larger than 1024 px");
+    let x = hilum_models::xrv::preprocess(&img.pixels, w, h, img.max_value(), 64);
+    let class = (0..18)
+        .max_by_key(|&c| {
+            let cam = net.cam(&x, c).expect("cam");
+            cam.values.iter().filter(|&&v| v > 0.0).count()
+        })
+        .expect("18 classes");
+    let loc = localize::localize(&net, &img, class, 0.5).expect("localize");
+    assert_eq!((loc.heat_side, loc.crop), (1024, crop));
+    assert!(!loc.boxes.is_empty());
+    let s = crop as f64 / 1024.0;
+    for (hb, pb) in &loc.boxes {
+        assert!((pb.x1 - (loc.crop_x as f64 + hb.x1 as f64 * s)).abs() < 1e-9);
+        assert!((pb.y2 - (loc.crop_y as f64 + hb.y2 as f64 * s)).abs() < 1e-9);
+        assert!(pb.x1 >= loc.crop_x as f64 && pb.x2 <= (loc.crop_x + crop) as f64);
+        assert!(pb.y1 >= loc.crop_y as f64 && pb.y2 <= (loc.crop_y + crop) as f64);
+    }
+    let png = localize::overlay_png(&img, &loc).expect("overlay");
+    let rgb = image::load_from_memory(&png).expect("png").to_rgb8();
+    assert_eq!(rgb.width().max(rgb.height()), 1024);
 }
