@@ -88,3 +88,23 @@ fn full_size_parameters_match_the_published_checkpoint() {
     println!("{} parameters match", published.len());
     assert!(published.len() > 500);
 }
+
+/// Full-size forward at 512 px on candle's CPU ops (random weights; only the time matters).
+/// Slow (tens of seconds): `cargo test -p hilum-models --release --test pspnet_fixture -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn full_size_forward_time() {
+    let cfg = Config::chestx_det();
+    let map = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&map, candle_core::DType::F32, &Device::Cpu);
+    let model = pspnet::PspNet::load(vb, &cfg).expect("full-size model");
+    let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
+    let t = std::time::Instant::now();
+    let p = model.probabilities(&x).expect("forward");
+    println!(
+        "PSPNet 512 px forward on candle CPU: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(p.len(), 14);
+    assert_eq!(p[0].len(), cfg.input_size * cfg.input_size);
+}

@@ -160,3 +160,72 @@ async fn bad_input_is_refused_with_a_clear_error() {
         "{e}"
     );
 }
+
+/// A models directory with the real lung U-Net imported (needs the Python of
+/// scripts/setup_onnxruntime.sh, or HILUM_PYTHON, to convert the Keras .h5).
+fn lung_unet_pool() -> Arc<ModelPool> {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let h5 = repo.join("../shared/data/models/lung_seg_unet/lung_seg_valiou_088.h5");
+    let venv = repo.join("scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    let dir = std::env::temp_dir().join(format!("hilum-measure-unet-{}", std::process::id()));
+    let reg = ModelRegistry::new(&dir).expect("registry");
+    let opts = hilum_models::ImportOptions {
+        custom: false,
+        python,
+        origin: None,
+    };
+    hilum_models::import(&reg, "lung-unet", &h5, &opts)
+        .unwrap_or_else(|e| panic!("importing {}: {e}", h5.display()));
+    Arc::new(ModelPool::new(Arc::new(reg)))
+}
+
+#[tokio::test]
+async fn measure_chest_with_the_real_lung_unet_says_what_it_could_not_measure() {
+    let store = Arc::new(ImageStore::new(StoreLimits::default()));
+    let images = ground_truth().join("../images");
+    let pa = store
+        .ingest_file(&images.join("covid_00870a9c.jpg"))
+        .expect("ingest");
+    let ap = store
+        .ingest_file(&images.join("nih_00000797_000_nofinding_ap.png"))
+        .expect("ingest");
+    let tool = MeasureChest::new(store, lung_unet_pool());
+    let out = tool
+        .call(&ctx(), json!({"image": pa, "view": "PA"}))
+        .await
+        .expect("measure");
+    println!("{}\n{:#}", out.summary, out.data);
+    let d = &out.data;
+    assert!(d["masks_source"]
+        .as_str()
+        .unwrap_or("")
+        .contains("lung-unet"));
+    assert_eq!(d["cardiothoracic_ratio"], json!(null));
+    assert!(d["not_measured"].to_string().contains("heart"));
+    let thorax = d["thoracic_width_px"].as_f64().expect("thorax measured");
+    let width = d["width"].as_f64().expect("width");
+    assert!(
+        (0.4..0.98).contains(&(thorax / width)),
+        "{thorax} of {width}"
+    );
+    let ratio = d["left_right_lung_area_ratio"].as_f64().expect("ratio");
+    assert!((0.5..1.6).contains(&ratio), "{ratio}");
+    let overlay = image::load_from_memory(&out.artifacts[0].bytes).expect("overlay PNG");
+    assert!(overlay.width() <= 1024 && overlay.width() > 0);
+
+    let out = tool
+        .call(
+            &ctx(),
+            json!({"image": ap, "view": "AP", "pediatric": true}),
+        )
+        .await
+        .expect("measure AP");
+    let notes = out.data["notes"].to_string();
+    assert!(
+        notes.contains("AP projection") && notes.contains("pediatric"),
+        "{notes}"
+    );
+}
