@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// Allow sending image pixels and metadata to a model endpoint that is not on this machine.
     #[arg(long)]
     pub allow_remote_llm: bool,
+    /// Attach image pixels to model requests when the model accepts images (a remote endpoint
+    /// also needs --allow-remote-llm).
+    #[arg(long)]
+    pub send_pixels: bool,
     /// Largest upload, MiB.
     #[arg(long, default_value_t = 64)]
     pub max_upload_mb: usize,
@@ -168,6 +172,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         burst: args.rate_burst,
     };
     cfg.allow_remote_llm = args.allow_remote_llm;
+    cfg.send_pixels = args.send_pixels || file.llm.send_pixels.unwrap_or(false);
     cfg.cors_origins = args.cors_origin.clone();
     cfg.tool_timeout = Duration::from_secs(args.tool_timeout);
     if let Some(l) = &llm {

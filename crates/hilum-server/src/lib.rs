@@ -86,6 +86,9 @@ pub struct ServerConfig {
     /// The policy switch: unless true, no run may send pixels or image metadata (which tool
     /// results carry) to a model endpoint that is not on this machine.
     pub allow_remote_llm: bool,
+    /// Attach the images' pixels to model requests when the model accepts images. Off by
+    /// default; a non-local endpoint additionally needs `allow_remote_llm`.
+    pub send_pixels: bool,
     /// Browser origins allowed by CORS; empty = CORS off.
     pub cors_origins: Vec<String>,
     pub agent: AgentConfig,
@@ -108,6 +111,7 @@ impl ServerConfig {
             rate_limit: RateLimit::default(),
             llm: None,
             allow_remote_llm: false,
+            send_pixels: false,
             cors_origins: Vec::new(),
             agent: AgentConfig::default(),
             env: Environment::default(),

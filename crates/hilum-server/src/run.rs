@@ -19,6 +19,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use utoipa::{IntoParams, ToSchema};
 
+use base64::Engine;
+use hilum_agent::llm::ImagePayload;
 use hilum_agent::{Agent, Event, Message, RunEvent, RunInput, RunOutcome, StopReason};
 
 use crate::api::{owned_session, prepare_artifacts};
@@ -111,6 +113,7 @@ pub async fn ask(
     // Dropping the response body (client gone) drops `cancel_tx`, which cancels the run.
     let (cancel_tx, cancel_rx) = oneshot::channel::<()>();
     let model = llm.name();
+    let agent_reads_images = llm.capabilities().images;
     let agent = Agent::new(
         llm,
         space.toolbox.clone(),
@@ -118,10 +121,26 @@ pub async fn ask(
         state.cfg.agent.clone(),
     );
     let history_len = history.len();
+    // Pixels leave only on request, to a model that reads them, and (checked above) only to a
+    // remote endpoint when the policy allows it.
+    let image_payloads = if state.cfg.send_pixels && agent_reads_images {
+        let store = space.images.clone();
+        let ids = ask.images.clone();
+        tokio::task::spawn_blocking(move || {
+            ids.iter()
+                .map(|id| pixel_payload(&store, id))
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(ApiError::Unprocessable)?
+    } else {
+        Vec::new()
+    };
     let input = RunInput {
         question: ask.question,
         images: ask.images,
-        image_payloads: Vec::new(),
+        image_payloads,
         history,
         session_id: session_id.clone(),
     };
@@ -167,6 +186,34 @@ pub async fn ask(
         )
             .into_response())
     }
+}
+
+/// An 8-bit grayscale PNG of the image as a data URL, longest side at most 1024 px.
+fn pixel_payload(store: &hilum_imaging::ImageStore, id: &str) -> Result<ImagePayload, String> {
+    let img = store.get(id).map_err(|e| e.to_string())?;
+    let scale = 255.0 / img.max_value().max(1.0);
+    let step = (img.width.max(img.height) as f64 / 1024.0).max(1.0);
+    let w = ((img.width as f64 / step) as u32).max(1);
+    let h = ((img.height as f64 / step) as u32).max(1);
+    let mut gray = image::GrayImage::new(w, h);
+    for y in 0..h {
+        for x in 0..w {
+            let sx = ((x as f64 * step) as usize).min(img.width as usize - 1);
+            let sy = ((y as f64 * step) as usize).min(img.height as usize - 1);
+            let v = img.pixels[sy * img.width as usize + sx] * scale;
+            gray.put_pixel(x, y, image::Luma([v.round().clamp(0.0, 255.0) as u8]));
+        }
+    }
+    let mut png = Vec::new();
+    gray.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .map_err(|e| format!("cannot encode {id} as PNG: {e}"))?;
+    Ok(ImagePayload {
+        id: id.to_string(),
+        data_url: format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(&png)
+        ),
+    })
 }
 
 struct RunCtx {

@@ -722,3 +722,98 @@ async fn openapi_document_matches_the_served_routes() {
     assert_eq!(stray.status(), 404);
     srv.stop().await;
 }
+
+/// A model that accepts images and records the pixels it was sent, then replays a script.
+struct Recording {
+    inner: hilum_agent::llm::ScriptLlm,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>,
+}
+
+#[async_trait::async_trait]
+impl hilum_agent::Llm for Recording {
+    async fn chat(
+        &self,
+        req: hilum_agent::llm::ChatRequest,
+    ) -> Result<hilum_agent::llm::DeltaStream, hilum_agent::llm::LlmError> {
+        let urls = req.images.iter().map(|p| p.data_url.clone()).collect();
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(urls);
+        self.inner.chat(req).await
+    }
+    fn capabilities(&self) -> hilum_agent::llm::Capabilities {
+        hilum_agent::llm::Capabilities {
+            native_tools: true,
+            parallel_tool_calls: true,
+            images: true,
+            local: true,
+        }
+    }
+    fn name(&self) -> String {
+        "recording".into()
+    }
+}
+
+#[tokio::test]
+async fn pixels_reach_a_multimodal_model_only_when_enabled() {
+    use base64::Engine;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(dir.path(), two_round_script());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Vec<String>>::new()));
+    let mut cfg = config(&dir.path().join("h.db"), None);
+    let (s2, p2) = (seen.clone(), script.clone());
+    cfg.llm = Some(hilum_server::LlmFactory {
+        name: "recording".into(),
+        local: true,
+        build: std::sync::Arc::new(move || {
+            let inner = hilum_agent::llm::ScriptLlm::from_file(&p2).map_err(|e| e.to_string())?;
+            Ok(std::sync::Arc::new(Recording {
+                inner,
+                seen: s2.clone(),
+            }) as std::sync::Arc<dyn hilum_agent::Llm>)
+        }),
+    });
+    for send_pixels in [false, true] {
+        seen.lock().expect("lock").clear();
+        cfg.send_pixels = send_pixels;
+        let srv = start(cfg.clone()).await;
+        let tok = token(&srv.state, "alice");
+        let client = reqwest::Client::new();
+        // A 3056x2544 radiograph: the payload is scaled to at most 1024 px.
+        let (img, row) = upload_id(&client, &srv, &tok, "medrax_normal3.jpg").await;
+        let ses = new_session(&client, &srv, &tok).await;
+        let events = ask_ndjson(&client, &srv, &tok, &ses, "size?", &[&img]).await;
+        assert_eq!(types(&events).last().map(String::as_str), Some("complete"));
+        let requests = seen.lock().expect("lock").clone();
+        assert_eq!(requests.len(), 2, "two model turns");
+        if !send_pixels {
+            assert!(
+                requests.iter().all(Vec::is_empty),
+                "no pixels unless enabled"
+            );
+        } else {
+            let url = &requests[0][0];
+            let b64 = url
+                .strip_prefix("data:image/png;base64,")
+                .expect("PNG data URL");
+            let png = base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .expect("base64");
+            let small = image::load_from_memory(&png).expect("png");
+            let (w, h) = (
+                row["width"].as_u64().unwrap_or(0),
+                row["height"].as_u64().unwrap_or(0),
+            );
+            assert_eq!(
+                u64::from(small.width().max(small.height())),
+                1024.min(w.max(h))
+            );
+            let aspect = |a: u64, b: u64| a as f64 / b as f64;
+            assert!(
+                (aspect(small.width().into(), small.height().into()) - aspect(w, h)).abs() < 0.01
+            );
+        }
+        srv.stop().await;
+    }
+}
