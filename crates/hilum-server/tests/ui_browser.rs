@@ -100,6 +100,10 @@ async fn workstation_ui_in_headless_chromium() {
         .env("HILUM_URL", srv.url("/"))
         .env("HILUM_TOKEN", &tok)
         .env("HILUM_IMAGE", &image)
+        .env(
+            "HILUM_DICOM",
+            data_dir().join("cxr/dicom/CR-MONO1-10-chest_noPart10header.dcm"),
+        )
         .env("HILUM_ANSWER", answer)
         .env(
             "HILUM_EXPECT_LUNGS",
@@ -127,7 +131,12 @@ async fn workstation_ui_in_headless_chromium() {
         stdout.contains("UI TEST PASSED"),
         "node exited 0 without finishing:\n{stdout}"
     );
-    for name in ["01-bad-token.png", "03-answered.png", "04-overlay-off.png"] {
+    for name in [
+        "01-bad-token.png",
+        "03-answered.png",
+        "04-overlay-off.png",
+        "06-dicom-dropped.png",
+    ] {
         let p = shots.join(name);
         let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
         assert!(len > 10_000, "screenshot {} missing or empty", p.display());

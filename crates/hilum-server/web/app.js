@@ -102,6 +102,7 @@ $("new-session").addEventListener("click", () => guarded(() => newSession("")));
 
 function resetWork() {
   $("chat").replaceChildren();
+  delete $("chat").dataset.session;
   $("timeline").replaceChildren();
   $("findings").replaceChildren();
   $("findings-empty").hidden = false;
@@ -127,6 +128,7 @@ async function openSession(id) {
     if (!run.answer && r.answer) setAnswer(run, r.answer);
     finishRun(run);
   }
+  $("chat").dataset.session = id;
 }
 
 // ---------- images ----------
