@@ -375,6 +375,7 @@ fn decode(
     let prompt_len = st.cached.len();
     let mut generated: Vec<u32> = Vec::new();
     let mut calls = 0usize;
+    let mut seen_calls: Vec<(String, String)> = Vec::new();
     let mut finish = FinishReason::Stop;
     let t_decode = Instant::now();
     loop {
@@ -500,6 +501,13 @@ fn decode(
                     let call = parse_call_body(&String::from_utf8_lossy(&raw)).map_err(|e| {
                         LocalError::Grammar(format!("the model wrote an invalid tool call: {e}"))
                     })?;
+                    let key = (call.name.clone(), call.arguments.clone());
+                    if seen_calls.contains(&key) {
+                        // Small models loop on the same call; a repeat ends the turn instead.
+                        generated.push(next);
+                        break;
+                    }
+                    seen_calls.push(key);
                     if stats.first_tool_call_secs.is_none() {
                         stats.first_tool_call_secs = Some(prep.started.elapsed().as_secs_f64());
                     }

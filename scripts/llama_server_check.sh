@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Interop check against a server we did not write: llama.cpp (via llama-cpp-python's OpenAI-compatible
+# server) serves the same GGUF as Hilum's local backend, and `hilum analyze --llm openai:...` runs a
+# full tool round against it on a real radiograph.
+#
+# Separately run, NOT part of CI: installing llama-cpp-python compiles llama.cpp (~20 min on 2 cores).
+#
+# Usage: scripts/llama_server_check.sh [MODEL.gguf]
+#   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (chatml-function-calling),
+#        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running.
+# Prints the NDJSON events and exits 0 only if at least one tool call succeeded and an answer came.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+MODELS_DIR="${HILUM_MODELS_DIR:-$HOME/.cache/hilum/models}"
+MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
+PORT="${PORT:-8089}"
+THREADS="${THREADS:-2}"
+FORMAT="${LLAMA_CHAT_FORMAT:-chatml-function-calling}"
+IMAGE="${IMAGE:-$ROOT/../shared/data/cxr/images/covid_pneumocystis-pneumonia-1.jpg}"
+VENV="$ROOT/scripts/.venv-llama"
+
+[[ -f "$MODEL" ]] || "$ROOT/scripts/fetch_local_llm.sh" "$MODEL"
+[[ -f "$IMAGE" ]] || { echo "missing test image $IMAGE (shared data at ../shared/data)" >&2; exit 1; }
+
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+    echo "installing llama-cpp-python[server] 0.3.36 into $VENV (compiles llama.cpp, ~20 min)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet "llama-cpp-python[server]==0.3.36"
+fi
+
+LOG="$(mktemp)"
+"$VENV/bin/python" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
+    --n_threads "$THREADS" --n_ctx 4096 --chat_format "$FORMAT" >"$LOG" 2>&1 &
+SERVER=$!
+cleanup() { [[ "${KEEP_SERVER:-0}" == 1 ]] || kill "$SERVER" 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
+    kill -0 "$SERVER" 2>/dev/null || { cat "$LOG" >&2; echo "llama.cpp server died" >&2; exit 1; }
+    sleep 1
+done
+
+cd "$ROOT"
+OUT="$(mktemp)"
+OPENAI_API_KEY=none cargo run --quiet --release -p hilum-cli -- analyze "$IMAGE" \
+    --question "What are the width and height of this image in pixels?" \
+    --llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$PORT/v1" --json | tee "$OUT"
+
+python3 - "$OUT" <<'PY'
+import json, sys
+events = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+ok = [e for e in events if e.get("type") == "tool_finished"]
+final = [e for e in events if e.get("type") == "final"]
+print(f"llama.cpp interop: {len(ok)} tool call(s) finished, final answer: {bool(final)}")
+sys.exit(0 if ok and final else 1)
+PY
