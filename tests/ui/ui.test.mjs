@@ -16,6 +16,8 @@ const URL_ = env("HILUM_URL");
 const TOKEN = env("HILUM_TOKEN");
 const IMAGE = env("HILUM_IMAGE");
 const DICOM = env("HILUM_DICOM");
+const NOLLM_URL = env("HILUM_NOLLM_URL");
+const NOLLM_TOKEN = env("HILUM_NOLLM_TOKEN");
 const ANSWER = env("HILUM_ANSWER");
 const LUNGS = process.env.HILUM_EXPECT_LUNGS === "1";
 const SHOTS = env("HILUM_SCREENSHOTS");
@@ -174,6 +176,24 @@ try {
   assert.notEqual(await canvasHash(page), before, "the DICOM image was not drawn");
   assert.match(await page.textContent("#wl-note"), /\d+-bit values stay on the server/);
   await shot(page, "06-dicom-dropped.png");
+
+  // A server without a reasoning model: asking shows what is missing and how to fix it.
+  const bare = await context.newPage();
+  bare.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
+  await bare.goto(NOLLM_URL);
+  await bare.fill("#token", NOLLM_TOKEN);
+  await bare.press("#token", "Enter");
+  await bare.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await bare.setInputFiles("#file", IMAGE);
+  await bare.waitForSelector("#canvas[data-image]");
+  await bare.fill("#question", "Is there cardiomegaly?");
+  await bare.click("#ask");
+  await bare.waitForSelector("#alert:not([hidden])");
+  const noLlm = await bare.textContent("#alert-text");
+  assert.match(noLlm, /reasoning model is unavailable/);
+  assert.match(noLlm, /--llm/);
+  await shot(bare, "07-no-llm.png");
+  await bare.close();
 
   assert.deepEqual(errors, [], "browser errors");
   console.log(`UI TEST PASSED (lungs: ${LUNGS}; screenshots in ${SHOTS})`);

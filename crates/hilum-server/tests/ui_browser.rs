@@ -91,6 +91,9 @@ async fn workstation_ui_in_headless_chromium() {
     });
     let srv = start(cfg).await;
     let tok = token(&srv.state, "radiologist");
+    // The same service without a reasoning model, for the error the UI must explain.
+    let bare = start(config(&dir.path().join("bare.db"), None)).await;
+    let bare_tok = token(&bare.state, "radiologist");
     let shots = repo().join("target/ui-screenshots");
     std::fs::create_dir_all(&shots).expect("create target/ui-screenshots");
 
@@ -110,6 +113,8 @@ async fn workstation_ui_in_headless_chromium() {
             if models.is_some() { "1" } else { "0" },
         )
         .env("HILUM_SCREENSHOTS", &shots)
+        .env("HILUM_NOLLM_URL", bare.url("/"))
+        .env("HILUM_NOLLM_TOKEN", &bare_tok)
         .env("HILUM_CHROMIUM", chromium())
         .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
         .kill_on_drop(true);
@@ -122,6 +127,7 @@ async fn workstation_ui_in_headless_chromium() {
     println!("{stdout}");
     eprintln!("{stderr}");
     srv.stop().await;
+    bare.stop().await;
     assert!(
         out.status.success(),
         "browser test failed ({}):\n{stdout}\n{stderr}",
@@ -136,6 +142,7 @@ async fn workstation_ui_in_headless_chromium() {
         "03-answered.png",
         "04-overlay-off.png",
         "06-dicom-dropped.png",
+        "07-no-llm.png",
     ] {
         let p = shots.join(name);
         let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);

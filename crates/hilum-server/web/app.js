@@ -60,7 +60,15 @@ $("token-form").addEventListener("submit", (e) => {
   e.preventDefault();
   setToken($("token").value);
   clearError();
-  guarded(loadAll);
+  $("token-state").textContent = "Checking…";
+  guarded(async () => {
+    try {
+      await loadAll();
+    } catch (err) {
+      $("token-state").textContent = "Not connected.";
+      throw err;
+    }
+  });
 });
 
 async function loadAll() {
