@@ -503,36 +503,6 @@ impl VoiFn {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn linear_window_saturates_and_is_monotone() {
-        let f = VoiFn::Linear;
-        assert_eq!(f.apply(0.0, 550.0, 1024.0, 1023.0), 0.0);
-        assert_eq!(f.apply(2000.0, 550.0, 1024.0, 1023.0), 1023.0);
-        let mid = f.apply(550.0, 550.0, 1024.0, 1023.0);
-        assert!((mid - 511.5).abs() < 1.0, "{mid}");
-        let mut last = -1.0;
-        for x in 0..1200 {
-            let y = f.apply(x as f64, 550.0, 1024.0, 1023.0);
-            assert!(y >= last);
-            last = y;
-        }
-    }
-
-    #[test]
-    fn bare_dataset_detection_needs_a_plausible_first_element() {
-        assert!(
-            bare_dataset_ts(&[0x08, 0, 0x05, 0, 10, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-                .is_some()
-        );
-        assert!(bare_dataset_ts(b"\x89PNG\r\n\x1a\n").is_none());
-        assert!(bare_dataset_ts(&[0x08, 0, 0x05, 0, 0xff, 0xff, 0xff, 0x7f]).is_none());
-    }
-}
-
 const UNDEFINED: u32 = 0xFFFF_FFFF;
 
 /// Walks the element headers and refuses any defined length longer than the bytes left.
@@ -689,4 +659,34 @@ pub(crate) fn check_lengths(bytes: &[u8], what: &str) -> Result<(), ImagingError
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_window_saturates_and_is_monotone() {
+        let f = VoiFn::Linear;
+        assert_eq!(f.apply(0.0, 550.0, 1024.0, 1023.0), 0.0);
+        assert_eq!(f.apply(2000.0, 550.0, 1024.0, 1023.0), 1023.0);
+        let mid = f.apply(550.0, 550.0, 1024.0, 1023.0);
+        assert!((mid - 511.5).abs() < 1.0, "{mid}");
+        let mut last = -1.0;
+        for x in 0..1200 {
+            let y = f.apply(x as f64, 550.0, 1024.0, 1023.0);
+            assert!(y >= last);
+            last = y;
+        }
+    }
+
+    #[test]
+    fn bare_dataset_detection_needs_a_plausible_first_element() {
+        assert!(
+            bare_dataset_ts(&[0x08, 0, 0x05, 0, 10, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+                .is_some()
+        );
+        assert!(bare_dataset_ts(b"\x89PNG\r\n\x1a\n").is_none());
+        assert!(bare_dataset_ts(&[0x08, 0, 0x05, 0, 0xff, 0xff, 0xff, 0x7f]).is_none());
+    }
 }
