@@ -11,6 +11,11 @@ use crate::registry::check_architecture;
 use crate::{sha256_file, InstallRecord, InstalledModel, ModelError, ModelRegistry};
 
 const KERAS_CONVERTER: &str = include_str!("../../../scripts/convert_keras_h5.py");
+const XRV_CONVERTER: &str = include_str!("../../../scripts/convert_xrv.py");
+const KERAS_NEEDS: &str = "Python 3 with h5py and numpy: run `scripts/setup_onnxruntime.sh` (it \
+    makes scripts/.venv-models) or `pip install -r scripts/requirements-models.txt`";
+const XRV_NEEDS: &str = "Python 3 with torch and torchxrayvision: \
+    `pip install -r scripts/requirements-fixtures.txt`";
 
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
@@ -67,7 +72,29 @@ pub fn import(
         "safetensors" => path.to_path_buf(),
         "keras-h5" => {
             let out = work.path().join("model.safetensors");
-            run_converter(KERAS_CONVERTER, "convert_keras_h5.py", path, &out, opts)?;
+            run_converter(
+                KERAS_CONVERTER,
+                "convert_keras_h5.py",
+                path,
+                &out,
+                &[],
+                KERAS_NEEDS,
+                opts,
+            )?;
+            out
+        }
+        "pytorch" if matches!(manifest.architecture.as_str(), "densenet121" | "resnet50") => {
+            let out = work.path().join("model.safetensors");
+            let arch = ["--arch", manifest.architecture.as_str()];
+            run_converter(
+                XRV_CONVERTER,
+                "convert_xrv.py",
+                path,
+                &out,
+                &arch,
+                XRV_NEEDS,
+                opts,
+            )?;
             out
         }
         other => {
@@ -168,11 +195,14 @@ pub fn python(opts: &ImportOptions) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_converter(
     script: &str,
     name: &str,
     input: &Path,
     output: &Path,
+    extra: &[&str],
+    needs: &str,
     opts: &ImportOptions,
 ) -> Result<(), ModelError> {
     let dir = output.parent().unwrap_or(Path::new("."));
@@ -180,15 +210,14 @@ fn run_converter(
     std::fs::write(&script_path, script).map_err(|e| ModelError::io(&script_path, e))?;
     let py = python(opts);
     let help = format!(
-        "converting needs Python 3 with h5py and numpy: run `scripts/setup_onnxruntime.sh` (it \
-         makes scripts/.venv-models) or `pip install -r scripts/requirements-models.txt`, then set \
-         HILUM_PYTHON to that python (tried `{}`)",
+        "converting needs {needs}, then set HILUM_PYTHON to that python (tried `{}`)",
         py.display()
     );
     let out = Command::new(&py)
         .arg(&script_path)
         .arg(input)
         .arg(output)
+        .args(extra)
         .output()
         .map_err(|e| ModelError::Convert {
             what: input.display().to_string(),
