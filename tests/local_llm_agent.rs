@@ -99,9 +99,6 @@ async fn local_model_calls_image_info_and_quotes_its_numbers() {
         answer.contains(&w.to_string()) || answer.contains(&h.to_string()),
         "the answer does not quote the tool's size {w}x{h}: {answer:?}"
     );
-    // The second round reused the first round's KV cache.
-    let stats = llm.last_stats();
-    assert!(stats.reused_tokens > 200, "{stats:?}");
     assert!(out.messages.iter().any(|m| matches!(
         m,
         Message::Tool {
