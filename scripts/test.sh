@@ -9,18 +9,18 @@ if [ ! -d ../shared/data ]; then
   exit 2
 fi
 
-# Set-up steps contributed by the crates. Each may append KEY=VALUE lines to $HILUM_SETUP_ENV
-# (e.g. ORT_DYLIB_PATH); they are exported for the tests.
-export HILUM_SETUP_ENV
-HILUM_SETUP_ENV=$(mktemp)
-trap 'rm -f "$HILUM_SETUP_ENV"' EXIT
-for step in scripts/setup_*.sh; do
-  [ -e "$step" ] || continue
-  echo "== $step"
-  bash "$step"
+# Set-up steps the tests need. Each prints `export NAME=VALUE` lines for the variables the
+# tests must see (e.g. ORT_DYLIB_PATH); everything else it prints is progress.
+setup_steps=(
+  scripts/setup_onnxruntime.sh   # ONNX Runtime library + h5py for `hilum models import` (PyPI)
+  scripts/setup_mcp_client.sh    # the official MCP Python SDK, a real MCP client (PyPI)
+  scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests
+)
+for step in "${setup_steps[@]}"; do
+  echo "== $step" >&2
+  out=$(bash "$step")
+  printf '%s\n' "$out" | grep -v '^export ' >&2 || true
+  eval "$(printf '%s\n' "$out" | grep '^export ' || true)"
 done
-while IFS='=' read -r key value; do
-  [ -n "$key" ] && export "$key=$value"
-done < "$HILUM_SETUP_ENV"
 
 cargo test --workspace "$@"
