@@ -18,9 +18,9 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
 fi
 
 cd tests/ui
-if [ -f package-lock.json ]; then
+want=$(node -p 'require("./package-lock.json").packages["node_modules/playwright-core"].version')
+have=$(node -p 'try { require("./node_modules/playwright-core/package.json").version } catch { "" }')
+if [ "$want" != "$have" ]; then
     npm ci --no-audit --no-fund
-else
-    npm install --no-audit --no-fund
 fi
 echo "UI test setup done: $(chromium --version 2>/dev/null || echo chromium?) ; node $(node --version)"

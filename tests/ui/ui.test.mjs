@@ -192,6 +192,7 @@ try {
   const noLlm = await bare.textContent("#alert-text");
   assert.match(noLlm, /reasoning model is unavailable/);
   assert.match(noLlm, /--llm/);
+  assert.ok(await bare.isDisabled("#export-fhir"), "nothing to export after a refused question");
   await shot(bare, "07-no-llm.png");
   await bare.close();
 

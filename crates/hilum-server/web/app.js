@@ -444,10 +444,20 @@ $("ask-form").addEventListener("submit", (e) => {
     delete $("run-state").dataset.done;
     const run = newRun(question, [state.imageId]);
     $("question").value = "";
+    let refused = false;
     try {
       await ask(state.sessionId, question, [state.imageId], (ev) => onEvent(run, ev));
+    } catch (err) {
+      refused = !run.runId; // The server said no before a run started: nothing to export.
+      throw err;
     } finally {
-      finishRun(run);
+      if (refused) {
+        run.answerEl.removeAttribute("aria-busy");
+        run.answerEl.textContent = "(not answered: see the message above)";
+        $("run-state").textContent = "";
+      } else {
+        finishRun(run);
+      }
       state.busy = false;
       $("ask").disabled = false;
     }
