@@ -109,6 +109,18 @@ pub(crate) fn bn_affine(bn: &BatchNorm) -> Result<Affine, CpuError> {
 /// Gemm weights (k * k * c_in, c_out) and the bias of a conv with its BatchNorm folded in.
 pub(crate) type Folded = (Vec<f32>, Option<Vec<f32>>);
 
+/// Floats per gathered tile: `HILUM_CPU_TILE_FLOATS` (a tuning knob), default 2^16 (256 KiB).
+fn tile_floats() -> usize {
+    static TILE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILE.get_or_init(|| {
+        std::env::var("HILUM_CPU_TILE_FLOATS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n >= 1024)
+            .unwrap_or(1 << 16)
+    })
+}
+
 /// One convolution with everything fused around it.
 #[derive(Clone, Debug)]
 pub(crate) struct ConvOp {
@@ -175,7 +187,7 @@ impl ConvOp {
         if self.direct() {
             return rows.max(1);
         }
-        ((1usize << 16) / self.kdim())
+        (tile_floats() / self.kdim())
             .clamp(48, 512)
             .min(rows.max(1))
     }
