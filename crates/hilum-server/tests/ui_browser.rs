@@ -26,10 +26,11 @@ fn chromium() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"))
 }
 
-/// The lung model imported into `dir`, if its converter can run here (the .h5 import needs
-/// the Python of scripts/setup_onnxruntime.sh); otherwise the script skips segment_lungs.
-fn lung_models(dir: &Path) -> Option<Arc<ModelPool>> {
-    let reg = ModelRegistry::new(dir).ok()?;
+/// A models dir of its own (so a developer's installed models do not change the test) with
+/// the lung model imported if its converter can run here (the .h5 import needs the Python of
+/// scripts/setup_onnxruntime.sh); without it segment_lungs fails and the UI must say why.
+fn lung_models(dir: &Path) -> (Arc<ModelPool>, bool) {
+    let reg = ModelRegistry::new(dir).expect("models dir in a tempdir");
     let venv = repo().join("scripts/.venv-models/bin/python");
     let python = std::env::var_os("HILUM_PYTHON")
         .map(PathBuf::from)
@@ -39,15 +40,14 @@ fn lung_models(dir: &Path) -> Option<Arc<ModelPool>> {
         python,
         ..Default::default()
     };
-    match hilum_models::import(&reg, "lung-unet", &h5, &opts) {
-        Ok(_) => Some(Arc::new(ModelPool::new(Arc::new(reg)))),
+    let installed = match hilum_models::import(&reg, "lung-unet", &h5, &opts) {
+        Ok(_) => true,
         Err(e) => {
-            eprintln!(
-                "lung model not importable here ({e}); the UI test runs without segment_lungs"
-            );
-            None
+            eprintln!("lung model not importable here ({e}); the UI test expects segment_lungs to fail with the fix");
+            false
         }
-    }
+    };
+    (Arc::new(ModelPool::new(Arc::new(reg))), installed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,16 +62,16 @@ async fn workstation_ui_in_headless_chromium() {
     );
     let image = data_dir().join("cxr/images").join(IMAGE);
     let dir = tempfile::tempdir().expect("tempdir");
-    let models = lung_models(&dir.path().join("models"));
-    let mut round1 = vec![
-        json!({"name": "image_info", "arguments": {"image": "$IMAGE"}}),
+    let (pool, lungs) = lung_models(&dir.path().join("models"));
+    let round1 = json!([
+        {"name": "image_info", "arguments": {"image": "$IMAGE"}},
         // An overlay that exists without any model: a labelled box drawn by `visualize`.
-        json!({"name": "visualize", "arguments": {"image": "$IMAGE", "legend": false,
-            "boxes": [{"x": 100, "y": 100, "w": 300, "h": 200, "label": "test box"}]}}),
-    ];
-    if models.is_some() {
-        round1.push(json!({"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}));
-    }
+        {"name": "visualize", "arguments": {"image": "$IMAGE", "legend": false,
+            "boxes": [{"x": 100, "y": 100, "w": 300, "h": 200, "label": "test box"}]}},
+        {"name": "segment_lungs", "arguments": {"image": "$IMAGE"}},
+        // A failure the timeline must show.
+        {"name": "image_info", "arguments": {"image": "img_does_not_exist"}}
+    ]);
     let answer = "Scripted answer: the image was measured and the overlays are shown.";
     let script = write_script(
         dir.path(),
@@ -81,13 +81,8 @@ async fn workstation_ui_in_headless_chromium() {
         ]),
     );
     let mut cfg = config(&dir.path().join("h.db"), Some(&script));
-    let pool = models.clone();
     cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
-        let mut deps = ToolDeps::new(store);
-        if let Some(p) = &pool {
-            deps = deps.with_models(p.clone());
-        }
-        default_toolbox(&deps)
+        default_toolbox(&ToolDeps::new(store).with_models(pool.clone()))
     });
     let srv = start(cfg).await;
     let tok = token(&srv.state, "radiologist");
@@ -108,10 +103,7 @@ async fn workstation_ui_in_headless_chromium() {
             data_dir().join("cxr/dicom/CR-MONO1-10-chest_noPart10header.dcm"),
         )
         .env("HILUM_ANSWER", answer)
-        .env(
-            "HILUM_EXPECT_LUNGS",
-            if models.is_some() { "1" } else { "0" },
-        )
+        .env("HILUM_EXPECT_LUNGS", if lungs { "1" } else { "0" })
         .env("HILUM_SCREENSHOTS", &shots)
         .env("HILUM_NOLLM_URL", bare.url("/"))
         .env("HILUM_NOLLM_TOKEN", &bare_tok)

@@ -369,10 +369,11 @@ async function onEvent(run, ev) {
       let c = run.callById.get(ev.call_id);
       const r = roundEl(run, ev.round);
       if (!c) {
-        // A replay may lack tool_started (older runs): place the call at its end time.
+        // Calls refused before they start (invalid arguments) have no tool_started.
         const bar = el("span", { class: "bar" });
         const status = el("span");
-        const row = el("div", { class: "call" }, el("code", { text: ev.name }), el("span", { class: "track" }, bar), status);
+        const row = el("div", { class: "call", "data-tool": ev.name },
+          el("code", { text: ev.name }), el("span", { class: "track" }, bar), status);
         r.calls.append(row);
         c = { name: ev.name, round: ev.round, start: ev.t_ms - ev.ms, row, bar, status, artifacts: [] };
         r.items.push(c);
