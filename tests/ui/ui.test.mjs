@@ -125,6 +125,33 @@ try {
   if (LUNGS) assert.ok(overlayNames.includes("lung_mask.png"), `overlays: ${overlayNames}`);
   await shot(page, "03-answered.png");
 
+  // Contrast: every visible text against its nearest opaque background, WCAG AA (4.5:1).
+  const lowContrast = await page.evaluate(() => {
+    const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
+    const lum = ([r, g, b]) => {
+      const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+      return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+    };
+    const bad = [];
+    for (const e of document.querySelectorAll("body *")) {
+      const own = [...e.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+      if (!own || !e.getClientRects().length || e.closest("[hidden]")) continue;
+      let b = e;
+      let bg = null;
+      while (b) {
+        const c = rgb(getComputedStyle(b).backgroundColor);
+        if (c.length === 3 || (c.length === 4 && c[3] === 1)) { bg = c; break; }
+        b = b.parentElement;
+      }
+      const fg = rgb(getComputedStyle(e).color);
+      const [l1, l2] = [lum(fg), lum(bg || [17, 20, 24])].sort((x, y) => y - x);
+      const ratio = (l1 + 0.05) / (l2 + 0.05);
+      if (ratio < 4.5) bad.push(`${e.tagName}.${e.className} "${e.textContent.trim().slice(0, 30)}" ${ratio.toFixed(2)}`);
+    }
+    return bad;
+  });
+  assert.deepEqual(lowContrast, [], "text below 4.5:1 contrast");
+
   // Toggle overlays off with the keyboard: the canvas changes, and back on restores it.
   const withOverlays = await canvasHash(page);
   for (const cb of await page.$$("#overlay-list input")) {
