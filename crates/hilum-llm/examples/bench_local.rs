@@ -68,7 +68,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let Some(call) = turn.tool_calls.first().cloned() else {
         return Err(format!("no tool call in round 1: {:?}", turn.text).into());
     };
-    messages.push(Message::assistant(turn.text.clone(), turn.tool_calls.clone()));
+    messages.push(Message::assistant(
+        turn.text.clone(),
+        turn.tool_calls.clone(),
+    ));
     messages.push(Message::Tool {
         tool_call_id: call.id,
         name: call.name,

@@ -6,7 +6,7 @@
 #![cfg(feature = "local")]
 
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
@@ -47,9 +47,9 @@ fn llm() -> Option<&'static LocalLlm> {
 }
 
 /// Tests that look at `last_stats` or the cache must not interleave.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -225,7 +225,7 @@ fn info_tool() -> ToolSpec {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn constrained_tool_call_is_valid_against_its_schema() {
     let Some(llm) = llm() else { return };
-    let _g = serial();
+    let _g = serial().await;
     let tools = vec![info_tool(), segment_tool()];
     let req = ChatRequest {
         messages: vec![
@@ -236,7 +236,7 @@ async fn constrained_tool_call_is_valid_against_its_schema() {
             ),
         ],
         tools: tools.clone(),
-        max_tokens: Some(80),
+        max_tokens: Some(48),
         ..Default::default()
     };
     let turn = collect_turn(llm.chat(req).await.unwrap(), |_| {})
@@ -272,7 +272,7 @@ async fn constrained_tool_call_is_valid_against_its_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn next_round_reuses_the_cached_prefix_and_answers_the_same() {
     let Some(llm) = llm() else { return };
-    let _g = serial();
+    let _g = serial().await;
     let mut messages = vec![
         Message::system("Answer in one short sentence."),
         Message::user("Name one bone of the chest wall.", vec![]),
@@ -313,7 +313,7 @@ async fn next_round_reuses_the_cached_prefix_and_answers_the_same() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_tokens_and_stop_sequences_end_generation() {
     let Some(llm) = llm() else { return };
-    let _g = serial();
+    let _g = serial().await;
     let msgs = vec![Message::user(
         "Count from 1 to 50, separated by commas.",
         vec![],
@@ -357,7 +357,7 @@ async fn max_tokens_and_stop_sequences_end_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_longer_than_the_context_is_a_clear_error() {
     let Some(llm) = llm() else { return };
-    let _g = serial();
+    let _g = serial().await;
     let huge = "lung ".repeat(3000);
     let err = match llm
         .chat(ChatRequest {

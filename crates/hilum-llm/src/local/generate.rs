@@ -294,7 +294,7 @@ enum Mode {
     Free,
     /// Inside the tool-call section; `body` collects the bytes of the open call.
     Call {
-        matcher: Option<Matcher>,
+        matcher: Option<Box<Matcher>>,
         body: Option<Vec<u8>>,
     },
 }
@@ -432,7 +432,7 @@ fn decode(
         match &mut mode {
             Mode::Free if Some(next) == open => {
                 let mut matcher = match &prep.constraint {
-                    Some(c) => Some(c.matcher()?),
+                    Some(c) => Some(Box::new(c.matcher()?)),
                     None => None,
                 };
                 if let Some(m) = matcher.as_mut() {
@@ -467,7 +467,7 @@ fn decode(
                             m.consume_token(open)
                                 .map_err(|e| LocalError::Grammar(e.to_string()))?;
                             mode = Mode::Call {
-                                matcher: Some(m),
+                                matcher: Some(Box::new(m)),
                                 body: Some(Vec::new()),
                             };
                             generated.push(open);

@@ -68,7 +68,7 @@ impl Config {
             .and_then(|v| v.to_u32())
             .map(|v| v as usize)
             .unwrap_or(n_embd / n_head.max(1));
-        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+        if n_head == 0 || n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) {
             candle_core::bail!(
                 "GGUF has inconsistent head counts ({n_head} heads, {n_kv_head} kv heads)"
             );
