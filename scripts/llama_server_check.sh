@@ -12,7 +12,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-MODELS_DIR="${HILUM_MODELS_DIR:-$HOME/.cache/hilum/models}"
+MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}"
 MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PORT="${PORT:-8089}"
 THREADS="${THREADS:-2}"

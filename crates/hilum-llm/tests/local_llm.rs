@@ -1,7 +1,7 @@
 //! The local GGUF backend on the real Qwen2.5-Coder-0.5B-Instruct model.
 //!
 //! The model (491 MB) is not in the repository: `scripts/fetch_local_llm.sh` puts it under
-//! `$HILUM_MODELS_DIR` (default `~/.cache/hilum/models`); `HILUM_LOCAL_LLM=path.gguf` points at
+//! `$HILUM_MODELS_DIR` (default `~/.local/share/hilum/models`); `HILUM_LOCAL_LLM=path.gguf` points at
 //! another file. Without it these tests print why and pass without checking anything.
 #![cfg(feature = "local")]
 

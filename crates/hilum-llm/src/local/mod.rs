@@ -34,15 +34,20 @@ pub use tokenizer::GgufTokenizer;
 /// File name of the default local model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M) under the models dir.
 pub const DEFAULT_MODEL_FILE: &str = "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
-/// Where Hilum keeps models: `$HILUM_MODELS_DIR`, else `~/.cache/hilum/models`.
+/// Where Hilum keeps models: `$HILUM_MODELS_DIR`, else `<user data dir>/hilum/models`
+/// (`$XDG_DATA_HOME` or `~/.local/share`), the same folder as the model registry's.
 pub fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("HILUM_MODELS_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
-    let home = std::env::var_os("HOME")
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .filter(|d| !d.is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache/hilum/models")
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
+    match data {
+        Some(d) => d.join("hilum/models"),
+        None => PathBuf::from(".hilum/models"),
+    }
 }
 
 /// The installed default local model, if `scripts/fetch_local_llm.sh` has put it in place.
