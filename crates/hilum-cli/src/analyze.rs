@@ -9,22 +9,28 @@ use clap::Args;
 
 use hilum_agent::{Agent, AgentConfig, Environment, Mode, Protocol, RunInput};
 use hilum_imaging::ImageStore;
-use hilum_tools::{default_toolbox, ToolDeps};
+use hilum_tools::default_toolbox;
 
 use crate::config::{load_file, LlmChoice};
 use crate::render;
 
 #[derive(Args)]
-#[command(after_help = "The model gets image ids and tool results, never file names. Pixels are sent \
+#[command(
+    after_help = "The model gets image ids and tool results, never file names. Pixels are sent \
 to a remote model only with --send-pixels.\n\nScript files (--llm script:FILE) are JSON arrays of \
 assistant turns, e.g. [{\"tool_calls\":[{\"name\":\"image_info\",\"arguments\":{\"image\":\"$IMAGE\"}}]},\
-{\"content\":\"The image is 8-bit.\"}]; $IMAGE stands for the first image's id.")]
+{\"content\":\"The image is 8-bit.\"}]; $IMAGE stands for the first image's id."
+)]
 pub struct AnalyzeArgs {
     /// Radiographs: PNG, JPEG (8/16-bit, gray or colour) or DICOM.
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
     /// The question to answer.
-    #[arg(short, long, default_value = "Describe the findings in this chest X-ray.")]
+    #[arg(
+        short,
+        long,
+        default_value = "Describe the findings in this chest X-ray."
+    )]
     pub question: String,
     /// Reasoning model: openai:MODEL (GPT-4o, Azure, vLLM, llama.cpp server, Ollama),
     /// local:PATH.gguf (in-process), or script:FILE. Default: $HILUM_LLM, the config file,
@@ -88,7 +94,7 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         Vec::new()
     };
 
-    let deps = ToolDeps::new(store.clone());
+    let deps = crate::config::tool_deps(store.clone(), file.vlm)?;
     let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
     let a = &file.agent;
     let defaults = AgentConfig::default();
@@ -107,7 +113,10 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
                 None => defaults.mode,
             },
         },
-        max_rounds: args.max_rounds.or(a.max_rounds).unwrap_or(defaults.max_rounds),
+        max_rounds: args
+            .max_rounds
+            .or(a.max_rounds)
+            .unwrap_or(defaults.max_rounds),
         max_tool_calls: args
             .max_tool_calls
             .or(a.max_tool_calls)

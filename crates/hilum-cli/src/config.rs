@@ -60,7 +60,9 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
     match std::fs::read_to_string(&path) {
         Ok(text) => toml::from_str(&text)
             .with_context(|| format!("config file {} is not valid", path.display())),
-        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(FileConfig::default()),
+        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(FileConfig::default())
+        }
         Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
     }
 }
@@ -106,7 +108,11 @@ impl LlmChoice {
             );
         };
         let base_url = flag_base_url
-            .or_else(|| std::env::var("OPENAI_BASE_URL").ok().filter(|s| !s.is_empty()))
+            .or_else(|| {
+                std::env::var("OPENAI_BASE_URL")
+                    .ok()
+                    .filter(|s| !s.is_empty())
+            })
             .or_else(|| file.base_url.clone());
         Ok(LlmChoice {
             spec,
@@ -129,10 +135,12 @@ impl LlmChoice {
     }
 
     pub fn build(&self) -> anyhow::Result<Arc<dyn Llm>> {
-        let (kind, rest) = self
-            .spec
-            .split_once(':')
-            .with_context(|| format!("--llm `{}` must look like openai:MODEL or script:FILE", self.spec))?;
+        let (kind, rest) = self.spec.split_once(':').with_context(|| {
+            format!(
+                "--llm `{}` must look like openai:MODEL or script:FILE",
+                self.spec
+            )
+        })?;
         match kind {
             "script" => Ok(Arc::new(ScriptLlm::from_file(Path::new(rest))?)),
             "local" => {
@@ -168,4 +176,14 @@ impl LlmChoice {
             ),
         }
     }
+}
+
+/// The tools' shared parts, with the config file's `[vlm]` table (environment overrides it).
+pub fn tool_deps(
+    store: Arc<hilum_imaging::ImageStore>,
+    mut vlm: hilum_tools::VlmSettings,
+) -> anyhow::Result<hilum_tools::ToolDeps> {
+    vlm.apply_env(|k| std::env::var(k).ok())
+        .context("the [vlm] settings are not valid")?;
+    Ok(hilum_tools::ToolDeps::new(store).with_vlm(Arc::new(vlm)))
 }

@@ -4,6 +4,7 @@
 //! library crates.
 
 mod analyze;
+mod bench_cmd;
 mod config;
 mod models_cmd;
 mod render;
@@ -43,6 +44,9 @@ enum Commands {
         #[command(subcommand)]
         cmd: models_cmd::ModelsCmd,
     },
+    /// Per-tool latency (p50/p95/p99, images/s, model load, peak RSS) and a parallel round
+    /// against the same calls one after another.
+    Bench(bench_cmd::BenchArgs),
     /// Run the HTTP service (API, streaming, MCP at /mcp); manage its tokens and audit log.
     Serve(serve_cmd::ServeArgs),
     /// Serve every tool over the Model Context Protocol on stdin/stdout.
@@ -56,6 +60,7 @@ async fn main() {
         Commands::Analyze(args) => analyze::run(args).await,
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,
         Commands::Models { cmd } => models_cmd::run(cmd).await,
+        Commands::Bench(args) => bench_cmd::run(args).await,
         Commands::Serve(args) => serve_cmd::run(args).await,
         Commands::Mcp(args) => serve_cmd::run_mcp(args).await,
     };

@@ -22,8 +22,10 @@ pub enum ToolsCmd {
         json: bool,
     },
     /// Call one tool and print its JSON output. Exits non-zero when the call fails.
-    #[command(after_help = "Example: hilum tools call image_info --image chest.png\n\
---image ingests the file and fills the tool's image argument with its id when --args leaves it out.")]
+    #[command(
+        after_help = "Example: hilum tools call image_info --image chest.png\n\
+--image ingests the file and fills the tool's image argument with its id when --args leaves it out."
+    )]
     Call {
         /// Tool name, as in `hilum tools list`.
         name: String,
@@ -112,7 +114,7 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
 
 /// Puts the ingested image ids into the tool's image arguments that `--args` left out:
 /// a string property named like `image` gets the first id, an array one gets all.
-fn fill_image_args(
+pub(crate) fn fill_image_args(
     toolbox: &hilum_agent::Toolbox,
     env: &Environment,
     name: &str,

@@ -9,7 +9,11 @@ fn data(rel: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/data")
         .join(rel);
-    assert!(p.exists(), "missing test data {} (../shared/data beside the checkout)", p.display());
+    assert!(
+        p.exists(),
+        "missing test data {} (../shared/data beside the checkout)",
+        p.display()
+    );
     p
 }
 
@@ -41,14 +45,35 @@ fn analyze_json_streams_events_ending_with_complete() {
         .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
         .output()
         .expect("run hilum");
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).expect("each line is JSON"))
         .collect();
-    let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).filter(|t| *t != "token").collect();
-    assert_eq!(types, ["decision", "tool_started", "tool_finished", "decision", "final", "complete"]);
-    let finished = &events.iter().find(|e| e["type"] == "tool_finished").expect("finished")["data"];
+    let types: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["type"].as_str())
+        .filter(|t| *t != "token")
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "decision",
+            "tool_started",
+            "tool_finished",
+            "decision",
+            "final",
+            "complete"
+        ]
+    );
+    let finished = &events
+        .iter()
+        .find(|e| e["type"] == "tool_finished")
+        .expect("finished")["data"];
     assert_eq!(finished["width"], 512, "images.csv says 512x512");
     assert_eq!(finished["height"], 512);
     assert!(finished["image"].as_str().unwrap_or("").starts_with("img_"));
@@ -64,7 +89,11 @@ fn tools_call_fills_the_image_argument() {
         .arg(data("cxr/images/kermany_IM-0025-0001_normal.jpeg"))
         .output()
         .expect("run hilum");
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
     assert_eq!(v["tool"], "image_info");
     assert!(v["data"]["width"].as_u64().unwrap_or(0) > 500);
@@ -74,15 +103,30 @@ fn tools_call_fills_the_image_argument() {
 #[test]
 fn failing_tool_call_exits_non_zero_with_the_reason() {
     let out = hilum()
-        .args(["tools", "call", "image_info", "--args", r#"{"image": "img_000000000000"}"#])
+        .args([
+            "tools",
+            "call",
+            "image_info",
+            "--args",
+            r#"{"image": "img_000000000000"}"#,
+        ])
         .output()
         .expect("run hilum");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no image with id") && err.contains("tool_error"), "{err}");
+    assert!(
+        err.contains("no image with id") && err.contains("tool_error"),
+        "{err}"
+    );
 
     let out = hilum()
-        .args(["tools", "call", "image_info", "--args", r#"{"image": "../../etc/passwd"}"#])
+        .args([
+            "tools",
+            "call",
+            "image_info",
+            "--args",
+            r#"{"image": "../../etc/passwd"}"#,
+        ])
         .output()
         .expect("run hilum");
     assert!(!out.status.success());
@@ -103,9 +147,59 @@ fn analyze_without_a_model_says_how_to_configure_one() {
 
 #[test]
 fn tools_list_json_has_schemas() {
-    let out = hilum().args(["tools", "list", "--json"]).output().expect("run hilum");
+    let out = hilum()
+        .args(["tools", "list", "--json"])
+        .output()
+        .expect("run hilum");
     assert!(out.status.success());
     let v: Vec<Value> = serde_json::from_slice(&out.stdout).expect("JSON");
-    let info = v.iter().find(|t| t["name"] == "image_info").expect("image_info listed");
+    let info = v
+        .iter()
+        .find(|t| t["name"] == "image_info")
+        .expect("image_info listed");
     assert_eq!(info["parameters"]["required"][0], "image");
+}
+
+#[test]
+fn bench_reports_percentiles_and_the_parallel_round() {
+    let out = hilum()
+        .args([
+            "bench",
+            "--json",
+            "-n",
+            "3",
+            "--warmup",
+            "0",
+            "--tool",
+            "image_info",
+            "--tool",
+            "visualize",
+            "--tool",
+            "dicom_info",
+            "--image",
+        ])
+        .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .output()
+        .expect("run hilum");
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let tools = v["tools"].as_array().expect("tools");
+    assert_eq!(tools.len(), 3);
+    assert_eq!(tools[0]["tool"], "image_info");
+    assert_eq!(tools[0]["iterations"], 3);
+    assert!(tools[0]["p50_ms"].as_f64().unwrap_or(-1.0) > 0.0);
+    assert!(tools[0]["p99_ms"].as_f64() >= tools[0]["p50_ms"].as_f64());
+    // A PNG has no DICOM metadata: that tool is reported as failed, the others still run.
+    assert_eq!(tools[2]["ok"], false);
+    assert!(tools[2]["error"]
+        .as_str()
+        .unwrap_or("")
+        .contains("not DICOM"));
+    assert_eq!(v["round"]["calls"], 2);
+    assert!(v["round"]["parallel_ms"].as_f64().unwrap_or(0.0) > 0.0);
+    assert!(v["peak_rss_mib"].as_f64().unwrap_or(0.0) > 1.0);
 }

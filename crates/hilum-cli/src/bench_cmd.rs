@@ -1,0 +1,351 @@
+//! `hilum bench`: per-tool latency on real images, and one round of parallel calls against
+//! the same calls one after another.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::{json, Value};
+
+use hilum_agent::{
+    Agent, AgentConfig, Environment, Event, RunInput, ToolCall, ToolContext, Toolbox,
+};
+use hilum_imaging::ImageStore;
+use hilum_llm::script::{ScriptCall, ScriptTurn};
+use hilum_llm::ScriptLlm;
+use hilum_tools::default_toolbox;
+
+use crate::tools_cmd::fill_image_args;
+
+#[derive(Args)]
+#[command(after_help = "Examples:\n  hilum bench --image chest.png\n  \
+hilum bench --image chest.png --tool segment_lungs --tool classify_chest_xray -n 20 --json\n  \
+hilum bench --image chest.png --tool localize_finding --args 'localize_finding={\"pathology\":\"Effusion\"}'\n\n\
+The first call of each tool includes loading its model (reported as first_ms); the timed calls \
+follow the warm-up calls. Tools that need arguments besides the image are skipped unless --args \
+gives them. Tools whose model is not installed are listed with the error.")]
+pub struct BenchArgs {
+    /// Image file(s) to run the tools on; calls cycle over them.
+    #[arg(long, required = true)]
+    pub image: Vec<PathBuf>,
+    /// Tools to time (default: every tool that needs only an image).
+    #[arg(long)]
+    pub tool: Vec<String>,
+    /// Extra arguments for a tool: NAME=JSON (merged with the image argument).
+    #[arg(long)]
+    pub args: Vec<String>,
+    /// Timed calls per tool.
+    #[arg(short = 'n', long, default_value_t = 10)]
+    pub iterations: usize,
+    /// Untimed calls per tool after the first.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Skip the round benchmark (parallel round vs serial calls).
+    #[arg(long)]
+    pub no_round: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct ToolResult {
+    name: String,
+    first_ms: f64,
+    times: Vec<f64>,
+    error: Option<String>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() as f64 - 1.0)).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// Peak resident memory of this process (Linux), in MiB.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+async fn call(
+    toolbox: &Toolbox,
+    env: &Environment,
+    name: &str,
+    args: &Value,
+) -> Result<f64, String> {
+    let started = Instant::now();
+    let r = toolbox
+        .execute(
+            &ToolCall::new("bench", name, args),
+            env,
+            ToolContext::default(),
+            Duration::from_secs(600),
+        )
+        .await;
+    match r.result {
+        Ok(_) => Ok(started.elapsed().as_secs_f64() * 1e3),
+        Err(f) => Err(f.message),
+    }
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let store = Arc::new(ImageStore::default());
+    let mut ids = Vec::new();
+    for p in &args.image {
+        ids.push(
+            store
+                .ingest_file(p)
+                .with_context(|| format!("cannot use {}", p.display()))?,
+        );
+    }
+    let deps = hilum_tools::ToolDeps::new(store.clone());
+    let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
+    let env = Environment::default();
+
+    let mut extra = std::collections::HashMap::new();
+    for a in &args.args {
+        let (name, json) = a
+            .split_once('=')
+            .with_context(|| format!("--args `{a}` must look like NAME=JSON"))?;
+        let v: Value =
+            serde_json::from_str(json).with_context(|| format!("--args for {name} is not JSON"))?;
+        extra.insert(name.to_string(), v);
+    }
+    let specs = toolbox.specs(&env);
+    let names: Vec<String> = if args.tool.is_empty() {
+        specs
+            .iter()
+            .filter(|s| {
+                let required: Vec<&str> = s.parameters["required"]
+                    .as_array()
+                    .map(|r| r.iter().filter_map(Value::as_str).collect())
+                    .unwrap_or_default();
+                extra.contains_key(&s.name) || required.iter().all(|r| r.starts_with("image"))
+            })
+            .map(|s| s.name.clone())
+            .collect()
+    } else {
+        args.tool.clone()
+    };
+
+    let mut results = Vec::new();
+    for name in &names {
+        if !args.json {
+            eprintln!("timing {name} …");
+        }
+        let mut per_image = Vec::new();
+        for id in &ids {
+            let mut a = extra.get(name).cloned().unwrap_or_else(|| json!({}));
+            fill_image_args(&toolbox, &env, name, &mut a, std::slice::from_ref(id))?;
+            per_image.push(a);
+        }
+        let mut res = ToolResult {
+            name: name.clone(),
+            first_ms: f64::NAN,
+            times: Vec::new(),
+            error: None,
+        };
+        match call(&toolbox, &env, name, &per_image[0]).await {
+            Err(e) => res.error = Some(e),
+            Ok(ms) => {
+                res.first_ms = ms;
+                for i in 0..args.warmup {
+                    let _ = call(&toolbox, &env, name, &per_image[i % per_image.len()]).await;
+                }
+                for i in 0..args.iterations {
+                    match call(&toolbox, &env, name, &per_image[i % per_image.len()]).await {
+                        Ok(ms) => res.times.push(ms),
+                        Err(e) => {
+                            res.error = Some(e);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        results.push(res);
+    }
+
+    let ok: Vec<&ToolResult> = results.iter().filter(|r| r.error.is_none()).collect();
+    let round = if args.no_round || ok.len() < 2 {
+        None
+    } else {
+        Some(round_bench(toolbox.clone(), &ids[0], &ok, &extra).await?)
+    };
+
+    let rows: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            let mut t = r.times.clone();
+            t.sort_by(|a, b| a.total_cmp(b));
+            let mean = if t.is_empty() {
+                f64::NAN
+            } else {
+                t.iter().sum::<f64>() / t.len() as f64
+            };
+            json!({
+                "tool": r.name,
+                "ok": r.error.is_none(),
+                "error": r.error,
+                "first_ms": finite(r.first_ms),
+                "iterations": t.len(),
+                "p50_ms": finite(percentile(&t, 50.0)),
+                "p95_ms": finite(percentile(&t, 95.0)),
+                "p99_ms": finite(percentile(&t, 99.0)),
+                "mean_ms": finite(mean),
+                "images_per_s": finite(1e3 / mean),
+                "load_ms_estimate": finite(r.first_ms - percentile(&t, 50.0)),
+            })
+        })
+        .collect();
+    let report = json!({
+        "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "images": ids,
+        "tools": rows,
+        "round": round,
+        "peak_rss_mib": peak_rss_mib(),
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>8}  note",
+        "tool", "first ms", "p50 ms", "p95 ms", "p99 ms", "img/s"
+    );
+    for r in &rows {
+        let f = |k: &str| {
+            r[k].as_f64()
+                .map(|v| format!("{v:.1}"))
+                .unwrap_or_else(|| "-".into())
+        };
+        let note = r["error"]
+            .as_str()
+            .map(|e| e.chars().take(90).collect::<String>())
+            .unwrap_or_default();
+        println!(
+            "{:<24} {:>9} {:>9} {:>9} {:>9} {:>8}  {}",
+            r["tool"].as_str().unwrap_or(""),
+            f("first_ms"),
+            f("p50_ms"),
+            f("p95_ms"),
+            f("p99_ms"),
+            f("images_per_s"),
+            note
+        );
+    }
+    if let Some(r) = &report["round"].as_object() {
+        println!(
+            "\nround of {} calls: parallel {:.1} ms, serial {:.1} ms, serial/parallel {:.2}x",
+            r["calls"],
+            r["parallel_ms"].as_f64().unwrap_or(0.0),
+            r["serial_ms"].as_f64().unwrap_or(0.0),
+            r["speedup"].as_f64().unwrap_or(0.0)
+        );
+    }
+    if let Some(rss) = peak_rss_mib() {
+        println!("peak RSS {rss:.0} MiB");
+    }
+    Ok(())
+}
+
+fn finite(v: f64) -> Value {
+    if v.is_finite() {
+        json!((v * 100.0).round() / 100.0)
+    } else {
+        Value::Null
+    }
+}
+
+/// The same tool calls through the agent loop: all in one round, then one per round.
+/// Reports the tool time of each (model time excluded: the script backend answers at once).
+async fn round_bench(
+    toolbox: Arc<Toolbox>,
+    image: &str,
+    tools: &[&ToolResult],
+    extra: &std::collections::HashMap<String, Value>,
+) -> anyhow::Result<Value> {
+    let calls: Vec<ScriptCall> = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mut a = extra.get(&t.name).cloned().unwrap_or_else(|| json!({}));
+            if let Some(o) = a.as_object_mut() {
+                o.insert("image".into(), json!("$IMAGE"));
+            }
+            ScriptCall {
+                id: Some(format!("c{i}")),
+                name: t.name.clone(),
+                arguments: a,
+            }
+        })
+        .collect();
+    let answer = ScriptTurn {
+        content: "done".into(),
+        tool_calls: vec![],
+        error: None,
+    };
+    let parallel = vec![
+        ScriptTurn {
+            content: String::new(),
+            tool_calls: calls.clone(),
+            error: None,
+        },
+        answer.clone(),
+    ];
+    let mut serial: Vec<ScriptTurn> = calls
+        .iter()
+        .map(|c| ScriptTurn {
+            content: String::new(),
+            tool_calls: vec![c.clone()],
+            error: None,
+        })
+        .collect();
+    serial.push(answer);
+    let mut tool_ms = Vec::new();
+    for turns in [parallel, serial] {
+        let agent = Agent::new(
+            Arc::new(ScriptLlm::new(turns)),
+            toolbox.clone(),
+            Environment::default(),
+            AgentConfig {
+                max_rounds: calls.len() + 1,
+                ..Default::default()
+            },
+        );
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let out = agent
+            .run(
+                RunInput {
+                    question: "bench".into(),
+                    images: vec![image.to_string()],
+                    ..Default::default()
+                },
+                Some(tx),
+            )
+            .await;
+        if let Some(e) = out.error {
+            anyhow::bail!("round benchmark failed: {e}");
+        }
+        let mut ms = 0.0;
+        while let Ok(ev) = rx.try_recv() {
+            if let Event::Complete { tool_ms, .. } = ev.event {
+                ms = tool_ms;
+            }
+        }
+        tool_ms.push(ms);
+    }
+    Ok(json!({
+        "calls": calls.len(),
+        "tools": calls.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
+        "parallel_ms": (tool_ms[0] * 10.0).round() / 10.0,
+        "serial_ms": (tool_ms[1] * 10.0).round() / 10.0,
+        "speedup": ((tool_ms[1] / tool_ms[0].max(1e-9)) * 100.0).round() / 100.0,
+    }))
+}
