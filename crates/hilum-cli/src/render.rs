@@ -14,11 +14,20 @@ use hilum_imaging::ImageStore;
 use hilum_llm::ImagePayload;
 
 /// Writes each event as one JSON line. Returns whether the run completed without error.
-pub async fn ndjson(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> anyhow::Result<bool> {
+pub async fn ndjson(
+    mut rx: UnboundedReceiver<RunEvent>,
+    out: Option<&Path>,
+) -> anyhow::Result<bool> {
     let mut ok = false;
     let stdout = std::io::stdout();
     while let Some(ev) = rx.recv().await {
-        if let (Some(dir), Event::ToolFinished { call_id, artifacts, .. }) = (out, &ev.event) {
+        if let (
+            Some(dir),
+            Event::ToolFinished {
+                call_id, artifacts, ..
+            },
+        ) = (out, &ev.event)
+        {
             write_artifacts(dir, call_id, artifacts)?;
         }
         if let Event::Complete { ok: done, .. } = &ev.event {
@@ -137,7 +146,11 @@ fn finish(multi: &MultiProgress, bar: Option<ProgressBar>, line: String) {
 }
 
 /// Writes artifacts as `DIR/<call id>_<name>` and returns their paths.
-pub fn write_artifacts(dir: &Path, call_id: &str, artifacts: &[Artifact]) -> anyhow::Result<Vec<String>> {
+pub fn write_artifacts(
+    dir: &Path,
+    call_id: &str,
+    artifacts: &[Artifact],
+) -> anyhow::Result<Vec<String>> {
     if artifacts.is_empty() {
         return Ok(vec![]);
     }
@@ -150,7 +163,8 @@ pub fn write_artifacts(dir: &Path, call_id: &str, artifacts: &[Artifact]) -> any
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_else(|| "artifact".into());
         let path = dir.join(format!("{call_id}_{name}"));
-        std::fs::write(&path, &a.bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(&path, &a.bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
         paths.push(path.display().to_string());
     }
     Ok(paths)
