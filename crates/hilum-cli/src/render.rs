@@ -59,7 +59,7 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
             } => {
                 if !tool_calls.is_empty() {
                     let names: Vec<&str> = tool_calls.iter().map(|c| c.name.as_str()).collect();
-                    let _ = multi.println(format!(
+                    say(&multi, format!(
                         "round {round} ({phase}, model {llm_ms:.0} ms): {} tool call(s) in parallel: {}",
                         names.len(),
                         names.join(", ")
@@ -107,10 +107,12 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                 } else {
                     format!(" (stopped by {reason}; answered from the results so far)")
                 };
-                let _ = multi.println(format!("\nAnswer{note}:\n{answer}"));
+                // The answer goes to stdout, so `hilum analyze … > answer.txt` keeps it.
+                let _ = multi.clear();
+                println!("\nAnswer{note}:\n{answer}");
             }
             Event::Error { message } => {
-                let _ = multi.println(format!("error: {message}"));
+                say(&multi, format!("error: {message}"));
             }
             Event::Complete {
                 ok: done,
@@ -122,7 +124,7 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                 ..
             } => {
                 ok = done;
-                let _ = multi.println(format!(
+                say(&multi, format!(
                     "\n{rounds} round(s), {tool_calls} tool call(s), {total_ms:.0} ms (model {llm_ms:.0} ms, tools {tool_ms:.0} ms)"
                 ));
             }
@@ -132,15 +134,25 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
     Ok(ok)
 }
 
+/// Prints a line above the spinners on a terminal; plain lines when stderr is redirected
+/// (indicatif draws nothing there, and the answer must not be lost).
+fn say(multi: &MultiProgress, line: String) {
+    if multi.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        let _ = multi.println(line);
+    }
+}
+
 fn finish(multi: &MultiProgress, bar: Option<ProgressBar>, line: String) {
     match bar {
         Some(bar) => {
             bar.finish_and_clear();
             multi.remove(&bar);
-            let _ = multi.println(line);
+            say(&multi, line);
         }
         None => {
-            let _ = multi.println(line);
+            say(&multi, line);
         }
     }
 }
