@@ -51,17 +51,45 @@ async fn failing_calls_keep_other_results_and_call_order() {
     assert_eq!(ids, ["c1", "c2", "c3", "c4", "c5", "c6"]);
 
     assert!(!tools[0].2 && tools[0].1.contains("fast saw x=1"));
-    assert!(tools[1].2 && tools[1].1.starts_with("ERROR (unknown_tool)"), "{}", tools[1].1);
-    assert!(tools[1].1.contains("Available tools: fast"), "{}", tools[1].1);
-    assert!(tools[2].1.starts_with("ERROR (invalid_arguments)"), "{}", tools[2].1);
-    assert!(tools[2].1.contains("/x"), "names the bad field: {}", tools[2].1);
+    assert!(
+        tools[1].2 && tools[1].1.starts_with("ERROR (unknown_tool)"),
+        "{}",
+        tools[1].1
+    );
+    assert!(
+        tools[1].1.contains("Available tools: fast"),
+        "{}",
+        tools[1].1
+    );
+    assert!(
+        tools[2].1.starts_with("ERROR (invalid_arguments)"),
+        "{}",
+        tools[2].1
+    );
+    assert!(
+        tools[2].1.contains("/x"),
+        "names the bad field: {}",
+        tools[2].1
+    );
     assert!(tools[3].1.starts_with("ERROR (panic)"), "{}", tools[3].1);
     assert!(tools[3].1.contains("boom in crash"), "{}", tools[3].1);
-    assert!(tools[4].1.starts_with("ERROR (tool_error)"), "{}", tools[4].1);
-    assert!(tools[4].1.contains("x=7 cannot be processed"), "{}", tools[4].1);
+    assert!(
+        tools[4].1.starts_with("ERROR (tool_error)"),
+        "{}",
+        tools[4].1
+    );
+    assert!(
+        tools[4].1.contains("x=7 cannot be processed"),
+        "{}",
+        tools[4].1
+    );
     // Almost-valid JSON is repaired, run, and the model is told.
     assert!(!tools[5].2, "{}", tools[5].1);
-    assert!(tools[5].1.contains("x=21") && tools[5].1.contains("repaired"), "{}", tools[5].1);
+    assert!(
+        tools[5].1.contains("x=21") && tools[5].1.contains("repaired"),
+        "{}",
+        tools[5].1
+    );
 
     let kinds: Vec<String> = events
         .iter()
@@ -70,7 +98,10 @@ async fn failing_calls_keep_other_results_and_call_order() {
             _ => None,
         })
         .collect();
-    assert_eq!(kinds, ["unknown_tool", "invalid_arguments", "panic", "tool_error"]);
+    assert_eq!(
+        kinds,
+        ["unknown_tool", "invalid_arguments", "panic", "tool_error"]
+    );
 }
 
 #[tokio::test]
@@ -88,10 +119,17 @@ async fn slow_call_times_out_and_others_finish() {
     };
     let started = std::time::Instant::now();
     let (out, _) = run(llm, config, "q").await;
-    assert!(started.elapsed() < Duration::from_secs(10), "the hanging tool was not stopped");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the hanging tool was not stopped"
+    );
     let tools = tool_messages(&out.messages);
     assert!(tools[0].1.starts_with("ERROR (timeout)"), "{}", tools[0].1);
-    assert!(tools[0].1.contains("0.1 s") || tools[0].1.contains("0.2 s"), "{}", tools[0].1);
+    assert!(
+        tools[0].1.contains("0.1 s") || tools[0].1.contains("0.2 s"),
+        "{}",
+        tools[0].1
+    );
     assert!(tools[1].1.contains("fast saw x=2"));
     assert_eq!(out.answer.as_deref(), Some("answer"));
 }
@@ -169,7 +207,10 @@ async fn deadline_stops_tools_and_still_answers() {
     assert_eq!(out.reason, StopReason::Deadline);
     let tools = tool_messages(&out.messages);
     assert!(tools[0].1.starts_with("ERROR (timeout)"), "{}", tools[0].1);
-    assert_eq!(out.answer.as_deref(), Some("Could not finish the analysis in time."));
+    assert_eq!(
+        out.answer.as_deref(),
+        Some("Could not finish the analysis in time.")
+    );
 }
 
 #[tokio::test]
@@ -206,13 +247,29 @@ async fn react_protocol_runs_parallel_actions_and_reports_malformed_blocks() {
     let problem = out
         .messages
         .iter()
-        .find(|m| m.text().starts_with("Observation: your last turn could not be read"))
+        .find(|m| {
+            m.text()
+                .starts_with("Observation: your last turn could not be read")
+        })
         .expect("malformed block reported");
-    assert!(problem.text().contains("Action Input"), "{}", problem.text());
+    assert!(
+        problem.text().contains("Action Input"),
+        "{}",
+        problem.text()
+    );
     let types = event_types(&events);
     assert_eq!(
         types,
-        ["decision", "tool_started", "tool_started", "tool_finished", "tool_finished", "decision", "final", "complete"]
+        [
+            "decision",
+            "tool_started",
+            "tool_started",
+            "tool_finished",
+            "tool_finished",
+            "decision",
+            "final",
+            "complete"
+        ]
     );
 }
 
@@ -232,7 +289,10 @@ async fn reflexion_critiques_then_revises_with_more_tools() {
         ..Default::default()
     };
     let (out, events) = run(llm.clone(), config, "q").await;
-    assert_eq!(out.answer.as_deref(), Some("x is 1 [call_1]; doubled 2 is 4 [call_2]."));
+    assert_eq!(
+        out.answer.as_deref(),
+        Some("x is 1 [call_1]; doubled 2 is 4 [call_2].")
+    );
     assert_eq!(llm.calls(), 5);
     assert_eq!(out.tool_calls, 2);
     let phases: Vec<String> = events
@@ -269,5 +329,7 @@ async fn events_carry_timings_and_serialize_as_ndjson() {
     assert_eq!(v["type"], "complete");
     assert_eq!(v["ok"], true);
     assert!(v["tool_ms"].as_f64().unwrap_or(0.0) >= 290.0);
-    assert!(events.iter().any(|e| matches!(&e.event, Event::Token { text } if text.contains("Checking"))));
+    assert!(events
+        .iter()
+        .any(|e| matches!(&e.event, Event::Token { text } if text.contains("Checking"))));
 }

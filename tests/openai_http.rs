@@ -22,7 +22,10 @@ use serde_json::{json, Value};
 #[derive(Clone)]
 enum Reply {
     /// SSE chunks (JSON payloads), then `[DONE]` when `done`; the connection closes after.
-    Stream { chunks: Vec<Value>, done: bool },
+    Stream {
+        chunks: Vec<Value>,
+        done: bool,
+    },
     Status(u16, &'static str),
     /// A raw event-stream body, sent as is.
     Raw(&'static str),
@@ -80,7 +83,9 @@ async fn start(replies: Vec<Reply>) -> (Server, String) {
     let app = Router::new()
         .route("/v1/chat/completions", post(completions))
         .with_state(server.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move { axum::serve(listener, app).await });
     (server, format!("http://{addr}/v1"))
@@ -116,7 +121,11 @@ fn text(t: &str) -> Value {
 
 fn answer(t: &str) -> Reply {
     Reply::Stream {
-        chunks: vec![text(t), finish("stop"), json!({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 5}})],
+        chunks: vec![
+            text(t),
+            finish("stop"),
+            json!({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 5}}),
+        ],
         done: true,
     }
 }
@@ -144,14 +153,25 @@ async fn three_parallel_calls_overlap_and_return_their_ids() {
     assert_eq!(requests.len(), 2);
     assert_eq!(requests[0]["model"], "test-model");
     assert_eq!(requests[0]["stream"], true);
-    assert!(requests[0]["tools"].as_array().is_some_and(|t| t.len() == 7));
+    assert!(requests[0]["tools"]
+        .as_array()
+        .is_some_and(|t| t.len() == 7));
     let msgs = requests[1]["messages"].as_array().expect("messages");
-    let assistant = msgs.iter().find(|m| m["role"] == "assistant").expect("assistant turn");
+    let assistant = msgs
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .expect("assistant turn");
     assert_eq!(assistant["tool_calls"].as_array().map(Vec::len), Some(3));
     let tool_msgs: Vec<&Value> = msgs.iter().filter(|m| m["role"] == "tool").collect();
-    let ids: Vec<&str> = tool_msgs.iter().filter_map(|m| m["tool_call_id"].as_str()).collect();
+    let ids: Vec<&str> = tool_msgs
+        .iter()
+        .filter_map(|m| m["tool_call_id"].as_str())
+        .collect();
     assert_eq!(ids, ["call_a", "call_b", "call_c"]);
-    assert!(tool_msgs[1]["content"].as_str().unwrap_or("").contains("slow_b saw x=2"));
+    assert!(tool_msgs[1]["content"]
+        .as_str()
+        .unwrap_or("")
+        .contains("slow_b saw x=2"));
 
     // The calls overlapped: three 300 ms tools in one round take well under their 900 ms sum.
     let (mut first_start, mut last_end) = (f64::MAX, 0.0f64);
@@ -163,8 +183,14 @@ async fn three_parallel_calls_overlap_and_return_their_ids() {
         }
     }
     let round_ms = last_end - first_start;
-    assert!(round_ms >= 290.0, "round took {round_ms} ms: tools did not run?");
-    assert!(round_ms < 600.0, "round took {round_ms} ms: calls did not overlap");
+    assert!(
+        round_ms >= 290.0,
+        "round took {round_ms} ms: tools did not run?"
+    );
+    assert!(
+        round_ms < 600.0,
+        "round took {round_ms} ms: calls did not overlap"
+    );
 }
 
 #[tokio::test]
@@ -185,8 +211,15 @@ async fn retries_run_out_with_the_servers_message() {
     let (server, url) = start(vec![Reply::Status(500, "down for maintenance"); 4]).await;
     let (out, _) = run(llm(&url), AgentConfig::default(), "q").await;
     let err = out.error.expect("error");
-    assert!(err.contains("HTTP 500") && err.contains("down for maintenance"), "{err}");
-    assert_eq!(server.requests.lock().expect("lock").len(), 4, "1 try + 3 retries");
+    assert!(
+        err.contains("HTTP 500") && err.contains("down for maintenance"),
+        "{err}"
+    );
+    assert_eq!(
+        server.requests.lock().expect("lock").len(),
+        4,
+        "1 try + 3 retries"
+    );
 }
 
 #[tokio::test]
@@ -199,8 +232,13 @@ async fn stream_cut_mid_tool_call_runs_no_tool() {
     let (out, events) = run(llm(&url), AgentConfig::default(), "q").await;
     assert_eq!(out.reason, StopReason::Error);
     let err = out.error.expect("error");
-    assert!(err.contains("ended early") && err.contains("tool call"), "{err}");
-    assert!(!events.iter().any(|e| matches!(e.event, Event::ToolStarted { .. })));
+    assert!(
+        err.contains("ended early") && err.contains("tool call"),
+        "{err}"
+    );
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e.event, Event::ToolStarted { .. })));
 }
 
 #[tokio::test]
@@ -218,13 +256,23 @@ async fn client_errors_are_clear_and_not_retried() {
 
 #[tokio::test]
 async fn malformed_stream_is_a_bad_response() {
-    let (_, url) = start(vec![Reply::Raw("data: {\"choices\": [{\"delta\": {\"content\": \"hi\"}}]}\n\ndata: {not json\n\n")]).await;
+    let (_, url) = start(vec![Reply::Raw(
+        "data: {\"choices\": [{\"delta\": {\"content\": \"hi\"}}]}\n\ndata: {not json\n\n",
+    )])
+    .await;
     let (out, _) = run(llm(&url), AgentConfig::default(), "q").await;
     let err = out.error.expect("error");
-    assert!(err.contains("malformed") && err.contains("not JSON"), "{err}");
+    assert!(
+        err.contains("malformed") && err.contains("not JSON"),
+        "{err}"
+    );
 
     // A stream that closes before any finish is cut, not an empty answer.
-    let (_, url) = start(vec![Reply::Stream { chunks: vec![text("partial")], done: false }]).await;
+    let (_, url) = start(vec![Reply::Stream {
+        chunks: vec![text("partial")],
+        done: false,
+    }])
+    .await;
     let (out, _) = run(llm(&url), AgentConfig::default(), "q").await;
     assert!(out.error.unwrap_or_default().contains("ended early"));
 }
@@ -247,5 +295,8 @@ async fn unreachable_endpoint_says_so() {
     );
     let (out, _) = run(client, AgentConfig::default(), "q").await;
     let err = out.error.expect("error");
-    assert!(err.contains("could not reach") && err.contains(&port.to_string()), "{err}");
+    assert!(
+        err.contains("could not reach") && err.contains(&port.to_string()),
+        "{err}"
+    );
 }

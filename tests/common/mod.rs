@@ -58,7 +58,9 @@ impl Tool for TestTool {
                 ))
             }
             Behaviour::Panic => panic!("boom in {}", self.spec.name),
-            Behaviour::Fail => Err(ToolError::Unprocessable(format!("x={x} cannot be processed"))),
+            Behaviour::Fail => Err(ToolError::Unprocessable(format!(
+                "x={x} cannot be processed"
+            ))),
         }
     }
 }

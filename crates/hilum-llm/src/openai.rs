@@ -58,16 +58,15 @@ impl OpenAiLlm {
     }
 
     fn url(&self) -> String {
-        format!("{}/chat/completions", self.config.base_url.trim_end_matches('/'))
+        format!(
+            "{}/chat/completions",
+            self.config.base_url.trim_end_matches('/')
+        )
     }
 
     /// The request body in the chat-completions format.
     pub fn body(&self, req: &ChatRequest) -> Value {
-        let messages: Vec<Value> = req
-            .messages
-            .iter()
-            .map(|m| message_json(m, req))
-            .collect();
+        let messages: Vec<Value> = req.messages.iter().map(|m| message_json(m, req)).collect();
         let mut body = json!({
             "model": self.config.model,
             "messages": messages,
@@ -98,7 +97,10 @@ impl OpenAiLlm {
         body
     }
 
-    async fn send_once(&self, body: &Value) -> Result<reqwest::Response, (LlmError, Option<Duration>)> {
+    async fn send_once(
+        &self,
+        body: &Value,
+    ) -> Result<reqwest::Response, (LlmError, Option<Duration>)> {
         let mut rb = self
             .http
             .post(self.url())
@@ -212,10 +214,13 @@ fn parse_chunk(
     if data == "[DONE]" {
         return Ok(true);
     }
-    let v: Value = serde_json::from_str(data)
-        .map_err(|e| LlmError::BadResponse(format!("a stream chunk is not JSON ({e}): {}", short(data))))?;
+    let v: Value = serde_json::from_str(data).map_err(|e| {
+        LlmError::BadResponse(format!("a stream chunk is not JSON ({e}): {}", short(data)))
+    })?;
     if let Some(err) = v.get("error") {
-        return Err(LlmError::BadResponse(format!("the server reported an error mid-stream: {err}")));
+        return Err(LlmError::BadResponse(format!(
+            "the server reported an error mid-stream: {err}"
+        )));
     }
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
         *usage = Some(Usage {
@@ -238,9 +243,16 @@ fn parse_chunk(
             for (pos, c) in calls.iter().enumerate() {
                 let f = c.get("function");
                 out.push(ChatDelta::ToolCall {
-                    index: c.get("index").and_then(Value::as_u64).map(|i| i as usize).unwrap_or(pos),
+                    index: c
+                        .get("index")
+                        .and_then(Value::as_u64)
+                        .map(|i| i as usize)
+                        .unwrap_or(pos),
                     id: c.get("id").and_then(Value::as_str).map(str::to_string),
-                    name: f.and_then(|f| f.get("name")).and_then(Value::as_str).map(str::to_string),
+                    name: f
+                        .and_then(|f| f.get("name"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string),
                     arguments: f
                         .and_then(|f| f.get("arguments"))
                         .map(|a| match a {
@@ -314,7 +326,11 @@ impl Llm for OpenAiLlm {
 }
 
 /// Reads the response body into deltas on `tx`.
-async fn pump(resp: reqwest::Response, is_json: bool, tx: mpsc::Sender<Result<ChatDelta, LlmError>>) {
+async fn pump(
+    resp: reqwest::Response,
+    is_json: bool,
+    tx: mpsc::Sender<Result<ChatDelta, LlmError>>,
+) {
     let mut finish = None;
     let mut usage = None;
     let mut out = Vec::new();

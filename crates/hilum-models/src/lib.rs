@@ -9,8 +9,8 @@ mod fetch;
 mod import;
 #[cfg(feature = "onnx")]
 pub mod onnx;
-pub mod pspnet;
 mod pool;
+pub mod pspnet;
 mod registry;
 pub mod resnet;
 pub mod unet;

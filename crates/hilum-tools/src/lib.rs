@@ -76,8 +76,14 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.models.clone(),
     )))?;
-    tb.register(Arc::new(SegmentAnatomy::new(deps.images.clone(), deps.models.clone())))?;
-    tb.register(Arc::new(MeasureChest::new(deps.images.clone(), deps.models.clone())))?;
+    tb.register(Arc::new(SegmentAnatomy::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
+    tb.register(Arc::new(MeasureChest::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
     tb.register(Arc::new(LocalizeFinding::new(
         deps.images.clone(),
         deps.models.clone(),
