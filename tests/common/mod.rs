@@ -24,7 +24,7 @@ pub struct TestTool {
 }
 
 impl TestTool {
-    pub fn new(name: &str, behaviour: Behaviour) -> Arc<dyn Tool> {
+    pub fn shared(name: &str, behaviour: Behaviour) -> Arc<dyn Tool> {
         Arc::new(TestTool {
             spec: ToolSpec {
                 name: name.into(),
@@ -68,13 +68,13 @@ impl Tool for TestTool {
 pub fn toolbox() -> Arc<Toolbox> {
     let mut tb = Toolbox::new();
     for t in [
-        TestTool::new("fast", Behaviour::Sleep(Duration::ZERO)),
-        TestTool::new("slow_a", Behaviour::Sleep(Duration::from_millis(300))),
-        TestTool::new("slow_b", Behaviour::Sleep(Duration::from_millis(300))),
-        TestTool::new("slow_c", Behaviour::Sleep(Duration::from_millis(300))),
-        TestTool::new("hang", Behaviour::Sleep(Duration::from_secs(30))),
-        TestTool::new("crash", Behaviour::Panic),
-        TestTool::new("broken", Behaviour::Fail),
+        TestTool::shared("fast", Behaviour::Sleep(Duration::ZERO)),
+        TestTool::shared("slow_a", Behaviour::Sleep(Duration::from_millis(300))),
+        TestTool::shared("slow_b", Behaviour::Sleep(Duration::from_millis(300))),
+        TestTool::shared("slow_c", Behaviour::Sleep(Duration::from_millis(300))),
+        TestTool::shared("hang", Behaviour::Sleep(Duration::from_secs(30))),
+        TestTool::shared("crash", Behaviour::Panic),
+        TestTool::shared("broken", Behaviour::Fail),
     ] {
         tb.register(t).expect("valid schema");
     }

@@ -149,10 +149,10 @@ fn finish(multi: &MultiProgress, bar: Option<ProgressBar>, line: String) {
         Some(bar) => {
             bar.finish_and_clear();
             multi.remove(&bar);
-            say(&multi, line);
+            say(multi, line);
         }
         None => {
-            say(&multi, line);
+            say(multi, line);
         }
     }
 }
