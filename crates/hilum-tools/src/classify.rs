@@ -9,10 +9,10 @@ use async_trait::async_trait;
 use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::ImageStore;
 use hilum_models::xrv::{Classifier, LabelScore};
-use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::{image_arg, load_image, model_error};
 
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
@@ -64,16 +64,6 @@ impl ClassifyChestXray {
     }
 }
 
-fn model_error(e: ModelError) -> ToolError {
-    match e {
-        ModelError::NotInstalled { id, .. } => ToolError::ModelMissing {
-            fix: format!("hilum models fetch {id}"),
-            model: id,
-        },
-        other => ToolError::Internal(other.to_string()),
-    }
-}
-
 fn r4(v: f32) -> f64 {
     (v as f64 * 1e4).round() / 1e4
 }
@@ -111,7 +101,7 @@ impl Tool for ClassifyChestXray {
         self.models
             .registry()
             .installed(&model_id)
-            .map_err(model_error)?;
+            .map_err(|e| model_error(&self.models, e))?;
         let _permit = self
             .models
             .acquire(self.device)
@@ -123,7 +113,7 @@ impl Tool for ClassifyChestXray {
             let t_load = Instant::now();
             let model = models
                 .get_or_load::<Classifier>(&mid, device)
-                .map_err(model_error)?;
+                .map_err(|e| model_error(&models, e))?;
             let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
             let scores = model

@@ -2,6 +2,7 @@ use std::sync::Arc;
 
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError};
+use hilum_models::{ModelError, ModelPool};
 use serde_json::{json, Value};
 
 /// JSON Schema of an image argument: an id from the store, never a path.
@@ -31,4 +32,25 @@ pub fn load_image(
         other => ToolError::Unprocessable(other.to_string()),
     })?;
     Ok((id.to_string(), img))
+}
+
+/// A model failure as a tool error; a missing model names the command that installs it
+/// (`fetch` when the manifest has a download, `import` otherwise).
+pub(crate) fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
+    match e {
+        ModelError::NotInstalled { id, .. } => {
+            let fetchable = models
+                .registry()
+                .manifest(&id)
+                .map(|m| m.source.download_url().is_some())
+                .unwrap_or(false);
+            let fix = if fetchable {
+                format!("hilum models fetch {id}")
+            } else {
+                format!("hilum models import {id} PATH")
+            };
+            ToolError::ModelMissing { model: id, fix }
+        }
+        other => ToolError::Internal(other.to_string()),
+    }
 }

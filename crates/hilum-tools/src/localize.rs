@@ -21,7 +21,7 @@ use hilum_models::{Device, ModelError, ModelPool};
 use hilum_models::{InstalledModel, Manifest};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::{image_arg, load_image, model_error};
 use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
 
 pub const NAME: &str = "localize_finding";
@@ -371,25 +371,6 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
     let boxes: Vec<PixelBox> = loc.boxes.iter().map(|(_, p)| p.clone()).collect();
     draw_boxes(&mut canvas, &boxes, scale);
     encode_png(canvas)
-}
-
-fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
-    match e {
-        ModelError::NotInstalled { id, .. } => {
-            let fetchable = models
-                .registry()
-                .manifest(&id)
-                .map(|m| m.source.download_url().is_some())
-                .unwrap_or(false);
-            let fix = if fetchable {
-                format!("hilum models fetch {id}")
-            } else {
-                format!("hilum models import {id} PATH")
-            };
-            ToolError::ModelMissing { model: id, fix }
-        }
-        other => ToolError::Internal(other.to_string()),
-    }
 }
 
 pub struct LocalizeFinding {

@@ -9,11 +9,11 @@ use async_trait::async_trait;
 use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::unet::{self, LungUnet};
-use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{Device, ModelPool};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::{image_arg, load_image, model_error};
 use crate::segment_lungs::regions;
 
 pub const ANATOMY_MODEL_ID: &str = "chestx-det-pspnet";
@@ -222,25 +222,6 @@ fn parse_view(s: &str) -> View {
         "AP" | "AP SUPINE" | "SUPINE" => View::Ap,
         "LL" | "RL" | "LAT" | "LATERAL" | "LLD" | "RLD" => View::Lateral,
         _ => View::Unknown,
-    }
-}
-
-fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
-    match e {
-        ModelError::NotInstalled { id, .. } => {
-            let fetchable = models
-                .registry()
-                .manifest(&id)
-                .map(|m| m.source.download_url().is_some())
-                .unwrap_or(false);
-            let fix = if fetchable {
-                format!("hilum models fetch {id}")
-            } else {
-                format!("hilum models import {id} PATH")
-            };
-            ToolError::ModelMissing { model: id, fix }
-        }
-        other => ToolError::Internal(other.to_string()),
     }
 }
 

@@ -8,10 +8,10 @@ use async_trait::async_trait;
 use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::{self, PspNet, TARGETS};
-use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::{image_arg, load_image, model_error};
 use crate::measure::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
@@ -67,16 +67,6 @@ pub fn parse_structures(args: &Value) -> Result<Vec<usize>, ToolError> {
     Ok(out)
 }
 
-fn model_error(e: ModelError) -> ToolError {
-    match e {
-        ModelError::NotInstalled { id, .. } => ToolError::ModelMissing {
-            fix: format!("hilum models fetch {id}"),
-            model: id,
-        },
-        other => ToolError::Internal(other.to_string()),
-    }
-}
-
 /// Runs the network on the whole image and brings the chosen maps back to its resolution.
 pub fn run(
     model: &PspNet,
@@ -112,7 +102,7 @@ pub fn anatomy_masks(
 ) -> Result<ChestMasks, ToolError> {
     let model = models
         .get_or_load::<PspNet>(MODEL_ID, device)
-        .map_err(model_error)?;
+        .map_err(|e| model_error(models, e))?;
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
         idx("Left Lung"),
@@ -283,7 +273,7 @@ impl Tool for SegmentAnatomy {
         self.models
             .registry()
             .installed(MODEL_ID)
-            .map_err(model_error)?;
+            .map_err(|e| model_error(&self.models, e))?;
         let _permit = self
             .models
             .acquire(self.device)
@@ -294,7 +284,7 @@ impl Tool for SegmentAnatomy {
         let maps = tokio::task::spawn_blocking(move || {
             let model = models
                 .get_or_load::<PspNet>(MODEL_ID, device)
-                .map_err(model_error)?;
+                .map_err(|e| model_error(&models, e))?;
             run(&model, &image, &which)
         })
         .await

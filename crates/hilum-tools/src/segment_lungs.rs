@@ -8,10 +8,10 @@ use async_trait::async_trait;
 use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::unet::{self, LungUnet};
-use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::{image_arg, load_image, model_error};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
@@ -69,25 +69,6 @@ impl SegmentLungs {
     pub fn on_device(mut self, device: Device) -> Self {
         self.device = device;
         self
-    }
-}
-
-fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
-    match e {
-        ModelError::NotInstalled { id, .. } => {
-            let fetchable = models
-                .registry()
-                .manifest(&id)
-                .map(|m| m.source.download_url().is_some())
-                .unwrap_or(false);
-            let fix = if fetchable {
-                format!("hilum models fetch {id}")
-            } else {
-                format!("hilum models import {id} PATH")
-            };
-            ToolError::ModelMissing { model: id, fix }
-        }
-        other => ToolError::Internal(other.to_string()),
     }
 }
 
