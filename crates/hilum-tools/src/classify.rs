@@ -12,7 +12,7 @@ use hilum_models::xrv::{Classifier, LabelScore};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error};
+use crate::common::{image_arg, load_image, model_error, reserve};
 
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
@@ -98,15 +98,7 @@ impl Tool for ClassifyChestXray {
             )));
         }
         // Fail fast, before taking a device permit, when the weights are absent.
-        self.models
-            .registry()
-            .installed(&model_id)
-            .map_err(|e| model_error(&self.models, e))?;
-        let _permit = self
-            .models
-            .acquire(self.device)
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (_, _permit) = reserve(&self.models, &model_id, self.device).await?;
         let (models, device, mid) = (self.models.clone(), self.device, model_id.clone());
         let image = img.clone();
         let (scores, custom, backend, infer_ms, load_ms) = tokio::task::spawn_blocking(move || {

@@ -2,8 +2,9 @@ use std::sync::Arc;
 
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError};
-use hilum_models::{ModelError, ModelPool};
+use hilum_models::{Device, InstalledModel, ModelError, ModelPool};
 use serde_json::{json, Value};
+use tokio::sync::OwnedSemaphorePermit;
 
 /// JSON Schema of an image argument: an id from the store, never a path.
 pub fn image_arg() -> Value {
@@ -53,4 +54,22 @@ pub(crate) fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
         }
         other => ToolError::Internal(other.to_string()),
     }
+}
+
+/// Checks that `id` is installed (failing fast, before waiting for the device) and then takes
+/// a work permit on `device`, so parallel calls never oversubscribe it.
+pub(crate) async fn reserve(
+    models: &ModelPool,
+    id: &str,
+    device: Device,
+) -> Result<(InstalledModel, OwnedSemaphorePermit), ToolError> {
+    let installed = models
+        .registry()
+        .installed(id)
+        .map_err(|e| model_error(models, e))?;
+    let permit = models
+        .acquire(device)
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    Ok((installed, permit))
 }

@@ -21,7 +21,7 @@ use hilum_models::{Device, ModelError, ModelPool};
 use hilum_models::{InstalledModel, Manifest};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error};
+use crate::common::{image_arg, load_image, model_error, reserve};
 use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
 
 pub const NAME: &str = "localize_finding";
@@ -457,16 +457,7 @@ impl Tool for LocalizeFinding {
                 "threshold must be between 0.1 and 0.95".into(),
             ));
         }
-        let installed = self
-            .models
-            .registry()
-            .installed(MODEL_ID)
-            .map_err(|e| model_error(&self.models, e))?;
-        let _permit = self
-            .models
-            .acquire(self.device)
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (installed, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
         let (models, device, image) = (self.models.clone(), self.device, img.clone());
         let t0 = Instant::now();
         let (loc, label) = tokio::task::spawn_blocking(move || {

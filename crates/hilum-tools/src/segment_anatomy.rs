@@ -11,7 +11,7 @@ use hilum_models::pspnet::{self, PspNet, TARGETS};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error};
+use crate::common::{image_arg, load_image, model_error, reserve};
 use crate::measure::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
@@ -270,15 +270,7 @@ impl Tool for SegmentAnatomy {
                 img.width, img.height
             )));
         }
-        self.models
-            .registry()
-            .installed(MODEL_ID)
-            .map_err(|e| model_error(&self.models, e))?;
-        let _permit = self
-            .models
-            .acquire(self.device)
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (_, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
         let (models, device, image) = (self.models.clone(), self.device, img.clone());
         let t0 = Instant::now();
         let maps = tokio::task::spawn_blocking(move || {

@@ -11,7 +11,7 @@ use hilum_models::unet::{self, LungUnet};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error};
+use crate::common::{image_arg, load_image, model_error, reserve};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
@@ -211,16 +211,7 @@ impl Tool for SegmentLungs {
                 "threshold must be between 0.05 and 0.95".into(),
             ));
         }
-        let installed = self
-            .models
-            .registry()
-            .installed(MODEL_ID)
-            .map_err(|e| model_error(&self.models, e))?;
-        let _permit = self
-            .models
-            .acquire(self.device)
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let (installed, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
         let backend = self
             .backend
             .unwrap_or_else(|| unet::Backend::auto(&installed, self.device));
