@@ -452,10 +452,7 @@ impl Tool for GroundPhrase {
             .to_string();
         let client = vlm::client_for(&self.settings, NAME)?;
         let family = client.endpoint.family;
-        let (im, ep) = (img.clone(), client.endpoint.clone());
-        let sent = tokio::task::spawn_blocking(move || vlm::prepare_image(&im, &ep))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))??;
+        let sent = vlm::prepare_image_blocking(img.clone(), client.endpoint.clone()).await?;
         let (system, prompt) = grounding_prompt(family, &phrase);
         let answer = client.ask(&sent, system, &prompt).await?;
         let boxes = boxes_from_output(&answer.text, family, &sent, &phrase)

@@ -311,6 +311,17 @@ pub(crate) fn to_gray8(img: &CxrImage) -> Result<image::GrayImage, VlmError> {
         .ok_or_else(|| VlmError::Image("pixel buffer does not match the image size".into()))
 }
 
+/// [`prepare_image`] on a blocking thread (resizing and PNG encoding are CPU work).
+pub async fn prepare_image_blocking(
+    img: std::sync::Arc<CxrImage>,
+    ep: Endpoint,
+) -> Result<SentImage, ToolError> {
+    let sent = tokio::task::spawn_blocking(move || prepare_image(&img, &ep))
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+    Ok(sent)
+}
+
 /// Resizes the radiograph for `ep` and encodes it as PNG. For Qwen2.5-VL the size sent is
 /// already what its processor would resize to, so its box coordinates are in the pixels sent.
 pub fn prepare_image(img: &CxrImage, ep: &Endpoint) -> Result<SentImage, VlmError> {

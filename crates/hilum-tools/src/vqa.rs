@@ -76,10 +76,7 @@ impl Tool for AnswerVisualQuestion {
             .ok_or_else(|| ToolError::InvalidArguments("`question` must be a question".into()))?
             .to_string();
         let client = vlm::client_for(&self.settings, NAME)?;
-        let (im, ep) = (img.clone(), client.endpoint.clone());
-        let sent = tokio::task::spawn_blocking(move || vlm::prepare_image(&im, &ep))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))??;
+        let sent = vlm::prepare_image_blocking(img.clone(), client.endpoint.clone()).await?;
         let answer = client.ask(&sent, Some(SYSTEM), &question).await?;
         let text = answer.text.trim().to_string();
         if text.is_empty() {
