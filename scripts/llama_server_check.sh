@@ -26,7 +26,10 @@ VENV="$ROOT/scripts/.venv-llama"
 if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
     echo "installing llama-cpp-python[server] 0.3.36 into $VENV (compiles llama.cpp, ~20 min)"
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet "llama-cpp-python[server]==0.3.36"
+    # Only the libraries the Python package loads: no llama.cpp tests/examples/server binaries.
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF}" \
+        CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+        "$VENV/bin/pip" install --quiet "llama-cpp-python[server]==0.3.36"
 fi
 
 LOG="$(mktemp)"

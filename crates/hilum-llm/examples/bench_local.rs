@@ -62,7 +62,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "prefill_tokens": s.prefill_tokens, "prefill_s": s.prefill_secs,
             "prefill_tok_s": s.prefill_tokens_per_sec(), "decode_tokens": s.decode_tokens,
             "decode_s": s.decode_secs, "decode_tok_s": s.decode_tokens_per_sec(),
-            "first_tool_call_s": s.first_tool_call_secs, "wall_s": wall,
+            "forced_tokens": s.forced_tokens, "first_tool_call_s": s.first_tool_call_secs, "wall_s": wall,
             "tool_calls": turn.tool_calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments})).collect::<Vec<_>>()})
     );
     let Some(call) = turn.tool_calls.first().cloned() else {

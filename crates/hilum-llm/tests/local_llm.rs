@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use hilum_llm::local::model::Model;
+use hilum_llm::local::model::{MatmulMode, Model};
 use hilum_llm::local::{default_model_path, GgufTokenizer, LocalConfig, LocalLlm};
 use hilum_llm::{collect_turn, ChatRequest, FinishReason, Llm, Message, ToolSpec};
 use serde_json::{json, Value};
@@ -136,7 +136,7 @@ fn forward_pass_agrees_with_candle_quantized_qwen2() {
     let dev = Device::Cpu;
     let mut f = std::fs::File::open(&path).unwrap();
     let ct = gguf_file::Content::read(&mut f).unwrap();
-    let mut ours = Model::load(&ct, &mut f, 256, &dev).unwrap();
+    let mut ours = Model::load(&ct, &mut f, 256, MatmulMode::Dense, &dev).unwrap();
     let a: Vec<f32> = ours.forward(&ids).unwrap().to_vec1().unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
     let ct = gguf_file::Content::read(&mut f).unwrap();
@@ -190,6 +190,76 @@ fn forward_pass_agrees_with_candle_quantized_qwen2() {
         .to_vec1()
         .unwrap();
     assert_eq!(argmax(&a2), argmax(&b2));
+}
+
+fn load_model(path: &std::path::Path, mode: MatmulMode) -> Model {
+    let mut f = std::fs::File::open(path).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    Model::load(&ct, &mut f, 512, mode, &Device::Cpu).unwrap()
+}
+
+/// Largest |a - b| relative to the logit range of `b`.
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let max_abs = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let range =
+        b.iter().fold(f32::MIN, |m, &x| m.max(x)) - b.iter().fold(f32::MAX, |m, &x| m.min(x));
+    max_abs / range
+}
+
+/// Decode through quantized dot products (Q5_0 re-quantized to Q8_0, Q4_K/Q6_K/Q8_0 as stored)
+/// must give the same greedy continuation as f32 weights, with logits close at every step; the
+/// all-quantized prompt pass must agree with the f32 one too.
+#[test]
+fn quantized_matmuls_agree_with_dense_weights() {
+    let Some(path) = model_path() else { return };
+    let tok = GgufTokenizer::from_file(&path).unwrap();
+    let prompt = "<|im_start|>system\nYou analyse chest X-rays.<|im_end|>\n<|im_start|>user\nName three structures visible on a frontal chest radiograph.<|im_end|>\n<|im_start|>assistant\n";
+    let ids = tok.encode(prompt).unwrap();
+    let mut dense = load_model(&path, MatmulMode::Dense);
+    let mut hybrid = load_model(&path, MatmulMode::Hybrid);
+    let mut quant = load_model(&path, MatmulMode::Quantized);
+
+    let d: Vec<f32> = dense.forward(&ids).unwrap().to_vec1().unwrap();
+    let q: Vec<f32> = quant.forward(&ids).unwrap().to_vec1().unwrap();
+    let r = rel_diff(&q, &d);
+    assert!(
+        r < 0.03,
+        "quantized prompt logits differ by {r} of the range"
+    );
+    // The hybrid prompt pass is the dense one; from then on every token is a one-row product.
+    let mut ld = d;
+    let mut lh: Vec<f32> = hybrid.forward(&ids).unwrap().to_vec1().unwrap();
+    let (mut seq_d, mut seq_h) = (Vec::new(), Vec::new());
+    let mut worst = 0f32;
+    for _ in 0..24 {
+        worst = worst.max(rel_diff(&lh, &ld));
+        let pick = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .map(|(i, _)| i as u32)
+                .unwrap()
+        };
+        let (nd, nh) = (pick(&ld), pick(&lh));
+        seq_d.push(nd);
+        seq_h.push(nh);
+        if nd != nh {
+            break;
+        }
+        ld = dense.forward(&[nd]).unwrap().to_vec1().unwrap();
+        lh = hybrid.forward(&[nh]).unwrap().to_vec1().unwrap();
+    }
+    eprintln!(
+        "greedy continuation: {:?}; worst decode logit diff {worst} of the range",
+        tok.decode(&seq_d)
+    );
+    assert_eq!(seq_h, seq_d, "quantized decode chose other tokens");
+    assert!(worst < 0.03, "decode logits differ by {worst} of the range");
 }
 
 fn segment_tool() -> ToolSpec {

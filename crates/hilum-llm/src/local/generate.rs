@@ -8,6 +8,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use llguidance::Matcher;
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -40,6 +41,11 @@ pub struct GenStats {
     pub prefill_secs: f64,
     pub decode_tokens: usize,
     pub decode_secs: f64,
+    /// Of `decode_tokens`, those the tool-call grammar forced and that ran as one batch.
+    pub forced_tokens: usize,
+    pub forced_secs: f64,
+    /// Of `decode_tokens`, those thrown away when the answer restarted from the prompt.
+    pub rewound_tokens: usize,
     /// Seconds from the request to the end of its first complete tool call.
     pub first_tool_call_secs: Option<f64>,
     pub total_secs: f64,
@@ -51,8 +57,10 @@ impl GenStats {
     pub fn prefill_tokens_per_sec(&self) -> f64 {
         self.prefill_tokens as f64 / self.prefill_secs.max(1e-9)
     }
+    /// Sampled tokens per second (one forward pass each; grammar-forced batches left out).
     pub fn decode_tokens_per_sec(&self) -> f64 {
-        self.decode_tokens as f64 / self.decode_secs.max(1e-9)
+        self.decode_tokens.saturating_sub(self.forced_tokens) as f64
+            / (self.decode_secs - self.forced_secs).max(1e-9)
     }
 }
 
@@ -63,6 +71,8 @@ struct Prepared {
     stop: Vec<String>,
     constraint: Option<Constraint>,
     has_tools: bool,
+    /// Calls made in earlier rounds of this conversation (name, parsed arguments).
+    previous_calls: Vec<(String, Option<Value>)>,
     shortened: usize,
     started: Instant,
 }
@@ -76,6 +86,22 @@ pub(crate) fn start(inner: Arc<Inner>, req: ChatRequest) -> Result<DeltaStream, 
         }
     });
     Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// A call's identity: its name and its arguments as JSON (so spacing and key order do not count).
+fn call_key(name: &str, arguments: &str) -> (String, Option<Value>) {
+    (name.to_string(), serde_json::from_str(arguments).ok())
+}
+
+fn previous_calls(messages: &[Message]) -> Vec<(String, Option<Value>)> {
+    messages
+        .iter()
+        .flat_map(|m| match m {
+            Message::Assistant { tool_calls, .. } => tool_calls.as_slice(),
+            _ => &[],
+        })
+        .map(|c| call_key(&c.name, &c.arguments))
+        .collect()
 }
 
 fn image_ids(messages: &[Message]) -> Vec<String> {
@@ -129,6 +155,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         constraint,
         has_tools: !req.tools.is_empty(),
+        previous_calls: previous_calls(&req.messages),
         shortened,
         started,
     })
@@ -222,7 +249,8 @@ enum Trigger {
 /// models often answer with a bare JSON object or a fenced ```json block, which llama.cpp's
 /// Hermes parser also accepts).
 fn call_trigger(s: &str) -> Trigger {
-    let t = s.trim_start();
+    // Small models sometimes put a stray `>` or `:` before the object.
+    let t = s.trim_start_matches(|c: char| c.is_whitespace() || c == '>' || c == ':');
     if t.is_empty() {
         return Trigger::Undecided;
     }
@@ -360,6 +388,11 @@ fn decode(
     stats.prefill_secs = t_prefill.elapsed().as_secs_f64();
     let mut logits =
         logits.ok_or_else(|| LocalError::Inference("the prompt produced no tokens".into()))?;
+    // Kept to restart the answer from the prompt (a repeated call becomes a prose answer).
+    let prompt_logits = logits.clone();
+    // Prose only: no tool call, and no answer that opens like JSON or a code fence. True when
+    // the request has no tools (a synthesis turn) or after the model repeated an earlier call.
+    let mut prose_only = !prep.has_tools;
 
     let mut sampler = LogitsProcessor::from_sampling(inner.cfg.seed, prep.sampling.clone());
     let open = tok.special("<tool_call>");
@@ -375,7 +408,7 @@ fn decode(
     let prompt_len = st.cached.len();
     let mut generated: Vec<u32> = Vec::new();
     let mut calls = 0usize;
-    let mut seen_calls: Vec<(String, String)> = Vec::new();
+    let mut seen_calls: Vec<(String, Option<Value>)> = Vec::new();
     let mut finish = FinishReason::Stop;
     let t_decode = Instant::now();
     loop {
@@ -396,6 +429,37 @@ fn decode(
             finish = FinishReason::Length;
             break;
         }
+        if let Mode::Call {
+            matcher: Some(m),
+            body: Some(b),
+        } = &mut mode
+        {
+            // Inside a call the grammar often leaves one possible continuation (the tool name,
+            // the only image id, the punctuation): run those tokens as one batch instead of
+            // one forward pass each. A forced control token is left to the sampler below.
+            let mut ff = m.compute_ff_tokens();
+            if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
+                ff.truncate(cut);
+            }
+            ff.truncate(prep.max_new - generated.len());
+            if ff.len() >= 2 {
+                m.consume_tokens(&ff)
+                    .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                for &t in &ff {
+                    b.extend_from_slice(tok.token_bytes(t));
+                }
+                generated.extend_from_slice(&ff);
+                let t_ff = Instant::now();
+                logits = st.model.forward(&ff)?;
+                stats.forced_secs += t_ff.elapsed().as_secs_f64();
+                st.cached.extend_from_slice(&ff);
+                stats.forced_tokens += ff.len();
+                if tx.is_closed() {
+                    return Ok(());
+                }
+                continue;
+            }
+        }
         let mut l: Vec<f32> = logits.to_vec1()?;
         match &mut mode {
             Mode::Call {
@@ -410,8 +474,15 @@ fn decode(
                     }
                 }
             }
-            Mode::Free if !prep.has_tools => {
-                if let Some(t) = open {
+            Mode::Free if prose_only => {
+                let (anywhere, at_start) = tok.prose_bans();
+                let mut banned: Vec<&[u32]> = vec![open.as_slice(), anywhere];
+                if text.text.trim().is_empty() {
+                    // Until the answer has begun: no odd opener, and no empty answer.
+                    banned.push(at_start);
+                    banned.push(&tok.stop_tokens);
+                }
+                for &t in banned.into_iter().flatten() {
                     if let Some(v) = l.get_mut(t as usize) {
                         *v = f32::NEG_INFINITY;
                     }
@@ -458,6 +529,7 @@ fn decode(
                             // constrained call instead.
                             st.model.truncate_cache(prompt_len)?;
                             st.cached.truncate(prompt_len);
+                            stats.rewound_tokens += generated.len() + 1;
                             generated.clear();
                             text.text.clear();
                             text.sent = 0;
@@ -501,9 +573,30 @@ fn decode(
                     let call = parse_call_body(&String::from_utf8_lossy(&raw)).map_err(|e| {
                         LocalError::Grammar(format!("the model wrote an invalid tool call: {e}"))
                     })?;
-                    let key = (call.name.clone(), call.arguments.clone());
-                    if seen_calls.contains(&key) {
-                        // Small models loop on the same call; a repeat ends the turn instead.
+                    let key = call_key(&call.name, &call.arguments);
+                    let repeats_earlier_round = prep.previous_calls.contains(&key);
+                    if repeats_earlier_round && calls == 0 {
+                        // The result of this very call is already in the conversation: small
+                        // models loop on it. Restart the answer from the prompt, as prose.
+                        tracing::info!(
+                            "local model repeated the call {} it already has a result for; answering in prose instead",
+                            call.name
+                        );
+                        st.model.truncate_cache(prompt_len)?;
+                        st.cached.truncate(prompt_len);
+                        stats.rewound_tokens += generated.len() + 1;
+                        generated.clear();
+                        text.text.clear();
+                        text.sent = 0;
+                        text.hold_all = false;
+                        utf8 = Utf8Stream::default();
+                        mode = Mode::Free;
+                        prose_only = true;
+                        logits = prompt_logits.clone();
+                        continue;
+                    }
+                    if repeats_earlier_round || seen_calls.contains(&key) {
+                        // A repeat ends the turn; the calls made so far stand.
                         generated.push(next);
                         break;
                     }
@@ -553,7 +646,7 @@ fn decode(
     if !rest.is_empty() && !send(tx, ChatDelta::Text(rest)) {
         return Ok(());
     }
-    stats.decode_tokens = generated.len();
+    stats.decode_tokens = generated.len() + stats.rewound_tokens;
     stats.decode_secs = t_decode.elapsed().as_secs_f64();
     stats.total_secs = prep.started.elapsed().as_secs_f64();
     if calls > 0 {
@@ -615,6 +708,8 @@ mod tests {
         assert_eq!(call_trigger("```json\n"), Trigger::Undecided);
         assert_eq!(call_trigger("```json\n{"), Trigger::Call);
         assert_eq!(call_trigger("\n{\"name\""), Trigger::Call);
+        assert_eq!(call_trigger(">"), Trigger::Undecided);
+        assert_eq!(call_trigger(">{\"name\""), Trigger::Call);
         assert_eq!(call_trigger("The lungs"), Trigger::Text);
         assert_eq!(call_trigger("```python\n"), Trigger::Text);
     }

@@ -109,6 +109,8 @@ pub struct LocalConfig {
     pub constrain_tool_calls: bool,
     /// Stop when the last `repetition_window` tokens repeat a period of at most 32 tokens.
     pub repetition_window: usize,
+    /// f32 gemm and/or quantized dot products (default: `HILUM_LOCAL_MATMUL`, else hybrid).
+    pub matmul: model::MatmulMode,
 }
 
 impl LocalConfig {
@@ -122,6 +124,10 @@ impl LocalConfig {
             seed: 299_792_458,
             constrain_tool_calls: true,
             repetition_window: 96,
+            matmul: model::MatmulMode::from_env().unwrap_or_else(|e| {
+                tracing::warn!("{e}; using hybrid");
+                model::MatmulMode::Hybrid
+            }),
         }
     }
 }
@@ -168,7 +174,10 @@ impl LocalLlm {
                 .and_then(|v| v.to_string().ok())
                 .cloned(),
         )?;
-        let model = model::Model::load(&ct, &mut file, cfg.context, &Device::Cpu)?;
+        if cfg.matmul != model::MatmulMode::Dense {
+            single_threaded_quantized_matmuls();
+        }
+        let model = model::Model::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
         let name = format!(
             "local:{}",
             cfg.path
@@ -240,6 +249,20 @@ impl Llm for LocalLlm {
     fn name(&self) -> String {
         self.name.clone()
     }
+}
+
+/// candle runs quantized matmuls on a pool of spinning threads sized by `CANDLE_NUM_THREADS`
+/// (default: all cores), created on first use. Next to the rayon threads of the f32 gemm, and on
+/// a machine that is busy anyway, the spinning made one-token decode 2-5x slower than running
+/// it on the calling thread (measured on 2 cores: 3-7 vs 25-33 tokens/s). Unless the user chose
+/// a value, the pool gets no extra threads. Done once, before candle reads the variable.
+fn single_threaded_quantized_matmuls() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
+    });
 }
 
 pub(crate) fn next_call_id(inner: &Inner) -> String {

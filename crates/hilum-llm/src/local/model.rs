@@ -5,12 +5,40 @@
 //! from candle-transformers' `quantized_qwen2` in two ways that matter for latency:
 //! - the KV cache can be truncated to any prefix, so a new round only processes the tokens after
 //!   the longest prefix it shares with what is already cached;
-//! - weights are dequantized once at load and multiplied with candle's f32 `gemm` (runtime
-//!   AVX/FMA dispatch), because candle's quantized CPU dot products fall back to scalar code on
-//!   CPUs without AVX2 and never batch the prompt.
+//! - each weight matrix can be kept twice: dequantized to f32 for multi-token prompt chunks
+//!   (candle's f32 `gemm`, compute-bound work where dense kernels win) and quantized for
+//!   one-token decode (memory-bound: reading ~0.6 GB of blocks per token instead of ~2 GB of f32).
+//!   Quantized types without a SIMD dot product in candle (Q5_0, Q4_1, Q5_1: the row length 896
+//!   of Qwen2.5-0.5B forces llama.cpp to use Q5_0 for most of its matrices) are re-quantized to
+//!   Q8_0 at load, which has one; its rounding step is 1/8 of Q5_0's.
 
-use candle_core::quantized::{gguf_file, QTensor};
-use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+
+/// How the weight matrices are multiplied (`HILUM_LOCAL_MATMUL=dense|quantized|hybrid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulMode {
+    /// f32 weights and `gemm` everywhere (≈ 4 bytes per weight in memory).
+    Dense,
+    /// Quantized dot products everywhere (≈ 1 byte per weight).
+    Quantized,
+    /// f32 `gemm` for prompt chunks, quantized dot products for one-token decode (both copies).
+    Hybrid,
+}
+
+impl MatmulMode {
+    /// The mode named by `HILUM_LOCAL_MATMUL`, else `Hybrid`.
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var("HILUM_LOCAL_MATMUL").ok().as_deref() {
+            None | Some("") | Some("hybrid") => Ok(MatmulMode::Hybrid),
+            Some("dense") => Ok(MatmulMode::Dense),
+            Some("quantized") => Ok(MatmulMode::Quantized),
+            Some(other) => Err(format!(
+                "HILUM_LOCAL_MATMUL={other} is not one of dense, quantized, hybrid"
+            )),
+        }
+    }
+}
 
 /// Model hyper-parameters read from the GGUF metadata.
 #[derive(Clone, Debug)]
@@ -89,16 +117,23 @@ impl Config {
     }
 }
 
-/// A dense layer `y = x W^T (+ b)` with `W` dequantized to f32, shape (out, in).
+/// A layer `y = x W^T (+ b)`, W of shape (out, in), as f32 and/or quantized blocks.
 struct Linear {
-    w: Tensor,
+    dense: Option<Tensor>,
+    quant: Option<QMatMul>,
     b: Option<Tensor>,
 }
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // (t, in) x (in, out): gemm reads W^T through strides, no copy.
-        let y = x.matmul(&self.w.t()?)?;
+        let rows = x.dim(0)?;
+        let y = match (&self.dense, &self.quant) {
+            (Some(_), Some(q)) if rows == 1 => q.forward(x)?,
+            // (t, in) x (in, out): gemm reads W^T through strides, no copy.
+            (Some(w), _) => x.matmul(&w.t()?)?,
+            (None, Some(q)) => q.forward(x)?,
+            (None, None) => candle_core::bail!("a linear layer has no weights"),
+        };
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -158,12 +193,58 @@ fn dense(
     q.dequantize(dev)?.to_dtype(DType::F32)
 }
 
+/// Loads a weight matrix in the form(s) `mode` needs.
+fn linear_weights(
+    ct: &gguf_file::Content,
+    r: &mut std::fs::File,
+    name: &str,
+    mode: MatmulMode,
+    dev: &Device,
+) -> candle_core::Result<(Option<Tensor>, Option<QMatMul>)> {
+    let q: QTensor = ct.tensor(r, name, dev)?;
+    let w = q.dequantize(dev)?.to_dtype(DType::F32)?;
+    let quant = match mode {
+        MatmulMode::Dense => None,
+        _ => Some(quantized_for_dot(q, &w)?),
+    };
+    let dense = match mode {
+        MatmulMode::Quantized => None,
+        _ => Some(w),
+    };
+    Ok((dense, quant))
+}
+
+/// The block type candle has a SIMD dot product for: kept as is, else re-quantized to Q8_0.
+fn quantized_for_dot(q: QTensor, w: &Tensor) -> candle_core::Result<QMatMul> {
+    let fast = matches!(
+        q.dtype(),
+        GgmlDType::Q4_0
+            | GgmlDType::Q8_0
+            | GgmlDType::Q2K
+            | GgmlDType::Q3K
+            | GgmlDType::Q4K
+            | GgmlDType::Q5K
+            | GgmlDType::Q6K
+    );
+    let in_dim = w.dim(D::Minus1)?;
+    if fast {
+        QMatMul::from_qtensor(q)
+    } else if in_dim.is_multiple_of(GgmlDType::Q8_0.block_size()) {
+        QMatMul::from_qtensor(QTensor::quantize(w, GgmlDType::Q8_0)?)
+    } else {
+        // F32/F16 weights (or odd shapes) stay dense inside QMatMul.
+        QMatMul::from_qtensor(q)
+    }
+}
+
 impl Model {
-    /// Loads every tensor and dequantizes it; rotary tables are sized for `max_positions`.
+    /// Loads every tensor in the form `mode` multiplies with; rotary tables are sized for
+    /// `max_positions`.
     pub fn load(
         ct: &gguf_file::Content,
         r: &mut std::fs::File,
         max_positions: usize,
+        mode: MatmulMode,
         dev: &Device,
     ) -> candle_core::Result<Self> {
         let cfg = Config::from_gguf(ct)?;
@@ -180,20 +261,27 @@ impl Model {
             } else {
                 None
             };
-            Ok(Linear {
-                w: dense(ct, r, &format!("{n}.weight"), dev)?,
-                b,
-            })
+            let (dense, quant) = linear_weights(ct, r, &format!("{n}.weight"), mode, dev)?;
+            Ok(Linear { dense, quant, b })
         };
         let embed = dense(ct, r, "token_embd.weight", dev)?; // (vocab, n_embd)
-        let output = if ct.tensor_infos.contains_key("output.weight") {
-            lin(r, "output", false)?
+                                                             // Only the last position goes through the output layer, even in a prompt chunk, so it
+                                                             // is always a one-row product: the quantized form alone is enough unless `Dense`.
+        let out_mode = match mode {
+            MatmulMode::Dense => MatmulMode::Dense,
+            _ => MatmulMode::Quantized,
+        };
+        let output_name = if ct.tensor_infos.contains_key("output.weight") {
+            "output.weight"
         } else {
             // Tied embeddings (small Qwen/Llama variants).
-            Linear {
-                w: embed.clone(),
-                b: None,
-            }
+            "token_embd.weight"
+        };
+        let (dense_out, quant_out) = linear_weights(ct, r, output_name, out_mode, dev)?;
+        let output = Linear {
+            dense: dense_out,
+            quant: quant_out,
+            b: None,
         };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {

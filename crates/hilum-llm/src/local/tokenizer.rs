@@ -25,6 +25,7 @@ pub struct GgufTokenizer {
     /// End-of-turn tokens that end generation (eos, `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`).
     pub stop_tokens: Vec<u32>,
     trie: Arc<TokTrie>,
+    prose_bans: std::sync::OnceLock<(Vec<u32>, Vec<u32>)>,
 }
 
 /// The GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves, the other bytes
@@ -167,6 +168,7 @@ impl GgufTokenizer {
             eos,
             stop_tokens,
             trie,
+            prose_bans: std::sync::OnceLock::new(),
         })
     }
 
@@ -203,6 +205,35 @@ impl GgufTokenizer {
             out.extend_from_slice(self.token_bytes(t));
         }
         String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Tokens a prose-only answer may not use: `(anywhere, at_start)`. Anywhere: braces, so no
+    /// JSON object can be written. At the start (before any non-blank text): tokens whose first
+    /// non-blank character is not a letter, a digit or Markdown (`*`, `#`, `-`), so the answer
+    /// cannot open with a code fence, a bracket or `>` before an echoed call.
+    pub fn prose_bans(&self) -> &(Vec<u32>, Vec<u32>) {
+        self.prose_bans.get_or_init(|| {
+            let mut anywhere = Vec::new();
+            let mut at_start = Vec::new();
+            for t in 0..self.bytes.len() as u32 {
+                if self.is_special(t) {
+                    continue;
+                }
+                let b = self.token_bytes(t);
+                if b.iter().any(|c| matches!(c, b'{' | b'}')) {
+                    anywhere.push(t);
+                    continue;
+                }
+                let opens_prose = match b.iter().find(|c| !c.is_ascii_whitespace()) {
+                    None => true,
+                    Some(c) => c.is_ascii_alphanumeric() || *c >= 0x80 || b"*#-".contains(c),
+                };
+                if !opens_prose {
+                    at_start.push(t);
+                }
+            }
+            (anywhere, at_start)
+        })
     }
 
     pub fn trie(&self) -> Arc<TokTrie> {
