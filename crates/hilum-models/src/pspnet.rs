@@ -64,10 +64,10 @@ impl Config {
 
 /// conv (no bias) + batch norm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
 #[derive(Clone, Debug)]
-struct ConvBn {
-    conv: Conv2d,
-    bn: BatchNorm,
-    relu: bool,
+pub(crate) struct ConvBn {
+    pub(crate) conv: Conv2d,
+    pub(crate) bn: BatchNorm,
+    pub(crate) relu: bool,
 }
 
 impl ConvBn {
@@ -127,11 +127,11 @@ impl Module for ConvBn {
 
 /// `bottleNeckPSP` (with the projection `cb4`) or `bottleNeckIdentifyPSP` (without).
 #[derive(Clone, Debug)]
-struct Bottleneck {
-    cbr1: ConvBn,
-    cbr2: ConvBn,
-    cb3: ConvBn,
-    cb4: Option<ConvBn>,
+pub(crate) struct Bottleneck {
+    pub(crate) cbr1: ConvBn,
+    pub(crate) cbr2: ConvBn,
+    pub(crate) cb3: ConvBn,
+    pub(crate) cb4: Option<ConvBn>,
 }
 
 impl Bottleneck {
@@ -171,15 +171,28 @@ impl Module for Bottleneck {
     }
 }
 
+/// Which implementation runs the PSPNet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Hilum's own CPU kernels ([`crate::cpu::NativePspNet`]): the default on the CPU.
+    Native,
+    /// candle (CUDA, Metal; on the CPU the reference, ~10x slower).
+    Candle,
+}
+
+/// The PSPNet. On the CPU [`PspNet::probabilities`] runs Hilum's own kernels
+/// ([`crate::cpu::NativePspNet`], compiled from these weights on first use); candle elsewhere.
 #[derive(Clone, Debug)]
 pub struct PspNet {
     config: Config,
-    stem: [ConvBn; 3],
-    blocks: Vec<Bottleneck>,
-    pyramid: Vec<ConvBn>,
-    cbr_final: ConvBn,
-    classification: Conv2d,
+    pub(crate) stem: [ConvBn; 3],
+    pub(crate) blocks: Vec<Bottleneck>,
+    pub(crate) pyramid: Vec<ConvBn>,
+    pub(crate) cbr_final: ConvBn,
+    pub(crate) classification: Conv2d,
     device: candle_core::Device,
+    native: std::sync::OnceLock<Result<std::sync::Arc<crate::cpu::NativePspNet>, String>>,
 }
 
 impl PspNet {
@@ -240,6 +253,7 @@ impl PspNet {
             cbr_final,
             classification,
             device: vb.device().clone(),
+            native: std::sync::OnceLock::new(),
         })
     }
 
@@ -274,17 +288,71 @@ impl PspNet {
             .upsample_bilinear2d(h, w, false)
     }
 
+    /// The backend [`PspNet::probabilities`] uses: native kernels on the CPU, candle on GPUs.
+    pub fn default_backend(&self) -> Backend {
+        if self.device.is_cpu() {
+            Backend::Native
+        } else {
+            Backend::Candle
+        }
+    }
+
+    /// The native CPU network, compiled from these weights on first use.
+    pub fn native(&self) -> Result<&crate::cpu::NativePspNet, ModelError> {
+        self.native
+            .get_or_init(|| {
+                crate::cpu::NativePspNet::new(self, crate::cpu::default_threads())
+                    .map(std::sync::Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map(|n| n.as_ref())
+            .map_err(|e| ModelError::Compute(e.clone()))
+    }
+
     /// Per-structure probabilities (sigmoid of the logits) for one prepared image
     /// (`3 * input_size²` values from [`preprocess`]); returns `n_classes` maps of `input_size²`.
     pub fn probabilities(&self, input: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.probabilities_with(self.default_backend(), input)
+    }
+
+    /// [`PspNet::probabilities`] on a chosen backend (`Native` runs on the CPU only).
+    pub fn probabilities_with(
+        &self,
+        backend: Backend,
+        input: &[f32],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let s = self.config.input_size;
-        let run = || -> candle_core::Result<Vec<Vec<f32>>> {
-            let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
-            let y = candle_nn::ops::sigmoid(&self.forward(&x)?)?.squeeze(0)?;
-            y.to_vec3::<f32>()
-                .map(|c| c.into_iter().map(|m| m.concat()).collect())
-        };
-        run().map_err(|e| ModelError::Compute(e.to_string()))
+        match backend {
+            Backend::Native => {
+                if !self.device.is_cpu() {
+                    return Err(ModelError::Compute(
+                        "the native backend runs on the CPU only: use the candle backend".into(),
+                    ));
+                }
+                let nhwc = self
+                    .native()?
+                    .forward_nhwc(input, 1)
+                    .map_err(|e| ModelError::Compute(e.to_string()))?;
+                let c = self.config.n_classes;
+                let mut maps = vec![Vec::with_capacity(s * s); c];
+                for px in nhwc.chunks_exact(c) {
+                    for (m, &v) in maps.iter_mut().zip(px) {
+                        m.push(crate::cpu::sigmoid(v));
+                    }
+                }
+                Ok(maps)
+            }
+            Backend::Candle => {
+                let run = || -> candle_core::Result<Vec<Vec<f32>>> {
+                    let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
+                    let y = candle_nn::ops::sigmoid(&self.forward(&x)?)?.squeeze(0)?;
+                    y.to_vec3::<f32>()
+                        .map(|c| c.into_iter().map(|m| m.concat()).collect())
+                };
+                run().map_err(|e| ModelError::Compute(e.to_string()))
+            }
+        }
     }
 }
 

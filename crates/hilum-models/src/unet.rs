@@ -66,17 +66,17 @@ fn conv2d_name(n: usize) -> String {
 
 /// One stage: a 3x3 conv + BN + swish, an optional residual add + BN + swish (encoder stages
 /// that keep their width), squeeze-excitation, and a 1x1 conv + swish.
-struct Block {
-    conv: Conv2d,
-    stride: usize,
-    residual_bn: Option<Affine>,
-    se_reduce: Conv2d,
-    se_expand: Conv2d,
-    project: Conv2d,
+pub(crate) struct Block {
+    pub(crate) conv: Conv2d,
+    pub(crate) stride: usize,
+    pub(crate) residual_bn: Option<Affine>,
+    pub(crate) se_reduce: Conv2d,
+    pub(crate) se_expand: Conv2d,
+    pub(crate) project: Conv2d,
 }
 
 /// A per-channel `x * scale + shift` (an inference-mode batch norm), shapes (1, c, 1, 1).
-struct Affine {
+pub(crate) struct Affine {
     scale: Tensor,
     shift: Tensor,
 }
@@ -93,6 +93,16 @@ impl Affine {
             scale: scale.reshape((1, c, 1, 1))?,
             shift: shift.reshape((1, c, 1, 1))?,
         })
+    }
+}
+
+impl Affine {
+    /// (scale, shift) per channel.
+    pub(crate) fn to_vecs(&self) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            self.scale.flatten_all()?.to_vec1::<f32>()?,
+            self.shift.flatten_all()?.to_vec1::<f32>()?,
+        ))
     }
 }
 
@@ -136,7 +146,7 @@ fn conv(
 }
 
 /// TensorFlow `same` padding along one axis: (before, after).
-fn same_padding(size: usize, k: usize, stride: usize) -> (usize, usize) {
+pub(crate) fn same_padding(size: usize, k: usize, stride: usize) -> (usize, usize) {
     let out = size.div_ceil(stride);
     let total = ((out - 1) * stride + k).saturating_sub(size);
     (total / 2, total - total / 2)
@@ -192,13 +202,15 @@ impl Module for Block {
 }
 
 /// The lung U-Net. Input (b, 256, 256, 3) NHWC raw 0..255 RGB; output (b, 256, 256, 1) lung
-/// probability, as in Keras.
+/// probability, as in Keras. On the CPU [`LungUnet::predict`] runs Hilum's own kernels
+/// ([`crate::cpu::NativeUnet`], compiled from these weights on first use); candle elsewhere.
 pub struct LungUnet {
     config: Config,
-    encoder: Vec<Block>,
-    decoder: Vec<Block>,
-    head: Conv2d,
+    pub(crate) encoder: Vec<Block>,
+    pub(crate) decoder: Vec<Block>,
+    pub(crate) head: Conv2d,
     device: candle_core::Device,
+    native: std::sync::OnceLock<Result<crate::cpu::NativeUnet, String>>,
 }
 
 impl LungUnet {
@@ -259,6 +271,7 @@ impl LungUnet {
             decoder,
             head,
             device: vb.device().clone(),
+            native: std::sync::OnceLock::new(),
         })
     }
 
@@ -295,9 +308,38 @@ impl LungUnet {
         out.permute((0, 2, 3, 1))?.contiguous()
     }
 
+    /// The backend [`LungUnet::predict`] uses: native kernels on the CPU, candle on GPUs.
+    pub fn default_backend(&self) -> Backend {
+        if self.device.is_cpu() {
+            Backend::Native
+        } else {
+            Backend::Candle
+        }
+    }
+
+    /// The native CPU network, compiled from these weights on first use.
+    pub fn native(&self) -> Result<&crate::cpu::NativeUnet, ModelError> {
+        self.native
+            .get_or_init(|| {
+                crate::cpu::NativeUnet::new(self, crate::cpu::default_threads())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| ModelError::Compute(e.clone()))
+    }
+
     /// Lung probability maps at the model's resolution for a batch of preprocessed inputs
     /// (each `s*s*3` values, NHWC, from [`preprocess_rgb`] / [`preprocess_gray`]).
     pub fn predict(&self, inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.predict_with(self.default_backend(), inputs)
+    }
+
+    /// [`LungUnet::predict`] on a chosen backend: `Native` (CPU only) or `Candle`.
+    pub fn predict_with(
+        &self,
+        backend: Backend,
+        inputs: &[Vec<f32>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let s = self.config.input_size;
         if inputs.is_empty() {
             return Ok(Vec::new());
@@ -312,9 +354,31 @@ impl LungUnet {
             }
             flat.extend_from_slice(x);
         }
-        let xs = Tensor::from_vec(flat, (inputs.len(), s, s, 3), &self.device)?;
-        let ys = self.forward_nhwc(&xs)?.to_dtype(DType::F32)?;
-        let ys = ys.flatten_all()?.to_vec1::<f32>()?;
+        let ys = match backend {
+            Backend::Native => {
+                if !self.device.is_cpu() {
+                    return Err(ModelError::Compute(
+                        "the native backend runs on the CPU only: load the model on the CPU or \
+                         use the candle backend"
+                            .into(),
+                    ));
+                }
+                self.native()?
+                    .forward(&flat, inputs.len())
+                    .map_err(|e| ModelError::Compute(e.to_string()))?
+            }
+            Backend::Candle => {
+                let xs = Tensor::from_vec(flat, (inputs.len(), s, s, 3), &self.device)?;
+                let ys = self.forward_nhwc(&xs)?.to_dtype(DType::F32)?;
+                ys.flatten_all()?.to_vec1::<f32>()?
+            }
+            Backend::Onnx => {
+                return Err(ModelError::Compute(
+                    "LungUnet runs the native or candle backend; ONNX Runtime is LungUnetOnnx"
+                        .into(),
+                ))
+            }
+        };
         Ok(ys.chunks(s * s).map(<[f32]>::to_vec).collect())
     }
 }
@@ -345,6 +409,8 @@ impl crate::Model for LungUnet {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    /// Hilum's own CPU kernels ([`crate::cpu::NativeUnet`]), from the converted safetensors.
+    Native,
     /// candle, from the converted safetensors (CPU, CUDA, Metal).
     Candle,
     /// ONNX Runtime, from the model's imported `model.onnx`.
@@ -368,10 +434,11 @@ impl std::str::FromStr for Backend {
     type Err = ModelError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
+            "native" => Ok(Backend::Native),
             "candle" => Ok(Backend::Candle),
             "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
             other => Err(ModelError::Compute(format!(
-                "unknown backend `{other}`: use candle or onnx"
+                "unknown backend `{other}`: use native, candle or onnx"
             ))),
         }
     }

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, Backend, LungUnet};
 use hilum_models::{Device, ImportOptions, ModelError, ModelPool, ModelRegistry};
 
 fn repo() -> PathBuf {
@@ -191,19 +191,37 @@ fn verify_detects_a_changed_file() {
     );
 }
 
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 #[test]
 fn output_matches_keras_reference_to_1e4() {
     let (shape, input) = reference("input");
     assert_eq!(shape, vec![1, 256, 256, 3]);
     let (_, expected) = reference("output");
-    let got = model().predict(&[input]).expect("predict").remove(0);
-    let max = got
-        .iter()
-        .zip(&expected)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    eprintln!("lung-unet candle vs reference: max abs diff {max:.2e}");
-    assert!(max <= 1e-4, "max abs diff {max}");
+    let m = model();
+    let mut outs = Vec::new();
+    for backend in [Backend::Native, Backend::Candle] {
+        let got = m
+            .predict_with(backend, std::slice::from_ref(&input))
+            .expect("predict")
+            .remove(0);
+        let max = max_diff(&got, &expected);
+        eprintln!("lung-unet {backend:?} vs reference: max abs diff {max:.2e}");
+        assert!(max <= 1e-4, "{backend:?}: max abs diff {max}");
+        outs.push(got);
+    }
+    let max = max_diff(&outs[0], &outs[1]);
+    eprintln!("lung-unet native vs candle: max abs diff {max:.2e}");
+    assert!(max <= 1e-4, "native vs candle: {max}");
+    // On the CPU `predict` runs the native kernels.
+    assert_eq!(m.default_backend(), Backend::Native);
+    assert_eq!(m.predict(&[input]).expect("predict").remove(0), outs[0]);
 }
 
 #[test]
@@ -211,15 +229,22 @@ fn batched_forward_equals_single() {
     let (_, input) = reference("input");
     let flipped: Vec<f32> = input.iter().rev().copied().collect();
     let m = model();
-    let both = m.predict(&[input.clone(), flipped]).expect("batch");
-    let one = m.predict(&[input]).expect("single").remove(0);
-    let max = both[0]
-        .iter()
-        .zip(&one)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert!(max < 1e-5, "{max}");
-    assert_ne!(both[0], both[1]);
+    for backend in [Backend::Native, Backend::Candle] {
+        let both = m
+            .predict_with(backend, &[input.clone(), flipped.clone()])
+            .expect("batch");
+        let one = m
+            .predict_with(backend, std::slice::from_ref(&input))
+            .expect("single")
+            .remove(0);
+        let two = m
+            .predict_with(backend, std::slice::from_ref(&flipped))
+            .expect("single")
+            .remove(0);
+        let max = max_diff(&both[0], &one).max(max_diff(&both[1], &two));
+        assert!(max < 1e-5, "{backend:?}: {max}");
+        assert_ne!(both[0], both[1]);
+    }
 }
 
 #[test]

@@ -54,6 +54,73 @@ fn small_pspnet_matches_reference_logits() {
     assert!(diff < 1e-4, "max abs diff {diff}");
 }
 
+/// The native CPU kernels (dilated gathers, pyramid pooling, bilinear resizes) on the same
+/// fixture, and the default `probabilities` path, which runs them on the CPU.
+#[test]
+fn small_pspnet_native_matches_reference_logits() {
+    let dir = fixtures();
+    let cfg: Config = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("pspnet_small_config.json")).expect("config"),
+    )
+    .expect("config parses");
+    let model = pspnet::load_file(
+        &dir.join("pspnet_small.safetensors"),
+        &cfg,
+        hilum_models::Device::Cpu,
+    )
+    .expect("small weights load");
+    let io = candle_core::safetensors::load(dir.join("pspnet_small_io.safetensors"), &Device::Cpu)
+        .expect("io fixture");
+    let input = io["input"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = io["logits"]
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let native = model.native().expect("native plan");
+    let got = native.forward(&input, 1).expect("native forward");
+    assert_eq!(got.len(), want.len());
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    println!("native: max abs diff {diff:e}");
+    assert!(diff < 1e-4, "native max abs diff {diff}");
+
+    assert_eq!(model.default_backend(), pspnet::Backend::Native);
+    let probs = model.probabilities(&input).expect("probabilities");
+    let hw = cfg.input_size * cfg.input_size;
+    assert_eq!(probs.len(), cfg.n_classes);
+    let worst = probs
+        .iter()
+        .flatten()
+        .zip(&want)
+        .map(|(p, l)| (p - 1.0 / (1.0 + (-l).exp())).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-5, "probabilities differ by {worst}");
+    assert!(probs.iter().all(|m| m.len() == hw));
+
+    // Batch of two (second image flipped) equals two single runs.
+    let flipped: Vec<f32> = input.iter().rev().copied().collect();
+    let both = native
+        .forward(&[input.clone(), flipped.clone()].concat(), 2)
+        .expect("batch");
+    let second = native.forward(&flipped, 1).expect("single");
+    let n = want.len();
+    let d0 = both[..n]
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let d1 = both[n..]
+        .iter()
+        .zip(&second)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d0 < 1e-5 && d1 < 1e-5, "batch differs: {d0} {d1}");
+}
+
 #[test]
 fn full_size_parameters_match_the_published_checkpoint() {
     let json: BTreeMap<String, Vec<usize>> = serde_json::from_str(
@@ -89,8 +156,10 @@ fn full_size_parameters_match_the_published_checkpoint() {
     assert!(published.len() > 500);
 }
 
-/// Full-size forward at 512 px on candle's CPU ops (random weights; only the time matters).
-/// Slow (tens of seconds): `cargo test -p hilum-models --release --test pspnet_fixture -- --ignored --nocapture`
+/// Full-size forward at 512 px, native kernels then candle's CPU ops (random weights; only the
+/// time matters). Slow (about a minute for candle):
+/// `cargo test -p hilum-models --release --test pspnet_fixture -- --ignored --nocapture`
+/// (`HILUM_CPU_THREADS` sets the native threads).
 #[test]
 #[ignore]
 fn full_size_forward_time() {
@@ -100,10 +169,29 @@ fn full_size_forward_time() {
     let model = pspnet::PspNet::load(vb, &cfg).expect("full-size model");
     let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
     let t = std::time::Instant::now();
-    let p = model.probabilities(&x).expect("forward");
+    model.native().expect("native plan");
     println!(
-        "PSPNet 512 px forward on candle CPU: {:.1} s",
+        "PSPNet native plan (fold weights): {:.1} s",
         t.elapsed().as_secs_f64()
+    );
+    let mut native_s = f64::MAX;
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        let p = model
+            .probabilities_with(pspnet::Backend::Native, &x)
+            .expect("native forward");
+        native_s = native_s.min(t.elapsed().as_secs_f64());
+        assert_eq!(p.len(), 14);
+    }
+    let t = std::time::Instant::now();
+    let p = model
+        .probabilities_with(pspnet::Backend::Candle, &x)
+        .expect("forward");
+    let candle_s = t.elapsed().as_secs_f64();
+    println!(
+        "PSPNet 512 px forward on CPU: native {native_s:.2} s (best of 2), candle {candle_s:.1} s, \
+         ratio {:.1}x",
+        candle_s / native_s
     );
     assert_eq!(p.len(), 14);
     assert_eq!(p[0].len(), cfg.input_size * cfg.input_size);

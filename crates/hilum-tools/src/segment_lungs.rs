@@ -226,10 +226,10 @@ impl Tool for SegmentLungs {
             let t = Instant::now();
             let x = vec![unet::preprocess_gray(&gray, w, h, size)];
             let probs = match backend {
-                unet::Backend::Candle => models
+                unet::Backend::Native | unet::Backend::Candle => models
                     .get_or_load::<LungUnet>(MODEL_ID, device)
                     .map_err(load)?
-                    .predict(&x),
+                    .predict_with(backend, &x),
                 unet::Backend::Onnx => models
                     .get_or_load::<unet::LungUnetOnnx>(MODEL_ID, device)
                     .map_err(load)?

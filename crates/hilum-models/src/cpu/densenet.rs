@@ -1,6 +1,8 @@
 //! DenseNet on the native CPU kernels, built from the candle model's weights.
 
-use super::{bn_affine, out_dim, validate, ConvOp, CpuError, Executor, Head, Op, Plan, View};
+use super::{
+    bn_affine, out_dim, validate, Act, ConvOp, CpuError, Executor, Head, Op, Output, Plan, View,
+};
 use crate::densenet::DenseNet;
 
 /// A DenseNet compiled for one input size into NHWC ops with BatchNorm folded.
@@ -24,17 +26,15 @@ impl NativeDenseNet {
         buf_sizes.push(h1 * h1 * cfg.num_init_features);
         let (weight, bias) = ConvOp::fold(&net.conv0, Some(&net.norm0))?;
         ops.push(Op::Conv(ConvOp {
-            src: View::whole(0, size, size, cfg.in_channels),
-            dst: stem,
-            k: 7,
-            stride: 2,
-            pad: 3,
-            pre: None,
-            pool2: false,
-            weight,
-            bias,
-            residual: None,
-            relu: true,
+            act: Act::Relu,
+            ..ConvOp::new(
+                View::whole(0, size, size, cfg.in_channels),
+                stem,
+                7,
+                2,
+                3,
+                (weight, bias),
+            )
         }));
 
         // One concatenation buffer per block; the bottleneck buffer is shared by all layers.
@@ -55,6 +55,9 @@ impl NativeDenseNet {
         ops.push(Op::MaxPool {
             src: stem,
             dst: first.slice(0, cfg.num_init_features),
+            k: 3,
+            stride: 2,
+            pad: 1,
         });
 
         for (i, layers) in net.blocks.iter().enumerate() {
@@ -65,48 +68,27 @@ impl NativeDenseNet {
                 // norm1 + ReLU on the way in; norm2 folded into conv1, its ReLU fused.
                 let (weight, bias) = ConvOp::fold(&layer.conv1, Some(&layer.norm2))?;
                 ops.push(Op::Conv(ConvOp {
-                    src: block.slice(0, c_in),
-                    dst: tmp,
-                    k: 1,
-                    stride: 1,
-                    pad: 0,
                     pre: Some(bn_affine(&layer.norm1)?),
-                    pool2: false,
-                    weight,
-                    bias,
-                    residual: None,
-                    relu: true,
+                    act: Act::Relu,
+                    ..ConvOp::new(block.slice(0, c_in), tmp, 1, 1, 0, (weight, bias))
                 }));
                 // conv2 writes its growth_rate channels straight into the concatenation.
                 let (weight, bias) = ConvOp::fold(&layer.conv2, None)?;
-                ops.push(Op::Conv(ConvOp {
-                    src: tmp,
-                    dst: block.slice(c_in, cfg.growth_rate),
-                    k: 3,
-                    stride: 1,
-                    pad: 1,
-                    pre: None,
-                    pool2: false,
-                    weight,
-                    bias,
-                    residual: None,
-                    relu: false,
-                }));
+                ops.push(Op::Conv(ConvOp::new(
+                    tmp,
+                    block.slice(c_in, cfg.growth_rate),
+                    3,
+                    1,
+                    1,
+                    (weight, bias),
+                )));
             }
             if let (Some(t), Some(next)) = (net.transitions.get(i), blocks.get(i + 1)) {
                 let (weight, bias) = ConvOp::fold(&t.conv, None)?;
                 ops.push(Op::Conv(ConvOp {
-                    src: block,
-                    dst: next.slice(0, block.c / 2),
-                    k: 1,
-                    stride: 1,
-                    pad: 0,
                     pre: Some(bn_affine(&t.norm)?),
                     pool2: true,
-                    weight,
-                    bias,
-                    residual: None,
-                    relu: false,
+                    ..ConvOp::new(block, next.slice(0, block.c / 2), 1, 1, 0, (weight, bias))
                 }));
             }
         }
@@ -123,9 +105,10 @@ impl NativeDenseNet {
         let plan = Plan {
             in_channels: cfg.in_channels,
             size,
+            input_nhwc: false,
             buf_sizes,
             ops,
-            head,
+            output: Output::Head(head),
         };
         validate(&plan)?;
         Ok(NativeDenseNet {

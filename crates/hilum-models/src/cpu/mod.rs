@@ -10,13 +10,20 @@
 //!   applied while the tile is gathered;
 //! - the whole forward runs inside one scope of a dedicated rayon pool: every thread walks the
 //!   same list of layers, takes its share of each, and meets the others at a spin barrier
-//!   (waking sleeping workers per layer costs more than small layers take).
+//!   (waking sleeping workers per layer costs more than small layers take);
+//! - for the segmentation networks: dilation, nearest 2x upsampling read while gathering (never
+//!   materialised), squeeze-excitation gates folded into the next 1x1 conv's weights per image,
+//!   swish/sigmoid with a vectorisable `exp`, pooling and bilinear resizing between NHWC views.
 
 mod densenet;
+mod pspnet;
 mod resnet;
+mod unet;
 
 pub use densenet::NativeDenseNet;
+pub use pspnet::NativePspNet;
 pub use resnet::NativeResNet;
+pub use unet::NativeUnet;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -121,28 +128,127 @@ fn tile_floats() -> usize {
     })
 }
 
-/// One convolution with everything fused around it.
+/// Worker threads of the native kernels: `HILUM_CPU_THREADS`, default all cores.
+pub fn default_threads() -> usize {
+    std::env::var("HILUM_CPU_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// An element-wise activation fused into a conv's epilogue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Act {
+    #[default]
+    None,
+    Relu,
+    /// `x * sigmoid(x)` (Keras swish, PyTorch SiLU).
+    Swish,
+    Sigmoid,
+}
+
+/// `exp(x)` from a degree-6 polynomial after range reduction: branch-free so loops over it
+/// vectorise (the libm call does not); relative error ~2e-7, like `f32::exp`.
+#[inline(always)]
+pub(crate) fn exp_approx(x: f32) -> f32 {
+    // Adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let e = (t.to_bits() as i32 - MAGIC.to_bits() as i32 + 127) << 23;
+    p * f32::from_bits(e as u32)
+}
+
+/// The logistic function, with the same `exp` as the fused activations.
+pub fn sigmoid(x: f32) -> f32 {
+    Act::Sigmoid.scalar(x)
+}
+
+impl Act {
+    #[inline(always)]
+    fn apply(self, v: &mut [f32]) {
+        match self {
+            Act::None => {}
+            Act::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
+            Act::Swish => v.iter_mut().for_each(|x| *x /= 1.0 + exp_approx(-*x)),
+            Act::Sigmoid => v
+                .iter_mut()
+                .for_each(|x| *x = 1.0 / (1.0 + exp_approx(-*x))),
+        }
+    }
+    pub fn scalar(self, x: f32) -> f32 {
+        let mut v = [x];
+        self.apply(&mut v);
+        v[0]
+    }
+}
+
+/// One convolution with everything fused around it. Epilogue order, per output value:
+/// `+ bias`, `act`, then with a residual `+ residual`, `post` affine, `post_act`.
 #[derive(Clone, Debug)]
 pub(crate) struct ConvOp {
     pub src: View,
     pub dst: View,
     pub k: usize,
     pub stride: usize,
+    /// Zero padding before the first row/column (after is implied by `dst`'s size, so Keras'
+    /// asymmetric `same` padding needs nothing more).
     pub pad: usize,
+    pub dilation: usize,
+    /// The conv reads a nearest-neighbour 2x upsampling of `src` (never materialised).
+    pub up2: bool,
     /// BatchNorm + ReLU applied to the input before the conv (pre-activation).
     pub pre: Option<Affine>,
     /// 2x2 average pool of the (pre-activated) input before a 1x1 conv: a DenseNet
     /// transition's conv and pool are both linear, so pooling first is 4x cheaper.
     pub pool2: bool,
+    /// Per-image, per-input-channel scale (a squeeze-excitation gate, a 1x1 view per image),
+    /// folded into the weights of each image's gemm.
+    pub gate: Option<View>,
     /// (k * k * c_in, c_out) row-major, BatchNorm folded in.
     pub weight: Vec<f32>,
     pub bias: Option<Vec<f32>>,
-    /// Added before the ReLU (ResNet shortcut); same pixels and channels as `dst`.
+    pub act: Act,
+    /// Same pixels and channels as `dst` (ResNet shortcut, U-Net skip).
     pub residual: Option<View>,
-    pub relu: bool,
+    /// A BatchNorm after the residual add (the lung U-Net's `bn{n}_a`).
+    pub post: Option<Affine>,
+    pub post_act: Act,
 }
 
 impl ConvOp {
+    /// A plain conv: no pre-activation, pooling, gate, residual or activation.
+    pub fn new(src: View, dst: View, k: usize, stride: usize, pad: usize, folded: Folded) -> Self {
+        let (weight, bias) = folded;
+        ConvOp {
+            src,
+            dst,
+            k,
+            stride,
+            pad,
+            dilation: 1,
+            up2: false,
+            pre: None,
+            pool2: false,
+            gate: None,
+            weight,
+            bias,
+            act: Act::None,
+            residual: None,
+            post: None,
+            post_act: Act::None,
+        }
+    }
+
     /// Conv (c_out, c_in, k, k) followed by an optional BatchNorm, as gemm weights and a bias.
     pub fn fold(conv: &Conv2d, bn: Option<&BatchNorm>) -> Result<Folded, CpuError> {
         let w = conv.weight();
@@ -165,7 +271,19 @@ impl ConvOp {
                 }
             }
         }
-        Ok((out, aff.map(|a| a.shift)))
+        let conv_bias = conv.bias().map(|b| b.to_vec1::<f32>()).transpose()?;
+        let bias = match (aff, conv_bias) {
+            (None, b) => b,
+            (Some(a), None) => Some(a.shift),
+            (Some(a), Some(b)) => Some(
+                b.iter()
+                    .zip(&a.scale)
+                    .zip(&a.shift)
+                    .map(|((b, s), t)| b * s + t)
+                    .collect(),
+            ),
+        };
+        Ok((out, bias))
     }
 
     fn c_in(&self) -> usize {
@@ -177,30 +295,71 @@ impl ConvOp {
     fn kdim(&self) -> usize {
         self.k * self.k * self.c_in()
     }
+    /// Input size the kernel slides over (twice `src` when upsampling on the fly).
+    fn in_hw(&self) -> (usize, usize) {
+        let u = if self.up2 { 2 } else { 1 };
+        (self.src.h * u, self.src.w * u)
+    }
     /// Whether the gemm can read the input buffer directly (no gathering).
     fn direct(&self) -> bool {
-        self.k == 1 && self.stride == 1 && self.pad == 0 && self.pre.is_none() && !self.pool2
+        self.k == 1
+            && self.stride == 1
+            && self.pad == 0
+            && self.pre.is_none()
+            && !self.pool2
+            && !self.up2
     }
-    /// Pixels per gathered tile: big enough to amortise packing the weights, small enough
-    /// to stay in L2.
+    /// Pixels per gathered tile: big enough to amortise packing the weights (at least 256 rows
+    /// when they exceed 1 MiB), small enough to stay in L2 otherwise.
     fn tile_rows(&self, rows: usize) -> usize {
         if self.direct() {
             return rows.max(1);
         }
+        let min = if self.kdim() * self.c_out() > 1 << 18 {
+            256
+        } else {
+            48
+        };
         (tile_floats() / self.kdim())
-            .clamp(48, 512)
+            .clamp(min, 512)
             .min(rows.max(1))
     }
+}
+
+/// Squeeze-excitation: per image, the channel means of `src` through a 1x1 conv + swish and a
+/// 1x1 conv + sigmoid, written as a gate (a 1x1 view) for the next conv.
+#[derive(Clone, Debug)]
+pub(crate) struct SeOp {
+    pub src: View,
+    pub dst: View,
+    /// (c, c_se) row-major and (c_se, c).
+    pub reduce: Folded,
+    pub expand: Folded,
 }
 
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
     Conv(ConvOp),
-    /// 3x3, stride 2, padding 1 max pool (padding never wins: the inputs follow a ReLU).
+    /// Max pool; padding never wins (the inputs follow a ReLU or are pooled without padding).
     MaxPool {
         src: View,
         dst: View,
+        k: usize,
+        stride: usize,
+        pad: usize,
     },
+    /// Average pool without padding (PSPNet's pyramid: kernel = stride).
+    AvgPool {
+        src: View,
+        dst: View,
+        k: (usize, usize),
+    },
+    /// Bilinear resize, PyTorch `align_corners=False`.
+    Resize {
+        src: View,
+        dst: View,
+    },
+    Se(SeOp),
 }
 
 /// The classification head: optional BN + ReLU, global average pool, linear layer.
@@ -232,22 +391,40 @@ impl Head {
     }
 }
 
+/// What a forward returns.
+#[derive(Clone, Debug)]
+pub(crate) enum Output {
+    /// Logits (batch, classes).
+    Head(Head),
+    /// A feature map, returned NHWC (batch, h, w, c).
+    Map(View),
+}
+
 /// A network as a list of ops over numbered NHWC buffers (sizes per image).
 #[derive(Clone, Debug)]
 pub(crate) struct Plan {
     pub in_channels: usize,
     pub size: usize,
+    /// The input comes NHWC (Keras) instead of NCHW (PyTorch).
+    pub input_nhwc: bool,
     /// Floats per image of each buffer; buffer 0 is the input.
     pub buf_sizes: Vec<usize>,
     pub ops: Vec<Op>,
-    pub head: Head,
+    pub output: Output,
 }
 
 /// Per-thread scratch and buffers, reused across calls with the same batch size.
 struct Workspace {
     batch: usize,
     bufs: Vec<Vec<f32>>,
-    scratch: Vec<Vec<f32>>,
+    scratch: Vec<Scratch>,
+}
+
+/// One thread's gathered tile and gate-scaled weights.
+#[derive(Default)]
+struct Scratch {
+    tile: Vec<f32>,
+    weights: Vec<f32>,
 }
 
 /// Runs a [`Plan`] on a dedicated thread pool, one forward at a time.
@@ -325,8 +502,9 @@ impl Executor {
         self.threads
     }
 
-    /// Input (batch, in_channels, size, size) as NCHW `f32` (NHWC when in_channels == 1).
-    /// Returns logits (batch, classes) row-major.
+    /// Input (batch, in_channels, size, size) as NCHW `f32` (NHWC when the plan says so or
+    /// in_channels == 1). Returns logits (batch, classes) row-major for a head, else the
+    /// output map NHWC.
     pub fn forward(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, CpuError> {
         let p = &self.plan;
         let expected = batch * p.in_channels * p.size * p.size;
@@ -340,34 +518,43 @@ impl Executor {
         }
         let mut guard = self.ws.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().map(|w| w.batch) != Some(batch) {
-            let scratch_len = p
-                .ops
-                .iter()
-                .map(|op| match op {
-                    Op::Conv(c) if !c.direct() => {
+            let (mut tile_len, mut w_len) = (0, 0);
+            for op in &p.ops {
+                if let Op::Conv(c) = op {
+                    if !c.direct() {
                         let rows = batch * c.dst.h * c.dst.w;
-                        c.tile_rows(rows) * c.kdim()
+                        tile_len = tile_len.max(c.tile_rows(rows) * c.kdim());
                     }
-                    _ => 0,
-                })
-                .max()
-                .unwrap_or(0);
+                    if c.gate.is_some() {
+                        w_len = w_len.max(c.weight.len());
+                    }
+                }
+            }
             *guard = Some(Workspace {
                 batch,
                 bufs: p.buf_sizes.iter().map(|&s| vec![0f32; s * batch]).collect(),
-                scratch: (0..self.threads).map(|_| vec![0f32; scratch_len]).collect(),
+                scratch: (0..self.threads)
+                    .map(|_| Scratch {
+                        tile: vec![0f32; tile_len],
+                        weights: vec![0f32; w_len],
+                    })
+                    .collect(),
             });
         }
         let ws = guard
             .as_mut()
             .ok_or_else(|| CpuError::Threads("no workspace".into()))?;
-        // NCHW → NHWC for the input buffer.
         let hw = p.size * p.size;
         let c = p.in_channels;
-        for b in 0..batch {
-            for ch in 0..c {
-                for i in 0..hw {
-                    ws.bufs[0][(b * hw + i) * c + ch] = input[(b * c + ch) * hw + i];
+        if p.input_nhwc || c == 1 {
+            ws.bufs[0][..input.len()].copy_from_slice(input);
+        } else {
+            // NCHW → NHWC for the input buffer.
+            for b in 0..batch {
+                for ch in 0..c {
+                    for i in 0..hw {
+                        ws.bufs[0][(b * hw + i) * c + ch] = input[(b * c + ch) * hw + i];
+                    }
                 }
             }
         }
@@ -392,7 +579,17 @@ impl Executor {
         if let Some(times) = profile {
             print_profile(p, batch, nt, &times);
         }
-        Ok(head(&p.head, &ws.bufs[p.head.src.buf], batch))
+        Ok(match &p.output {
+            Output::Head(h) => head(h, &ws.bufs[h.src.buf], batch),
+            Output::Map(v) => {
+                let buf = &ws.bufs[v.buf];
+                let mut out = Vec::with_capacity(batch * v.h * v.w * v.c);
+                for px in 0..batch * v.h * v.w {
+                    out.extend_from_slice(&buf[px * v.pitch + v.ch_off..][..v.c]);
+                }
+                out
+            }
+        })
     }
 }
 
@@ -404,14 +601,23 @@ fn run_ops(
     nt: usize,
     sh: &Shared,
     barrier: &SpinBarrier,
-    scratch: &mut [f32],
+    scratch: &mut Scratch,
     mut profile: Option<&mut Vec<f64>>,
 ) {
     let mut t0 = std::time::Instant::now();
     for (i, op) in plan.ops.iter().enumerate() {
         match op {
             Op::Conv(c) => conv_part(c, batch, t, nt, sh, scratch),
-            Op::MaxPool { src, dst } => maxpool_part(*src, *dst, batch, t, nt, sh),
+            Op::MaxPool {
+                src,
+                dst,
+                k,
+                stride,
+                pad,
+            } => maxpool_part(*src, *dst, (*k, *stride, *pad), batch, t, nt, sh),
+            Op::AvgPool { src, dst, k } => avgpool_part(*src, *dst, *k, batch, t, nt, sh),
+            Op::Resize { src, dst } => resize_part(*src, *dst, batch, t, nt, sh),
+            Op::Se(se) => se_part(se, batch, t, nt, sh),
         }
         barrier.wait();
         if let Some(p) = profile.as_deref_mut() {
@@ -422,24 +628,49 @@ fn run_ops(
     }
 }
 
+/// Name of an op's kind in the profile.
+fn op_kind(op: &Op) -> String {
+    match op {
+        Op::Conv(c) => {
+            let mut kind = match (c.k, c.pre.is_some(), c.pool2, c.direct()) {
+                (_, _, true, _) => "1x1 pre-act + pool2 (transition)".to_string(),
+                (1, true, _, _) => "1x1 pre-act (gathered)".to_string(),
+                (1, _, _, true) => "1x1 direct".to_string(),
+                (k, _, _, _) => format!("{k}x{k} s{} im2col", c.stride),
+            };
+            if c.dilation > 1 {
+                kind += &format!(" d{}", c.dilation);
+            }
+            if c.up2 {
+                kind += " up2";
+            }
+            if c.gate.is_some() {
+                kind += " gated";
+            }
+            if c.act == Act::Swish || c.post_act == Act::Swish {
+                kind += " swish";
+            }
+            if c.residual.is_some() {
+                kind += " +res";
+            }
+            kind
+        }
+        Op::MaxPool { k, stride, .. } => format!("maxpool {k}x{k} s{stride}"),
+        Op::AvgPool { .. } => "avgpool".to_string(),
+        Op::Resize { .. } => "bilinear resize".to_string(),
+        Op::Se(_) => "squeeze-excitation".to_string(),
+    }
+}
+
 /// Per kind of op: count, milliseconds, GFLOP/s.
 fn print_profile(plan: &Plan, batch: usize, nt: usize, times: &[f64]) {
     let mut rows: std::collections::BTreeMap<String, (usize, f64, f64)> = Default::default();
     for (op, &ms) in plan.ops.iter().zip(times) {
-        let (kind, flops) = match op {
-            Op::Conv(c) => {
-                let kind = match (c.k, c.pre.is_some(), c.pool2, c.direct()) {
-                    (_, _, true, _) => "1x1 pre-act + pool2 (transition)".to_string(),
-                    (1, true, _, _) => "1x1 pre-act (gathered)".to_string(),
-                    (1, _, _, true) => "1x1 direct".to_string(),
-                    (k, _, _, _) => format!("{k}x{k} s{} im2col", c.stride),
-                };
-                let f = 2.0 * (batch * c.dst.h * c.dst.w * c.kdim() * c.c_out()) as f64;
-                (kind, f)
-            }
-            Op::MaxPool { .. } => ("maxpool".to_string(), 0.0),
+        let flops = match op {
+            Op::Conv(c) => 2.0 * (batch * c.dst.h * c.dst.w * c.kdim() * c.c_out()) as f64,
+            _ => 0.0,
         };
-        let e = rows.entry(kind).or_default();
+        let e = rows.entry(op_kind(op)).or_default();
         e.0 += 1;
         e.1 += ms;
         e.2 += flops;
@@ -451,7 +682,7 @@ fn print_profile(plan: &Plan, batch: usize, nt: usize, times: &[f64]) {
     );
     for (kind, (n, ms, f)) in rows {
         eprintln!(
-            "  {kind:<36} {n:>4} ops {ms:>8.2} ms {:>5.1}% {:>7.1} GFLOP/s",
+            "  {kind:<40} {n:>4} ops {ms:>8.2} ms {:>5.1}% {:>7.1} GFLOP/s",
             100.0 * ms / total.max(1e-9),
             f / (ms.max(1e-9) * 1e6)
         );
@@ -463,7 +694,7 @@ fn share(n: usize, t: usize, nt: usize) -> (usize, usize) {
     (n * t / nt, n * (t + 1) / nt)
 }
 
-fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch: &mut [f32]) {
+fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch: &mut Scratch) {
     let rows = batch * c.dst.h * c.dst.w;
     let tm = c.tile_rows(rows);
     let (kdim, c_out) = (c.kdim(), c.c_out());
@@ -480,6 +711,7 @@ fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch
     let items = row_items * col_splits;
     let (lo, hi) = share(items, t, nt);
     let mut gathered: Option<usize> = None;
+    let hw = c.dst.h * c.dst.w;
     for item in lo..hi {
         let (ri, ci) = (item / col_splits, item % col_splits);
         let (r0, r1) = if c.direct() {
@@ -493,61 +725,119 @@ fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch
         if r0 >= r1 || n0 >= n1 {
             continue;
         }
-        let m = r1 - r0;
         // SAFETY: views were checked to fit their buffers when the plan was built; rows r0..r1
         // and columns n0..n1 of dst belong to this thread only; the src was completed before the
         // last barrier.
         unsafe {
             let src = sh.bufs[c.src.buf] as *const f32;
-            let (lhs, lhs_rs) = if c.direct() {
-                (src.add(r0 * c.src.pitch + c.src.ch_off), c.src.pitch)
-            } else {
-                if gathered != Some(r0) {
-                    gather(
-                        c,
-                        batch,
-                        r0,
-                        r1,
-                        src,
-                        sh.lens[c.src.buf],
-                        &mut scratch[..m * kdim],
-                    );
-                    gathered = Some(r0);
-                }
-                (scratch.as_ptr(), kdim)
-            };
-            let dst = sh.bufs[c.dst.buf].add(r0 * c.dst.pitch + c.dst.ch_off + n0);
-            gemm::gemm(
-                m,
-                n1 - n0,
-                kdim,
-                dst,
-                1,
-                c.dst.pitch as isize,
-                false,
-                lhs,
-                1,
-                lhs_rs as isize,
-                c.weight.as_ptr().add(n0),
-                1,
-                c_out as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
+            if !c.direct() && gathered != Some(r0) {
+                let m = r1 - r0;
+                gather(
+                    c,
+                    r0,
+                    r1,
+                    src,
+                    sh.lens[c.src.buf],
+                    &mut scratch.tile[..m * kdim],
+                );
+                gathered = Some(r0);
+            }
+            // A gate differs per image: one gemm per image within the rows.
+            let mut a = r0;
+            while a < r1 {
+                let b = if c.gate.is_some() {
+                    ((a / hw + 1) * hw).min(r1)
+                } else {
+                    r1
+                };
+                let (lhs, lhs_rs) = if c.direct() {
+                    (src.add(a * c.src.pitch + c.src.ch_off), c.src.pitch)
+                } else {
+                    (scratch.tile.as_ptr().add((a - r0) * kdim), kdim)
+                };
+                let rhs = match &c.gate {
+                    Some(g) => {
+                        let gp = sh.bufs[g.buf] as *const f32;
+                        let gate =
+                            std::slice::from_raw_parts(gp.add((a / hw) * g.pitch + g.ch_off), g.c);
+                        let w = &mut scratch.weights[..c.weight.len()];
+                        for (row, (wr, or)) in w
+                            .chunks_exact_mut(c_out)
+                            .zip(c.weight.chunks_exact(c_out))
+                            .enumerate()
+                        {
+                            let s = gate[row % c.src.c];
+                            wr.iter_mut().zip(or).for_each(|(d, &v)| *d = v * s);
+                        }
+                        w.as_ptr()
+                    }
+                    None => c.weight.as_ptr(),
+                };
+                let dst = sh.bufs[c.dst.buf].add(a * c.dst.pitch + c.dst.ch_off + n0);
+                gemm::gemm(
+                    b - a,
+                    n1 - n0,
+                    kdim,
+                    dst,
+                    1,
+                    c.dst.pitch as isize,
+                    false,
+                    lhs,
+                    1,
+                    lhs_rs as isize,
+                    rhs.add(n0),
+                    1,
+                    c_out as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+                a = b;
+            }
             epilogue(c, sh, r0, r1, n0, n1);
         }
     }
 }
 
-/// Bias, shortcut and ReLU on the rows r0..r1, columns n0..n1 just written.
+/// Whether this CPU runs the AVX-512 builds of the element-wise loops.
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *V4.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512dq")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Bias, activation, residual, post-affine and post-activation on rows r0..r1, columns n0..n1.
 unsafe fn epilogue(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
-    if c.bias.is_none() && c.residual.is_none() && !c.relu {
+    if c.bias.is_none() && c.residual.is_none() && c.act == Act::None {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        return epilogue_v4(c, sh, r0, r1, n0, n1);
+    }
+    epilogue_body(c, sh, r0, r1, n0, n1)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+unsafe fn epilogue_v4(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
+    epilogue_body(c, sh, r0, r1, n0, n1)
+}
+
+#[inline(always)]
+unsafe fn epilogue_body(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
     let dst = sh.bufs[c.dst.buf];
     for r in r0..r1 {
         let row = std::slice::from_raw_parts_mut(dst.add(r * c.dst.pitch + c.dst.ch_off), c.dst.c);
@@ -555,22 +845,56 @@ unsafe fn epilogue(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1:
         if let Some(b) = &c.bias {
             row.iter_mut().zip(&b[n0..n1]).for_each(|(v, b)| *v += b);
         }
+        c.act.apply(row);
         if let Some(res) = &c.residual {
             let rp = sh.bufs[res.buf] as *const f32;
             let rrow = std::slice::from_raw_parts(rp.add(r * res.pitch + res.ch_off), res.c);
             row.iter_mut().zip(&rrow[n0..n1]).for_each(|(v, s)| *v += s);
-        }
-        if c.relu {
-            row.iter_mut().for_each(|v| *v = v.max(0.0));
+            if let Some(a) = &c.post {
+                row.iter_mut()
+                    .zip(&a.scale[n0..n1])
+                    .zip(&a.shift[n0..n1])
+                    .for_each(|((v, s), t)| *v = *v * s + t);
+            }
+            c.post_act.apply(row);
         }
     }
 }
 
 /// im2col of output pixels r0..r1 into `tile` ((r1 - r0) x k*k*c_in), applying the
-/// pre-activation and the 2x2 pre-pool. Padding stays zero (PyTorch pads the activated input).
+/// pre-activation, the 2x2 pre-pool, dilation and on-the-fly 2x upsampling. Padding stays zero
+/// (PyTorch and Keras pad the activated input).
 unsafe fn gather(
     c: &ConvOp,
-    _batch: usize,
+    r0: usize,
+    r1: usize,
+    src: *const f32,
+    src_len: usize,
+    tile: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        return gather_v4(c, r0, r1, src, src_len, tile);
+    }
+    gather_body(c, r0, r1, src, src_len, tile)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+unsafe fn gather_v4(
+    c: &ConvOp,
+    r0: usize,
+    r1: usize,
+    src: *const f32,
+    src_len: usize,
+    tile: &mut [f32],
+) {
+    gather_body(c, r0, r1, src, src_len, tile)
+}
+
+#[inline(always)]
+unsafe fn gather_body(
+    c: &ConvOp,
     r0: usize,
     r1: usize,
     src: *const f32,
@@ -579,6 +903,8 @@ unsafe fn gather(
 ) {
     let s = c.src;
     let (ho, wo) = (c.dst.h, c.dst.w);
+    let (ih, iw) = c.in_hw();
+    let up = if c.up2 { 1 } else { 0 };
     let kdim = c.kdim();
     let src = std::slice::from_raw_parts(src, src_len);
     let pix = |b: usize, y: usize, x: usize| {
@@ -606,15 +932,15 @@ unsafe fn gather(
             continue;
         }
         for ky in 0..c.k {
-            let iy = (oy * c.stride + ky) as isize - c.pad as isize;
+            let iy = (oy * c.stride + ky * c.dilation) as isize - c.pad as isize;
             for kx in 0..c.k {
-                let ix = (ox * c.stride + kx) as isize - c.pad as isize;
+                let ix = (ox * c.stride + kx * c.dilation) as isize - c.pad as isize;
                 let o = &mut out[(ky * c.k + kx) * s.c..(ky * c.k + kx + 1) * s.c];
-                if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
+                if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
                     o.fill(0.0);
                     continue;
                 }
-                let p = pix(b, iy as usize, ix as usize);
+                let p = pix(b, iy as usize >> up, ix as usize >> up);
                 match &c.pre {
                     Some(a) => {
                         for (((o, &v), &sc), &sh) in o.iter_mut().zip(p).zip(&a.scale).zip(&a.shift)
@@ -629,7 +955,15 @@ unsafe fn gather(
     }
 }
 
-fn maxpool_part(src: View, dst: View, batch: usize, t: usize, nt: usize, sh: &Shared) {
+fn maxpool_part(
+    src: View,
+    dst: View,
+    (k, stride, pad): (usize, usize, usize),
+    batch: usize,
+    t: usize,
+    nt: usize,
+    sh: &Shared,
+) {
     let rows = batch * dst.h * dst.w;
     let (r0, r1) = share(rows, t, nt);
     // SAFETY: as in conv_part; this thread writes pixels r0..r1 of dst only.
@@ -640,13 +974,13 @@ fn maxpool_part(src: View, dst: View, batch: usize, t: usize, nt: usize, sh: &Sh
             let (b, oy, ox) = (r / (dst.h * dst.w), (r / dst.w) % dst.h, r % dst.w);
             let out = std::slice::from_raw_parts_mut(d.add(r * dst.pitch + dst.ch_off), dst.c);
             out.fill(f32::NEG_INFINITY);
-            for ky in 0..3 {
-                let iy = (2 * oy + ky) as isize - 1;
+            for ky in 0..k {
+                let iy = (stride * oy + ky) as isize - pad as isize;
                 if iy < 0 || iy >= src.h as isize {
                     continue;
                 }
-                for kx in 0..3 {
-                    let ix = (2 * ox + kx) as isize - 1;
+                for kx in 0..k {
+                    let ix = (stride * ox + kx) as isize - pad as isize;
                     if ix < 0 || ix >= src.w as isize {
                         continue;
                     }
@@ -656,6 +990,134 @@ fn maxpool_part(src: View, dst: View, batch: usize, t: usize, nt: usize, sh: &Sh
                         .zip(&s[at..at + src.c])
                         .for_each(|(o, &v)| *o = o.max(v));
                 }
+            }
+        }
+    }
+}
+
+/// Channel chunks per pixel when pooling: few output pixels with many channels still split.
+const POOL_CHUNK: usize = 256;
+
+fn avgpool_part(
+    src: View,
+    dst: View,
+    (kh, kw): (usize, usize),
+    batch: usize,
+    t: usize,
+    nt: usize,
+    sh: &Shared,
+) {
+    let chunks = dst.c.div_ceil(POOL_CHUNK);
+    let items = batch * dst.h * dst.w * chunks;
+    let (lo, hi) = share(items, t, nt);
+    let norm = 1.0 / (kh * kw) as f32;
+    // SAFETY: as in conv_part; this thread writes its (pixel, channel chunk) items only.
+    unsafe {
+        let s = std::slice::from_raw_parts(sh.bufs[src.buf] as *const f32, sh.lens[src.buf]);
+        let d = sh.bufs[dst.buf];
+        for item in lo..hi {
+            let (r, ch) = (item / chunks, item % chunks);
+            let (c0, c1) = (ch * POOL_CHUNK, ((ch + 1) * POOL_CHUNK).min(dst.c));
+            let (b, oy, ox) = (r / (dst.h * dst.w), (r / dst.w) % dst.h, r % dst.w);
+            let out =
+                std::slice::from_raw_parts_mut(d.add(r * dst.pitch + dst.ch_off + c0), c1 - c0);
+            out.fill(0.0);
+            for iy in oy * kh..(oy + 1) * kh {
+                for ix in ox * kw..(ox + 1) * kw {
+                    let at = ((b * src.h + iy) * src.w + ix) * src.pitch + src.ch_off;
+                    out.iter_mut()
+                        .zip(&s[at + c0..at + c1])
+                        .for_each(|(o, &v)| *o += v);
+                }
+            }
+            out.iter_mut().for_each(|o| *o *= norm);
+        }
+    }
+}
+
+/// PyTorch's source coordinate for `align_corners=False`: (first index, second, weight of second).
+fn linear_taps(out: usize, in_size: usize, out_size: usize) -> (usize, usize, f32) {
+    let scale = in_size as f32 / out_size as f32;
+    let x = ((out as f32 + 0.5) * scale - 0.5).max(0.0);
+    let i0 = (x as usize).min(in_size - 1);
+    let i1 = (i0 + 1).min(in_size - 1);
+    (i0, i1, x - i0 as f32)
+}
+
+fn resize_part(src: View, dst: View, batch: usize, t: usize, nt: usize, sh: &Shared) {
+    let rows = batch * dst.h;
+    let (r0, r1) = share(rows, t, nt);
+    let xs: Vec<(usize, usize, f32)> = (0..dst.w).map(|x| linear_taps(x, src.w, dst.w)).collect();
+    // SAFETY: as in conv_part; this thread writes output rows r0..r1 only.
+    unsafe {
+        let s = std::slice::from_raw_parts(sh.bufs[src.buf] as *const f32, sh.lens[src.buf]);
+        let d = sh.bufs[dst.buf];
+        let pix = |b: usize, y: usize, x: usize| {
+            &s[((b * src.h + y) * src.w + x) * src.pitch + src.ch_off..][..src.c]
+        };
+        for r in r0..r1 {
+            let (b, oy) = (r / dst.h, r % dst.h);
+            let (y0, y1, ly) = linear_taps(oy, src.h, dst.h);
+            for (ox, &(x0, x1, lx)) in xs.iter().enumerate() {
+                let at = ((b * dst.h + oy) * dst.w + ox) * dst.pitch + dst.ch_off;
+                let out = std::slice::from_raw_parts_mut(d.add(at), dst.c);
+                let (a, bb, cc, dd) = (
+                    pix(b, y0, x0),
+                    pix(b, y0, x1),
+                    pix(b, y1, x0),
+                    pix(b, y1, x1),
+                );
+                let (w00, w01) = ((1.0 - ly) * (1.0 - lx), (1.0 - ly) * lx);
+                let (w10, w11) = (ly * (1.0 - lx), ly * lx);
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = w00 * a[i] + w01 * bb[i] + w10 * cc[i] + w11 * dd[i];
+                }
+            }
+        }
+    }
+}
+
+fn se_part(se: &SeOp, batch: usize, t: usize, nt: usize, sh: &Shared) {
+    let (b0, b1) = share(batch, t, nt);
+    let (src, dst) = (se.src, se.dst);
+    let (rw, rb) = &se.reduce;
+    let (ew, eb) = &se.expand;
+    let c = src.c;
+    let c_se = rw.len() / c.max(1);
+    let hw = src.h * src.w;
+    // SAFETY: as in conv_part; this thread writes the gates of images b0..b1 only.
+    unsafe {
+        let s = std::slice::from_raw_parts(sh.bufs[src.buf] as *const f32, sh.lens[src.buf]);
+        let mut mean = vec![0f32; c];
+        let mut hidden = vec![0f32; c_se];
+        for b in b0..b1 {
+            mean.fill(0.0);
+            for i in 0..hw {
+                let at = (b * hw + i) * src.pitch + src.ch_off;
+                mean.iter_mut()
+                    .zip(&s[at..at + c])
+                    .for_each(|(m, &v)| *m += v);
+            }
+            mean.iter_mut().for_each(|m| *m /= hw as f32);
+            for (j, h) in hidden.iter_mut().enumerate() {
+                let z = rb.as_ref().map_or(0.0, |b| b[j])
+                    + mean
+                        .iter()
+                        .enumerate()
+                        .map(|(i, m)| m * rw[i * c_se + j])
+                        .sum::<f32>();
+                *h = Act::Swish.scalar(z);
+            }
+            let g =
+                std::slice::from_raw_parts_mut(sh.bufs[dst.buf].add(b * dst.pitch + dst.ch_off), c);
+            for (o, gv) in g.iter_mut().enumerate() {
+                let z = eb.as_ref().map_or(0.0, |b| b[o])
+                    + hidden
+                        .iter()
+                        .enumerate()
+                        .map(|(j, h)| h * ew[j * c + o])
+                        .sum::<f32>();
+                *gv = Act::Sigmoid.scalar(z);
             }
         }
     }
@@ -697,20 +1159,71 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
             && v.ch_off + v.c <= v.pitch
             && v.h * v.w * v.pitch <= plan.buf_sizes[v.buf]
     };
+    let one_px = |v: &View| fits(v) && v.h == 1 && v.w == 1;
+    let input = View::whole(0, plan.size, plan.size, plan.in_channels);
+    let mut ok_all = fits(&input);
     for op in &plan.ops {
         let ok = match op {
             Op::Conv(c) => {
                 fits(&c.src)
                     && fits(&c.dst)
+                    && c.k >= 1
+                    && c.stride >= 1
+                    && c.dilation >= 1
+                    && c.dst.h >= 1
+                    && c.dst.w >= 1
+                    && (!c.direct() || (c.src.h == c.dst.h && c.src.w == c.dst.w))
                     && c.residual.as_ref().is_none_or(|r| {
                         fits(r) && r.c == c.dst.c && r.h == c.dst.h && r.w == c.dst.w
                     })
+                    && c.post
+                        .as_ref()
+                        .is_none_or(|a| a.scale.len() == c.dst.c && c.residual.is_some())
+                    && c.gate.as_ref().is_none_or(|g| one_px(g) && g.c == c.src.c)
                     && c.weight.len() == c.kdim() * c.c_out()
+                    && c.bias.as_ref().is_none_or(|b| b.len() == c.c_out())
                     && c.pre.as_ref().is_none_or(|a| a.scale.len() == c.src.c)
                     && (!c.pool2 || (c.k == 1 && c.src.h >= 2 * c.dst.h && c.src.w >= 2 * c.dst.w))
             }
-            Op::MaxPool { src, dst } => fits(src) && fits(dst) && src.c == dst.c,
+            Op::MaxPool {
+                src,
+                dst,
+                k,
+                stride,
+                pad,
+            } => {
+                fits(src)
+                    && fits(dst)
+                    && src.c == dst.c
+                    && *stride >= 1
+                    && *k > *pad
+                    && (dst.h - 1) * stride + k <= src.h + 2 * pad
+                    && (dst.w - 1) * stride + k <= src.w + 2 * pad
+            }
+            Op::AvgPool { src, dst, k } => {
+                fits(src)
+                    && fits(dst)
+                    && src.c == dst.c
+                    && k.0 >= 1
+                    && k.1 >= 1
+                    && dst.h * k.0 <= src.h
+                    && dst.w * k.1 <= src.w
+            }
+            Op::Resize { src, dst } => {
+                fits(src) && fits(dst) && src.c == dst.c && src.h >= 1 && src.w >= 1
+            }
+            Op::Se(se) => {
+                let c_se = se.reduce.0.len() / se.src.c.max(1);
+                fits(&se.src)
+                    && one_px(&se.dst)
+                    && se.dst.c == se.src.c
+                    && se.reduce.0.len() == se.src.c * c_se
+                    && se.expand.0.len() == c_se * se.src.c
+                    && se.reduce.1.as_ref().is_none_or(|b| b.len() == c_se)
+                    && se.expand.1.as_ref().is_none_or(|b| b.len() == se.src.c)
+            }
         };
+        ok_all &= ok;
         if !ok {
             return Err(CpuError::Weights(
                 format!("inconsistent layer in the CPU plan: {op:?}")
@@ -720,8 +1233,14 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
             ));
         }
     }
-    if !fits(&plan.head.src) || plan.head.weight.len() != plan.head.classes * plan.head.src.c {
-        return Err(CpuError::Weights("inconsistent classification head".into()));
+    let out_ok = match &plan.output {
+        Output::Head(h) => fits(&h.src) && h.weight.len() == h.classes * h.src.c,
+        Output::Map(v) => fits(v),
+    };
+    if !out_ok || !ok_all {
+        return Err(CpuError::Weights(
+            "inconsistent network output in the CPU plan".into(),
+        ));
     }
     Ok(())
 }
@@ -729,4 +1248,32 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
 /// Output size of a conv/pool along one axis.
 pub(crate) fn out_dim(i: usize, k: usize, stride: usize, pad: usize) -> usize {
     (i + 2 * pad - k) / stride + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_approx_matches_std_exp() {
+        let mut worst = 0f32;
+        for i in -8000..8000 {
+            let x = i as f32 * 0.01;
+            let rel = (exp_approx(x) - x.exp()).abs() / x.exp();
+            worst = worst.max(rel);
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert!(exp_approx(-200.0) < 1e-37);
+        assert!(exp_approx(200.0).is_finite());
+    }
+
+    #[test]
+    fn linear_taps_follow_pytorch_half_pixel_rule() {
+        // 2 → 4: sources -0.25 (clamped to 0), 0.25, 0.75, 1.25 (second tap clamped).
+        assert_eq!(linear_taps(0, 2, 4), (0, 1, 0.0));
+        assert_eq!(linear_taps(1, 2, 4), (0, 1, 0.25));
+        assert_eq!(linear_taps(3, 2, 4), (1, 1, 0.25));
+        // From one pixel everything is that pixel.
+        assert_eq!(linear_taps(5, 1, 8).0, 0);
+    }
 }

@@ -1,6 +1,8 @@
 //! Bottleneck ResNet on the native CPU kernels, built from the candle model's weights.
 
-use super::{out_dim, validate, ConvOp, CpuError, Executor, Folded, Head, Op, Plan, View};
+use super::{
+    out_dim, validate, Act, ConvOp, CpuError, Executor, Folded, Head, Op, Output, Plan, View,
+};
 use crate::resnet::ResNet;
 
 /// A ResNet compiled for one input size into NHWC ops with BatchNorm folded.
@@ -28,19 +30,13 @@ fn conv(
     residual: Option<View>,
     relu: bool,
 ) -> Op {
-    let (weight, bias) = folded;
+    // ReLU after the shortcut is added.
+    let act = if relu { Act::Relu } else { Act::None };
     Op::Conv(ConvOp {
-        src,
-        dst,
-        k,
-        stride,
-        pad,
-        pre: None,
-        pool2: false,
-        weight,
-        bias,
         residual,
-        relu,
+        act: if residual.is_some() { Act::None } else { act },
+        post_act: act,
+        ..ConvOp::new(src, dst, k, stride, pad, folded)
     })
 }
 
@@ -70,7 +66,13 @@ impl NativeResNet {
                 None,
                 true,
             ),
-            Op::MaxPool { src: stem, dst: x },
+            Op::MaxPool {
+                src: stem,
+                dst: x,
+                k: 3,
+                stride: 2,
+                pad: 1,
+            },
         ];
         for block in net.stages.iter().flatten() {
             let s = block.stride;
@@ -137,9 +139,10 @@ impl NativeResNet {
         let plan = Plan {
             in_channels: cfg.in_channels,
             size,
+            input_nhwc: false,
             buf_sizes,
             ops,
-            head,
+            output: Output::Head(head),
         };
         validate(&plan)?;
         Ok(NativeResNet {
