@@ -13,6 +13,8 @@ use candle_nn::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::onnx_graph::{self, GraphBuilder};
+
 /// torchvision/torchxrayvision use BatchNorm2d's default epsilon.
 pub const BN_EPS: f64 = 1e-5;
 
@@ -208,5 +210,49 @@ impl Module for DenseNet {
     /// Raw logits (b, num_classes); sigmoid and op_norm are in [`crate::xrv`].
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         self.features(xs)?.apply(&self.classifier)
+    }
+}
+
+impl DenseNet {
+    /// The same forward pass as an ONNX graph with these weights: input `x`
+    /// (batch, in_channels, size, size), output `logits` (batch, num_classes).
+    pub fn to_onnx(&self, size: usize) -> Result<Vec<u8>> {
+        let mut g = GraphBuilder::new("densenet");
+        let x = g.conv2d("features.conv0", &self.conv0, onnx_graph::INPUT)?;
+        let x = g.batch_norm("features.norm0", &self.norm0, &x)?;
+        let x = g.relu(&x);
+        let mut xs = g.max_pool(&x, 3, 2, 1);
+        for (i, layers) in self.blocks.iter().enumerate() {
+            let block = format!("features.denseblock{}", i + 1);
+            for (j, l) in layers.iter().enumerate() {
+                let p = format!("{block}.denselayer{}", j + 1);
+                let y = g.batch_norm(&format!("{p}.norm1"), &l.norm1, &xs)?;
+                let y = g.relu(&y);
+                let y = g.conv2d(&format!("{p}.conv1"), &l.conv1, &y)?;
+                let y = g.batch_norm(&format!("{p}.norm2"), &l.norm2, &y)?;
+                let y = g.relu(&y);
+                let new = g.conv2d(&format!("{p}.conv2"), &l.conv2, &y)?;
+                xs = g.concat(&[&xs, &new], 1);
+            }
+            if let Some(t) = self.transitions.get(i) {
+                let p = format!("features.transition{}", i + 1);
+                let y = g.batch_norm(&format!("{p}.norm"), &t.norm, &xs)?;
+                let y = g.relu(&y);
+                let y = g.conv2d(&format!("{p}.conv"), &t.conv, &y)?;
+                xs = g.avg_pool(&y, 2);
+            }
+        }
+        let y = g.batch_norm("features.norm5", &self.norm5, &xs)?;
+        let y = g.relu(&y);
+        // (b, c_final, size/32, size/32) → (b, c_final)
+        let y = g.global_avg_pool(&y);
+        let logits = g.linear("classifier", &self.classifier, &y)?;
+        Ok(g.finish_classifier(
+            &logits,
+            self.cfg.in_channels,
+            size,
+            self.cfg.num_classes,
+            "torchxrayvision DenseNet (densenet121-res224-all layout): logits before sigmoid and op_norm",
+        ))
     }
 }

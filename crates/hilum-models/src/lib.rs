@@ -7,12 +7,16 @@ pub mod densenet;
 mod device;
 mod fetch;
 mod import;
+pub mod llava;
 #[cfg(feature = "onnx")]
 pub mod onnx;
+pub mod onnx_graph;
 mod pool;
 pub mod pspnet;
+pub mod report;
 mod registry;
 pub mod resnet;
+pub mod sam;
 pub mod unet;
 pub mod weights;
 pub mod xrv;

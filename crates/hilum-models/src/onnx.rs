@@ -5,10 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+use ort::session::builder::SessionBuilder;
 use ort::session::Session;
 use ort::value::TensorRef;
 
-use crate::ModelError;
+use crate::{Device, ModelError};
 
 /// The process-wide ONNX Runtime environment (ONNX Runtime allows one per process).
 fn environment() -> Result<&'static ort::environment::Environment, ModelError> {
@@ -52,20 +53,47 @@ impl OnnxModel {
     /// Loads `path` on the CPU execution provider with `threads` intra-op threads (0 = ONNX
     /// Runtime's default).
     pub fn load(path: &Path, threads: usize) -> Result<Self, ModelError> {
+        if !path.is_file() {
+            return Err(ModelError::io(path, "no such file"));
+        }
+        Self::commit(&path.display().to_string(), threads, Device::Cpu, |b| {
+            b.commit_from_file(path)
+        })
+    }
+
+    /// Loads a serialised graph (e.g. from [`crate::onnx_graph`]) for `device`: the CPU
+    /// execution provider, or on `cuda:N` TensorRT then CUDA (with the CPU for what they do not
+    /// run). `what` names the graph in errors.
+    pub fn from_memory(
+        bytes: &[u8],
+        what: &str,
+        threads: usize,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        Self::commit(what, threads, device, |b| b.commit_from_memory(bytes))
+    }
+
+    fn commit(
+        what: &str,
+        threads: usize,
+        device: Device,
+        commit: impl FnOnce(&mut SessionBuilder) -> ort::Result<Session>,
+    ) -> Result<Self, ModelError> {
         let env = environment()?;
-        let onnx = |e: ort::Error| ModelError::Onnx(format!("{}: {e}", path.display()));
+        let onnx = |e: ort::Error| ModelError::Onnx(format!("{what}: {e}"));
         let mut builder = Session::builder(env).map_err(onnx)?;
         if threads > 0 {
             builder = builder
                 .with_intra_threads(threads)
                 .map_err(|e| ModelError::Onnx(e.to_string()))?;
         }
-        let session = builder.commit_from_file(path).map_err(onnx)?;
-        let name_of = |outlets: &[ort::value::Outlet], what: &str| {
+        builder = with_providers(builder, device)?;
+        let session = commit(&mut builder).map_err(onnx)?;
+        let name_of = |outlets: &[ort::value::Outlet], kind: &str| {
             outlets
                 .first()
                 .map(|o| o.name().to_string())
-                .ok_or_else(|| ModelError::Onnx(format!("{}: graph has no {what}", path.display())))
+                .ok_or_else(|| ModelError::Onnx(format!("{what}: graph has no {kind}")))
         };
         let input = name_of(session.inputs(), "input")?;
         let output = name_of(session.outputs(), "output")?;
@@ -90,5 +118,31 @@ impl OnnxModel {
         let (out_shape, values) = value.try_extract_tensor::<f32>().map_err(err)?;
         let out_shape = out_shape.iter().map(|&d| d.max(0) as usize).collect();
         Ok((out_shape, values.to_vec()))
+    }
+}
+
+/// The execution providers for `device`. On a GPU they need a build with the `onnx-gpu` feature
+/// and the `onnxruntime-gpu` wheel's library in `ORT_DYLIB_PATH`.
+fn with_providers(builder: SessionBuilder, device: Device) -> Result<SessionBuilder, ModelError> {
+    match device {
+        Device::Cpu => Ok(builder),
+        #[cfg(feature = "onnx-gpu")]
+        Device::Cuda(n) => {
+            use ort::ep::{TensorRT, CUDA};
+            let id = i32::try_from(n).map_err(|_| ModelError::BadDevice(device.to_string()))?;
+            builder
+                .with_execution_providers([
+                    TensorRT::default().with_device_id(id).build(),
+                    CUDA::default().with_device_id(id).build(),
+                ])
+                .map_err(|e| ModelError::Onnx(e.to_string()))
+        }
+        other => Err(ModelError::Device {
+            device: other.to_string(),
+            reason: "ONNX Runtime runs here on the CPU only: on CUDA it needs Hilum built with \
+                     `--features onnx-gpu` and ORT_DYLIB_PATH pointing at the onnxruntime-gpu \
+                     wheel's libonnxruntime.so; or use the candle backend"
+                .into(),
+        }),
     }
 }

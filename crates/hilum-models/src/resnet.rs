@@ -13,6 +13,7 @@ use candle_nn::{
 use serde::{Deserialize, Serialize};
 
 use crate::densenet::BN_EPS;
+use crate::onnx_graph::{self, GraphBuilder};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
@@ -181,5 +182,48 @@ impl Module for ResNet {
     /// Raw logits (b, num_classes).
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         self.features(xs)?.apply(&self.fc)
+    }
+}
+
+impl ResNet {
+    /// The same forward pass as an ONNX graph with these weights: input `x`
+    /// (batch, in_channels, size, size), output `logits` (batch, num_classes).
+    pub fn to_onnx(&self, size: usize) -> Result<Vec<u8>> {
+        let mut g = GraphBuilder::new("resnet");
+        let x = g.conv2d("conv1", &self.conv1, onnx_graph::INPUT)?;
+        let x = g.batch_norm("bn1", &self.bn1, &x)?;
+        let x = g.relu(&x);
+        let mut xs = g.max_pool(&x, 3, 2, 1);
+        for (i, blocks) in self.stages.iter().enumerate() {
+            for (j, b) in blocks.iter().enumerate() {
+                let p = format!("layer{}.{j}", i + 1);
+                let shortcut = match &b.downsample {
+                    Some((conv, bn)) => {
+                        let s = g.conv2d(&format!("{p}.downsample.0"), conv, &xs)?;
+                        g.batch_norm(&format!("{p}.downsample.1"), bn, &s)?
+                    }
+                    None => xs.clone(),
+                };
+                let y = g.conv2d(&format!("{p}.conv1"), &b.conv1, &xs)?;
+                let y = g.batch_norm(&format!("{p}.bn1"), &b.bn1, &y)?;
+                let y = g.relu(&y);
+                let y = g.conv2d(&format!("{p}.conv2"), &b.conv2, &y)?;
+                let y = g.batch_norm(&format!("{p}.bn2"), &b.bn2, &y)?;
+                let y = g.relu(&y);
+                let y = g.conv2d(&format!("{p}.conv3"), &b.conv3, &y)?;
+                let y = g.batch_norm(&format!("{p}.bn3"), &b.bn3, &y)?;
+                let y = g.add(&y, &shortcut);
+                xs = g.relu(&y);
+            }
+        }
+        let y = g.global_avg_pool(&xs);
+        let logits = g.linear("fc", &self.fc, &y)?;
+        Ok(g.finish_classifier(
+            &logits,
+            self.cfg.in_channels,
+            size,
+            self.cfg.num_classes,
+            "torchxrayvision ResNet (resnet50-res512-all layout): logits before sigmoid and op_norm",
+        ))
     }
 }

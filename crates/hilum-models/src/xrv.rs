@@ -5,7 +5,7 @@
 //! threshold maps to 0.5.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
@@ -265,17 +265,26 @@ fn resample_weights(n: usize, m: usize) -> Vec<Vec<(usize, f32)>> {
         .collect()
 }
 
-/// Which implementation runs the network.
+/// Which implementation runs the network (`--backend native|candle|onnx`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu`]): the default on CPU.
+    /// Hilum's own CPU kernels ([`crate::cpu`]): the default on CPU, where it is as fast as
+    /// ONNX Runtime and needs no runtime library.
     Native,
-    /// candle (CUDA, Metal; on CPU mainly as the reference).
+    /// candle tensors: the default on CUDA and Metal; on CPU the (slow) reference path.
     Candle,
+    /// ONNX Runtime (`ort`, loaded from `ORT_DYLIB_PATH`), on a graph built from the same
+    /// safetensors ([`crate::onnx_graph`]) or an imported `model.onnx`; CPU, or TensorRT/CUDA
+    /// with the `onnx-gpu` feature.
+    Onnx,
 }
 
 impl Backend {
+    pub const ALL: [Backend; 3] = [Backend::Native, Backend::Candle, Backend::Onnx];
+
+    /// Native on the CPU (measured as fast as ONNX Runtime there, with nothing to install),
+    /// candle on GPUs; ONNX Runtime only when asked for.
     pub fn default_for(device: Device) -> Backend {
         if device.is_gpu() {
             Backend::Candle
@@ -283,6 +292,43 @@ impl Backend {
             Backend::Native
         }
     }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Native => "native",
+            Backend::Candle => "candle",
+            Backend::Onnx => "onnx",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "native" => Ok(Backend::Native),
+            "candle" => Ok(Backend::Candle),
+            "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
+            other => Err(ModelError::Compute(format!(
+                "unknown backend `{other}`: use native, candle or onnx"
+            ))),
+        }
+    }
+}
+
+/// Where the ONNX Runtime backend's graph came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnnxSource {
+    /// Written by [`crate::onnx_graph`] from the installed safetensors.
+    Built,
+    /// The installed `model.onnx` (e.g. from `scripts/export_xrv_onnx.py`).
+    Imported,
 }
 
 enum Net {
@@ -290,6 +336,8 @@ enum Net {
     CandleRes(resnet::ResNet),
     NativeDense(NativeDenseNet),
     NativeRes(NativeResNet),
+    #[cfg(feature = "onnx")]
+    Onnx(crate::onnx::OnnxModel),
 }
 
 /// One label's result.
@@ -318,6 +366,8 @@ pub struct Classifier {
     net: Net,
     /// Whether the weights are a site's own checkpoint rather than the published ones.
     pub custom: bool,
+    /// With the ONNX Runtime backend: where its graph came from.
+    pub onnx_source: Option<OnnxSource>,
     /// The candle path is not re-entrant on every device; one forward at a time.
     candle_lock: Mutex<()>,
 }
@@ -337,7 +387,8 @@ pub fn default_threads() -> usize {
 
 impl Classifier {
     /// Builds the network from `vb` (checkpoint names at its root). `threads` is used by the
-    /// native backend only.
+    /// native and ONNX Runtime backends; ONNX Runtime runs on the CPU here (see
+    /// [`Classifier::onnx`] for GPUs).
     pub fn new(
         vb: VarBuilder,
         spec: XrvSpec,
@@ -345,6 +396,9 @@ impl Classifier {
         threads: usize,
     ) -> Result<Self, ModelError> {
         let device = vb.device().clone();
+        if backend == Backend::Onnx {
+            return Self::onnx(vb, spec, threads, Device::Cpu);
+        }
         if backend == Backend::Native && !device.is_cpu() {
             return Err(ModelError::Device {
                 device: format!("{device:?}"),
@@ -358,23 +412,86 @@ impl Classifier {
                 Net::CandleDense(densenet::DenseNet::load(vb, c)?)
             }
             (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
-            (Arch::DenseNet(c), Backend::Native) => {
+            (Arch::DenseNet(c), _) => {
                 let net = densenet::DenseNet::load(vb, c)?;
                 Net::NativeDense(NativeDenseNet::new(&net, size, threads).map_err(cpu_err)?)
             }
-            (Arch::ResNet(c), Backend::Native) => {
+            (Arch::ResNet(c), _) => {
                 let net = resnet::ResNet::load(vb, c)?;
                 Net::NativeRes(NativeResNet::new(&net, size, threads).map_err(cpu_err)?)
             }
         };
-        Ok(Classifier {
+        Ok(Self::with_net(spec, backend, device, net))
+    }
+
+    fn with_net(spec: XrvSpec, backend: Backend, device: candle_core::Device, net: Net) -> Self {
+        Classifier {
             spec,
             backend,
             device,
             net,
             custom: false,
+            onnx_source: None,
             candle_lock: Mutex::new(()),
+        }
+    }
+
+    /// The ONNX graph of this network with the weights in `vb` (see [`crate::onnx_graph`]):
+    /// input `x` (batch, 1, res, res), output `logits` (batch, classes).
+    pub fn onnx_graph(vb: VarBuilder, spec: &XrvSpec) -> Result<Vec<u8>, ModelError> {
+        Ok(match &spec.arch {
+            Arch::DenseNet(c) => densenet::DenseNet::load(vb, c)?.to_onnx(spec.resolution)?,
+            Arch::ResNet(c) => resnet::ResNet::load(vb, c)?.to_onnx(spec.resolution)?,
         })
+    }
+
+    /// The network on ONNX Runtime, its graph built from the weights in `vb`, with `threads`
+    /// intra-op threads on `device` (CPU, or TensorRT/CUDA with the `onnx-gpu` feature).
+    pub fn onnx(
+        vb: VarBuilder,
+        spec: XrvSpec,
+        threads: usize,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let graph = Self::onnx_graph(vb, &spec)?;
+        let mut c = Self::onnx_from_bytes(
+            &graph,
+            &format!("{} (built graph)", spec.id),
+            spec,
+            threads,
+            device,
+        )?;
+        c.onnx_source = Some(OnnxSource::Built);
+        Ok(c)
+    }
+
+    /// The network on ONNX Runtime from a serialised graph with the same input and output.
+    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
+    pub fn onnx_from_bytes(
+        graph: &[u8],
+        what: &str,
+        spec: XrvSpec,
+        threads: usize,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        #[cfg(feature = "onnx")]
+        {
+            let model = crate::onnx::OnnxModel::from_memory(graph, what, threads, device)?;
+            let mut c = Self::with_net(
+                spec,
+                Backend::Onnx,
+                candle_core::Device::Cpu,
+                Net::Onnx(model),
+            );
+            c.onnx_source = Some(OnnxSource::Imported);
+            Ok(c)
+        }
+        #[cfg(not(feature = "onnx"))]
+        Err(ModelError::Onnx(
+            "this hilum was built without the `onnx` feature; rebuild with the default features \
+             or use --backend native"
+                .into(),
+        ))
     }
 
     pub fn backend(&self) -> Backend {
@@ -399,6 +516,18 @@ impl Classifier {
             Net::NativeRes(n) => n.forward(input, batch).map_err(cpu_err),
             Net::CandleDense(n) => self.candle_logits(n, input, batch),
             Net::CandleRes(n) => self.candle_logits(n, input, batch),
+            #[cfg(feature = "onnx")]
+            Net::Onnx(g) => {
+                let (_, out) = g.run(&[batch, 1, size, size], input)?;
+                if out.len() != batch * self.classes() {
+                    return Err(ModelError::Onnx(format!(
+                        "the graph returned {} values for {batch} images of {} classes",
+                        out.len(),
+                        self.classes()
+                    )));
+                }
+                Ok(out)
+            }
         }
     }
 
@@ -459,25 +588,85 @@ impl Classifier {
     }
 }
 
+impl Classifier {
+    /// An installed model on `backend`: its manifest's spec, its weights (and for ONNX
+    /// Runtime its imported `model.onnx` when there is one, else a graph built from the
+    /// weights), the native/ONNX threads from [`default_threads`].
+    pub fn load_installed(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+        backend: Backend,
+    ) -> Result<Self, ModelError> {
+        let spec = XrvSpec::from_manifest(manifest)?;
+        let threads = default_threads();
+        let corrupt = |e| match e {
+            ModelError::Compute(reason) => ModelError::Corrupt {
+                id: manifest.id.clone(),
+                reason,
+            },
+            other => other,
+        };
+        let mut c = match (backend, &installed.onnx) {
+            (Backend::Onnx, Some(path)) => {
+                let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+                let what = path.display().to_string();
+                Self::onnx_from_bytes(&bytes, &what, spec, threads, device)?
+            }
+            (Backend::Onnx, None) => {
+                // The graph is built from CPU copies of the weights, whatever the device.
+                let vb = crate::weights::var_builder(&installed.weights, Device::Cpu)?;
+                Self::onnx(vb, spec, threads, device).map_err(corrupt)?
+            }
+            _ => {
+                let vb = crate::weights::var_builder(&installed.weights, device)?;
+                Self::new(vb, spec, backend, threads).map_err(corrupt)?
+            }
+        };
+        c.custom = installed.record.custom;
+        Ok(c)
+    }
+}
+
 impl crate::Model for Classifier {
+    /// On the device's default backend ([`Backend::default_for`]).
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
     ) -> Result<Self, ModelError> {
-        let spec = XrvSpec::from_manifest(manifest)?;
-        let vb = crate::weights::var_builder(&installed.weights, device)?;
-        let mut c = Classifier::new(vb, spec, Backend::default_for(device), default_threads())
-            .map_err(|e| match e {
-                ModelError::Compute(reason) => ModelError::Corrupt {
-                    id: manifest.id.clone(),
-                    reason,
-                },
-                other => other,
-            })?;
-        c.custom = installed.record.custom;
-        Ok(c)
+        Self::load_installed(manifest, installed, device, Backend::default_for(device))
     }
+}
+
+/// The pool keeps one warm copy per (model, device, type): one wrapper type per backend
+/// (`B` indexes [`Backend::ALL`]) keeps one warm classifier per backend.
+struct OnBackend<const B: usize>(Arc<Classifier>);
+
+impl<const B: usize> crate::Model for OnBackend<B> {
+    fn load(
+        manifest: &Manifest,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let c = Classifier::load_installed(manifest, installed, device, Backend::ALL[B])?;
+        Ok(OnBackend(Arc::new(c)))
+    }
+}
+
+/// The warm classifier `id` on `device` and `backend` (default: [`Backend::default_for`]),
+/// loading it first if needed. Blocking: call it from `spawn_blocking`.
+pub fn pooled(
+    pool: &crate::ModelPool,
+    id: &str,
+    device: Device,
+    backend: Option<Backend>,
+) -> Result<Arc<Classifier>, ModelError> {
+    Ok(match backend.unwrap_or(Backend::default_for(device)) {
+        Backend::Native => pool.get_or_load::<OnBackend<0>>(id, device)?.0.clone(),
+        Backend::Candle => pool.get_or_load::<OnBackend<1>>(id, device)?.0.clone(),
+        Backend::Onnx => pool.get_or_load::<OnBackend<2>>(id, device)?.0.clone(),
+    })
 }
 
 /// Parameter names and shapes the network reads, in checkpoint naming. Checkpoints from

@@ -1,0 +1,391 @@
+//! Writes ONNX graphs (`onnx.proto`, IR version 8, opset 17) of Hilum's candle networks, so ONNX
+//! Runtime runs exactly the weights the native path loaded — no PyTorch export needed, which
+//! matters at sites that only have the converted safetensors.
+//!
+//! Only the protobuf messages and fields a CNN needs are written (ModelProto, GraphProto,
+//! NodeProto, AttributeProto, TensorProto, ValueInfoProto and the type messages), with their
+//! field numbers from `onnx/onnx.proto`. Initializers keep the checkpoint's parameter names
+//! (`features.conv0.weight`), as `torch.onnx.export` does.
+
+use candle_core::{DType, Result, Tensor};
+use candle_nn::{BatchNorm, Conv2d, Linear};
+
+/// Name of a classifier graph's input: (batch, channels, size, size), preprocessed pixels.
+pub const INPUT: &str = "x";
+/// Name of a classifier graph's output: (batch, classes) logits.
+pub const OUTPUT: &str = "logits";
+
+/// `TensorProto.DataType.FLOAT`.
+const FLOAT: i64 = 1;
+const IR_VERSION: i64 = 8;
+const OPSET: i64 = 17;
+
+/// Protobuf wire encoding of one message.
+#[derive(Default)]
+struct Pb(Vec<u8>);
+
+impl Pb {
+    fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.0.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        self.0.push(v as u8);
+    }
+    fn key(&mut self, field: u32, wire: u8) {
+        self.varint(((field as u64) << 3) | wire as u64);
+    }
+    fn int(&mut self, field: u32, v: i64) {
+        self.key(field, 0);
+        // Negative int64 values are ten-byte two's complement varints.
+        self.varint(v as u64);
+    }
+    fn float(&mut self, field: u32, v: f32) {
+        self.key(field, 5);
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, field: u32, b: &[u8]) {
+        self.key(field, 2);
+        self.varint(b.len() as u64);
+        self.0.extend_from_slice(b);
+    }
+    fn str(&mut self, field: u32, s: &str) {
+        self.bytes(field, s.as_bytes());
+    }
+    fn msg(&mut self, field: u32, m: &Pb) {
+        self.bytes(field, &m.0);
+    }
+}
+
+/// One node attribute (`AttributeProto`).
+pub enum Attr {
+    Int(&'static str, i64),
+    Ints(&'static str, Vec<i64>),
+    Float(&'static str, f32),
+}
+
+impl Attr {
+    fn encode(&self) -> Pb {
+        // AttributeProto: name = 1, f = 2, i = 3, ints = 8, type = 20 (FLOAT 1, INT 2, INTS 7).
+        let mut a = Pb::default();
+        match self {
+            Attr::Int(name, v) => {
+                a.str(1, name);
+                a.int(3, *v);
+                a.int(20, 2);
+            }
+            Attr::Ints(name, vs) => {
+                a.str(1, name);
+                for &v in vs {
+                    a.int(8, v);
+                }
+                a.int(20, 7);
+            }
+            Attr::Float(name, v) => {
+                a.str(1, name);
+                a.float(2, *v);
+                a.int(20, 1);
+            }
+        }
+        a
+    }
+}
+
+/// A dimension of a graph input or output.
+#[derive(Clone, Copy, Debug)]
+pub enum Dim {
+    Fixed(usize),
+    /// Symbolic, e.g. the batch size.
+    Named(&'static str),
+}
+
+fn value_info(name: &str, dims: &[Dim]) -> Pb {
+    // TensorShapeProto.Dimension: dim_value = 1, dim_param = 2.
+    let mut shape = Pb::default();
+    for d in dims {
+        let mut dim = Pb::default();
+        match d {
+            Dim::Fixed(n) => dim.int(1, *n as i64),
+            Dim::Named(s) => dim.str(2, s),
+        }
+        shape.msg(1, &dim);
+    }
+    // TypeProto.Tensor: elem_type = 1, shape = 2; TypeProto: tensor_type = 1.
+    let mut tensor = Pb::default();
+    tensor.int(1, FLOAT);
+    tensor.msg(2, &shape);
+    let mut ty = Pb::default();
+    ty.msg(1, &tensor);
+    // ValueInfoProto: name = 1, type = 2.
+    let mut vi = Pb::default();
+    vi.str(1, name);
+    vi.msg(2, &ty);
+    vi
+}
+
+/// Builds one graph node by node; each op returns the name of its output.
+pub struct GraphBuilder {
+    name: String,
+    nodes: Vec<Pb>,
+    initializers: Vec<Pb>,
+    next: usize,
+}
+
+impl GraphBuilder {
+    pub fn new(name: &str) -> Self {
+        GraphBuilder {
+            name: name.to_string(),
+            nodes: Vec::new(),
+            initializers: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// Adds `t` (any device, converted to f32) as the initializer `name`.
+    pub fn weight(&mut self, name: &str, t: &Tensor) -> Result<String> {
+        let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        self.constant(name, t.dims(), &values);
+        Ok(name.to_string())
+    }
+
+    /// Adds f32 `values` of shape `dims` as the initializer `name`.
+    pub fn constant(&mut self, name: &str, dims: &[usize], values: &[f32]) -> String {
+        // TensorProto: dims = 1, data_type = 2, name = 8, raw_data = 9 (little-endian).
+        let mut t = Pb::default();
+        for &d in dims {
+            t.int(1, d as i64);
+        }
+        t.int(2, FLOAT);
+        t.str(8, name);
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        t.bytes(9, &raw);
+        self.initializers.push(t);
+        name.to_string()
+    }
+
+    /// Adds a node; returns its (single) output's name.
+    pub fn node(&mut self, op: &str, inputs: &[&str], attrs: &[Attr]) -> String {
+        self.next += 1;
+        let out = format!("{}_{}", op.to_ascii_lowercase(), self.next);
+        // NodeProto: input = 1, output = 2, name = 3, op_type = 4, attribute = 5.
+        let mut n = Pb::default();
+        for i in inputs {
+            n.str(1, i);
+        }
+        n.str(2, &out);
+        n.str(3, &format!("{op}_{}", self.next));
+        n.str(4, op);
+        for a in attrs {
+            n.msg(5, &a.encode());
+        }
+        self.nodes.push(n);
+        out
+    }
+
+    /// `Conv` with the layer's stride, padding, dilation and groups; `name` is the checkpoint
+    /// prefix of its parameters (`features.conv0`).
+    pub fn conv2d(&mut self, name: &str, conv: &Conv2d, x: &str) -> Result<String> {
+        let c = conv.config();
+        let (_, _, kh, kw) = conv.weight().dims4()?;
+        let w = self.weight(&format!("{name}.weight"), conv.weight())?;
+        let mut inputs = vec![x.to_string(), w];
+        if let Some(b) = conv.bias() {
+            inputs.push(self.weight(&format!("{name}.bias"), b)?);
+        }
+        let (p, s, d) = (c.padding as i64, c.stride as i64, c.dilation as i64);
+        let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+        Ok(self.node(
+            "Conv",
+            &inputs,
+            &[
+                Attr::Ints("kernel_shape", vec![kh as i64, kw as i64]),
+                Attr::Ints("pads", vec![p, p, p, p]),
+                Attr::Ints("strides", vec![s, s]),
+                Attr::Ints("dilations", vec![d, d]),
+                Attr::Int("group", c.groups as i64),
+            ],
+        ))
+    }
+
+    /// Inference `BatchNormalization` with the running statistics.
+    pub fn batch_norm(&mut self, name: &str, bn: &BatchNorm, x: &str) -> Result<String> {
+        let c = bn.running_mean().dims1()?;
+        let (scale, bias) = match bn.weight_and_bias() {
+            Some((w, b)) => (
+                self.weight(&format!("{name}.weight"), w)?,
+                self.weight(&format!("{name}.bias"), b)?,
+            ),
+            None => (
+                self.constant(&format!("{name}.weight"), &[c], &vec![1.0; c]),
+                self.constant(&format!("{name}.bias"), &[c], &vec![0.0; c]),
+            ),
+        };
+        let mean = self.weight(&format!("{name}.running_mean"), bn.running_mean())?;
+        let var = self.weight(&format!("{name}.running_var"), bn.running_var())?;
+        Ok(self.node(
+            "BatchNormalization",
+            &[x, &scale, &bias, &mean, &var],
+            &[Attr::Float("epsilon", bn.eps() as f32)],
+        ))
+    }
+
+    pub fn relu(&mut self, x: &str) -> String {
+        self.node("Relu", &[x], &[])
+    }
+
+    /// `MaxPool` (padding counts as -inf, as in PyTorch).
+    pub fn max_pool(&mut self, x: &str, kernel: usize, stride: usize, pad: usize) -> String {
+        let (k, s, p) = (kernel as i64, stride as i64, pad as i64);
+        self.node(
+            "MaxPool",
+            &[x],
+            &[
+                Attr::Ints("kernel_shape", vec![k, k]),
+                Attr::Ints("strides", vec![s, s]),
+                Attr::Ints("pads", vec![p, p, p, p]),
+            ],
+        )
+    }
+
+    /// `AveragePool` without padding, kernel = stride.
+    pub fn avg_pool(&mut self, x: &str, kernel: usize) -> String {
+        let k = kernel as i64;
+        self.node(
+            "AveragePool",
+            &[x],
+            &[
+                Attr::Ints("kernel_shape", vec![k, k]),
+                Attr::Ints("strides", vec![k, k]),
+            ],
+        )
+    }
+
+    pub fn concat(&mut self, xs: &[&str], axis: i64) -> String {
+        self.node("Concat", xs, &[Attr::Int("axis", axis)])
+    }
+
+    pub fn add(&mut self, a: &str, b: &str) -> String {
+        self.node("Add", &[a, b], &[])
+    }
+
+    /// (b, c, h, w) → (b, c): the mean over all pixels.
+    pub fn global_avg_pool(&mut self, x: &str) -> String {
+        let pooled = self.node("GlobalAveragePool", &[x], &[]);
+        self.node("Flatten", &[&pooled], &[Attr::Int("axis", 1)])
+    }
+
+    /// `Gemm` computing `x @ weight.T + bias`, like `candle_nn::Linear`.
+    pub fn linear(&mut self, name: &str, l: &Linear, x: &str) -> Result<String> {
+        let w = self.weight(&format!("{name}.weight"), l.weight())?;
+        let mut inputs = vec![x.to_string(), w];
+        if let Some(b) = l.bias() {
+            inputs.push(self.weight(&format!("{name}.bias"), b)?);
+        }
+        let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+        Ok(self.node("Gemm", &inputs, &[Attr::Int("transB", 1)]))
+    }
+
+    /// The serialised `ModelProto`: graph input `input` (shape `in_dims`), graph output
+    /// `output`, renamed from the value `last` with an `Identity`.
+    pub fn finish(
+        mut self,
+        input: (&str, &[Dim]),
+        last: &str,
+        output: (&str, &[Dim]),
+        doc: &str,
+    ) -> Vec<u8> {
+        // NodeProto of the Identity that names the output.
+        let mut n = Pb::default();
+        n.str(1, last);
+        n.str(2, output.0);
+        n.str(3, "output");
+        n.str(4, "Identity");
+        self.nodes.push(n);
+        // GraphProto: node = 1, name = 2, initializer = 5, doc_string = 10, input = 11, output = 12.
+        let mut g = Pb::default();
+        for n in &self.nodes {
+            g.msg(1, n);
+        }
+        g.str(2, &self.name);
+        for t in &self.initializers {
+            g.msg(5, t);
+        }
+        g.str(10, doc);
+        g.msg(11, &value_info(input.0, input.1));
+        g.msg(12, &value_info(output.0, output.1));
+        // OperatorSetIdProto: domain = 1 (empty: the default ai.onnx), version = 2.
+        let mut opset = Pb::default();
+        opset.str(1, "");
+        opset.int(2, OPSET);
+        // ModelProto: ir_version = 1, producer_name = 2, producer_version = 3, graph = 7,
+        // opset_import = 8.
+        let mut m = Pb::default();
+        m.int(1, IR_VERSION);
+        m.str(2, "hilum");
+        m.str(3, env!("CARGO_PKG_VERSION"));
+        m.msg(7, &g);
+        m.msg(8, &opset);
+        m.0
+    }
+}
+
+impl GraphBuilder {
+    /// [`GraphBuilder::finish`] for an image classifier: input [`INPUT`] with a symbolic batch
+    /// size, output [`OUTPUT`].
+    pub fn finish_classifier(
+        self,
+        logits: &str,
+        channels: usize,
+        size: usize,
+        classes: usize,
+        doc: &str,
+    ) -> Vec<u8> {
+        let batch = Dim::Named("batch");
+        self.finish(
+            (
+                INPUT,
+                &[
+                    batch,
+                    Dim::Fixed(channels),
+                    Dim::Fixed(size),
+                    Dim::Fixed(size),
+                ],
+            ),
+            logits,
+            (OUTPUT, &[batch, Dim::Fixed(classes)]),
+            doc,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints_follow_the_protobuf_wire_format() {
+        let mut p = Pb::default();
+        p.varint(1);
+        p.varint(300);
+        p.int(1, -1);
+        assert_eq!(&p.0[..3], &[0x01, 0xac, 0x02]);
+        // Field 1, wire type 0, then -1 as ten bytes.
+        assert_eq!(p.0[3], 0x08);
+        assert_eq!(p.0.len(), 3 + 1 + 10);
+        assert_eq!(p.0[13], 0x01);
+    }
+
+    #[test]
+    fn initializers_are_raw_little_endian_floats() {
+        let mut g = GraphBuilder::new("t");
+        g.constant("w", &[2], &[1.0, -2.5]);
+        let t = &g.initializers[0].0;
+        let raw: Vec<u8> = [1.0f32, -2.5]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert!(t.ends_with(&raw), "raw_data is the last field");
+        // dims = [2] (field 1), data_type = FLOAT (field 2).
+        assert_eq!(&t[..4], &[0x08, 0x02, 0x10, 0x01]);
+    }
+}

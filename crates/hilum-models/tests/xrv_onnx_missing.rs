@@ -1,0 +1,24 @@
+//! Asking for the ONNX Runtime backend without ONNX Runtime installed is an error that names
+//! the set-up script. Its own test binary: it hides ORT_DYLIB_PATH from the whole process.
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+
+#[test]
+fn onnx_backend_without_onnx_runtime_names_the_setup_script() {
+    // The only test in this binary, so no other thread reads the variable meanwhile.
+    std::env::remove_var("ORT_DYLIB_PATH");
+    let spec = XrvSpec {
+        resolution: 64,
+        ..XrvSpec::densenet121_res224_all()
+    };
+    let w = xrv::synthetic_weights(&spec.arch, 1).expect("weights");
+    let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
+    let err = Classifier::new(vb, spec, Backend::Onnx, 1)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("scripts/setup_onnxruntime.sh"), "{err}");
+    assert!(err.contains("ORT_DYLIB_PATH"), "{err}");
+}
