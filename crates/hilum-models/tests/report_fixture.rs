@@ -1,0 +1,191 @@
+//! The SwinV2 + BERT report model against Hugging Face transformers 4.57.6 on tiny seeded
+//! configurations (`scripts/make_report_fixtures.py` → `tests/fixtures/report/`): encoder output
+//! and decoder logits to 1e-4, greedy and beam-search tokens exactly, detokenised text exactly,
+//! and the full-size parameter list one to one.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Tensor};
+use hilum_models::report::{self, Config, GenerationConfig, ReportModel};
+use hilum_models::Device;
+use serde_json::Value;
+
+const CASES: [&str; 2] = ["tiny_pad", "tiny_proj"];
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/report")
+}
+
+fn load(case: &str) -> (ReportModel, BTreeMap<String, Tensor>, Value) {
+    let dir = fixtures().join(case);
+    let model = ReportModel::load_files(&dir.join("model.safetensors"), None, 0, Device::Cpu)
+        .unwrap_or_else(|e| panic!("{case}: {e}"));
+    let reference = candle_core::safetensors::load(
+        dir.join("reference.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .expect("reference tensors");
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("reference.json")).expect("reference.json"),
+    )
+    .expect("reference json");
+    (model, reference.into_iter().collect(), json)
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.flatten_all())
+        .and_then(|d| d.max(0))
+        .and_then(|d| d.to_scalar::<f32>())
+        .expect("difference")
+}
+
+#[test]
+fn encoder_output_matches_transformers() {
+    for case in CASES {
+        let (model, r, _) = load(case);
+        let out = model.net.encode(&r["pixel_values"]).expect("encode");
+        let d = max_abs_diff(&out, &r["encoder_output"]);
+        eprintln!("{case}: encoder max abs diff {d:e}");
+        assert!(d < 1e-4, "{case}: encoder max abs diff {d}");
+    }
+}
+
+#[test]
+fn decoder_logits_match_transformers() {
+    for case in CASES {
+        let (model, r, _) = load(case);
+        let states = model.net.encode(&r["pixel_values"]).expect("encode");
+        let ids = r["prefix_ids"].to_dtype(DType::U32).expect("ids");
+        let logits = model.net.logits(&states, &ids).expect("logits");
+        let d = max_abs_diff(&logits, &r["logits"]);
+        eprintln!("{case}: logits max abs diff {d:e}");
+        assert!(d < 1e-4, "{case}: logits max abs diff {d}");
+    }
+}
+
+/// Incremental decoding with the KV cache gives the same logits as the whole prefix at once.
+#[test]
+fn cached_decoding_equals_full_prefix() {
+    let (model, r, _) = load("tiny_pad");
+    let states = model.net.encode(&r["pixel_values"]).expect("encode");
+    let ids = r["prefix_ids"].to_dtype(DType::U32).expect("ids");
+    let full = model.net.logits(&states, &ids).expect("logits");
+    let cross = model.net.cross_kv(&states).expect("cross");
+    let mut cache = report::KvCache::default();
+    let t = ids.dim(1).expect("len");
+    for i in 0..t {
+        let step = ids.narrow(1, i, 1).expect("narrow");
+        let l = model
+            .net
+            .decoder
+            .forward(&step, &mut cache, &cross)
+            .expect("step");
+        let d = max_abs_diff(&l, &full.narrow(1, i, 1).expect("narrow"));
+        assert!(d < 1e-4, "position {i}: {d}");
+    }
+    assert_eq!(cache.len(), t);
+}
+
+#[test]
+fn greedy_and_beam_tokens_match_transformers() {
+    let mut eos_seen = false;
+    let mut max_len_seen = false;
+    for case in CASES {
+        let (model, r, json) = load(case);
+        let runs = json["generation"].as_array().expect("runs");
+        for run in runs {
+            let s = &run["settings"];
+            let cfg = GenerationConfig {
+                num_beams: s["num_beams"].as_u64().expect("num_beams") as usize,
+                max_length: s["max_length"].as_u64().expect("max_length") as usize,
+                length_penalty: s["length_penalty"].as_f64().unwrap_or(1.0) as f32,
+                early_stopping: s["early_stopping"].as_bool().unwrap_or(false),
+                decoder_start_token_id: json["cls"].as_u64().expect("cls") as u32,
+                eos_token_id: Some(json["sep"].as_u64().expect("sep") as u32),
+            };
+            let want: Vec<u32> = run["ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|v| v.as_u64().expect("id") as u32)
+                .collect();
+            let got = model
+                .net
+                .generate(&r["pixel_values"], &cfg)
+                .expect("generate");
+            assert_eq!(got.ids, want, "{case} {s}");
+            let text = model.decode(&got.ids).expect("decode");
+            assert_eq!(text, run["text"].as_str().expect("text"), "{case} {s}");
+            eos_seen |= run["ended_with_eos"] == true && cfg.num_beams > 1;
+            max_len_seen |= want.len() == cfg.max_length && cfg.num_beams > 1;
+        }
+    }
+    // The fixtures exercise both ways a beam search ends.
+    assert!(eos_seen && max_len_seen);
+}
+
+#[test]
+fn decoding_strips_special_tokens_like_transformers() {
+    let (model, _, json) = load("tiny_proj");
+    let ids: Vec<u32> = json["decode_check"]["ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect();
+    let text = model.decode(&ids).expect("decode");
+    assert_eq!(text, json["decode_check"]["text"].as_str().expect("text"));
+    assert!(!text.contains("[CLS]") && !text.contains("[SEP]"));
+}
+
+#[test]
+fn full_size_parameter_list_matches_transformers() {
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("full_size_params.json")).expect("params json"),
+    )
+    .expect("json");
+    let vocab = json["vocab_size"].as_u64().expect("vocab") as usize;
+    let want: BTreeMap<String, Vec<usize>> = json["params"]
+        .as_object()
+        .expect("params")
+        .iter()
+        .map(|(k, v)| {
+            let s = v
+                .as_array()
+                .expect("shape")
+                .iter()
+                .map(|d| d.as_u64().expect("dim") as usize)
+                .collect();
+            (k.clone(), s)
+        })
+        .collect();
+    let got = report::expected_params(&Config::chexpert_plus_baseline(vocab));
+    hilum_models::weights::compare(&got, &want).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got.len(), want.len());
+}
+
+#[test]
+fn mismatched_weights_are_refused_with_the_difference() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = fixtures().join("tiny_pad");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy");
+    }
+    // tiny_proj's config over tiny_pad's weights.
+    std::fs::copy(
+        fixtures().join("tiny_proj/config.json"),
+        dir.path().join("config.json"),
+    )
+    .expect("copy");
+    let err = ReportModel::load_files(&dir.path().join("model.safetensors"), None, 32, Device::Cpu)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("swinv2-bert"), "{err}");
+    assert!(err.contains("missing") || err.contains("shape"), "{err}");
+    let _ = Path::new("unused");
+}
