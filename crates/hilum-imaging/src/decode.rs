@@ -43,6 +43,9 @@ pub struct ImageMeta {
     /// The window (centre, width) applied to produce the canonical pixels, if any.
     #[serde(default)]
     pub window_applied: Option<(f64, f64)>,
+    /// True when the file's VOI LUT table (VOI LUT Sequence) produced the canonical pixels.
+    #[serde(default)]
+    pub voi_lut_applied: bool,
     /// True when stored values were inverted (MONOCHROME1) so that bright = dense.
     #[serde(default)]
     pub inverted: bool,

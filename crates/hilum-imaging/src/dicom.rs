@@ -360,6 +360,7 @@ fn decode_object(
         .clone()
         .unwrap_or_else(|| "MONOCHROME2".into());
     let monochrome1 = photometric == "MONOCHROME1";
+    let mut voi_lut_applied = false;
     let (bit_depth, max, mut pixels) = if spp == 3 {
         // Colour DICOM (secondary capture of a screen, …): luminance, 8 or 16 bits.
         let max = ((1u32 << s.bits_stored) - 1) as f32;
@@ -377,18 +378,25 @@ fn decode_object(
         } else {
             0.0
         };
+        // The file's VOI LUT table wins over its windows when both are present (as pydicom's
+        // `apply_voi_lut` does by default); a window given by the caller wins over both.
+        let table = match opts.voi {
+            Voi::FromFile if s.has_voi_lut_table => match voi_table(obj, s.signed) {
+                Ok(t) => Some(t),
+                Err(reason) => {
+                    s.warnings.push(format!(
+                        "the file's VOI LUT table is unusable ({reason}); its window is used instead"
+                    ));
+                    None
+                }
+            },
+            _ => None,
+        };
         let window = match opts.voi {
             Voi::None => None,
             Voi::Window { center, width } => Some((center, width)),
-            Voi::FromFile => {
-                if s.windows.is_empty() && s.has_voi_lut_table {
-                    s.warnings.push(
-                        "the file's VOI LUT table is not applied (only windows are); pass a window"
-                            .into(),
-                    );
-                }
-                s.windows.first().copied()
-            }
+            Voi::FromFile if table.is_some() => None,
+            Voi::FromFile => s.windows.first().copied(),
         };
         let window = window.filter(|&(_, w)| {
             let ok = w.is_finite() && w >= 1.0;
@@ -399,19 +407,24 @@ fn decode_object(
             ok
         });
         let (slope, intercept) = s.rescale;
-        let px: Vec<f32> = match window {
-            Some((c, wdt)) => {
+        let px: Vec<f32> = match (&table, window) {
+            (Some(t), _) => stored[..n]
+                .iter()
+                .map(|&v| t.apply(v as f64 * slope + intercept, max))
+                .collect(),
+            (None, Some((c, wdt))) => {
                 let f = VoiFn::parse(s.voi_lut_function.as_deref(), opts.voi);
                 stored[..n]
                     .iter()
                     .map(|&v| f.apply(v as f64 * slope + intercept, c, wdt, max as f64) as f32)
                     .collect()
             }
-            None => stored[..n]
+            (None, None) => stored[..n]
                 .iter()
                 .map(|&v| (v - min_stored).clamp(0.0, max))
                 .collect(),
         };
+        voi_lut_applied = table.is_some();
         (bits as u8, max, px)
     };
     if monochrome1 {
@@ -424,6 +437,7 @@ fn decode_object(
             Voi::None => None,
             Voi::Window { center, width } if width >= 1.0 => Some((center, width)),
             Voi::Window { .. } => None,
+            Voi::FromFile if voi_lut_applied => None,
             Voi::FromFile => s.windows.first().copied().filter(|&(_, w)| w >= 1.0),
         }
     } else {
@@ -449,10 +463,83 @@ fn decode_object(
             rescale: Some(s.rescale),
             file_window: s.windows.first().copied(),
             window_applied,
+            voi_lut_applied,
             inverted: monochrome1,
             frames: Some(s.frames),
             warnings: s.warnings,
         },
+    })
+}
+
+/// A VOI LUT table (PS3.3 C.11.2.1.1): the first item of the VOI LUT Sequence.
+#[derive(Clone, Debug, PartialEq)]
+struct VoiTable {
+    /// The input value mapped to the first entry.
+    first: i64,
+    entries: Vec<u16>,
+    /// Bits per entry (8..=16): outputs span `0..2^bits`.
+    bits: u32,
+}
+
+impl VoiTable {
+    /// Maps a rescaled value through the table (inputs outside it take the end entries) and
+    /// scales the output to `0..=y_max`, the range every other VOI path produces.
+    fn apply(&self, x: f64, y_max: f32) -> f32 {
+        let last = self.entries.len() as i64 - 1;
+        let i = ((x.round() as i64).saturating_sub(self.first)).clamp(0, last) as usize;
+        let out_max = ((1u32 << self.bits) - 1) as f32;
+        (self.entries[i] as f32).min(out_max) * y_max / out_max
+    }
+}
+
+/// Reads the first VOI LUT Sequence item; an error says why it cannot be used.
+fn voi_table(obj: &DicomFile, signed_pixels: bool) -> Result<VoiTable, String> {
+    let item = obj
+        .get(tags::VOILUT_SEQUENCE)
+        .and_then(|e| e.items())
+        .and_then(|items| items.first())
+        .ok_or("the VOI LUT Sequence has no item")?;
+    let desc: Vec<i64> = item
+        .get(tags::LUT_DESCRIPTOR)
+        .ok_or("no LUT Descriptor")?
+        .to_multi_int::<i64>()
+        .map_err(|e| format!("unreadable LUT Descriptor: {e}"))?;
+    let [count, first, bits] = desc[..] else {
+        return Err(format!("LUT Descriptor has {} values, not 3", desc.len()));
+    };
+    // 0 entries means 65536 (PS3.3 C.11.1.1); a US first value means a negative one for
+    // signed pixels when its top bit is set.
+    let count = if count == 0 { 65536 } else { count as usize };
+    let first = if signed_pixels && first >= 32768 {
+        first - 65536
+    } else {
+        first
+    };
+    if !(8..=16).contains(&bits) {
+        return Err(format!("{bits} bits per entry (8 to 16 are valid)"));
+    }
+    let data = item.get(tags::LUT_DATA).ok_or("no LUT Data")?;
+    let entries: Vec<u16> = match data.value().primitive() {
+        // OW read as bytes (implicit VR, or OB/OW kept raw): little-endian words.
+        Some(dicom_core::PrimitiveValue::U8(bytes)) => bytes
+            .chunks_exact(2)
+            .map(|w| u16::from_le_bytes([w[0], w[1]]))
+            .collect(),
+        Some(_) => data
+            .to_multi_int::<u16>()
+            .map_err(|e| format!("unreadable LUT Data: {e}"))?,
+        None => return Err("LUT Data is not a primitive value".into()),
+    };
+    if entries.len() < count {
+        return Err(format!(
+            "LUT Data holds {} entries, the descriptor says {count}",
+            entries.len()
+        ));
+    }
+    Ok(VoiTable {
+        first,
+        entries: entries[..count].to_vec(),
+        bits: bits as u32,
     })
 }
 
