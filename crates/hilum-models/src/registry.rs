@@ -25,6 +25,14 @@ const BUILTIN: &[(&str, &str)] = &[
         "chestx-det-pspnet",
         include_str!("../../../models/chestx-det-pspnet.toml"),
     ),
+    (
+        "chexpert-report-findings",
+        include_str!("../../../models/chexpert-report-findings.toml"),
+    ),
+    (
+        "chexpert-report-impression",
+        include_str!("../../../models/chexpert-report-impression.toml"),
+    ),
 ];
 
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -361,7 +369,12 @@ pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize
 /// Fails unless the safetensors file at `path` has exactly the architecture's parameters.
 pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelError> {
     let actual = weights::shapes(path)?;
-    if let Some(expected) = expected_params(manifest) {
+    // The report model's layout is given by the config.json that travels with its weights.
+    let expected = match manifest.architecture.as_str() {
+        "swinv2-bert" => Some(crate::report::expected_params_for(manifest, path)?),
+        _ => expected_params(manifest),
+    };
+    if let Some(expected) = expected {
         weights::compare(&expected, &actual).map_err(|details| ModelError::WeightsMismatch {
             what: path.display().to_string(),
             architecture: manifest.architecture.clone(),
