@@ -51,7 +51,7 @@ from transformers import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "fixtures", "llava")
-IMAGE = os.path.join(ROOT, "..", "shared", "data", "cxr", "images", "covid_ARDSSevere.png")
+IMAGE = os.path.join(ROOT, "..", "shared", "data", "cxr", "images", "medrax_effusion1.png")
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 IMAGE_SIZE = 28

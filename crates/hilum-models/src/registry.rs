@@ -26,12 +26,8 @@ const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../models/chestx-det-pspnet.toml"),
     ),
     (
-        "chexpert-report-findings",
-        include_str!("../../../models/chexpert-report-findings.toml"),
-    ),
-    (
-        "chexpert-report-impression",
-        include_str!("../../../models/chexpert-report-impression.toml"),
+        "llava-med-v1.5",
+        include_str!("../../../models/llava-med-v1.5.toml"),
     ),
 ];
 
@@ -94,6 +90,10 @@ pub struct Source {
     pub onnx_file: Option<String>,
     #[serde(default)]
     pub onnx_sha256: Option<String>,
+    /// Files the architecture needs beside its weights (e.g. `tokenizer.json`), copied at
+    /// installation from the folder of the installed weights.
+    #[serde(default)]
+    pub companion_files: Vec<String>,
 }
 
 impl Source {
@@ -280,7 +280,22 @@ impl ModelRegistry {
         record: &InstallRecord,
     ) -> Result<InstalledModel, ModelError> {
         let dir = self.model_dir(id);
+        let from = converted.parent().unwrap_or(Path::new("."));
+        let companions = &self.manifest(id)?.source.companion_files;
+        if let Some(missing) = companions.iter().find(|f| !from.join(f).is_file()) {
+            return Err(ModelError::Convert {
+                what: converted.display().to_string(),
+                reason: format!(
+                    "`{id}` needs {missing} beside the weights (see models/{id}.toml for the \
+                     conversion command)"
+                ),
+            });
+        }
         std::fs::create_dir_all(&dir).map_err(|e| ModelError::io(&dir, e))?;
+        for f in companions {
+            let dst = dir.join(f);
+            std::fs::copy(from.join(f), &dst).map_err(|e| ModelError::io(&dst, e))?;
+        }
         let tmp = dir.join(format!("{WEIGHTS_FILE}.partial"));
         std::fs::copy(converted, &tmp).map_err(|e| ModelError::io(&tmp, e))?;
         let weights = dir.join(WEIGHTS_FILE);
@@ -359,6 +374,9 @@ pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
         "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
+        "llava" => crate::llava::manifest_config(manifest)
+            .and_then(|c| c.expected_params())
+            .ok(),
         "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
             .and_then(|s| crate::xrv::expected_params(&s.arch))
             .ok(),
@@ -369,9 +387,9 @@ pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize
 /// Fails unless the safetensors file at `path` has exactly the architecture's parameters.
 pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelError> {
     let actual = weights::shapes(path)?;
-    // The report model's layout is given by the config.json that travels with its weights.
+    // A LLaVA's layout is given by the config.json that travels with its weights.
     let expected = match manifest.architecture.as_str() {
-        "swinv2-bert" => Some(crate::report::expected_params_for(manifest, path)?),
+        "llava" => Some(crate::llava::expected_params_for(manifest, path)?),
         _ => expected_params(manifest),
     };
     if let Some(expected) = expected {
