@@ -26,6 +26,10 @@ const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../models/chestx-det-pspnet.toml"),
     ),
     (
+        "medsam-vit-b",
+        include_str!("../../../models/medsam-vit-b.toml"),
+    ),
+    (
         "llava-med-v1.5",
         include_str!("../../../models/llava-med-v1.5.toml"),
     ),
@@ -374,6 +378,9 @@ pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
         "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
+        "sam" => crate::sam::Config::from_manifest(manifest)
+            .and_then(|c| crate::sam::expected_params(&c))
+            .ok(),
         "llava" => crate::llava::manifest_config(manifest)
             .and_then(|c| c.expected_params())
             .ok(),
