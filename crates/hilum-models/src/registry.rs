@@ -26,6 +26,14 @@ const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../models/chestx-det-pspnet.toml"),
     ),
     (
+        "chexpert-report-findings",
+        include_str!("../../../models/chexpert-report-findings.toml"),
+    ),
+    (
+        "chexpert-report-impression",
+        include_str!("../../../models/chexpert-report-impression.toml"),
+    ),
+    (
         "medsam-vit-b",
         include_str!("../../../models/medsam-vit-b.toml"),
     ),
@@ -378,11 +386,11 @@ pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
         "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
-        "sam" => crate::sam::Config::from_manifest(manifest)
-            .and_then(|c| crate::sam::expected_params(&c))
-            .ok(),
         "llava" => crate::llava::manifest_config(manifest)
             .and_then(|c| c.expected_params())
+            .ok(),
+        "sam" => crate::sam::Config::from_manifest(manifest)
+            .and_then(|c| crate::sam::expected_params(&c))
             .ok(),
         "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
             .and_then(|s| crate::xrv::expected_params(&s.arch))
@@ -397,6 +405,8 @@ pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelE
     // A LLaVA's layout is given by the config.json that travels with its weights.
     let expected = match manifest.architecture.as_str() {
         "llava" => Some(crate::llava::expected_params_for(manifest, path)?),
+        // So is the report model's (embedded by scripts/convert_report.py, or beside it).
+        "swinv2-bert" => Some(crate::report::expected_params_for(manifest, path)?),
         _ => expected_params(manifest),
     };
     if let Some(expected) = expected {

@@ -299,6 +299,82 @@ fn metadata(path: &Path) -> Result<std::collections::HashMap<String, String>, Mo
     Ok(meta.metadata().clone().unwrap_or_default())
 }
 
+/// The configuration of installed weights: `config.json` from the file's metadata, else beside
+/// it, else `fallback` (the manifest's); checked one to one against the checkpoint's names and
+/// shapes (a vocabulary size of 0 is taken from the checkpoint).
+fn resolve_config(
+    weights_path: &Path,
+    meta: &std::collections::HashMap<String, String>,
+    fallback: Option<&Value>,
+) -> Result<Config, ModelError> {
+    let dir = weights_path.parent().unwrap_or(Path::new("."));
+    let config_text = meta
+        .get(META_CONFIG)
+        .cloned()
+        .or_else(|| std::fs::read_to_string(dir.join("config.json")).ok());
+    let config_json: Value = match (&config_text, fallback) {
+        (Some(t), _) => serde_json::from_str(t)
+            .map_err(|e| mismatch(weights_path, format!("config.json: {e}")))?,
+        (None, Some(v)) => v.clone(),
+        (None, None) => {
+            return Err(mismatch(
+                weights_path,
+                "no config.json in the weights' metadata or beside them".into(),
+            ))
+        }
+    };
+    let mut cfg = Config::from_json(&config_json)
+        .map_err(|e| mismatch(weights_path, format!("config: {e}")))?;
+    let shapes = weights::shapes(weights_path)?;
+    if cfg.decoder.vocab_size == 0 {
+        cfg.decoder.vocab_size = shapes
+            .get("decoder.bert.embeddings.word_embeddings.weight")
+            .and_then(|s| s.first().copied())
+            .unwrap_or(0);
+    }
+    cfg.encoder
+        .validate()
+        .map_err(|e| mismatch(weights_path, e))?;
+    cfg.decoder
+        .validate()
+        .map_err(|e| mismatch(weights_path, e))?;
+    let mut expected = expected_params(&cfg);
+    let tied = "decoder.cls.predictions.decoder.weight";
+    if let Some(s) = shapes.get(tied) {
+        expected.insert(tied.into(), s.clone());
+    }
+    weights::compare(&expected, &shapes).map_err(|d| mismatch(weights_path, d))?;
+    Ok(cfg)
+}
+
+fn manifest_config(manifest: &Manifest) -> Result<Option<Value>, ModelError> {
+    if manifest.config.is_empty() {
+        return Ok(None);
+    }
+    serde_json::to_value(&manifest.config)
+        .map(Some)
+        .map_err(|e| ModelError::Manifest {
+            id: manifest.id.clone(),
+            reason: e.to_string(),
+        })
+}
+
+/// The parameters the weights at `path` must have (registry check at import): the layout of
+/// the `config.json` that travels with them, else of the manifest.
+pub fn expected_params_for(
+    manifest: &Manifest,
+    path: &Path,
+) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let fallback = manifest_config(manifest)?;
+    let cfg = resolve_config(path, &metadata(path)?, fallback.as_ref())?;
+    let mut expected = expected_params(&cfg);
+    let tied = "decoder.cls.predictions.decoder.weight";
+    if let Some(s) = weights::shapes(path)?.get(tied) {
+        expected.insert(tied.into(), s.clone());
+    }
+    Ok(expected)
+}
+
 impl ReportModel {
     /// Loads `weights`, taking `config.json` and `tokenizer.json` from the file's metadata,
     /// else from beside it, else (config only) from `fallback`.
@@ -311,43 +387,7 @@ impl ReportModel {
         let meta = metadata(weights_path)?;
         let dir = weights_path.parent().unwrap_or(Path::new("."));
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
-        let config_text = meta
-            .get(META_CONFIG)
-            .cloned()
-            .or_else(|| read("config.json"));
-        let config_json: Value = match (&config_text, fallback) {
-            (Some(t), _) => serde_json::from_str(t)
-                .map_err(|e| mismatch(weights_path, format!("config.json: {e}")))?,
-            (None, Some(v)) => v.clone(),
-            (None, None) => {
-                return Err(mismatch(
-                    weights_path,
-                    "no config.json in the weights' metadata or beside them".into(),
-                ))
-            }
-        };
-        let mut cfg = Config::from_json(&config_json)
-            .map_err(|e| mismatch(weights_path, format!("config: {e}")))?;
-        let shapes = weights::shapes(weights_path)?;
-        if cfg.decoder.vocab_size == 0 {
-            // A manifest config may leave the vocabulary to the checkpoint.
-            cfg.decoder.vocab_size = shapes
-                .get("decoder.bert.embeddings.word_embeddings.weight")
-                .and_then(|s| s.first().copied())
-                .unwrap_or(0);
-        }
-        cfg.encoder
-            .validate()
-            .map_err(|e| mismatch(weights_path, e))?;
-        cfg.decoder
-            .validate()
-            .map_err(|e| mismatch(weights_path, e))?;
-        let mut expected = expected_params(&cfg);
-        let tied = "decoder.cls.predictions.decoder.weight";
-        if let Some(s) = shapes.get(tied) {
-            expected.insert(tied.into(), s.clone());
-        }
-        weights::compare(&expected, &shapes).map_err(|d| mismatch(weights_path, d))?;
+        let cfg = resolve_config(weights_path, &meta, fallback)?;
 
         let tok_text = meta
             .get(META_TOKENIZER)
