@@ -2,13 +2,15 @@
 //! (DenseNet-121 `densenet121-res224-all` by default, or ResNet-50 `resnet50-res512-all`),
 //! calibrated so that 0.5 is each label's published operating point.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::ImageStore;
-use hilum_models::xrv::{Classifier, LabelScore};
+
+use hilum_models::xrv::{self, Backend, LabelScore, OnnxSource};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
@@ -22,6 +24,27 @@ pub struct ClassifyChestXray {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
+    /// Backend per model id (`*`: every model); absent: the device's default.
+    backends: Result<BTreeMap<String, Backend>, String>,
+}
+
+/// Parses backend choices: `onnx` (every model) or `MODEL=BACKEND` pairs, comma-separated
+/// (`densenet121-res224-all=onnx,resnet50-res512-all=native`). Backends: native, candle, onnx.
+pub fn parse_backends(spec: &str) -> Result<BTreeMap<String, Backend>, String> {
+    let mut out = BTreeMap::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (model, name) = part.split_once('=').unwrap_or(("*", part));
+        let model = model.trim();
+        if model != "*" && !MODELS.contains(&model) {
+            return Err(format!(
+                "backend for unknown model `{model}`: use one of {} (or no MODEL= for all)",
+                MODELS.join(", ")
+            ));
+        }
+        let backend = name.parse::<Backend>().map_err(|e| e.to_string())?;
+        out.insert(model.to_string(), backend);
+    }
+    Ok(out)
 }
 
 impl ClassifyChestXray {
@@ -55,12 +78,37 @@ impl ClassifyChestXray {
             store,
             models,
             device: Device::Cpu,
+            // HILUM_BACKEND=onnx or MODEL=BACKEND,... (see `parse_backends`).
+            backends: std::env::var("HILUM_BACKEND")
+                .map(|v| parse_backends(&v).map_err(|e| format!("HILUM_BACKEND: {e}")))
+                .unwrap_or_else(|_| Ok(BTreeMap::new())),
         }
     }
 
     pub fn on_device(mut self, device: Device) -> Self {
         self.device = device;
         self
+    }
+
+    /// Runs every model on `backend`.
+    pub fn with_backend(self, backend: Backend) -> Self {
+        self.with_backends([("*".to_string(), backend)].into_iter().collect())
+    }
+
+    /// Backend per model id (`*`: every model), replacing `HILUM_BACKEND`.
+    pub fn with_backends(mut self, backends: BTreeMap<String, Backend>) -> Self {
+        self.backends = Ok(backends);
+        self
+    }
+
+    /// The configured backend of `model`, if any.
+    fn backend_for(&self, model: &str) -> Result<Option<Backend>, ToolError> {
+        let map = self.backends.as_ref().map_err(|e| {
+            ToolError::Internal(format!(
+                "{e}; fix the variable (e.g. HILUM_BACKEND=onnx or {model}=native)"
+            ))
+        })?;
+        Ok(map.get(model).or_else(|| map.get("*")).copied())
     }
 }
 
@@ -97,15 +145,15 @@ impl Tool for ClassifyChestXray {
                 MODELS.join(", ")
             )));
         }
+        let backend = self.backend_for(&model_id)?;
         // Fail fast, before taking a device permit, when the weights are absent.
         let (_, _permit) = reserve(&self.models, &model_id, self.device).await?;
         let (models, device, mid) = (self.models.clone(), self.device, model_id.clone());
         let image = img.clone();
-        let (scores, custom, backend, infer_ms, load_ms) = tokio::task::spawn_blocking(move || {
+        let (scores, custom, model, infer_ms, load_ms) = tokio::task::spawn_blocking(move || {
             let t_load = Instant::now();
-            let model = models
-                .get_or_load::<Classifier>(&mid, device)
-                .map_err(|e| model_error(&models, e))?;
+            let model =
+                xrv::pooled(&models, &mid, device, backend).map_err(|e| model_error(&models, e))?;
             let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
             let scores = model
@@ -117,7 +165,7 @@ impl Tool for ClassifyChestXray {
                 )
                 .map_err(|e| ToolError::Internal(e.to_string()))?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            Ok::<_, ToolError>((scores, model.custom, model.backend(), ms, load_ms))
+            Ok::<_, ToolError>((scores, model.custom, model, ms, load_ms))
         })
         .await
         .map_err(|e| ToolError::Internal(e.to_string()))??;
@@ -157,7 +205,11 @@ impl Tool for ClassifyChestXray {
             "image": image_id,
             "model": model_id,
             "custom": custom,
-            "backend": format!("{backend:?}").to_lowercase(),
+            "backend": model.backend().name(),
+            "onnx_graph": model.onnx_source.map(|s| match s {
+                OnnxSource::Built => "built from the installed safetensors",
+                OnnxSource::Imported => "imported model.onnx",
+            }),
             "device": format!("{:?}", self.device).to_lowercase(),
             "calibration": "torchxrayvision op_norm: 0.5 = published operating point",
             "findings": findings.iter().map(|s| s.label.clone()).collect::<Vec<_>>(),
@@ -208,17 +260,15 @@ mod tests {
         );
     }
 
-    /// A site's own checkpoint (here seeded weights of the full DenseNet-121) imported with
-    /// `--custom`: the tool runs it on a real radiograph and says it is custom.
-    #[tokio::test]
-    async fn custom_checkpoint_scores_a_real_radiograph_and_is_flagged() {
+    /// A pool with seeded weights of the full DenseNet-121 imported as a site's checkpoint,
+    /// and a store holding one real radiograph.
+    fn custom_install(dir: &std::path::Path) -> (Arc<ImageStore>, Arc<ModelPool>, String) {
         use hilum_models::xrv::{self, XrvSpec};
-        let dir = tempfile::tempdir().expect("tempdir");
         let w =
             xrv::synthetic_weights(&XrvSpec::densenet121_res224_all().arch, 3).expect("weights");
-        let ckpt = dir.path().join("site_densenet.safetensors");
+        let ckpt = dir.join("site_densenet.safetensors");
         candle_core::safetensors::save(&w, &ckpt).expect("save checkpoint");
-        let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+        let registry = ModelRegistry::new(dir.join("models")).expect("registry");
         let opts = hilum_models::ImportOptions {
             custom: true,
             ..Default::default()
@@ -229,7 +279,16 @@ mod tests {
         let id = store
             .ingest_file(&shared_image())
             .expect("real image decodes");
-        let tool = ClassifyChestXray::new(store, pool);
+        (store, pool, id)
+    }
+
+    /// A site's own checkpoint (here seeded weights of the full DenseNet-121) imported with
+    /// `--custom`: the tool runs it on a real radiograph and says it is custom.
+    #[tokio::test]
+    async fn custom_checkpoint_scores_a_real_radiograph_and_is_flagged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, pool, id) = custom_install(dir.path());
+        let tool = ClassifyChestXray::new(store, pool).with_backend(Backend::Native);
         let out = tool
             .call(&ToolContext::default(), json!({"image": id}))
             .await
@@ -282,5 +341,64 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("resnet50-res512-all"), "{err}");
+    }
+
+    #[test]
+    fn backend_choices_parse_per_model_and_for_all() {
+        let all = parse_backends("onnx").expect("all");
+        assert_eq!(all.get("*"), Some(&Backend::Onnx));
+        let per = parse_backends("densenet121-res224-all=native, resnet50-res512-all=onnx")
+            .expect("per model");
+        assert_eq!(per.get("densenet121-res224-all"), Some(&Backend::Native));
+        assert_eq!(per.get("resnet50-res512-all"), Some(&Backend::Onnx));
+        let err = parse_backends("vgg=onnx").err().unwrap_or_default();
+        assert!(err.contains("densenet121-res224-all"), "{err}");
+        let err = parse_backends("tensorflow").err().unwrap_or_default();
+        assert!(err.contains("native, candle or onnx"), "{err}");
+    }
+
+    /// The same radiograph through the tool on ONNX Runtime and natively: the output names
+    /// the backend and the scores agree.
+    #[tokio::test]
+    async fn onnx_backend_gives_the_native_scores_and_says_so() {
+        if !hilum_models::onnx::available() {
+            eprintln!(
+                "SKIPPED onnx_backend_gives_the_native_scores_and_says_so: ONNX Runtime not \
+                 loadable (ORT_DYLIB_PATH unset?); run `eval \"$(scripts/setup_onnxruntime.sh)\"`"
+            );
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, pool, id) = custom_install(dir.path());
+        let mut data = Vec::new();
+        for backend in [Backend::Onnx, Backend::Native] {
+            let tool = ClassifyChestXray::new(store.clone(), pool.clone()).with_backend(backend);
+            let out = tool
+                .call(&ToolContext::default(), json!({"image": id}))
+                .await
+                .expect("classifies");
+            assert_eq!(out.data["backend"], backend.name());
+            data.push(out.data);
+        }
+        assert_eq!(
+            data[0]["onnx_graph"],
+            "built from the installed safetensors"
+        );
+        assert!(data[1]["onnx_graph"].is_null());
+        let probs = |d: &Value| -> Vec<f64> {
+            d["scores"]
+                .as_array()
+                .expect("scores")
+                .iter()
+                .map(|s| s["probability"].as_f64().expect("p"))
+                .collect()
+        };
+        let (a, b) = (probs(&data[0]), probs(&data[1]));
+        assert_eq!(a.len(), 18);
+        for (x, y) in a.iter().zip(&b) {
+            // Rounded to 4 decimals in the output.
+            assert!((x - y).abs() <= 2e-4, "onnx {x} vs native {y}");
+        }
+        assert_eq!(data[0]["findings"], data[1]["findings"]);
     }
 }
