@@ -8,6 +8,7 @@ pub mod ground;
 mod image_info;
 pub mod localize;
 pub mod measure;
+pub mod report;
 pub mod segment_anatomy;
 mod segment_lungs;
 mod visualize;
@@ -27,6 +28,7 @@ pub use ground::GroundPhrase;
 pub use image_info::ImageInfo;
 pub use localize::LocalizeFinding;
 pub use measure::MeasureChest;
+pub use report::GenerateReport;
 pub use segment_anatomy::SegmentAnatomy;
 pub use segment_lungs::SegmentLungs;
 pub use visualize::Visualize;
@@ -96,6 +98,7 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.vlm.clone(),
     )))?;
+    tb.register(Arc::new(GenerateReport::new(deps.images.clone(), deps.models.clone())))?;
     tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
     Ok(tb)
 }
