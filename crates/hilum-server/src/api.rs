@@ -457,6 +457,9 @@ pub(crate) async fn direct_call(
     args: Value,
 ) -> Result<DirectResult, ApiError> {
     let space = state.space(caller).await?;
+    let mut ids = Vec::new();
+    crate::image_ids_in(&args, &mut ids);
+    state.ensure_images(caller, &space, &ids).await?;
     let Some(tool) = space.toolbox.get(name) else {
         return Err(ApiError::NotFound(format!(
             "there is no tool named `{name}`; GET /v1/tools lists them"

@@ -14,7 +14,9 @@ use crate::db::{hash_token, Caller};
 use crate::error::ApiError;
 use crate::AppState;
 
-/// How long a verified token is trusted without asking the database again.
+/// How long a verified token is trusted without asking the database again. Revocation does
+/// not wait for this: revoked tokens are dropped from the cache at once by the server that
+/// revokes them and within `ServerConfig::revocation_poll` by every other one.
 const CACHE_TTL: Duration = Duration::from_secs(30);
 
 /// Requests per second and burst per token; `per_sec <= 0` turns limiting off.
@@ -94,6 +96,14 @@ impl AuthCache {
     fn put(&self, hash: String, caller: Caller) {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         map.insert(hash, (caller, Instant::now()));
+    }
+
+    /// Drops the entries of these token ids; returns how many there were.
+    pub fn forget(&self, token_ids: &[String]) -> usize {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let before = map.len();
+        map.retain(|_, (c, _)| !token_ids.contains(&c.token_id));
+        before - map.len()
     }
 }
 

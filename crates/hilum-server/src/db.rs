@@ -1,28 +1,34 @@
-//! Persistence in SQLite: tokens, images, sessions, runs, messages, events, tool calls,
-//! artifacts and the append-only audit log. Every write is committed before the server
+//! Persistence: tokens, images, sessions, runs, messages, events, tool calls, artifacts and
+//! the append-only audit log, in SQLite (`sqlite://PATH`, the default) or PostgreSQL
+//! (`postgres://USER@HOST:PORT/DB`, shared by several replicas). Both have the same schema,
+//! migrations and queries (see `backend`). Every write is committed before the server
 //! acknowledges it, so a restart loses nothing that a client was told had happened.
+
+pub(crate) mod backend;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-/// Migrations in order; the version of each is its position + 1.
-const MIGRATIONS: &[&str] = &[include_str!("../migrations/0001_init.sql")];
+use backend::{args, Engine, Exec, PgPool, Row, AUDIT_LOCK};
 
 #[derive(Debug, Error)]
 pub enum DbError {
-    #[error("unsupported database URL `{0}`: use sqlite://PATH (PostgreSQL is not supported by this build yet)")]
+    #[error("unsupported database URL `{0}`: use sqlite://PATH or postgres://USER@HOST:PORT/DB")]
     UnsupportedUrl(String),
-    #[error("cannot open the database {path}: {reason} (check the path and its permissions)")]
+    #[error("cannot open the database {path}: {reason}")]
     Open { path: String, reason: String },
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    #[error("database error: {}", backend::pg_message(.0))]
+    Postgres(#[from] postgres::Error),
+    #[error("no token `{0}`: `hilum serve token list` shows the ids")]
+    UnknownToken(String),
     #[error("database task failed: {0}")]
     Task(String),
     #[error("stored data is corrupt: {0}")]
@@ -49,16 +55,26 @@ pub fn hash_token(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
-/// Where the database lives, parsed from `--db`.
-pub fn sqlite_path(url: &str) -> Result<PathBuf, DbError> {
+/// Which database `--db` names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DbUrl {
+    Sqlite(PathBuf),
+    /// A `postgres://` or `postgresql://` URL, as given.
+    Postgres(String),
+}
+
+/// Parses `--db`: `sqlite://PATH`, `sqlite:PATH`, a bare path, or `postgres://...`.
+pub fn parse_url(url: &str) -> Result<DbUrl, DbError> {
     if let Some(rest) = url.strip_prefix("sqlite://") {
-        Ok(PathBuf::from(rest))
+        Ok(DbUrl::Sqlite(PathBuf::from(rest)))
     } else if let Some(rest) = url.strip_prefix("sqlite:") {
-        Ok(PathBuf::from(rest))
+        Ok(DbUrl::Sqlite(PathBuf::from(rest)))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(DbUrl::Postgres(url.to_string()))
     } else if url.contains("://") {
-        Err(DbError::UnsupportedUrl(url.to_string()))
+        Err(DbError::UnsupportedUrl(backend::redact(url)))
     } else {
-        Ok(PathBuf::from(url))
+        Ok(DbUrl::Sqlite(PathBuf::from(url)))
     }
 }
 
@@ -193,62 +209,138 @@ pub struct NewArtifact {
     pub bytes: Vec<u8>,
 }
 
-/// The database. Cheap to clone; calls run on the blocking pool, one at a time.
+/// A token as listed: never its secret, nor its hash.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenRow {
+    pub id: String,
+    pub name: String,
+    pub admin: bool,
+    pub created_ms: i64,
+    pub revoked_ms: Option<i64>,
+}
+
+#[derive(Clone)]
+enum Backend {
+    /// One connection; writes are serialised by the mutex.
+    Sqlite(Arc<Mutex<rusqlite::Connection>>),
+    Postgres(Arc<PgPool>),
+}
+
+/// The database. Cheap to clone; queries run on the blocking pool (SQLite: one at a time on
+/// its connection; PostgreSQL: concurrently on a small pool of connections).
 #[derive(Clone)]
 pub struct Db {
-    conn: Arc<Mutex<Connection>>,
+    backend: Backend,
+}
+
+/// Runs `f` on a plain thread when called from async code: the synchronous PostgreSQL
+/// client runs a runtime of its own, which tokio forbids inside another runtime's thread.
+fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
+    }
+    std::thread::scope(|s| match s.spawn(f).join() {
+        Ok(r) => r,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
 }
 
 impl Db {
-    /// Opens (creating if needed) and migrates the database at `url`.
+    /// Opens (creating if needed) and migrates the database at `url`: `sqlite://PATH` or
+    /// `postgres://USER@HOST:PORT/DB`.
     pub fn open(url: &str) -> Result<Db, DbError> {
-        let path = sqlite_path(url)?;
-        Self::open_path(&path)
+        match parse_url(url)? {
+            DbUrl::Sqlite(path) => Self::open_path(&path),
+            DbUrl::Postgres(url) => Self::open_postgres(&url),
+        }
     }
 
     pub fn open_path(path: &Path) -> Result<Db, DbError> {
         let open_err = |e: &dyn std::fmt::Display| DbError::Open {
             path: path.display().to_string(),
-            reason: e.to_string(),
+            reason: format!("{e} (check the path and its permissions)"),
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| open_err(&e))?;
         }
-        let conn = Connection::open(path).map_err(|e| open_err(&e))?;
+        let conn = rusqlite::Connection::open(path).map_err(|e| open_err(&e))?;
         // WAL lets readers proceed during writes; FULL syncs each commit so an acknowledged
         // write survives a crash of the machine, not only of the process.
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
-        migrate(&conn)?;
+        backend::migrate_sqlite(&conn)?;
         Ok(Db {
-            conn: Arc::new(Mutex::new(conn)),
+            backend: Backend::Sqlite(Arc::new(Mutex::new(conn))),
         })
     }
 
-    /// Runs `f` with the connection on the blocking pool.
-    pub async fn call<R, F>(&self, f: F) -> Result<R, DbError>
+    fn open_postgres(url: &str) -> Result<Db, DbError> {
+        let pool = PgPool::new(url)?;
+        off_runtime(|| backend::migrate_postgres(&pool))?;
+        Ok(Db {
+            backend: Backend::Postgres(Arc::new(pool)),
+        })
+    }
+
+    /// `sqlite` or `postgres`.
+    pub fn engine_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => "sqlite",
+            Backend::Postgres(_) => "postgres",
+        }
+    }
+
+    /// Runs `f` on the blocking pool, in one transaction if `tx`.
+    async fn run<R, F>(&self, tx: bool, f: F) -> Result<R, DbError>
     where
-        F: FnOnce(&mut Connection) -> Result<R, DbError> + Send + 'static,
+        F: FnOnce(&mut dyn Exec) -> Result<R, DbError> + Send + 'static,
         R: Send + 'static,
     {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut guard)
-        })
-        .await
-        .map_err(|e| DbError::Task(e.to_string()))?
+        let db = self.clone();
+        tokio::task::spawn_blocking(move || db.run_blocking(tx, f))
+            .await
+            .map_err(|e| DbError::Task(e.to_string()))?
     }
 
-    /// Runs `f` on the calling thread (for the CLI's one-shot commands).
-    pub fn call_sync<R>(
+    fn run_blocking<R>(
         &self,
-        f: impl FnOnce(&mut Connection) -> Result<R, DbError>,
+        tx: bool,
+        f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError>,
     ) -> Result<R, DbError> {
-        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut guard)
+        match &self.backend {
+            Backend::Sqlite(conn) => {
+                let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+                if tx {
+                    let t = guard.transaction()?;
+                    let r = f(&mut backend::SqliteExec(&t))?;
+                    t.commit()?;
+                    Ok(r)
+                } else {
+                    f(&mut backend::SqliteExec(&guard))
+                }
+            }
+            Backend::Postgres(pool) => pool.with(tx, f),
+        }
+    }
+
+    /// Runs `f` on the calling thread (the CLI's one-shot commands, tests).
+    fn run_sync<R: Send>(
+        &self,
+        tx: bool,
+        f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError> + Send,
+    ) -> Result<R, DbError> {
+        match &self.backend {
+            Backend::Sqlite(_) => self.run_blocking(tx, f),
+            Backend::Postgres(_) => off_runtime(|| self.run_blocking(tx, f)),
+        }
+    }
+
+    /// Runs one SQL statement as it is and returns the number of rows it changed. For
+    /// maintenance and tests; the server itself never builds SQL from input.
+    pub fn execute_sql(&self, sql: &str) -> Result<u64, DbError> {
+        self.run_sync(false, |c| c.execute(sql, &[]))
     }
 
     // ---- tokens ----
@@ -259,32 +351,81 @@ impl Db {
         let id = new_id("tok");
         let secret = format!("hlm_{}", hex::encode(rand::random::<[u8; 32]>()));
         let hash = hash_token(&secret);
-        let name = name.to_string();
-        let id2 = id.clone();
-        self.call_sync(move |c| {
+        let (id2, name) = (id.clone(), name.to_string());
+        self.run_sync(false, move |c| {
             c.execute(
                 "INSERT INTO tokens (id, name, hash, admin, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![id2, name, hash, admin as i64, now_ms()],
+                &args![id2, name, hash, admin, now_ms()],
             )?;
             Ok(())
         })?;
         Ok((id, secret))
     }
 
+    /// Every token, oldest first, without secrets.
+    pub fn list_tokens(&self) -> Result<Vec<TokenRow>, DbError> {
+        self.run_sync(false, |c| {
+            c.query(
+                "SELECT id, name, admin, created_ms, revoked_ms FROM tokens ORDER BY created_ms, id",
+                &[],
+            )?
+            .into_iter()
+            .map(|mut r| {
+                Ok(TokenRow {
+                    id: r.get(0)?,
+                    name: r.get(1)?,
+                    admin: r.get(2)?,
+                    created_ms: r.get(3)?,
+                    revoked_ms: r.get(4)?,
+                })
+            })
+            .collect()
+        })
+    }
+
+    /// Revokes a token for good. `Ok(false)` if it was already revoked.
+    pub fn revoke_token(&self, id: &str) -> Result<bool, DbError> {
+        let id = id.to_string();
+        self.run_sync(true, move |c| {
+            let changed = c.execute(
+                "UPDATE tokens SET revoked_ms = ?2 WHERE id = ?1 AND revoked_ms IS NULL",
+                &args![&id, now_ms()],
+            )?;
+            if changed > 0 {
+                return Ok(true);
+            }
+            match c.query_opt("SELECT id FROM tokens WHERE id = ?1", &args![&id])? {
+                Some(_) => Ok(false),
+                None => Err(DbError::UnknownToken(id)),
+            }
+        })
+    }
+
+    /// Ids of revoked tokens (for servers to drop them from their authentication caches).
+    pub async fn revoked_token_ids(&self) -> Result<Vec<String>, DbError> {
+        self.run(false, |c| {
+            c.query("SELECT id FROM tokens WHERE revoked_ms IS NOT NULL", &[])?
+                .into_iter()
+                .map(|mut r| r.get(0))
+                .collect()
+        })
+        .await
+    }
+
     pub async fn caller_for_hash(&self, hash: String) -> Result<Option<Caller>, DbError> {
-        self.call(move |c| {
-            Ok(c.query_row(
+        self.run(false, move |c| {
+            c.query_opt(
                 "SELECT id, name, admin FROM tokens WHERE hash = ?1 AND revoked_ms IS NULL",
-                params![hash],
-                |r| {
-                    Ok(Caller {
-                        token_id: r.get(0)?,
-                        name: r.get(1)?,
-                        admin: r.get::<_, i64>(2)? != 0,
-                    })
-                },
-            )
-            .optional()?)
+                &args![hash],
+            )?
+            .map(|mut r| {
+                Ok(Caller {
+                    token_id: r.get(0)?,
+                    name: r.get(1)?,
+                    admin: r.get(2)?,
+                })
+            })
+            .transpose()
         })
         .await
     }
@@ -297,11 +438,11 @@ impl Db {
         row: ImageRow,
         bytes: Vec<u8>,
     ) -> Result<(), DbError> {
-        self.call(move |c| {
+        self.run(false, move |c| {
             c.execute(
-                "INSERT OR IGNORE INTO images (token_id, image_id, media_type, size, width, height, bit_depth, format, bytes, created_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-                params![
+                "INSERT INTO images (token_id, image_id, media_type, size, width, height, bit_depth, format, bytes, created_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) ON CONFLICT DO NOTHING",
+                &args![
                     token_id, row.id, row.media_type, row.size, row.width, row.height,
                     row.bit_depth, row.format, bytes, row.created_ms
                 ],
@@ -312,41 +453,55 @@ impl Db {
     }
 
     pub async fn list_images(&self, token_id: String) -> Result<Vec<ImageRow>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT image_id, media_type, size, width, height, bit_depth, format, created_ms
                  FROM images WHERE token_id = ?1 ORDER BY created_ms, image_id",
-            )?;
-            let rows = st
-                .query_map(params![token_id], |r| {
-                    Ok(ImageRow {
-                        id: r.get(0)?,
-                        media_type: r.get(1)?,
-                        size: r.get(2)?,
-                        width: r.get(3)?,
-                        height: r.get(4)?,
-                        bit_depth: r.get(5)?,
-                        format: r.get(6)?,
-                        created_ms: r.get(7)?,
-                    })
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
+                &args![token_id],
+            )?
+            .into_iter()
+            .map(|mut r| {
+                Ok(ImageRow {
+                    id: r.get(0)?,
+                    media_type: r.get(1)?,
+                    size: r.get(2)?,
+                    width: r.get(3)?,
+                    height: r.get(4)?,
+                    bit_depth: r.get(5)?,
+                    format: r.get(6)?,
+                    created_ms: r.get(7)?,
+                })
+            })
+            .collect()
         })
         .await
     }
 
-    /// The bytes of every image a token owns (to rebuild its image store after a restart).
+    /// The bytes of a token's images, all of them or only those not in `except` (to build
+    /// or refresh its image store).
     pub async fn image_bytes_of(
         &self,
         token_id: String,
+        except: Vec<String>,
     ) -> Result<Vec<(String, Vec<u8>)>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare("SELECT image_id, bytes FROM images WHERE token_id = ?1")?;
-            let rows = st
-                .query_map(params![token_id], |r| Ok((r.get(0)?, r.get(1)?)))?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
+        self.run(false, move |c| {
+            let ids = c.query(
+                "SELECT image_id FROM images WHERE token_id = ?1 ORDER BY created_ms, image_id",
+                &args![&token_id],
+            )?;
+            let mut out = Vec::new();
+            for mut r in ids {
+                let id: String = r.get(0)?;
+                if except.contains(&id) {
+                    continue;
+                }
+                let mut row = c.query_one(
+                    "SELECT bytes FROM images WHERE token_id = ?1 AND image_id = ?2",
+                    &args![&token_id, &id],
+                )?;
+                out.push((id, row.get(0)?));
+            }
+            Ok(out)
         })
         .await
     }
@@ -358,7 +513,7 @@ impl Db {
         token_id: String,
         title: String,
     ) -> Result<SessionRow, DbError> {
-        self.call(move |c| {
+        self.run(false, move |c| {
             let now = now_ms();
             let row = SessionRow {
                 id: new_id("ses"),
@@ -368,7 +523,7 @@ impl Db {
             };
             c.execute(
                 "INSERT INTO sessions (id, token_id, title, created_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?4)",
-                params![row.id, token_id, row.title, now],
+                &args![&row.id, token_id, &row.title, now],
             )?;
             Ok(row)
         })
@@ -381,40 +536,26 @@ impl Db {
         token_id: String,
         id: String,
     ) -> Result<Option<SessionRow>, DbError> {
-        self.call(move |c| {
-            Ok(c.query_row(
+        self.run(false, move |c| {
+            c.query_opt(
                 "SELECT id, title, created_ms, updated_ms FROM sessions WHERE id = ?1 AND token_id = ?2",
-                params![id, token_id],
-                |r| {
-                    Ok(SessionRow {
-                        id: r.get(0)?,
-                        title: r.get(1)?,
-                        created_ms: r.get(2)?,
-                        updated_ms: r.get(3)?,
-                    })
-                },
-            )
-            .optional()?)
+                &args![id, token_id],
+            )?
+            .map(session_row)
+            .transpose()
         })
         .await
     }
 
     pub async fn list_sessions(&self, token_id: String) -> Result<Vec<SessionRow>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT id, title, created_ms, updated_ms FROM sessions WHERE token_id = ?1 ORDER BY created_ms, id",
-            )?;
-            let rows = st
-                .query_map(params![token_id], |r| {
-                    Ok(SessionRow {
-                        id: r.get(0)?,
-                        title: r.get(1)?,
-                        created_ms: r.get(2)?,
-                        updated_ms: r.get(3)?,
-                    })
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
+                &args![token_id],
+            )?
+            .into_iter()
+            .map(session_row)
+            .collect()
         })
         .await
     }
@@ -427,13 +568,13 @@ impl Db {
         images: Vec<String>,
         model: String,
     ) -> Result<(), DbError> {
-        self.call(move |c| {
+        self.run(false, move |c| {
             let images =
                 serde_json::to_string(&images).map_err(|e| DbError::Corrupt(e.to_string()))?;
             c.execute(
                 "INSERT INTO runs (id, session_id, question, images, model, status, started_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6)",
-                params![run_id, session_id, question, images, model, now_ms()],
+                &args![run_id, session_id, question, images, model, now_ms()],
             )?;
             Ok(())
         })
@@ -450,85 +591,84 @@ impl Db {
         error: Option<String>,
         new_messages: Vec<Value>,
     ) -> Result<(), DbError> {
-        self.call(move |c| {
-            let tx = c.transaction()?;
+        self.run(true, move |c| {
             let now = now_ms();
-            tx.execute(
+            // First, so that on PostgreSQL the session's row lock orders two runs of one
+            // session finishing at once on different replicas (message seqs stay unique).
+            c.execute(
+                "UPDATE sessions SET updated_ms = ?2 WHERE id = ?1",
+                &args![&session_id, now],
+            )?;
+            c.execute(
                 "UPDATE runs SET status = ?2, answer = ?3, error = ?4, finished_ms = ?5 WHERE id = ?1",
-                params![run_id, status, answer, error, now],
+                &args![run_id.clone(), status, answer, error, now],
             )?;
-            let next: i64 = tx.query_row(
-                "SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1",
-                params![session_id],
-                |r| r.get(0),
-            )?;
+            let next: i64 = c
+                .query_one(
+                    "SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1",
+                    &args![&session_id],
+                )?
+                .get(0)?;
             for (i, m) in new_messages.iter().enumerate() {
                 let role = m.get("role").and_then(Value::as_str).unwrap_or("unknown");
-                tx.execute(
+                c.execute(
                     "INSERT INTO messages (session_id, seq, run_id, role, body, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![session_id, next + 1 + i as i64, run_id, role, m.to_string(), now],
+                    &args![&session_id, next + 1 + i as i64, &run_id, role, m.to_string(), now],
                 )?;
             }
-            tx.execute(
-                "UPDATE sessions SET updated_ms = ?2 WHERE id = ?1",
-                params![session_id, now],
-            )?;
-            tx.commit()?;
             Ok(())
         })
         .await
     }
 
     pub async fn runs(&self, session_id: String) -> Result<Vec<RunRow>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT id, question, images, model, status, answer, error, started_ms, finished_ms
                  FROM runs WHERE session_id = ?1 ORDER BY started_ms, id",
-            )?;
-            let rows = st
-                .query_map(params![session_id], |r| {
-                    let images: String = r.get(2)?;
-                    Ok(RunRow {
-                        id: r.get(0)?,
-                        question: r.get(1)?,
-                        images: serde_json::from_str(&images).unwrap_or_default(),
-                        model: r.get(3)?,
-                        status: r.get(4)?,
-                        answer: r.get(5)?,
-                        error: r.get(6)?,
-                        started_ms: r.get(7)?,
-                        finished_ms: r.get(8)?,
-                    })
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
+                &args![session_id],
+            )?
+            .into_iter()
+            .map(|mut r| {
+                let images: String = r.get(2)?;
+                Ok(RunRow {
+                    id: r.get(0)?,
+                    question: r.get(1)?,
+                    images: serde_json::from_str(&images).unwrap_or_default(),
+                    model: r.get(3)?,
+                    status: r.get(4)?,
+                    answer: r.get(5)?,
+                    error: r.get(6)?,
+                    started_ms: r.get(7)?,
+                    finished_ms: r.get(8)?,
+                })
+            })
+            .collect()
         })
         .await
     }
 
     pub async fn messages(&self, session_id: String) -> Result<Vec<MessageRow>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT seq, run_id, role, body, created_ms FROM messages WHERE session_id = ?1 ORDER BY seq",
-            )?;
-            let rows = st
-                .query_map(params![session_id], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get::<_, String>(3)?, r.get(4)?))
-                })?
-                .collect::<Result<Vec<(i64, String, String, String, i64)>, _>>()?;
-            rows.into_iter()
-                .map(|(seq, run_id, role, body, created_ms)| {
-                    let message = serde_json::from_str(&body)
-                        .map_err(|e| DbError::Corrupt(format!("message {seq}: {e}")))?;
-                    Ok(MessageRow {
-                        seq,
-                        run_id,
-                        role,
-                        message,
-                        created_ms,
-                    })
+                &args![session_id],
+            )?
+            .into_iter()
+            .map(|mut r| {
+                let seq: i64 = r.get(0)?;
+                let body: String = r.get(3)?;
+                let message = serde_json::from_str(&body)
+                    .map_err(|e| DbError::Corrupt(format!("message {seq}: {e}")))?;
+                Ok(MessageRow {
+                    seq,
+                    run_id: r.get(1)?,
+                    role: r.get(2)?,
+                    message,
+                    created_ms: r.get(4)?,
                 })
-                .collect()
+            })
+            .collect()
         })
         .await
     }
@@ -540,10 +680,10 @@ impl Db {
         kind: String,
         body: Value,
     ) -> Result<(), DbError> {
-        self.call(move |c| {
+        self.run(false, move |c| {
             c.execute(
                 "INSERT INTO events (run_id, seq, type, body) VALUES (?1, ?2, ?3, ?4)",
-                params![run_id, seq, kind, body.to_string()],
+                &args![run_id, seq, kind, body.to_string()],
             )?;
             Ok(())
         })
@@ -552,17 +692,18 @@ impl Db {
 
     /// Events of a run of the session (none if the run is not the session's).
     pub async fn events(&self, session_id: String, run_id: String) -> Result<Vec<Value>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT e.body FROM events e JOIN runs r ON r.id = e.run_id
                  WHERE e.run_id = ?1 AND r.session_id = ?2 ORDER BY e.seq",
-            )?;
-            let rows = st
-                .query_map(params![run_id, session_id], |r| r.get::<_, String>(0))?
-                .collect::<Result<Vec<_>, _>>()?;
-            rows.iter()
-                .map(|b| serde_json::from_str(b).map_err(|e| DbError::Corrupt(e.to_string())))
-                .collect()
+                &args![run_id, session_id],
+            )?
+            .into_iter()
+            .map(|mut r| {
+                let body: String = r.get(0)?;
+                serde_json::from_str(&body).map_err(|e| DbError::Corrupt(e.to_string()))
+            })
+            .collect()
         })
         .await
     }
@@ -576,37 +717,36 @@ impl Db {
         artifacts: Vec<NewArtifact>,
         audit: AuditEntry,
     ) -> Result<(), DbError> {
-        self.call(move |c| {
-            let tx = c.transaction()?;
+        self.run(true, move |c| {
             let now = now_ms();
-            tx.execute(
+            c.execute(
                 "INSERT INTO tool_calls (token_id, session_id, run_id, call_id, tool, arguments, ok, error_kind, ms, result, created_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                params![
+                &args![
                     call.token_id, call.session_id, call.run_id, call.call_id, call.tool,
-                    call.arguments.to_string(), call.ok as i64, call.error_kind, call.ms,
+                    call.arguments.to_string(), call.ok, call.error_kind, call.ms,
                     call.result.to_string(), now
                 ],
             )?;
-            for a in &artifacts {
-                tx.execute(
+            for a in artifacts {
+                c.execute(
                     "INSERT INTO artifacts (id, token_id, session_id, run_id, call_id, tool, name, media_type, kind, bytes, created_ms)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                    params![
+                    &args![
                         a.id, a.token_id, a.session_id, a.run_id, a.call_id, a.tool, a.name,
                         a.media_type, a.kind, a.bytes, now
                     ],
                 )?;
             }
-            insert_audit(&tx, &audit, now)?;
-            tx.commit()?;
-            Ok(())
+            // Last: on PostgreSQL the audit lock is then held only until the commit.
+            insert_audit(c, &audit, now)
         })
         .await
     }
 
     pub async fn append_audit(&self, entry: AuditEntry) -> Result<(), DbError> {
-        self.call(move |c| insert_audit(c, &entry, now_ms())).await
+        self.run(true, move |c| insert_audit(c, &entry, now_ms()))
+            .await
     }
 
     /// Artifact metadata of a token, optionally of one session.
@@ -615,15 +755,15 @@ impl Db {
         token_id: String,
         session_id: Option<String>,
     ) -> Result<Vec<ArtifactRow>, DbError> {
-        self.call(move |c| {
-            let mut st = c.prepare(
+        self.run(false, move |c| {
+            c.query(
                 "SELECT id, session_id, run_id, call_id, tool, name, media_type, kind, length(bytes), created_ms
-                 FROM artifacts WHERE token_id = ?1 AND (?2 IS NULL OR session_id = ?2) ORDER BY created_ms, id",
-            )?;
-            let rows = st
-                .query_map(params![token_id, session_id], artifact_row)?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
+                 FROM artifacts WHERE token_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR session_id = ?2) ORDER BY created_ms, id",
+                &args![token_id, session_id],
+            )?
+            .into_iter()
+            .map(artifact_row)
+            .collect()
         })
         .await
     }
@@ -634,44 +774,24 @@ impl Db {
         token_id: String,
         id: String,
     ) -> Result<Option<(ArtifactRow, Vec<u8>)>, DbError> {
-        self.call(move |c| {
-            Ok(c.query_row(
+        self.run(false, move |c| {
+            c.query_opt(
                 "SELECT id, session_id, run_id, call_id, tool, name, media_type, kind, length(bytes), created_ms, bytes
                  FROM artifacts WHERE token_id = ?1 AND id = ?2",
-                params![token_id, id],
-                |r| Ok((artifact_row(r)?, r.get(10)?)),
-            )
-            .optional()?)
+                &args![token_id, id],
+            )?
+            .map(|mut r| {
+                let bytes: Vec<u8> = r.get(10)?;
+                Ok((artifact_row(r)?, bytes))
+            })
+            .transpose()
         })
         .await
     }
 
     /// Audit rows after `since` (a `seq`), oldest first.
     pub fn audit_since(&self, since: i64, limit: i64) -> Result<Vec<AuditRow>, DbError> {
-        self.call_sync(|c| {
-            let mut st = c.prepare(
-                "SELECT seq, ts_ms, actor, session_id, run_id, kind, name, arguments, outcome, duration_ms
-                 FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2",
-            )?;
-            let rows = st
-                .query_map(params![since, limit], |r| {
-                    let args: String = r.get(7)?;
-                    Ok(AuditRow {
-                        seq: r.get(0)?,
-                        ts_ms: r.get(1)?,
-                        actor: r.get(2)?,
-                        session_id: r.get(3)?,
-                        run_id: r.get(4)?,
-                        kind: r.get(5)?,
-                        name: r.get(6)?,
-                        arguments: serde_json::from_str(&args).unwrap_or(Value::Null),
-                        outcome: r.get(8)?,
-                        duration_ms: r.get(9)?,
-                    })
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(rows)
-        })
+        self.run_sync(false, move |c| audit_rows(c, since, limit))
     }
 
     /// Audit rows after `since`, on the blocking pool.
@@ -680,14 +800,20 @@ impl Db {
         since: i64,
         limit: i64,
     ) -> Result<Vec<AuditRow>, DbError> {
-        let db = self.clone();
-        tokio::task::spawn_blocking(move || db.audit_since(since, limit))
-            .await
-            .map_err(|e| DbError::Task(e.to_string()))?
+        self.run(false, move |c| audit_rows(c, since, limit)).await
     }
 }
 
-fn artifact_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ArtifactRow> {
+fn session_row(mut r: Row) -> Result<SessionRow, DbError> {
+    Ok(SessionRow {
+        id: r.get(0)?,
+        title: r.get(1)?,
+        created_ms: r.get(2)?,
+        updated_ms: r.get(3)?,
+    })
+}
+
+fn artifact_row(mut r: Row) -> Result<ArtifactRow, DbError> {
     Ok(ArtifactRow {
         id: r.get(0)?,
         session_id: r.get(1)?,
@@ -702,44 +828,53 @@ fn artifact_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ArtifactRow> {
     })
 }
 
-fn insert_audit(c: &Connection, a: &AuditEntry, now: i64) -> Result<(), DbError> {
+fn audit_rows(c: &mut dyn Exec, since: i64, limit: i64) -> Result<Vec<AuditRow>, DbError> {
+    c.query(
+        "SELECT seq, ts_ms, actor, session_id, run_id, kind, name, arguments, outcome, duration_ms
+         FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+        &args![since, limit],
+    )?
+    .into_iter()
+    .map(|mut r| {
+        let args: String = r.get(7)?;
+        Ok(AuditRow {
+            seq: r.get(0)?,
+            ts_ms: r.get(1)?,
+            actor: r.get(2)?,
+            session_id: r.get(3)?,
+            run_id: r.get(4)?,
+            kind: r.get(5)?,
+            name: r.get(6)?,
+            arguments: serde_json::from_str(&args).unwrap_or(Value::Null),
+            outcome: r.get(8)?,
+            duration_ms: r.get(9)?,
+        })
+    })
+    .collect()
+}
+
+/// Appends an audit row; call inside a transaction. On PostgreSQL appends take a lock held
+/// to the commit, so rows become visible in `seq` order and an export that resumes after a
+/// seq never skips a row committed later by another replica.
+fn insert_audit(c: &mut dyn Exec, a: &AuditEntry, now: i64) -> Result<(), DbError> {
+    if c.engine() == Engine::Postgres {
+        c.execute("SELECT pg_advisory_xact_lock(?1)", &args![AUDIT_LOCK])?;
+    }
     c.execute(
         "INSERT INTO audit (ts_ms, actor, session_id, run_id, kind, name, arguments, outcome, duration_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![
+        &args![
             now,
-            a.actor,
-            a.session_id,
-            a.run_id,
+            &a.actor,
+            a.session_id.clone(),
+            a.run_id.clone(),
             a.kind,
-            a.name,
+            &a.name,
             a.arguments.to_string(),
-            a.outcome,
+            &a.outcome,
             a.duration_ms
         ],
     )?;
-    Ok(())
-}
-
-fn migrate(conn: &Connection) -> Result<(), DbError> {
-    conn.execute_batch(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_ms INTEGER NOT NULL)",
-    )?;
-    let current: i64 = conn.query_row(
-        "SELECT COALESCE(MAX(version), 0) FROM schema_migrations",
-        [],
-        |r| r.get(0),
-    )?;
-    for (i, sql) in MIGRATIONS.iter().enumerate() {
-        let version = i as i64 + 1;
-        if version <= current {
-            continue;
-        }
-        conn.execute_batch(&format!(
-            "BEGIN; {sql}; INSERT INTO schema_migrations (version, applied_ms) VALUES ({version}, {}); COMMIT;",
-            now_ms()
-        ))?;
-    }
     Ok(())
 }
 
@@ -747,11 +882,8 @@ fn migrate(conn: &Connection) -> Result<(), DbError> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn audit_rows_cannot_be_changed_or_deleted() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let db = Db::open_path(&dir.path().join("a.db")).expect("open");
-        let entry = AuditEntry {
+    fn entry() -> AuditEntry {
+        AuditEntry {
             actor: "tok_x".into(),
             session_id: None,
             run_id: None,
@@ -760,12 +892,18 @@ mod tests {
             arguments: serde_json::json!({"image": "img_abc"}),
             outcome: "ok".into(),
             duration_ms: 1.0,
-        };
-        db.call_sync(|c| insert_audit(c, &entry, 1))
+        }
+    }
+
+    #[test]
+    fn audit_rows_cannot_be_changed_or_deleted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = Db::open_path(&dir.path().join("a.db")).expect("open");
+        db.run_sync(true, |c| insert_audit(c, &entry(), 1))
             .expect("insert");
-        let upd = db.call_sync(|c| Ok(c.execute("UPDATE audit SET outcome = 'x'", [])?));
+        let upd = db.execute_sql("UPDATE audit SET outcome = 'x'");
         assert!(upd.is_err(), "update must be refused");
-        let del = db.call_sync(|c| Ok(c.execute("DELETE FROM audit", [])?));
+        let del = db.execute_sql("DELETE FROM audit");
         assert!(del.is_err(), "delete must be refused");
         assert_eq!(db.audit_since(0, 10).expect("read").len(), 1);
     }
@@ -779,13 +917,10 @@ mod tests {
         drop(db);
         let db = Db::open_path(&path).expect("reopen");
         let hash = hash_token(&secret);
-        let found = db
-            .call_sync(move |c| {
-                Ok(c.query_row(
-                    "SELECT id FROM tokens WHERE hash = ?1",
-                    params![hash],
-                    |r| r.get::<_, String>(0),
-                )?)
+        let found: String = db
+            .run_sync(false, move |c| {
+                c.query_one("SELECT id FROM tokens WHERE hash = ?1", &args![hash])?
+                    .get(0)
             })
             .expect("lookup");
         assert_eq!(found, id);
@@ -796,11 +931,38 @@ mod tests {
     }
 
     #[test]
-    fn postgres_urls_are_refused_with_a_clear_message() {
-        let err = match Db::open("postgres://localhost/hilum") {
+    fn database_urls() {
+        assert_eq!(
+            parse_url("sqlite://a/b.db").expect("sqlite"),
+            DbUrl::Sqlite("a/b.db".into())
+        );
+        assert_eq!(
+            parse_url("b.db").expect("path"),
+            DbUrl::Sqlite("b.db".into())
+        );
+        assert!(matches!(
+            parse_url("postgresql://u@127.0.0.1:5432/h"),
+            Ok(DbUrl::Postgres(_))
+        ));
+        let err = match Db::open("mysql://root:pw@localhost/hilum") {
             Err(e) => e.to_string(),
-            Ok(_) => panic!("postgres must be refused"),
+            Ok(_) => panic!("mysql must be refused"),
         };
-        assert!(err.contains("sqlite://PATH"), "{err}");
+        assert!(
+            err.contains("sqlite://PATH") && err.contains("postgres://"),
+            "{err}"
+        );
+        assert!(!err.contains("pw"), "no password in messages: {err}");
+    }
+
+    #[test]
+    fn an_unreachable_postgres_names_the_fix_without_the_password() {
+        // Port 1 on loopback: nothing listens there.
+        let err = match Db::open("postgres://hilum:topsecret@127.0.0.1:1/hilum?connect_timeout=5") {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("nothing listens on port 1"),
+        };
+        assert!(err.contains("setup_postgres.sh"), "{err}");
+        assert!(!err.contains("topsecret"), "{err}");
     }
 }

@@ -1,6 +1,7 @@
 //! The Hilum service: an HTTP API (axum) that stores images, runs the agent and streams its
-//! events as NDJSON or SSE, persists everything in SQLite with an append-only audit log,
-//! authenticates callers by bearer token, and serves the toolbox over MCP.
+//! events as NDJSON or SSE, persists everything in SQLite or PostgreSQL (shared by replicas)
+//! with an append-only audit log, authenticates callers by bearer token, and serves the
+//! toolbox over MCP.
 //!
 //! Routing is in [`router`], top to bottom; handlers are in `api` and `run`.
 
@@ -32,7 +33,7 @@ use hilum_imaging::ImageStore;
 use hilum_tools::{default_toolbox, ToolDeps};
 
 pub use auth::RateLimit;
-pub use db::{Caller, Db, DbError};
+pub use db::{Caller, Db, DbError, TokenRow};
 pub use error::ApiError;
 pub use metrics::Metrics;
 
@@ -74,7 +75,7 @@ pub fn default_toolbox_factory() -> ToolboxFactory {
 pub struct ServerConfig {
     /// 127.0.0.1 by default: exposing the service is an explicit choice.
     pub bind: SocketAddr,
-    /// `sqlite://PATH`.
+    /// `sqlite://PATH` or `postgres://USER@HOST:PORT/DB`.
     pub db_url: String,
     /// Largest upload (the whole multipart body), bytes.
     pub max_upload_bytes: usize,
@@ -99,6 +100,9 @@ pub struct ServerConfig {
     /// Interval of keep-alive lines in event streams; a write to a gone client fails and
     /// cancels its run.
     pub heartbeat: Duration,
+    /// How often the server looks for revoked tokens: the longest a token revoked elsewhere
+    /// (the CLI, another replica) stays usable here through the authentication cache.
+    pub revocation_poll: Duration,
 }
 
 impl ServerConfig {
@@ -118,6 +122,7 @@ impl ServerConfig {
             toolbox: default_toolbox_factory(),
             tool_timeout: Duration::from_secs(300),
             heartbeat: Duration::from_secs(5),
+            revocation_poll: Duration::from_secs(1),
         }
     }
 }
@@ -173,19 +178,11 @@ impl AppState {
             return Ok(s.clone());
         }
         let images = Arc::new(ImageStore::default());
-        for (id, bytes) in self.db.image_bytes_of(caller.token_id.clone()).await? {
-            let store = images.clone();
-            let loaded = tokio::task::spawn_blocking(move || {
-                store.ingest_bytes(bytes::Bytes::from(bytes), "stored image")
-            })
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
-            if let Err(e) = loaded {
-                // A file that decoded at upload but not now (a decoder change) stays listed;
-                // tools will report it as unknown.
-                tracing::warn!(image = %id, error = %e, "stored image no longer decodes");
-            }
-        }
+        let stored = self
+            .db
+            .image_bytes_of(caller.token_id.clone(), Vec::new())
+            .await?;
+        load_images(&images, stored).await?;
         let toolbox = (self.cfg.toolbox)(images.clone()).map_err(ApiError::Internal)?;
         let space = Arc::new(Space {
             images,
@@ -193,6 +190,85 @@ impl AppState {
         });
         spaces.insert(caller.token_id.clone(), space.clone());
         Ok(space)
+    }
+
+    /// Makes sure the space holds the given image ids if the caller owns them: an image
+    /// uploaded through another replica after this one built the space is loaded now.
+    /// Ids the caller does not own stay unknown.
+    pub(crate) async fn ensure_images(
+        &self,
+        caller: &Caller,
+        space: &Space,
+        ids: &[String],
+    ) -> Result<(), ApiError> {
+        if ids.iter().all(|id| space.images.source(id).is_ok()) {
+            return Ok(());
+        }
+        let missing = self
+            .db
+            .image_bytes_of(caller.token_id.clone(), space.images.ids())
+            .await?;
+        load_images(&space.images, missing).await
+    }
+
+    /// Revokes a token in the database and at once in this server's cache.
+    pub fn revoke_token(&self, token_id: &str) -> Result<bool, DbError> {
+        let changed = self.db.revoke_token(token_id)?;
+        self.auth_cache.forget(&[token_id.to_string()]);
+        Ok(changed)
+    }
+
+    /// Forgets cached tokens that were revoked (by `hilum serve token revoke`, another
+    /// replica or this one) and returns how many it forgot.
+    pub async fn apply_revocations(&self) -> Result<usize, DbError> {
+        let revoked = self.db.revoked_token_ids().await?;
+        Ok(self.auth_cache.forget(&revoked))
+    }
+}
+
+/// Decodes stored image files into a store.
+async fn load_images(
+    store: &Arc<ImageStore>,
+    stored: Vec<(String, Vec<u8>)>,
+) -> Result<(), ApiError> {
+    for (id, bytes) in stored {
+        let store = store.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            store.ingest_bytes(bytes::Bytes::from(bytes), "stored image")
+        })
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        if let Err(e) = loaded {
+            // A file that decoded at upload but not now (a decoder change) stays listed;
+            // tools will report it as unknown.
+            tracing::warn!(image = %id, error = %e, "stored image no longer decodes");
+        }
+    }
+    Ok(())
+}
+
+/// Every `img_…` string in tool arguments.
+pub(crate) fn image_ids_in(args: &serde_json::Value, out: &mut Vec<String>) {
+    match args {
+        serde_json::Value::String(s) if s.starts_with("img_") => out.push(s.clone()),
+        serde_json::Value::Array(a) => a.iter().for_each(|v| image_ids_in(v, out)),
+        serde_json::Value::Object(o) => o.values().for_each(|v| image_ids_in(v, out)),
+        _ => {}
+    }
+}
+
+/// Every `interval`, drops revoked tokens from the authentication cache, so a revocation
+/// made anywhere (the CLI, another replica) takes effect here within one interval.
+async fn watch_revocations(state: AppState) {
+    let mut tick = tokio::time::interval(state.cfg.revocation_poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match state.apply_revocations().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(tokens = n, "revoked tokens dropped from the cache"),
+            Err(e) => tracing::warn!(error = %e, "cannot read revoked tokens"),
+        }
     }
 }
 
@@ -295,7 +371,10 @@ pub async fn serve(
     if let Some(tx) = bound {
         let _ = tx.send(addr);
     }
-    axum::serve(listener, router(state))
+    let watcher = tokio::spawn(watch_revocations(state.clone()));
+    let served = axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
-        .await
+        .await;
+    watcher.abort();
+    served
 }

@@ -64,6 +64,7 @@ pub async fn ask(
 ) -> Result<Response, ApiError> {
     owned_session(&state, &caller, &session_id).await?;
     let space = state.space(&caller).await?;
+    state.ensure_images(&caller, &space, &ask.images).await?;
     for id in &ask.images {
         if space.images.get(id).is_err() {
             return Err(ApiError::not_found("image", id));

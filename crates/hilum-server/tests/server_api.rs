@@ -1,6 +1,8 @@
 //! End-to-end tests of `hilum serve` over real sockets on 127.0.0.1, with real radiographs
-//! from ../shared/data and the script LLM.
+//! from ../shared/data and the script LLM. Tests marked `on_both_databases!` run on SQLite and
+//! on a real PostgreSQL server (HILUM_TEST_POSTGRES_URL, see scripts/setup_postgres.sh).
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -28,11 +30,10 @@ fn types(events: &[Value]) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test]
-async fn upload_session_streamed_answer_and_artifacts() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = write_script(dir.path(), two_round_script());
-    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+on_both_databases!(upload_session_streamed_answer_and_artifacts);
+async fn upload_session_streamed_answer_and_artifacts(db: &TestDb) {
+    let script = write_script(db.dir.path(), two_round_script());
+    let srv = start(config_url(&db.url, Some(&script))).await;
     let tok = token(&srv.state, "alice");
     let client = reqwest::Client::new();
 
@@ -208,14 +209,12 @@ async fn sse_stream_carries_the_same_events() {
     srv.stop().await;
 }
 
-#[tokio::test]
-async fn restart_on_the_same_database_keeps_sessions_and_images() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let db = dir.path().join("h.db");
-    let script = write_script(dir.path(), two_round_script());
+on_both_databases!(restart_on_the_same_database_keeps_sessions_and_images);
+async fn restart_on_the_same_database_keeps_sessions_and_images(db: &TestDb) {
+    let script = write_script(db.dir.path(), two_round_script());
     let client = reqwest::Client::new();
 
-    let srv = start(config(&db, Some(&script))).await;
+    let srv = start(config_url(&db.url, Some(&script))).await;
     let tok = token(&srv.state, "alice");
     let (img, _) = upload_id(&client, &srv, &tok, IMG).await;
     let ses = new_session(&client, &srv, &tok).await;
@@ -223,7 +222,7 @@ async fn restart_on_the_same_database_keeps_sessions_and_images() {
     assert_eq!(types(&first).last().map(String::as_str), Some("complete"));
     srv.stop().await;
 
-    let srv = start(config(&db, Some(&script))).await;
+    let srv = start(config_url(&db.url, Some(&script))).await;
     let resp = client
         .get(srv.url(&format!("/v1/sessions/{ses}")))
         .bearer_auth(&tok)
@@ -302,11 +301,10 @@ async fn missing_or_wrong_token_is_401() {
     srv.stop().await;
 }
 
-#[tokio::test]
-async fn another_tokens_images_sessions_and_artifacts_are_404() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = write_script(dir.path(), two_round_script());
-    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+on_both_databases!(another_tokens_images_sessions_and_artifacts_are_404);
+async fn another_tokens_images_sessions_and_artifacts_are_404(db: &TestDb) {
+    let script = write_script(db.dir.path(), two_round_script());
+    let srv = start(config_url(&db.url, Some(&script))).await;
     let alice = token(&srv.state, "alice");
     let bob = token(&srv.state, "bob");
     let client = reqwest::Client::new();
@@ -404,10 +402,9 @@ async fn oversized_upload_is_413() {
     srv.stop().await;
 }
 
-#[tokio::test]
-async fn direct_tool_calls_are_recorded_audited_and_measured() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let srv = start(config(&dir.path().join("h.db"), None)).await;
+on_both_databases!(direct_tool_calls_are_recorded_audited_and_measured);
+async fn direct_tool_calls_are_recorded_audited_and_measured(db: &TestDb) {
+    let srv = start(config_url(&db.url, None)).await;
     let tok = token(&srv.state, "alice");
     let client = reqwest::Client::new();
     let (img, row) = upload_id(&client, &srv, &tok, IMG2).await;
@@ -475,10 +472,9 @@ async fn direct_tool_calls_are_recorded_audited_and_measured() {
     srv.stop().await;
 }
 
-#[tokio::test]
-async fn audit_export_needs_an_admin_token_and_is_json_lines() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let srv = start(config(&dir.path().join("h.db"), None)).await;
+on_both_databases!(audit_export_needs_an_admin_token_and_is_json_lines);
+async fn audit_export_needs_an_admin_token_and_is_json_lines(db: &TestDb) {
+    let srv = start(config_url(&db.url, None)).await;
     let user = token(&srv.state, "alice");
     let (_, admin) = srv.state.db().create_token("ops", true).expect("admin");
     let client = reqwest::Client::new();

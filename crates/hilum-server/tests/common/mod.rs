@@ -1,5 +1,6 @@
-//! Shared helpers of the server tests: a real server on 127.0.0.1, tokens, real radiographs,
-//! and two test tools (an artifact-producing thumbnail and a slow call).
+//! Shared helpers of the server tests: a real server on 127.0.0.1, a database per test
+//! (SQLite, or a real PostgreSQL server when HILUM_TEST_POSTGRES_URL is set), tokens, real
+//! radiographs, and two test tools (an artifact-producing thumbnail and a slow call).
 
 #![allow(dead_code)]
 
@@ -135,7 +136,12 @@ impl Server {
 
 /// A config for tests: port 0, the test toolbox, a script LLM if given, no rate limit.
 pub fn config(db: &Path, script: Option<&Path>) -> ServerConfig {
-    let mut cfg = ServerConfig::new(format!("sqlite://{}", db.display()));
+    config_url(&format!("sqlite://{}", db.display()), script)
+}
+
+/// The same for any database URL.
+pub fn config_url(db_url: &str, script: Option<&Path>) -> ServerConfig {
+    let mut cfg = ServerConfig::new(db_url);
     cfg.bind = "127.0.0.1:0".parse().expect("addr");
     cfg.toolbox = test_toolbox();
     cfg.rate_limit = RateLimit {
@@ -249,4 +255,132 @@ pub async fn ask_ndjson(
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad NDJSON line {l}: {e}")))
         .filter(|v: &Value| v["type"] != "heartbeat")
         .collect()
+}
+
+/// A database of its own for one test, and a temp dir beside it for scripts.
+pub struct TestDb {
+    pub dir: tempfile::TempDir,
+    pub url: String,
+    /// PostgreSQL: the server's URL (to drop the database) and the database's name.
+    pg: Option<(String, String)>,
+}
+
+impl TestDb {
+    /// A SQLite file in a temp dir.
+    pub fn sqlite() -> TestDb {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("h.db").display());
+        TestDb { dir, url, pg: None }
+    }
+
+    /// A fresh database on the PostgreSQL server named by `HILUM_TEST_POSTGRES_URL`; `None`
+    /// (and a loud note) when it is not set.
+    pub fn postgres() -> Option<TestDb> {
+        let Ok(base) = std::env::var("HILUM_TEST_POSTGRES_URL") else {
+            eprintln!(
+                "\n*** SKIPPED on PostgreSQL: HILUM_TEST_POSTGRES_URL is not set. Run \
+                 `eval \"$(scripts/setup_postgres.sh)\"` (or scripts/test.sh) to test against a real server. ***\n"
+            );
+            return None;
+        };
+        let name = format!("hilum_t_{}", hex_id());
+        pg_admin(&base, &format!("CREATE DATABASE {name}"))
+            .unwrap_or_else(|e| panic!("HILUM_TEST_POSTGRES_URL: {e}"));
+        let url = with_database(&base, &name);
+        Some(TestDb {
+            dir: tempfile::tempdir().expect("tempdir"),
+            url,
+            pg: Some((base, name)),
+        })
+    }
+
+    pub fn is_postgres(&self) -> bool {
+        self.pg.is_some()
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Some((base, name)) = self.pg.take() {
+            // Best effort (this may run while a failed test unwinds).
+            if let Err(e) = pg_admin(
+                &base,
+                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            ) {
+                eprintln!("cannot drop test database {name}: {e}");
+            }
+        }
+    }
+}
+
+fn hex_id() -> String {
+    let n: u64 = rand_u64();
+    format!("{n:016x}")
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// The same server URL with another database name (the path after the host).
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (url, String::new()),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let host_end = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    format!("{}/{db}{query}", &base[..host_end])
+}
+
+/// Runs SQL outside any transaction (CREATE/DROP DATABASE) on a thread of its own: the
+/// synchronous client may not run on an async thread.
+fn pg_admin(url: &str, sql: &str) -> Result<(), String> {
+    let (url, sql) = (url.to_string(), sql.to_string());
+    std::thread::spawn(move || {
+        let mut client = postgres::Client::connect(&url, postgres::NoTls)
+            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+        client
+            .batch_execute(&sql)
+            .map_err(|e| format!("{sql}: {e:?}"))
+    })
+    .join()
+    .map_err(|_| "the PostgreSQL admin thread panicked".to_string())?
+}
+
+/// Runs an async test `fn NAME(db: &TestDb)` twice: `NAME::sqlite` and `NAME::postgres` (which
+/// says loudly that it skipped when HILUM_TEST_POSTGRES_URL is not set).
+#[allow(unused_macros)]
+macro_rules! on_both_databases {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test]
+            async fn sqlite() {
+                let db = crate::common::TestDb::sqlite();
+                super::$name(&db).await;
+            }
+
+            #[tokio::test]
+            async fn postgres() {
+                let Some(db) = crate::common::TestDb::postgres() else {
+                    return;
+                };
+                super::$name(&db).await;
+            }
+        }
+    };
 }
