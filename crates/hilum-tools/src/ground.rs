@@ -15,6 +15,11 @@
 //!   `[{"bbox_2d": [x1, y1, x2, y2], "label": "…"}]`, often inside a ```json fence, in absolute
 //!   pixels of the model's resized input. Hilum sends the image already at the size
 //!   `smart_resize` gives, so those are the pixels sent.
+//!
+//! There is no native grounding: the native backend runs LLaVA-family models (LLaVA-Med v1.5),
+//! which were not trained to output boxes and do not emit them reliably. With
+//! `backend = "native"` the tool is hidden from the model (`localize_finding` answers "where?"
+//! for the classifier's findings) and a direct call says to configure a served grounding model.
 
 use std::sync::Arc;
 
@@ -438,7 +443,10 @@ impl Tool for GroundPhrase {
 
     fn available(&self, _env: &Environment) -> bool {
         // A broken configuration stays visible so that the call can say what is wrong.
-        !matches!(self.settings.endpoint(NAME), Ok(None))
+        !matches!(
+            self.settings.backend(NAME),
+            Ok(None) | Ok(Some(vlm::Backend::Native(_)))
+        )
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -450,6 +458,15 @@ impl Tool for GroundPhrase {
             .filter(|p| !p.is_empty())
             .ok_or_else(|| ToolError::InvalidArguments("`phrase` must be a finding".into()))?
             .to_string();
+        if let Some(vlm::Backend::Native(n)) = self.settings.backend(NAME)? {
+            return Err(ToolError::Unprocessable(format!(
+                "ground_phrase has no native backend: `{}` (LLaVA family) does not output boxes \
+                 reliably. Configure a served grounding model (MAIRA-2 or Qwen2.5-VL) in \
+                 [vlm.tools.ground_phrase] with backend = \"served\", base_url, model and family; \
+                 for the classifier's 18 findings localize_finding gives boxes natively",
+                n.model
+            )));
+        }
         let client = vlm::client_for(&self.settings, NAME)?;
         let family = client.endpoint.family;
         let sent = vlm::prepare_image_blocking(img.clone(), client.endpoint.clone()).await?;

@@ -94,10 +94,10 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.images.clone(),
         deps.vlm.clone(),
     )))?;
-    tb.register(Arc::new(AnswerVisualQuestion::new(
-        deps.images.clone(),
-        deps.vlm.clone(),
-    )))?;
+    tb.register(Arc::new(
+        AnswerVisualQuestion::new(deps.images.clone(), deps.vlm.clone())
+            .with_models(deps.models.clone()),
+    ))?;
     tb.register(Arc::new(GenerateReport::new(deps.images.clone(), deps.models.clone())))?;
     tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
     Ok(tb)

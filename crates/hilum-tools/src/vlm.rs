@@ -1,11 +1,15 @@
-//! The served VLM layer: one OpenAI-compatible multimodal chat endpoint (vLLM, SGLang,
-//! llama.cpp server, …) per tool, reached with the image as a PNG data URL. Used by
-//! `answer_visual_question` and `ground_phrase`.
+//! The VLM layer used by `answer_visual_question` and `ground_phrase`, one backend per tool:
+//! - served: an OpenAI-compatible multimodal chat endpoint (vLLM, SGLang, llama.cpp server, …),
+//!   reached with the image as a PNG data URL;
+//! - native (`backend = "native"`): a LLaVA-family model from the model registry
+//!   (`model = "llava-med-v1.5"`) run in-process by `hilum_models::llava`; pixels never leave
+//!   the process.
 //!
 //! Configuration: the `[vlm]` table of the Hilum config file, with optional per-tool tables
-//! (`[vlm.tools.ground_phrase]`) overriding it, and `HILUM_VLM_BASE_URL`, `HILUM_VLM_MODEL`,
-//! `HILUM_VLM_FAMILY`, `HILUM_VLM_API_KEY` overriding the file. Pixels only go to a loopback
-//! endpoint, or to one the site marked `allow_pixels = true` (an on-site GPU server).
+//! (`[vlm.tools.ground_phrase]`) overriding it, and `HILUM_VLM_BACKEND`, `HILUM_VLM_BASE_URL`,
+//! `HILUM_VLM_MODEL`, `HILUM_VLM_FAMILY`, `HILUM_VLM_API_KEY` overriding the file. Pixels only go
+//! to a loopback endpoint, or to one the site marked `allow_pixels = true` (an on-site GPU
+//! server).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -54,7 +58,8 @@ impl Family {
 pub enum VlmError {
     #[error(
         "no VLM endpoint is configured for `{tool}`: set HILUM_VLM_BASE_URL and HILUM_VLM_MODEL \
-         (and HILUM_VLM_FAMILY), or base_url/model/family in the [vlm] table of the config file"
+         (and HILUM_VLM_FAMILY), or base_url/model/family in the [vlm] table of the config file \
+         (or backend = \"native\" to run an installed LLaVA in-process)"
     )]
     NotConfigured { tool: String },
     #[error("VLM configuration: {0}")]
@@ -91,6 +96,10 @@ impl From<VlmError> for ToolError {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointTable {
+    /// `served` (default) or `native`.
+    pub backend: Option<String>,
+    /// Native backend: where the model runs (`cpu`, `cuda:0`, …; default cpu).
+    pub device: Option<String>,
     pub base_url: Option<String>,
     pub model: Option<String>,
     pub family: Option<Family>,
@@ -108,6 +117,8 @@ pub struct EndpointTable {
 impl EndpointTable {
     fn or(&self, base: &EndpointTable) -> EndpointTable {
         EndpointTable {
+            backend: self.backend.clone().or_else(|| base.backend.clone()),
+            device: self.device.clone().or_else(|| base.device.clone()),
             base_url: self.base_url.clone().or_else(|| base.base_url.clone()),
             model: self.model.clone().or_else(|| base.model.clone()),
             family: self.family.or(base.family),
@@ -146,6 +157,25 @@ pub struct Endpoint {
     pub max_tokens: u32,
     pub max_side: u32,
     pub max_pixels: u32,
+}
+
+/// The native model of a tool: a registry id run in-process.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NativeModel {
+    /// Registry id, e.g. `llava-med-v1.5`.
+    pub model: String,
+    pub device: hilum_models::Device,
+    pub max_tokens: u32,
+}
+
+/// Default registry id of the native backend.
+pub const NATIVE_DEFAULT_MODEL: &str = "llava-med-v1.5";
+
+/// How one tool reaches its VLM.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Backend {
+    Served(Endpoint),
+    Native(NativeModel),
 }
 
 /// Qwen2.5-VL's patch (14) times its spatial merge (2): input sides are multiples of 28.
@@ -207,6 +237,9 @@ impl VlmSettings {
     /// Environment variables (read through `get`) override the file's defaults.
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), VlmError> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get("HILUM_VLM_BACKEND") {
+            self.default.backend = Some(v);
+        }
         if let Some(v) = get("HILUM_VLM_BASE_URL") {
             self.default.base_url = Some(v);
         }
@@ -222,15 +255,48 @@ impl VlmSettings {
         Ok(())
     }
 
-    /// The endpoint of `tool`, or `None` when no base URL and model are set for it.
-    pub fn endpoint(&self, tool: &str) -> Result<Option<Endpoint>, VlmError> {
+    fn table(&self, tool: &str) -> Result<EndpointTable, VlmError> {
         if let Some(why) = &self.broken {
             return Err(VlmError::Config(why.clone()));
         }
-        let t = match self.tools.get(tool) {
+        Ok(match self.tools.get(tool) {
             Some(over) => over.or(&self.default),
             None => self.default.clone(),
-        };
+        })
+    }
+
+    /// The backend of `tool`: its native model, its served endpoint, or `None` when neither
+    /// is configured.
+    pub fn backend(&self, tool: &str) -> Result<Option<Backend>, VlmError> {
+        let t = self.table(tool)?;
+        match t.backend.as_deref().map(str::trim) {
+            None | Some("served") => Ok(self.endpoint(tool)?.map(Backend::Served)),
+            Some("native") => {
+                let device = match t.device.as_deref() {
+                    None => hilum_models::Device::Cpu,
+                    Some(d) => d
+                        .parse()
+                        .map_err(|e: hilum_models::ModelError| VlmError::Config(e.to_string()))?,
+                };
+                Ok(Some(Backend::Native(NativeModel {
+                    model: t.model.unwrap_or_else(|| NATIVE_DEFAULT_MODEL.to_string()),
+                    device,
+                    max_tokens: t.max_tokens.unwrap_or(256).max(1),
+                })))
+            }
+            Some(other) => Err(VlmError::Config(format!(
+                "backend `{other}` of `{tool}`: use served or native"
+            ))),
+        }
+    }
+
+    /// The served endpoint of `tool`, or `None` when no base URL and model are set for it (or
+    /// the tool runs natively).
+    pub fn endpoint(&self, tool: &str) -> Result<Option<Endpoint>, VlmError> {
+        let t = self.table(tool)?;
+        if t.backend.as_deref().map(str::trim) == Some("native") {
+            return Ok(None);
+        }
         let (Some(base_url), Some(model)) = (t.base_url, t.model) else {
             return Ok(None);
         };

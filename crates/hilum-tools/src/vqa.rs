@@ -1,16 +1,19 @@
-//! `answer_visual_question`: a free-text question about one radiograph, answered by a served
-//! vision-language model (CheXagent, MedGemma, MAIRA-2, Qwen2.5-VL, LLaVA-Med) that sees the
-//! pixels.
+//! `answer_visual_question`: a free-text question about one radiograph, answered by a
+//! vision-language model that sees the pixels: a served one (CheXagent, MedGemma, MAIRA-2,
+//! Qwen2.5-VL, LLaVA-Med behind an OpenAI-compatible endpoint) or a native LLaVA run
+//! in-process (`[vlm] backend = "native"`, e.g. LLaVA-Med v1.5 from the model registry).
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use hilum_agent::{Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
-use hilum_imaging::ImageStore;
+use hilum_imaging::{CxrImage, ImageStore};
+use hilum_models::llava::NativeVlm;
+use hilum_models::ModelPool;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
-use crate::vlm::{self, VlmSettings};
+use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::vlm::{self, Backend, NativeModel, VlmSettings};
 
 pub const NAME: &str = "answer_visual_question";
 
@@ -22,6 +25,7 @@ pub struct AnswerVisualQuestion {
     spec: ToolSpec,
     store: Arc<ImageStore>,
     settings: Arc<VlmSettings>,
+    models: Arc<ModelPool>,
 }
 
 impl AnswerVisualQuestion {
@@ -51,7 +55,62 @@ impl AnswerVisualQuestion {
             },
             store,
             settings,
+            models: Arc::new(ModelPool::from_env_or_empty()),
         }
+    }
+
+    /// The pool native models are loaded from (share the toolbox's, so a model loads once).
+    pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
+        self.models = models;
+        self
+    }
+
+    async fn ask_native(
+        &self,
+        native: &NativeModel,
+        img: Arc<CxrImage>,
+        question: &str,
+    ) -> Result<(String, Value), ToolError> {
+        let (_installed, permit) = reserve(&self.models, &native.model, native.device).await?;
+        let models = self.models.clone();
+        let spec = native.clone();
+        let q = question.to_string();
+        let (answer, load_ms) = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let t0 = std::time::Instant::now();
+            let m = models
+                .get_or_load::<NativeVlm>(&spec.model, spec.device)
+                .map_err(|e| model_error(&models, e))?;
+            let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let gray = vlm::to_gray8(&img)?;
+            let a = m
+                .answer(
+                    gray.as_raw(),
+                    img.width as usize,
+                    img.height as usize,
+                    &q,
+                    Some(spec.max_tokens as usize),
+                )
+                .map_err(|e| ToolError::Internal(e.to_string()))?;
+            Ok::<_, ToolError>((a, load_ms))
+        })
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))??;
+        let g = &answer.generation;
+        let r2 = |v: f64| (v * 100.0).round() / 100.0;
+        let data = json!({
+            "model": native.model,
+            "backend": "native",
+            "device": native.device.to_string(),
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": g.ids.len(),
+            "stopped": if g.stopped { "stop_token" } else { "max_tokens" },
+            "prefill_ms": r2(g.prefill_secs * 1e3),
+            "decode_ms": r2(g.decode_secs * 1e3),
+            "tokens_per_second": answer.tokens_per_second().map(r2),
+            "load_ms": r2(load_ms),
+        });
+        Ok((answer.text, data))
     }
 }
 
@@ -63,7 +122,7 @@ impl Tool for AnswerVisualQuestion {
 
     fn available(&self, _env: &Environment) -> bool {
         // A broken configuration stays visible so that the call can say what is wrong.
-        !matches!(self.settings.endpoint(NAME), Ok(None))
+        !matches!(self.settings.backend(NAME), Ok(None))
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -75,6 +134,22 @@ impl Tool for AnswerVisualQuestion {
             .filter(|q| !q.is_empty())
             .ok_or_else(|| ToolError::InvalidArguments("`question` must be a question".into()))?
             .to_string();
+        if let Some(Backend::Native(native)) = self.settings.backend(NAME)? {
+            let (text, mut data) = self.ask_native(&native, img, &question).await?;
+            if text.is_empty() {
+                return Err(ToolError::Unprocessable(format!(
+                    "the native VLM `{}` returned an empty answer; rephrase the question",
+                    native.model
+                )));
+            }
+            data["image"] = json!(id);
+            data["question"] = json!(question);
+            data["answer"] = json!(text);
+            return Ok(ToolOutput::new(
+                format!("{id} ({}, native): {text}", native.model),
+                data,
+            ));
+        }
         let client = vlm::client_for(&self.settings, NAME)?;
         let sent = vlm::prepare_image_blocking(img.clone(), client.endpoint.clone()).await?;
         let answer = client.ask(&sent, Some(SYSTEM), &question).await?;
