@@ -1,7 +1,7 @@
 //! Decode + torchxrayvision normalisation + centre crop + resize to 224 of real radiographs:
 //! the largest JPEG (2544x3056, 8-bit) and the 1841x1955 JPEG 2000 DICOM (15-bit MONOCHROME1).
 //! Python counterpart: scripts/bench_decode.py (same files, same steps); compare the medians as
-//! a ratio on one machine. Run: `cargo bench --bench decode`.
+//! a ratio on one machine. Run: `cargo bench -p hilum-imaging --bench decode`.
 
 use std::path::PathBuf;
 
@@ -10,7 +10,7 @@ use hilum_imaging::{decode_with, prepare, DecodeOptions, Preprocess, Voi};
 
 fn data(rel: &str) -> Vec<u8> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/data/cxr")
+        .join("../../../shared/data/cxr")
         .join(rel);
     std::fs::read(&p).unwrap_or_else(|e| panic!("real data missing: {} ({e})", p.display()))
 }
