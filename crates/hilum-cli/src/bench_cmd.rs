@@ -1,5 +1,8 @@
-//! `hilum bench`: per-tool latency on real images, and one round of parallel calls against
-//! the same calls one after another.
+//! `hilum bench`: per-tool latency on real images, the classifiers' batched forward at several
+//! batch sizes on each backend, and one round of parallel calls against the same calls one
+//! after another.
+
+mod batch;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,7 +18,8 @@ use hilum_agent::{
 use hilum_imaging::ImageStore;
 use hilum_llm::script::{ScriptCall, ScriptTurn};
 use hilum_llm::ScriptLlm;
-use hilum_tools::default_toolbox;
+use hilum_models::xrv::{self, Backend};
+use hilum_tools::{default_toolbox, ClassifyChestXray};
 
 use crate::tools_cmd::fill_image_args;
 
@@ -25,7 +29,11 @@ hilum bench --image chest.png --tool segment_lungs --tool classify_chest_xray -n
 hilum bench --image chest.png --tool localize_finding --args 'localize_finding={\"pathology\":\"Effusion\"}'\n\n\
 The first call of each tool includes loading its model (reported as first_ms); the timed calls \
 follow the warm-up calls. Tools that need arguments besides the image are skipped unless --args \
-gives them. Tools whose model is not installed are listed with the error.")]
+gives them. Tools whose model is not installed are listed with the error.\n\n\
+Classifiers: `--backend native,onnx` times classify_chest_xray once per backend, and the batched \
+forward (preprocessed images, no decoding) runs at each `--batch` size on each backend \
+(`hilum bench --image chest.png --tool classify_chest_xray --backend native,onnx --batch 1,4,16`). \
+Threads: HILUM_CPU_THREADS (native and ONNX Runtime alike).")]
 pub struct BenchArgs {
     /// Image file(s) to run the tools on; calls cycle over them.
     #[arg(long, required = true)]
@@ -42,6 +50,12 @@ pub struct BenchArgs {
     /// Untimed calls per tool after the first.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// Batch sizes for the classifiers' batched forward (empty: skip it).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub batch: Vec<usize>,
+    /// Classifier backends to time: native, candle, onnx (default: the CPU's default, native).
+    #[arg(long, value_delimiter = ',')]
+    pub backend: Vec<String>,
     /// Skip the round benchmark (parallel round vs serial calls).
     #[arg(long)]
     pub no_round: bool,
@@ -52,9 +66,13 @@ pub struct BenchArgs {
 
 struct ToolResult {
     name: String,
+    /// The classifier backend this row ran on, when `--backend` chose one.
+    backend: Option<Backend>,
     first_ms: f64,
     times: Vec<f64>,
     error: Option<String>,
+    /// Decode speed of generating tools (their `tokens_per_second`), per timed call.
+    tokens_per_s: Vec<f64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -79,6 +97,16 @@ async fn call(
     name: &str,
     args: &Value,
 ) -> Result<f64, String> {
+    call_tps(toolbox, env, name, args).await.map(|(ms, _)| ms)
+}
+
+/// A call's time, and the tokens/s a generating tool reports in its data.
+async fn call_tps(
+    toolbox: &Toolbox,
+    env: &Environment,
+    name: &str,
+    args: &Value,
+) -> Result<(f64, Option<f64>), String> {
     let started = Instant::now();
     let r = toolbox
         .execute(
@@ -89,7 +117,10 @@ async fn call(
         )
         .await;
     match r.result {
-        Ok(_) => Ok(started.elapsed().as_secs_f64() * 1e3),
+        Ok(out) => Ok((
+            started.elapsed().as_secs_f64() * 1e3,
+            out.data["tokens_per_second"].as_f64(),
+        )),
         Err(f) => Err(f.message),
     }
 }
@@ -134,33 +165,70 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.tool.clone()
     };
 
-    let mut results = Vec::new();
+    let backends = args
+        .backend
+        .iter()
+        .map(|b| b.parse::<Backend>())
+        .collect::<Result<Vec<_>, _>>()?;
+    // classify_chest_xray once per chosen backend (its own one-tool toolbox); others once.
+    let mut jobs: Vec<(String, Option<Backend>, Arc<Toolbox>)> = Vec::new();
     for name in &names {
+        if name == CLASSIFY && !backends.is_empty() {
+            for &b in &backends {
+                let tool =
+                    ClassifyChestXray::new(store.clone(), deps.models.clone()).with_backend(b);
+                let tb = Toolbox::new()
+                    .with(Arc::new(tool))
+                    .map_err(anyhow::Error::msg)?;
+                jobs.push((name.clone(), Some(b), Arc::new(tb)));
+            }
+        } else {
+            jobs.push((name.clone(), None, toolbox.clone()));
+        }
+    }
+
+    let mut results = Vec::new();
+    for (name, backend, toolbox) in &jobs {
+        let toolbox = toolbox.as_ref();
         if !args.json {
-            eprintln!("timing {name} …");
+            match backend {
+                Some(b) => eprintln!("timing {name} on {b} …"),
+                None => eprintln!("timing {name} …"),
+            }
         }
         let mut per_image = Vec::new();
         for id in &ids {
             let mut a = extra.get(name).cloned().unwrap_or_else(|| json!({}));
-            fill_image_args(&toolbox, &env, name, &mut a, std::slice::from_ref(id))?;
+            fill_image_args(toolbox, &env, name, &mut a, std::slice::from_ref(id))?;
+            // segment_region needs a prompt: default to the central half of the image.
+            if name == "segment_region" && a.get("box").is_none() && a.get("points").is_none() {
+                let img = store.get(id)?;
+                let (w, h) = (img.width as f64, img.height as f64);
+                a["box"] = json!([w / 4.0, h / 4.0, 3.0 * w / 4.0, 3.0 * h / 4.0]);
+            }
             per_image.push(a);
         }
         let mut res = ToolResult {
             name: name.clone(),
+            backend: *backend,
             first_ms: f64::NAN,
             times: Vec::new(),
             error: None,
+            tokens_per_s: Vec::new(),
         };
-        match call(&toolbox, &env, name, &per_image[0]).await {
+        match call(toolbox, &env, name, &per_image[0]).await {
             Err(e) => res.error = Some(e),
             Ok(ms) => {
                 res.first_ms = ms;
                 for i in 0..args.warmup {
-                    let _ = call(&toolbox, &env, name, &per_image[i % per_image.len()]).await;
+                    let _ = call(toolbox, &env, name, &per_image[i % per_image.len()]).await;
                 }
                 for i in 0..args.iterations {
-                    match call(&toolbox, &env, name, &per_image[i % per_image.len()]).await {
-                        Ok(ms) => res.times.push(ms),
+                    match call_tps(toolbox, &env, name, &per_image[i % per_image.len()]).await {
+                        Ok((ms, tps)) => {
+                            res.times.push(ms);
+                            res.tokens_per_s.extend(tps);
+                        }
                         Err(e) => {
                             res.error = Some(e);
                             break;
@@ -172,7 +240,38 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         results.push(res);
     }
 
-    let ok: Vec<&ToolResult> = results.iter().filter(|r| r.error.is_none()).collect();
+    let batched = if names.iter().any(|n| n == CLASSIFY) && !args.batch.is_empty() {
+        if !args.json {
+            eprintln!("timing the batched classifier forward …");
+        }
+        let model = extra
+            .get(CLASSIFY)
+            .and_then(|a| a["model"].as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| xrv::XrvSpec::densenet121_res224_all().id);
+        let plan = batch::Plan {
+            models: vec![model],
+            backends: if backends.is_empty() {
+                vec![Backend::default_for(hilum_models::Device::Cpu)]
+            } else {
+                backends.clone()
+            },
+            batches: args.batch.clone(),
+            iterations: args.iterations,
+            warmup: args.warmup,
+        };
+        let (pool, images, ids) = (deps.models.clone(), store.clone(), ids.clone());
+        tokio::task::spawn_blocking(move || batch::run(&plan, &pool, &images, &ids)).await?
+    } else {
+        Vec::new()
+    };
+
+    // One call per tool in the round, whatever the backends timed above.
+    let mut seen = std::collections::HashSet::new();
+    let ok: Vec<&ToolResult> = results
+        .iter()
+        .filter(|r| r.error.is_none() && seen.insert(r.name.clone()))
+        .collect();
     let round = if args.no_round || ok.len() < 2 {
         None
     } else {
@@ -184,6 +283,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .map(|r| {
             let mut t = r.times.clone();
             t.sort_by(|a, b| a.total_cmp(b));
+            let mut tps = r.tokens_per_s.clone();
+            tps.sort_by(|a, b| a.total_cmp(b));
             let mean = if t.is_empty() {
                 f64::NAN
             } else {
@@ -191,6 +292,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             json!({
                 "tool": r.name,
+                "backend": r.backend.map(Backend::name),
                 "ok": r.error.is_none(),
                 "error": r.error,
                 "first_ms": finite(r.first_ms),
@@ -201,13 +303,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "mean_ms": finite(mean),
                 "images_per_s": finite(1e3 / mean),
                 "load_ms_estimate": finite(r.first_ms - percentile(&t, 50.0)),
+                "tokens_per_s_p50": finite(percentile(&tps, 50.0)),
             })
         })
         .collect();
     let report = json!({
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "images": ids,
+        "cpu_threads": xrv::default_threads(),
         "tools": rows,
+        "batched": batched,
         "round": round,
         "peak_rss_mib": peak_rss_mib(),
     });
@@ -216,7 +321,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>8}  note",
+        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}  note",
         "tool", "first ms", "p50 ms", "p95 ms", "p99 ms", "img/s"
     );
     for r in &rows {
@@ -228,10 +333,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let note = r["error"]
             .as_str()
             .map(|e| e.chars().take(90).collect::<String>())
+            .or_else(|| {
+                r["tokens_per_s_p50"]
+                    .as_f64()
+                    .map(|v| format!("{v:.1} tokens/s"))
+            })
             .unwrap_or_default();
+        let tool = match r["backend"].as_str() {
+            Some(b) => format!("{}[{b}]", r["tool"].as_str().unwrap_or("")),
+            None => r["tool"].as_str().unwrap_or("").to_string(),
+        };
         println!(
-            "{:<24} {:>9} {:>9} {:>9} {:>9} {:>8}  {}",
-            r["tool"].as_str().unwrap_or(""),
+            "{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}  {}",
+            tool,
             f("first_ms"),
             f("p50_ms"),
             f("p95_ms"),
@@ -240,6 +354,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             note
         );
     }
+    batch::print(&batched, xrv::default_threads());
     if let Some(r) = &report["round"].as_object() {
         println!(
             "\nround of {} calls: parallel {:.1} ms, serial {:.1} ms, serial/parallel {:.2}x",
@@ -254,6 +369,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+const CLASSIFY: &str = "classify_chest_xray";
 
 fn finite(v: f64) -> Value {
     if v.is_finite() {

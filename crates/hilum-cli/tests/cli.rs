@@ -203,3 +203,52 @@ fn bench_reports_percentiles_and_the_parallel_round() {
     assert!(v["round"]["parallel_ms"].as_f64().unwrap_or(0.0) > 0.0);
     assert!(v["peak_rss_mib"].as_f64().unwrap_or(0.0) > 1.0);
 }
+
+#[test]
+fn bench_times_the_classifier_per_backend_and_batch_and_names_missing_weights() {
+    let out = hilum()
+        .args([
+            "bench",
+            "--json",
+            "-n",
+            "1",
+            "--tool",
+            "classify_chest_xray",
+            "--backend",
+            "native,onnx",
+            "--batch",
+            "1,4",
+            "--image",
+        ])
+        .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .output()
+        .expect("run hilum");
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let tools = v["tools"].as_array().expect("tools");
+    let backends: Vec<&str> = tools.iter().filter_map(|t| t["backend"].as_str()).collect();
+    assert_eq!(backends, ["native", "onnx"]);
+    // No weights in this models dir: every row says how to install them.
+    let batched = v["batched"].as_array().expect("batched rows");
+    assert_eq!(batched.len(), 2, "one error row per backend: {batched:?}");
+    for row in tools.iter().chain(batched) {
+        assert_eq!(row["ok"], false);
+        let e = row["error"].as_str().unwrap_or("");
+        assert!(e.contains("densenet121-res224-all"), "{e}");
+    }
+    assert!(v["cpu_threads"].as_u64().unwrap_or(0) >= 1);
+
+    let bad = hilum()
+        .args(["bench", "--tool", "classify_chest_xray", "--backend", "tpu"])
+        .arg("--image")
+        .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .output()
+        .expect("run hilum");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("native, candle or onnx"), "{err}");
+}
