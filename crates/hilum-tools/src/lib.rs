@@ -11,6 +11,7 @@ pub mod measure;
 pub mod report;
 pub mod segment_anatomy;
 mod segment_lungs;
+pub mod segment_region;
 mod visualize;
 pub mod vlm;
 pub mod vqa;
@@ -31,6 +32,7 @@ pub use measure::MeasureChest;
 pub use report::GenerateReport;
 pub use segment_anatomy::SegmentAnatomy;
 pub use segment_lungs::SegmentLungs;
+pub use segment_region::SegmentRegion;
 pub use visualize::Visualize;
 pub use vlm::VlmSettings;
 pub use vqa::AnswerVisualQuestion;
@@ -79,6 +81,10 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         deps.models.clone(),
     )))?;
     tb.register(Arc::new(SegmentAnatomy::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
+    tb.register(Arc::new(SegmentRegion::new(
         deps.images.clone(),
         deps.models.clone(),
     )))?;
