@@ -1,9 +1,11 @@
 //! Forward-pass latency of the torchxrayvision classifiers: Hilum's native CPU kernels (the
-//! default on CPU) and the candle path, on seeded weights of the full-size networks (speed does
-//! not depend on the weights' values). Threads: `HILUM_CPU_THREADS`, else all cores.
-//! Compare with `scripts/bench_torch.py` (PyTorch and ONNX Runtime, same threads, same machine).
+//! default on CPU), ONNX Runtime on the graph Hilum writes from the same weights (when
+//! ORT_DYLIB_PATH is set: `eval "$(scripts/setup_onnxruntime.sh)"`) and the candle path, on
+//! seeded weights of the full-size networks (speed does not depend on the weights' values).
+//! Threads: `HILUM_CPU_THREADS`, else all cores — the same for native and ONNX Runtime.
+//! Compare with `scripts/bench_torch.py` (PyTorch, same threads, same machine).
 //!
-//! `cargo bench --bench classifier` (add `-- native` for the native path only).
+//! `cargo bench --bench classifier` (add `-- native` or `-- onnx` for one backend).
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -30,7 +32,11 @@ fn bench(c: &mut Criterion) {
     ] {
         let mut g = c.benchmark_group(format!("{}/{threads}threads", spec.id));
         g.sample_size(10);
-        for backend in [Backend::Native, Backend::Candle] {
+        for backend in Backend::ALL {
+            if backend == Backend::Onnx && !hilum_models::onnx::available() {
+                eprintln!("onnx: skipped, ONNX Runtime not loadable (set ORT_DYLIB_PATH)");
+                continue;
+            }
             let m = model(&spec, backend);
             for &b in &batches {
                 // candle's CPU conv is ~10x slower: batch 1 is enough to show it.
@@ -38,7 +44,7 @@ fn bench(c: &mut Criterion) {
                     continue;
                 }
                 let x = input(b, spec.resolution);
-                let name = format!("{backend:?}").to_lowercase();
+                let name = backend.name();
                 g.bench_with_input(BenchmarkId::new(name, format!("batch{b}")), &x, |bch, x| {
                     bch.iter(|| m.logits(x, b).expect("forward"))
                 });
