@@ -90,7 +90,7 @@ impl<T: Into<P>> From<Option<T>> for P {
 
 /// Parameters of a query: `args![a, b, c]`.
 macro_rules! args {
-    ($($x:expr),* $(,)?) => { vec![$($crate::db::backend::P::from($x)),*] };
+    ($($x:expr),* $(,)?) => { [$($crate::db::backend::P::from($x)),*] };
 }
 pub(crate) use args;
 
