@@ -7,7 +7,10 @@
 # what the server answered: audit rows == calls made, nothing lost.
 #
 # Usage: scripts/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
-# Env:   HILUM_BIN (default: target/release/hilum, built if missing), IMAGE (a radiograph).
+# Env:   HILUM_BIN (default: target/release/hilum, built if missing), IMAGE (a radiograph),
+#        LOAD_POSTGRES_URL (a PostgreSQL server, e.g. $HILUM_TEST_POSTGRES_URL from
+#        scripts/setup_postgres.sh: the test then runs on a fresh database there, dropped at
+#        the end, instead of a SQLite file).
 # Needs: wrk (scripts/setup_load_test.sh), curl, python3.
 set -euo pipefail
 
@@ -28,9 +31,18 @@ work="$(mktemp -d)"
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 base="http://127.0.0.1:$port"
 db="sqlite://$work/load.db"
+pg_db=""
+if [ -n "${LOAD_POSTGRES_URL:-}" ]; then
+    command -v psql >/dev/null || { echo "psql is missing: run scripts/setup_postgres.sh" >&2; exit 1; }
+    pg_db="hilum_load_$$"
+    psql -X -q "$LOAD_POSTGRES_URL" -c "CREATE DATABASE $pg_db" >&2
+    # The same server, the new database (the path after host:port).
+    db="$(python3 -c 'import sys, urllib.parse as u; p = u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$LOAD_POSTGRES_URL" "$pg_db")"
+fi
 server_pid=""
 cleanup() {
     if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+    if [ -n "$pg_db" ]; then psql -X -q "$LOAD_POSTGRES_URL" -c "DROP DATABASE IF EXISTS $pg_db WITH (FORCE)" >&2 || true; fi
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -96,7 +108,7 @@ end
 $report_lua
 LUA
 
-echo "# hilum load test: ${secs}s per phase, $conns connections, 2 wrk threads, $(nproc) cores, loopback" >&2
+echo "# hilum load test: ${secs}s per phase, $conns connections, 2 wrk threads, $(nproc) cores, loopback, database ${db%%://*}" >&2
 tools_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/tool.lua" "$base/v1/tools/image_info:call" | tail -1)"
 sessions_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/session.lua" "$base" | tail -1)"
 

@@ -337,8 +337,9 @@ impl Db {
         }
     }
 
-    /// Runs one SQL statement as it is and returns the number of rows it changed. For
-    /// maintenance and tests; the server itself never builds SQL from input.
+    /// Runs one SQL statement without parameters and returns the number of rows it changed.
+    /// For maintenance and tests; the server itself never builds SQL from input. (Each `?`
+    /// becomes `$` on PostgreSQL, as in every query here.)
     pub fn execute_sql(&self, sql: &str) -> Result<u64, DbError> {
         self.run_sync(false, |c| c.execute(sql, &[]))
     }
