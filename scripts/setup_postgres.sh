@@ -13,7 +13,6 @@ set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${HILUM_PG_DIR:-$root/target/hilum-postgres}"
-data="$dir/data"
 db=hilum_test
 
 log() { echo "setup_postgres: $*" >&2; }
@@ -44,9 +43,16 @@ else
     owner="$(id -un)"
 fi
 
-mkdir -p "$dir"
-chown "$owner" "$dir"
-chmod 700 "$dir"
+prepare_dir() {
+    mkdir -p "$1" && chown "$owner" "$1" && chmod 700 "$1" && as_pg test -w "$1"
+}
+if ! prepare_dir "$dir" 2>/dev/null; then
+    # e.g. a checkout under /root, which the postgres user cannot enter.
+    log "$dir is not usable by $owner; using /tmp instead"
+    dir="/tmp/hilum-postgres-$(id -u)"
+    prepare_dir "$dir"
+fi
+data="$dir/data"
 
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
