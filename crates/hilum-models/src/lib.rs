@@ -17,7 +17,6 @@ pub mod report;
 mod registry;
 pub mod resnet;
 pub mod sam;
-pub mod sam;
 pub mod unet;
 pub mod weights;
 pub mod xrv;
