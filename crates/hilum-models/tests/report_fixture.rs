@@ -189,3 +189,52 @@ fn mismatched_weights_are_refused_with_the_difference() {
     assert!(err.contains("missing") || err.contains("shape"), "{err}");
     let _ = Path::new("unused");
 }
+
+/// The published repositories ship `vocab.txt`, not `tokenizer.json`: the tokenizer built from
+/// it decodes like the one transformers saved.
+#[test]
+fn vocab_txt_tokenizer_decodes_like_tokenizer_json() {
+    let src = fixtures().join("tiny_pad");
+    let tj: Value = serde_json::from_str(
+        &std::fs::read_to_string(src.join("tokenizer.json")).expect("tokenizer.json"),
+    )
+    .expect("json");
+    let mut vocab: Vec<(u64, String)> = tj["model"]["vocab"]
+        .as_object()
+        .expect("vocab")
+        .iter()
+        .map(|(k, v)| (v.as_u64().expect("id"), k.clone()))
+        .collect();
+    vocab.sort();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lines: Vec<String> = vocab.into_iter().map(|(_, t)| t).collect();
+    std::fs::write(dir.path().join("vocab.txt"), lines.join("\n") + "\n").expect("write");
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy");
+    }
+    let from_vocab =
+        ReportModel::load_files(&dir.path().join("model.safetensors"), None, 32, Device::Cpu)
+            .expect("loads with vocab.txt");
+    let (from_json, _, json) = load("tiny_pad");
+    let mut checked = 0;
+    for run in json["generation"].as_array().expect("runs") {
+        let ids: Vec<u32> = run["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        let a = from_vocab.decode(&ids).expect("decode");
+        assert_eq!(a, from_json.decode(&ids).expect("decode"));
+        assert_eq!(a, run["text"].as_str().expect("text"));
+        checked += 1;
+    }
+    assert!(checked > 0);
+    // Without any tokenizer the error says how to get one.
+    std::fs::remove_file(dir.path().join("vocab.txt")).expect("rm");
+    let err = ReportModel::load_files(&dir.path().join("model.safetensors"), None, 32, Device::Cpu)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("scripts/convert_report.py"), "{err}");
+}

@@ -389,24 +389,38 @@ impl ReportModel {
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
         let cfg = resolve_config(weights_path, &meta, fallback)?;
 
-        let tok_text = meta
+        let tokenizer = match meta
             .get(META_TOKENIZER)
             .cloned()
             .or_else(|| read("tokenizer.json"))
-            .ok_or_else(|| ModelError::Corrupt {
-                id: dir
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                reason: format!(
-                    "{} has no tokenizer: convert the Hugging Face snapshot with \
-                     `scripts/convert_report.py SNAPSHOT_DIR model.safetensors` (embeds config and \
-                     tokenizer) and import that file, or put tokenizer.json beside the weights",
-                    weights_path.display()
-                ),
-            })?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(tok_text.as_bytes())
-            .map_err(|e| mismatch(weights_path, format!("tokenizer.json: {e}")))?;
+        {
+            Some(text) => tokenizers::Tokenizer::from_bytes(text.as_bytes())
+                .map_err(|e| mismatch(weights_path, format!("tokenizer.json: {e}")))?,
+            None if dir.join("vocab.txt").is_file() => {
+                // The published repositories ship BertTokenizer's vocab.txt.
+                let lower = read("tokenizer_config.json")
+                    .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+                    .and_then(|v| v["do_lower_case"].as_bool())
+                    .unwrap_or(true);
+                bert_tokenizer(&dir.join("vocab.txt"), lower)
+                    .map_err(|e| mismatch(weights_path, format!("vocab.txt: {e}")))?
+            }
+            None => {
+                return Err(ModelError::Corrupt {
+                    id: dir
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    reason: format!(
+                        "{} has no tokenizer: convert the Hugging Face snapshot with \
+                         `scripts/convert_report.py SNAPSHOT_DIR model.safetensors` (embeds \
+                         config and tokenizer) and import that file, or copy the repository's \
+                         config.json and vocab.txt (or tokenizer.json) beside the weights",
+                        weights_path.display()
+                    ),
+                })
+            }
+        };
         let special = |t: &str| tokenizer.token_to_id(t);
         let start_token = cfg
             .decoder_start_token_id
@@ -471,6 +485,33 @@ impl ReportModel {
         let x = Tensor::from_slice(pixels, (1, 3, s, s), &dev)?;
         Ok(self.net.generate(&x, cfg)?)
     }
+}
+
+/// A BERT WordPiece tokenizer from `vocab.txt`, as transformers' `BertTokenizer` builds it
+/// (BERT normaliser and pre-tokeniser, `##` continuation, special tokens skipped on decode).
+pub fn bert_tokenizer(vocab: &Path, lowercase: bool) -> Result<tokenizers::Tokenizer, String> {
+    use tokenizers::decoders::wordpiece::WordPiece as WordPieceDecoder;
+    use tokenizers::models::wordpiece::WordPiece;
+    use tokenizers::normalizers::bert::BertNormalizer;
+    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+    let path = vocab.to_str().ok_or("vocabulary path is not UTF-8")?;
+    let model = WordPiece::from_file(path)
+        .unk_token("[UNK]".into())
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_normalizer(Some(BertNormalizer::new(true, true, None, lowercase)))
+        .map_err(|e| e.to_string())?;
+    tok.with_pre_tokenizer(Some(BertPreTokenizer));
+    tok.with_decoder(Some(WordPieceDecoder::default()));
+    let specials: Vec<tokenizers::AddedToken> = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        .into_iter()
+        .filter(|t| tok.token_to_id(t).is_some())
+        .map(|t| tokenizers::AddedToken::from(t, true))
+        .collect();
+    tok.add_special_tokens(specials)
+        .map_err(|e| e.to_string())?;
+    Ok(tok)
 }
 
 impl crate::Model for ReportModel {
