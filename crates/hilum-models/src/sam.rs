@@ -100,13 +100,15 @@ impl Config {
 
     fn check(&self) -> candle_core::Result<()> {
         let ok = self.patch_size > 0
-            && self.image_size % self.patch_size == 0
+            && self.image_size.is_multiple_of(self.patch_size)
             && self.encoder_num_heads > 0
-            && self.encoder_embed_dim % self.encoder_num_heads == 0
+            && self
+                .encoder_embed_dim
+                .is_multiple_of(self.encoder_num_heads)
             && self.decoder_num_heads > 0
-            && (self.prompt_embed_dim / 2) % self.decoder_num_heads == 0
-            && self.prompt_embed_dim % 8 == 0
-            && self.mask_in_chans % 4 == 0
+            && (self.prompt_embed_dim / 2).is_multiple_of(self.decoder_num_heads)
+            && self.prompt_embed_dim.is_multiple_of(8)
+            && self.mask_in_chans.is_multiple_of(4)
             && self.iou_head_depth > 0;
         if ok {
             Ok(())
