@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Python counterpart of benches/decode.rs: decode + torchxrayvision normalisation + centre
+"""Python counterpart of crates/hilum-imaging/benches/decode.rs: decode + torchxrayvision normalisation + centre
 crop + resize to 224 of the largest JPEG and of the JPEG 2000 DICOM in ../shared/data/cxr.
 
 The steps follow torchxrayvision 1.5.x (read_xray_dcm for DICOM: raw pixels, MONOCHROME1
