@@ -238,7 +238,7 @@ impl TextConfig {
         }
         let hidden = self.hidden_size.unwrap_or(4096);
         let heads = self.num_attention_heads.unwrap_or(32);
-        if heads == 0 || (hidden % heads != 0 && self.head_dim.is_none()) {
+        if heads == 0 || (!hidden.is_multiple_of(heads) && self.head_dim.is_none()) {
             return Err(bad_config(format!(
                 "hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
             )));
@@ -246,7 +246,7 @@ impl TextConfig {
         let kv = self
             .num_key_value_heads
             .unwrap_or(if mistral { 8 } else { heads });
-        if kv == 0 || heads % kv != 0 {
+        if kv == 0 || !heads.is_multiple_of(kv) {
             return Err(bad_config(format!(
                 "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
             )));
@@ -322,13 +322,13 @@ impl Config {
         activation(&self.projector_hidden_act)?;
         activation(&self.vision_config.hidden_act)?;
         let v = &self.vision_config;
-        if v.patch_size == 0 || v.image_size % v.patch_size != 0 {
+        if v.patch_size == 0 || !v.image_size.is_multiple_of(v.patch_size) {
             return Err(bad_config(format!(
                 "image_size {} is not a multiple of patch_size {}",
                 v.image_size, v.patch_size
             )));
         }
-        if v.num_attention_heads == 0 || v.hidden_size % v.num_attention_heads != 0 {
+        if v.num_attention_heads == 0 || !v.hidden_size.is_multiple_of(v.num_attention_heads) {
             return Err(bad_config("vision hidden_size not a multiple of its heads"));
         }
         Ok(())
@@ -529,7 +529,7 @@ impl Lin {
     ) -> candle_core::Result<Lin> {
         let w = vb.get((out, inp), "weight")?;
         let w = match p.ggml() {
-            Some(dt) if inp % dt.block_size() == 0 => {
+            Some(dt) if inp.is_multiple_of(dt.block_size()) => {
                 QMatMul::from_qtensor(QTensor::quantize(&w, dt)?)?
             }
             _ => QMatMul::Tensor(w),
@@ -1027,8 +1027,9 @@ impl Llava {
     }
 
     /// Greedy decoding with a KV cache: the prompt (image tokens already expanded, see
-    /// [`expand_image_tokens`]) in one forward, then one token per step until a stop token or
-    /// `max_new_tokens`. `on_token` sees each new id as it is chosen.
+    /// [`expand_image_tokens`]) in one forward, then one token per step until a stop token,
+    /// `max_new_tokens` or the model's last position. `on_token` sees each new id as it is
+    /// chosen.
     pub fn generate(
         &self,
         ids: &[u32],
@@ -1037,6 +1038,12 @@ impl Llava {
         stop: &[u32],
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation, ModelError> {
+        // The answer ends where the model's positions (or Mistral's window) run out.
+        let c = &self.text.cfg;
+        let limit = c.sliding_window.map_or(c.max_position_embeddings, |w| {
+            w.min(c.max_position_embeddings)
+        });
+        let max_new_tokens = max_new_tokens.min(limit.saturating_sub(ids.len()));
         let t0 = Instant::now();
         let mut cache = KvCache::default();
         let feats = match pixel_values {
@@ -1517,7 +1524,7 @@ mod tests {
             .iter()
             .all(|&v| v == 77));
         // A white 20x10 image padded to 20x20: rows 0..5 and 15..20 take the mean colour.
-        let px = preprocess(&vec![255u8; 200], 20, 10, 20, AspectMode::Pad, &Device::Cpu)
+        let px = preprocess(&[255u8; 200], 20, 10, 20, AspectMode::Pad, &Device::Cpu)
             .expect("preprocess");
         let r = px
             .i((0, 0))

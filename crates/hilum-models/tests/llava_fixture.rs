@@ -230,3 +230,25 @@ fn tiny_checkpoints_hold_exactly_the_expected_parameters() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
+
+#[test]
+fn generation_ends_at_the_last_position_instead_of_failing() {
+    let f = load("tiny_mistral", Precision::Dense);
+    let input_ids = ids(&f.reference["input_ids"]);
+    let room = 128 - input_ids.len(); // max_position_embeddings of the tiny config
+    let g = f
+        .model
+        .generate(
+            &input_ids,
+            Some(&f.reference["pixel_values"]),
+            1000,
+            &[2],
+            |_| {},
+        )
+        .expect("generate");
+    assert!(g.ids.len() <= room, "{} > {room}", g.ids.len());
+    assert!(g.stopped || g.ids.len() == room, "{g:?}");
+    // The first tokens are the reference greedy decode.
+    let expected = ids(&f.reference["greedy_ids"]);
+    assert_eq!(&g.ids[..expected.len()], expected.as_slice());
+}
