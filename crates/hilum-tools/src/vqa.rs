@@ -71,7 +71,19 @@ impl AnswerVisualQuestion {
         img: Arc<CxrImage>,
         question: &str,
     ) -> Result<(String, Value), ToolError> {
-        let (_installed, permit) = reserve(&self.models, &native.model, native.device).await?;
+        // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
+        let (_installed, permit) = reserve(&self.models, &native.model, native.device)
+            .await
+            .map_err(|e| match e {
+                ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
+                    fix: format!(
+                        "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
+                         import {model} OUT_DIR/model.safetensors"
+                    ),
+                    model,
+                },
+                other => other,
+            })?;
         let models = self.models.clone();
         let spec = native.clone();
         let q = question.to_string();

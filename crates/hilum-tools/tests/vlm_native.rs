@@ -137,11 +137,9 @@ async fn missing_native_weights_name_the_install_command() {
         .await
         .expect_err("not installed");
     assert!(matches!(err, ToolError::ModelMissing { .. }), "{err:?}");
-    assert!(
-        err.to_string()
-            .contains("hilum models import llava-med-v1.5"),
-        "{err}"
-    );
+    let msg = err.to_string();
+    assert!(msg.contains("hilum models import llava-med-v1.5"), "{msg}");
+    assert!(msg.contains("scripts/convert_llava.py"), "{msg}");
 }
 
 #[test]
