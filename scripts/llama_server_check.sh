@@ -7,7 +7,8 @@
 #
 # Usage: scripts/llama_server_check.sh [MODEL.gguf]
 #   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (chatml-function-calling),
-#        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running.
+#        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running,
+#        HILUM_BIN (an already built `hilum`; default: build target/release/hilum).
 # Prints the NDJSON events and exits 0 only if at least one tool call succeeded and an answer came.
 set -euo pipefail
 
@@ -45,8 +46,13 @@ for _ in $(seq 1 120); do
 done
 
 cd "$ROOT"
+BIN="${HILUM_BIN:-}"
+if [[ -z "$BIN" ]]; then
+    cargo build --quiet --release -p hilum-cli
+    BIN="$ROOT/target/release/hilum"
+fi
 OUT="$(mktemp)"
-OPENAI_API_KEY=none cargo run --quiet --release -p hilum-cli -- analyze "$IMAGE" \
+OPENAI_API_KEY=none "$BIN" analyze "$IMAGE" \
     --question "What are the width and height of this image in pixels?" \
     --llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$PORT/v1" --json | tee "$OUT"
 

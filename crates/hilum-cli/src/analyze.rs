@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use hilum_agent::{Agent, AgentConfig, Environment, Mode, Protocol, RunInput};
+use hilum_agent::{Agent, AgentConfig, Environment, Mode, Protocol, RunInput, Toolbox};
 use hilum_imaging::ImageStore;
 use hilum_tools::default_toolbox;
 
@@ -95,7 +95,11 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     };
 
     let deps = crate::config::tool_deps(store.clone(), file.vlm)?;
-    let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
+    let mut toolbox = default_toolbox(&deps).map_err(anyhow::Error::msg)?;
+    if choice.is_local() {
+        toolbox = local_toolbox(toolbox, &deps, &store, &ids)?;
+    }
+    let toolbox = Arc::new(toolbox);
     let a = &file.agent;
     let defaults = AgentConfig::default();
     let config = AgentConfig {
@@ -170,4 +174,47 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         anyhow::bail!(outcome.error.unwrap_or_else(|| "the run failed".into()));
     }
     Ok(())
+}
+
+/// Models a tool cannot run without (any one of them suffices).
+fn tool_models(name: &str) -> &'static [&'static str] {
+    match name {
+        "classify_chest_xray" | "localize_finding" => &["densenet121-res224-all"],
+        "segment_lungs" => &["lung-unet"],
+        "segment_anatomy" => &["chestx-det-pspnet"],
+        "measure_chest" => &["chestx-det-pspnet", "lung-unet"],
+        _ => &[],
+    }
+}
+
+/// A small local model picks worse among many tools and calls whatever it is offered: it gets
+/// only the tools that can run here (their weights installed) and that inform an answer
+/// (`visualize` draws for the user; `dicom_info` only when a DICOM file was given).
+fn local_toolbox(
+    full: Toolbox,
+    deps: &hilum_tools::ToolDeps,
+    store: &ImageStore,
+    ids: &[String],
+) -> anyhow::Result<Toolbox> {
+    let registry = deps.models.registry();
+    let any_dicom = ids
+        .iter()
+        .filter_map(|id| store.get(id).ok())
+        .any(|img| img.meta.format == "dicom");
+    let mut kept = Toolbox::new();
+    for name in full.names() {
+        let needs = tool_models(&name);
+        let installed = needs.is_empty() || needs.iter().any(|m| registry.installed(m).is_ok());
+        let relevant = match name.as_str() {
+            "visualize" => false,
+            "dicom_info" => any_dicom,
+            _ => true,
+        };
+        if installed && relevant {
+            if let Some(tool) = full.get(&name) {
+                kept.register(tool).map_err(anyhow::Error::msg)?;
+            }
+        }
+    }
+    Ok(kept)
 }

@@ -76,7 +76,65 @@ pub async fn collect_turn(
             arguments: call.arguments,
         });
     }
+    if turn.tool_calls.is_empty() {
+        text_tool_calls(&mut turn);
+    }
     Ok(turn)
+}
+
+/// Servers that render a model's own chat template without a tool-call parser (llama.cpp's
+/// Python server with the GGUF template, vLLM without `--tool-call-parser`) return Hermes/Qwen
+/// calls as text: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`. Those that
+/// parse become tool calls; anything else stays text.
+fn text_tool_calls(turn: &mut AssistantTurn) {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    if !turn.text.contains(OPEN) {
+        return;
+    }
+    let mut free = String::new();
+    let mut calls = Vec::new();
+    let mut rest = turn.text.as_str();
+    while let Some(i) = rest.find(OPEN) {
+        free.push_str(&rest[..i]);
+        let after = &rest[i + OPEN.len()..];
+        let (body, next) = match after.find(CLOSE) {
+            Some(j) => (&after[..j], &after[j + CLOSE.len()..]),
+            None => (after, ""),
+        };
+        let parsed = serde_json::from_str::<serde_json::Value>(body.trim())
+            .ok()
+            .and_then(|v| {
+                let name = v.get("name")?.as_str()?.to_string();
+                let arguments = match v.get("arguments") {
+                    None | Some(serde_json::Value::Null) => "{}".to_string(),
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(other) => other.to_string(),
+                };
+                Some((name, arguments))
+            });
+        match parsed {
+            Some((name, arguments)) => calls.push(ToolCall {
+                id: format!("call_text_{}", calls.len()),
+                name,
+                arguments,
+            }),
+            None => {
+                free.push_str(OPEN);
+                free.push_str(body);
+                if next.len() < after.len() - body.len() {
+                    free.push_str(CLOSE);
+                }
+            }
+        }
+        rest = next;
+    }
+    free.push_str(rest);
+    if !calls.is_empty() {
+        turn.text = free.trim().to_string();
+        turn.tool_calls = calls;
+        turn.finish = crate::FinishReason::ToolCalls;
+    }
 }
 
 #[cfg(test)]
@@ -138,5 +196,24 @@ mod tests {
         let err = collect_turn(s, |_| {}).await.unwrap_err();
         assert!(matches!(err, LlmError::StreamCut(_)), "{err}");
         assert!(err.to_string().contains("tool call"));
+    }
+
+    #[tokio::test]
+    async fn hermes_calls_written_as_text_become_tool_calls() {
+        let text = "Checking.\n<tool_call>\n{\"name\": \"image_info\", \"arguments\": {\"image\": \"img_ab12cd\"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>";
+        let s = stream_of(vec![
+            Ok(ChatDelta::Text(text.into())),
+            Ok(ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            }),
+        ]);
+        let turn = collect_turn(s, |_| {}).await.unwrap();
+        assert_eq!(turn.tool_calls.len(), 1);
+        assert_eq!(turn.tool_calls[0].name, "image_info");
+        assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
+        assert_eq!(turn.finish, FinishReason::ToolCalls);
+        // The unreadable block stays visible as text.
+        assert_eq!(turn.text, "Checking.\n\n<tool_call>\nnot json\n</tool_call>");
     }
 }

@@ -441,3 +441,135 @@ async fn prompt_longer_than_the_context_is_a_clear_error() {
     };
     assert!(err.contains("context"), "{err}");
 }
+
+/// A conversation where `image_info` already ran and its result is in.
+fn after_one_call(id: &str) -> Vec<Message> {
+    vec![
+        Message::system("You analyse chest X-rays with tools."),
+        Message::user(
+            format!("What are the size and bit depth of this image?\n\nImages: {id}"),
+            vec![id.into()],
+        ),
+        Message::assistant(
+            "",
+            vec![hilum_llm::ToolCall::new(
+                "call_0",
+                "image_info",
+                &json!({ "image": id }),
+            )],
+        ),
+        Message::Tool {
+            tool_call_id: "call_0".into(),
+            name: "image_info".into(),
+            content: format!("{id}: 2048x2500 px, 8-bit grayscale PNG; mean 121.4"),
+            is_error: false,
+        },
+    ]
+}
+
+fn assert_prose(text: &str) {
+    let t = text.trim();
+    assert!(!t.is_empty(), "empty answer");
+    assert!(
+        !t.contains('{') && !t.contains("tool_call") && !t.starts_with('`'),
+        "not prose: {text:?}"
+    );
+}
+
+/// Offered the same tool again, the model may not repeat the call whose result it has: the
+/// turn ends as a prose answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_already_answered_is_not_repeated_and_the_turn_is_prose() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    let id = "img_5d41402abc4b";
+    let req = ChatRequest {
+        messages: after_one_call(id),
+        tools: vec![info_tool()],
+        max_tokens: Some(80),
+        ..Default::default()
+    };
+    let turn = collect_turn(llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    let repeated = turn.tool_calls.iter().any(|c| {
+        c.name == "image_info"
+            && serde_json::from_str::<Value>(&c.arguments).ok() == Some(json!({ "image": id }))
+    });
+    assert!(!repeated, "{turn:?}");
+    if turn.tool_calls.is_empty() {
+        assert_prose(&turn.text);
+    }
+}
+
+/// Without tools (the agent's synthesis turn) the answer is prose, never a call written as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_without_tools_is_prose() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    let mut messages = after_one_call("img_5d41402abc4b");
+    messages.push(Message::user(
+        "No more tools can be called. Give your final answer now from the tool results above.",
+        vec![],
+    ));
+    let req = ChatRequest {
+        messages,
+        max_tokens: Some(80),
+        ..Default::default()
+    };
+    let turn = collect_turn(llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    assert!(turn.tool_calls.is_empty());
+    assert_prose(&turn.text);
+}
+
+/// A call cut by max_tokens is an error that says what to raise, not a half call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_cut_by_max_tokens_is_a_clear_error() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    let req = ChatRequest {
+        messages: vec![
+            Message::system("You analyse chest X-rays with tools."),
+            Message::user(
+                "Segment the lungs of this PA radiograph with threshold 0.5.\n\nImages: img_3fa2c1b4",
+                vec!["img_3fa2c1b4".into()],
+            ),
+        ],
+        tools: vec![info_tool(), segment_tool()],
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    let err = collect_turn(llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .expect_err("8 tokens cannot hold this tool call");
+    assert!(err.to_string().contains("max_tokens"), "{err}");
+}
+
+/// Endless repetition stops with an error naming the problem (a model of its own: the window
+/// is part of the load-time configuration).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_repetition_is_stopped_with_a_clear_error() {
+    let Some(path) = model_path() else { return };
+    let _g = serial().await;
+    let mut cfg = LocalConfig::new(path);
+    cfg.context = 512;
+    cfg.repetition_window = 12;
+    let llm = LocalLlm::load(cfg).unwrap();
+    let req = ChatRequest {
+        messages: vec![Message::user(
+            format!(
+                "Continue this text for as long as you can, without anything else: {}",
+                "ha ".repeat(40)
+            ),
+            vec![],
+        )],
+        max_tokens: Some(300),
+        ..Default::default()
+    };
+    let err = collect_turn(llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .expect_err("a loop must be stopped");
+    assert!(err.to_string().contains("repeated"), "{err}");
+}

@@ -27,6 +27,10 @@ const MIN_ANSWER_TOKENS: usize = 256;
 const MAX_CALLS_PER_TURN: usize = 8;
 /// Longest repeated period the repetition guard looks for.
 const MAX_REPEAT_PERIOD: usize = 32;
+/// Said to a model that repeats a call whose result it already has, after the user's question
+/// is asked again (a small model copies a bare instruction instead of following it).
+const RESULTS_ARE_IN: &str =
+    "Answer this from the tool results above, without calling a tool again.";
 /// Tool results are first cut to this many characters, then omitted, to fit the context.
 const SHORT_RESULT_CHARS: usize = 400;
 
@@ -73,6 +77,8 @@ struct Prepared {
     has_tools: bool,
     /// Calls made in earlier rounds of this conversation (name, parsed arguments).
     previous_calls: Vec<(String, Option<Value>)>,
+    /// The prompt plus a user note that the results are in, for a model that repeats a call.
+    repeat_prompt: Option<Vec<u32>>,
     shortened: usize,
     started: Instant,
 }
@@ -129,6 +135,29 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
     };
     let want_new = req.max_tokens.unwrap_or(inner.cfg.max_tokens).max(1) as usize;
     let (tokens, shortened) = fit_context(inner, &req.messages, req, limit, want_new)?;
+    let previous_calls = previous_calls(&req.messages);
+    let repeat_prompt = if previous_calls.is_empty() || req.tools.is_empty() {
+        None
+    } else {
+        let mut msgs = req.messages.clone();
+        let question = req
+            .messages
+            .iter()
+            .rev()
+            .find_map(|m| match m {
+                Message::User { content, .. } => Some(content.as_str()),
+                _ => None,
+            })
+            .unwrap_or_default();
+        msgs.push(Message::user(
+            format!("{question}\n\n{RESULTS_ARE_IN}"),
+            vec![],
+        ));
+        let text = inner.template.render(&msgs, &req.tools, true)?;
+        let t = inner.tok.encode(&text)?;
+        // Only if it fits; otherwise the plain prompt is restarted.
+        (t.len() + MIN_ANSWER_TOKENS.min(want_new) <= limit).then_some(t)
+    };
     let max_new = want_new.min(limit - tokens.len());
     let temperature = req.temperature.unwrap_or(inner.cfg.temperature) as f64;
     let sampling = if temperature <= 0.0 {
@@ -155,7 +184,8 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         constraint,
         has_tools: !req.tools.is_empty(),
-        previous_calls: previous_calls(&req.messages),
+        previous_calls,
+        repeat_prompt,
         shortened,
         started,
     })
@@ -405,7 +435,7 @@ fn decode(
         stops: prep.stop.clone(),
         hold_all: prep.constraint.is_some(),
     };
-    let prompt_len = st.cached.len();
+    let mut prompt_len = st.cached.len();
     let mut generated: Vec<u32> = Vec::new();
     let mut calls = 0usize;
     let mut seen_calls: Vec<(String, Option<Value>)> = Vec::new();
@@ -582,8 +612,6 @@ fn decode(
                             "local model repeated the call {} it already has a result for; answering in prose instead",
                             call.name
                         );
-                        st.model.truncate_cache(prompt_len)?;
-                        st.cached.truncate(prompt_len);
                         stats.rewound_tokens += generated.len() + 1;
                         generated.clear();
                         text.text.clear();
@@ -592,7 +620,43 @@ fn decode(
                         utf8 = Utf8Stream::default();
                         mode = Mode::Free;
                         prose_only = true;
-                        logits = prompt_logits.clone();
+                        match &prep.repeat_prompt {
+                            Some(p) => {
+                                // Tell it the results are in (a user note after the tool
+                                // results); only the tokens after the shared prefix are run.
+                                let keep = st.cached[..prompt_len]
+                                    .iter()
+                                    .zip(p)
+                                    .take_while(|(a, b)| a == b)
+                                    .count()
+                                    .min(p.len() - 1);
+                                st.model.truncate_cache(keep)?;
+                                st.cached.truncate(keep);
+                                for chunk in p[keep..].chunks(PREFILL_CHUNK) {
+                                    logits = st.model.forward(chunk)?;
+                                    st.cached.extend_from_slice(chunk);
+                                }
+                                prompt_len = st.cached.len();
+                            }
+                            None => {
+                                st.model.truncate_cache(prompt_len)?;
+                                st.cached.truncate(prompt_len);
+                                logits = prompt_logits.clone();
+                            }
+                        }
+                        // The answer starts by pointing at the result it must come from; a
+                        // 0.5B model then quotes it instead of writing a vague sentence.
+                        let lead = format!("According to the {} result:", call.name);
+                        let lead_tokens = tok.encode(&lead)?;
+                        if !lead_tokens.is_empty() {
+                            logits = st.model.forward(&lead_tokens)?;
+                            st.cached.extend_from_slice(&lead_tokens);
+                            generated.extend_from_slice(&lead_tokens);
+                            let (out, _) = text.push(&lead);
+                            if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+                                return Ok(());
+                            }
+                        }
                         continue;
                     }
                     if repeats_earlier_round || seen_calls.contains(&key) {
