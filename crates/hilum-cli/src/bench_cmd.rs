@@ -135,7 +135,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot use {}", p.display()))?,
         );
     }
-    let deps = hilum_tools::ToolDeps::new(store.clone());
+    // Tools run with the configured classifier backends (HILUM_BACKEND, the config file's
+    // [backends]); `--backend` below times the classifier on each backend it lists.
+    let file = crate::config::load_file(None)?;
+    let deps = hilum_tools::ToolDeps::new(store.clone())
+        .with_backends(crate::config::resolve_backends(&[], &file.backends)?);
     let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
     let env = Environment::default();
 

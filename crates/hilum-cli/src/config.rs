@@ -21,6 +21,10 @@ pub struct FileConfig {
     /// applied by `hilum_tools::VlmSettings`).
     #[serde(default)]
     pub vlm: hilum_tools::VlmSettings,
+    /// `[backends]`: classifier backend per model id, `"*"` for every model: `native` (Hilum's
+    /// CPU kernels, the CPU default), `candle` (the GPU default) or `onnx` (ONNX Runtime).
+    #[serde(default)]
+    pub backends: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -178,6 +182,29 @@ impl LlmChoice {
     }
 }
 
+/// The classifier backends: `--backend` flags first (each `BACKEND` for every model or
+/// `MODEL=BACKEND`), then `HILUM_BACKEND` (same syntax, comma-separated), then the file's
+/// `[backends]` table. Unknown models or backends are errors here, before anything runs.
+pub fn resolve_backends(
+    flags: &[String],
+    file: &std::collections::BTreeMap<String, String>,
+) -> anyhow::Result<std::collections::BTreeMap<String, hilum_models::xrv::Backend>> {
+    let parse = |spec: &str, from: &str| {
+        hilum_tools::parse_backends(spec).map_err(|e| anyhow::anyhow!("{from}: {e}"))
+    };
+    if !flags.is_empty() {
+        return parse(&flags.join(","), "--backend");
+    }
+    if let Some(env) = std::env::var("HILUM_BACKEND")
+        .ok()
+        .filter(|v| !v.is_empty())
+    {
+        return parse(&env, "HILUM_BACKEND");
+    }
+    let spec: Vec<String> = file.iter().map(|(m, b)| format!("{m}={b}")).collect();
+    parse(&spec.join(","), "[backends] in the config file")
+}
+
 /// The tools' shared parts, with the config file's `[vlm]` table (environment overrides it).
 pub fn tool_deps(
     store: Arc<hilum_imaging::ImageStore>,
@@ -186,4 +213,35 @@ pub fn tool_deps(
     vlm.apply_env(|k| std::env::var(k).ok())
         .context("the [vlm] settings are not valid")?;
     Ok(hilum_tools::ToolDeps::new(store).with_vlm(Arc::new(vlm)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hilum_models::xrv::Backend;
+
+    #[test]
+    fn backends_table_parses_and_flags_win() {
+        let file: FileConfig = toml::from_str(
+            "[backends]\n\"densenet121-res224-all\" = \"onnx\"\n\"*\" = \"native\"\n",
+        )
+        .expect("valid config");
+        // HILUM_BACKEND is read in between; tests run without it unless a developer set it.
+        if std::env::var_os("HILUM_BACKEND").is_none() {
+            let b = resolve_backends(&[], &file.backends).expect("file");
+            assert_eq!(b.get("densenet121-res224-all"), Some(&Backend::Onnx));
+            assert_eq!(b.get("*"), Some(&Backend::Native));
+        }
+        let b = resolve_backends(&["candle".into()], &file.backends).expect("flag");
+        assert_eq!(b.len(), 1);
+        assert_eq!(b.get("*"), Some(&Backend::Candle));
+        let err = resolve_backends(&["resnet50-res512-all=gpu".into()], &file.backends)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("--backend") && err.contains("native, candle or onnx"),
+            "{err}"
+        );
+    }
 }

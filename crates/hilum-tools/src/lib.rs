@@ -22,7 +22,7 @@ use hilum_agent::Toolbox;
 use hilum_imaging::ImageStore;
 use hilum_models::ModelPool;
 
-pub use classify::ClassifyChestXray;
+pub use classify::{parse_backends, ClassifyChestXray};
 pub use common::image_arg;
 pub use dicom_info::DicomInfo;
 pub use ground::GroundPhrase;
@@ -44,6 +44,9 @@ pub struct ToolDeps {
     pub models: Arc<ModelPool>,
     /// Served VLM endpoints (`[vlm]` table, `HILUM_VLM_*`).
     pub vlm: Arc<VlmSettings>,
+    /// Classifier backend per model id (`*`: every model); empty: `HILUM_BACKEND`, else the
+    /// device's default.
+    pub backends: std::collections::BTreeMap<String, hilum_models::xrv::Backend>,
 }
 
 impl ToolDeps {
@@ -53,7 +56,16 @@ impl ToolDeps {
             images,
             models: Arc::new(ModelPool::from_env_or_empty()),
             vlm: Arc::new(VlmSettings::from_env_and_file_or_broken()),
+            backends: Default::default(),
         }
+    }
+
+    pub fn with_backends(
+        mut self,
+        backends: std::collections::BTreeMap<String, hilum_models::xrv::Backend>,
+    ) -> Self {
+        self.backends = backends;
+        self
     }
 
     pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
@@ -72,10 +84,11 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
     let mut tb = Toolbox::new();
     tb.register(Arc::new(ImageInfo::new(deps.images.clone())))?;
     tb.register(Arc::new(DicomInfo::new(deps.images.clone())))?;
-    tb.register(Arc::new(ClassifyChestXray::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
+    let mut classify = ClassifyChestXray::new(deps.images.clone(), deps.models.clone());
+    if !deps.backends.is_empty() {
+        classify = classify.with_backends(deps.backends.clone());
+    }
+    tb.register(Arc::new(classify))?;
     tb.register(Arc::new(SegmentLungs::new(
         deps.images.clone(),
         deps.models.clone(),
