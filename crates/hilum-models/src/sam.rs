@@ -508,7 +508,8 @@ struct ImageEncoder {
     blocks: Vec<EncoderBlock>,
     neck0: Tensor,
     neck1: LayerNorm,
-    neck2: candle_nn::Conv2d,
+    /// `neck.2` (3x3, padding 1, no bias) as a (out, 9 * in) matrix over (ky, kx, in) patches.
+    neck2: Tensor,
     neck3: LayerNorm,
     patch: usize,
 }
@@ -542,12 +543,12 @@ impl ImageEncoder {
             .pp("neck.0")
             .get((e, d, 1, 1), "weight")?
             .reshape((e, d))?;
-        let conv = candle_nn::Conv2dConfig {
-            padding: 1,
-            ..Default::default()
-        };
-        let neck2 =
-            candle_nn::Conv2d::new(vb.pp("neck.2").get((e, e, 3, 3), "weight")?, None, conv);
+        let neck2 = vb
+            .pp("neck.2")
+            .get((e, e, 3, 3), "weight")?
+            .permute((0, 2, 3, 1))?
+            .contiguous()?
+            .reshape((e, 9 * e))?;
         Ok(ImageEncoder {
             patch_w,
             patch_b,
@@ -580,17 +581,28 @@ impl Module for ImageEncoder {
         for blk in &self.blocks {
             x = x.apply(blk)?;
         }
-        // Neck: 1x1 conv as a matrix product and LayerNorm2d as a LayerNorm, both in NHWC.
+        // Neck in NHWC: the 1x1 conv is a matrix product, the 3x3 conv one matrix product
+        // over its nine shifted copies (im2col), LayerNorm2d a LayerNorm over channels.
         let e = self.neck0.dim(0)?;
         let x = x
             .reshape((b * g * g, ()))?
             .matmul(&self.neck0.t()?)?
             .reshape((b, g, g, e))?
-            .apply(&self.neck1)?
+            .apply(&self.neck1)?;
+        let padded = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
+        let mut shifted = Vec::with_capacity(9);
+        for ky in 0..3 {
+            for kx in 0..3 {
+                shifted.push(padded.narrow(1, ky, g)?.narrow(2, kx, g)?);
+            }
+        }
+        Tensor::stack(&shifted, 3)? // (b, g, g, 9, e)
+            .reshape((b * g * g, 9 * e))?
+            .matmul(&self.neck2.t()?)?
+            .reshape((b, g, g, e))?
+            .apply(&self.neck3)?
             .permute((0, 3, 1, 2))?
-            .contiguous()?
-            .apply(&self.neck2)?; // (b, e, g, g)
-        layer_norm_nchw(&self.neck3, &x)
+            .contiguous() // (b, e, g, g)
     }
 }
 
