@@ -13,6 +13,8 @@ use candle_core::{Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::FlatLinear;
+
 /// `BertConfig` fields that change the computation (names as in `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BertDecoderConfig {
@@ -79,10 +81,10 @@ impl BertDecoderConfig {
 }
 
 struct Attention {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    out: Linear,
+    query: FlatLinear,
+    key: FlatLinear,
+    value: FlatLinear,
+    out: FlatLinear,
     norm: LayerNorm,
     heads: usize,
 }
@@ -91,10 +93,10 @@ impl Attention {
     fn new(cfg: &BertDecoderConfig, vb: VarBuilder) -> Result<Self> {
         let h = cfg.hidden_size;
         Ok(Attention {
-            query: linear(h, h, vb.pp("self.query"))?,
-            key: linear(h, h, vb.pp("self.key"))?,
-            value: linear(h, h, vb.pp("self.value"))?,
-            out: linear(h, h, vb.pp("output.dense"))?,
+            query: FlatLinear(linear(h, h, vb.pp("self.query"))?),
+            key: FlatLinear(linear(h, h, vb.pp("self.key"))?),
+            value: FlatLinear(linear(h, h, vb.pp("self.value"))?),
+            out: FlatLinear(linear(h, h, vb.pp("output.dense"))?),
             norm: layer_norm(h, cfg.layer_norm_eps, vb.pp("output.LayerNorm"))?,
             heads: cfg.num_attention_heads,
         })
@@ -127,8 +129,8 @@ impl Attention {
 struct Layer {
     self_attn: Attention,
     cross_attn: Attention,
-    fc1: Linear,
-    fc2: Linear,
+    fc1: FlatLinear,
+    fc2: FlatLinear,
     norm: LayerNorm,
 }
 
@@ -200,10 +202,10 @@ pub struct BertDecoder {
     token_type0: Tensor, // (hidden,)
     emb_norm: LayerNorm,
     layers: Vec<Layer>,
-    head_dense: Linear,
+    head_dense: FlatLinear,
     head_norm: LayerNorm,
     /// `cls.predictions.decoder` (weight tied to the word embeddings) and `cls.predictions.bias`.
-    head: Linear,
+    head: FlatLinear,
     cfg: BertDecoderConfig,
 }
 
@@ -226,13 +228,17 @@ impl BertDecoder {
             layers.push(Layer {
                 self_attn: Attention::new(cfg, l.pp("attention"))?,
                 cross_attn: Attention::new(cfg, l.pp("crossattention"))?,
-                fc1: linear(h, cfg.intermediate_size, l.pp("intermediate.dense"))?,
-                fc2: linear(cfg.intermediate_size, h, l.pp("output.dense"))?,
+                fc1: FlatLinear(linear(
+                    h,
+                    cfg.intermediate_size,
+                    l.pp("intermediate.dense"),
+                )?),
+                fc2: FlatLinear(linear(cfg.intermediate_size, h, l.pp("output.dense"))?),
                 norm: layer_norm(h, cfg.layer_norm_eps, l.pp("output.LayerNorm"))?,
             });
         }
         let p = vb.pp("cls.predictions");
-        let head_dense = linear(h, h, p.pp("transform.dense"))?;
+        let head_dense = FlatLinear(linear(h, h, p.pp("transform.dense"))?);
         let head_norm = layer_norm(h, cfg.layer_norm_eps, p.pp("transform.LayerNorm"))?;
         // Checkpoints saved by transformers drop the tied copy of the word embeddings.
         let head_weight = if p.contains_tensor("decoder.weight") {
@@ -249,7 +255,7 @@ impl BertDecoder {
             layers,
             head_dense,
             head_norm,
-            head: Linear::new(head_weight, Some(head_bias)),
+            head: FlatLinear(Linear::new(head_weight, Some(head_bias))),
             cfg: cfg.clone(),
         })
     }

@@ -28,6 +28,25 @@ pub use bert_decoder::{BertDecoder, BertDecoderConfig, CrossKv, KvCache};
 pub use generate::{Generated, GenerationConfig};
 pub use swinv2::{SwinV2, SwinV2Config};
 
+/// A linear layer applied to (…, in) as one 2-D matmul: candle's `Linear` broadcasts its
+/// weight over a 3-D batch, which copies the weight when the batch is larger than one (beams,
+/// windows).
+#[derive(Clone, Debug)]
+pub(crate) struct FlatLinear(pub(crate) Linear);
+
+impl Module for FlatLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        if dims.len() <= 2 {
+            return self.0.forward(x);
+        }
+        let y = self.0.forward(&x.flatten_to(dims.len() - 2)?)?;
+        let mut shape = dims[..dims.len() - 1].to_vec();
+        shape.push(y.dim(1)?);
+        y.reshape(shape)
+    }
+}
+
 /// Architecture name in `models/*.toml`.
 pub const ARCHITECTURE: &str = "swinv2-bert";
 /// Safetensors metadata keys written by `scripts/convert_report.py`.

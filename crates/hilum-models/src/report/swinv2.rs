@@ -5,7 +5,9 @@
 //! final layer norm. Parameter names are those of the checkpoint under `encoder.`.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{layer_norm, linear, linear_no_bias, LayerNorm, Linear, VarBuilder};
+use candle_nn::{layer_norm, linear, linear_no_bias, LayerNorm, VarBuilder};
+
+use super::FlatLinear;
 use serde::{Deserialize, Serialize};
 
 /// `Swinv2Config` fields that change the computation (names as in `config.json`).
@@ -178,10 +180,10 @@ impl PatchEmbed {
 }
 
 struct WindowAttention {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    out: Linear,
+    query: FlatLinear,
+    key: FlatLinear,
+    value: FlatLinear,
+    out: FlatLinear,
     heads: usize,
     /// exp(clamp(logit_scale, max = ln 100)), (heads, 1, 1).
     scale: Tensor,
@@ -240,21 +242,21 @@ impl WindowAttention {
         let s = vb.pp("self");
         let lin = |name: &str, bias: bool| {
             if bias {
-                linear(dim, dim, s.pp(name))
+                linear(dim, dim, s.pp(name)).map(FlatLinear)
             } else {
-                linear_no_bias(dim, dim, s.pp(name))
+                linear_no_bias(dim, dim, s.pp(name)).map(FlatLinear)
             }
         };
         let query = lin("query", cfg.qkv_bias)?;
         let key = lin("key", false)?;
         let value = lin("value", cfg.qkv_bias)?;
-        let out = linear(dim, dim, vb.pp("output.dense"))?;
+        let out = FlatLinear(linear(dim, dim, vb.pp("output.dense"))?);
         let logit_scale = s.get((heads, 1, 1), "logit_scale")?;
         let scale = logit_scale.clamp(f32::MIN, 100f32.ln())?.exp()?;
 
         let mlp = s.pp("continuous_position_bias_mlp");
-        let fc1 = linear(2, 512, mlp.pp("0"))?;
-        let fc2 = linear_no_bias(512, heads, mlp.pp("2"))?;
+        let fc1 = FlatLinear(linear(2, 512, mlp.pp("0"))?);
+        let fc2 = FlatLinear(linear_no_bias(512, heads, mlp.pp("2"))?);
         let dev = vb.device();
         let table = relative_coords_table(window, pretrained, dev)?;
         let table = table.apply(&fc1)?.relu()?.apply(&fc2)?; // ((2w-1)², heads)
@@ -365,8 +367,8 @@ struct Block {
     attention: WindowAttention,
     norm_before: LayerNorm,
     norm_after: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    fc1: FlatLinear,
+    fc2: FlatLinear,
     window: usize,
     shift: usize,
 }
@@ -407,7 +409,7 @@ impl Block {
 }
 
 struct PatchMerging {
-    reduction: Linear,
+    reduction: FlatLinear,
     norm: LayerNorm,
 }
 
@@ -473,8 +475,8 @@ impl SwinV2 {
                     )?,
                     norm_before: layer_norm(dim, cfg.layer_norm_eps, bvb.pp("layernorm_before"))?,
                     norm_after: layer_norm(dim, cfg.layer_norm_eps, bvb.pp("layernorm_after"))?,
-                    fc1: linear(dim, hidden, bvb.pp("intermediate.dense"))?,
-                    fc2: linear(hidden, dim, bvb.pp("output.dense"))?,
+                    fc1: FlatLinear(linear(dim, hidden, bvb.pp("intermediate.dense"))?),
+                    fc2: FlatLinear(linear(hidden, dim, bvb.pp("output.dense"))?),
                     window,
                     shift,
                 });
@@ -482,7 +484,7 @@ impl SwinV2 {
             let downsample = if si + 1 < cfg.depths.len() {
                 let d = svb.pp("downsample");
                 Some(PatchMerging {
-                    reduction: linear_no_bias(4 * dim, 2 * dim, d.pp("reduction"))?,
+                    reduction: FlatLinear(linear_no_bias(4 * dim, 2 * dim, d.pp("reduction"))?),
                     norm: layer_norm(2 * dim, cfg.layer_norm_eps, d.pp("norm"))?,
                 })
             } else {
