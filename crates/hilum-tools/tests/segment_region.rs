@@ -240,3 +240,52 @@ fn default_toolbox_offers_segment_region() {
     assert!(spec.description.contains("box") && spec.description.contains("cached"));
     assert_eq!(spec.parameters["required"], json!(["image"]));
 }
+
+/// The full-size MedSAM architecture (ViT-B, 1024 px) on seeded random weights, through the
+/// tool on a real radiograph: the first call's time (encoder + decoder) against later calls on
+/// the same image (decoder only), side by side. Prints the ratio; asserts only the encoder count.
+/// `cargo test -p hilum-tools --release --test segment_region -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn vit_b_first_call_against_cached_calls() {
+    let model = Arc::new(
+        sam::random(&Config::vit_b(), 7, hilum_models::Device::Cpu).expect("random ViT-B"),
+    );
+    let store = Arc::new(ImageStore::new(StoreLimits::default()));
+    let id = store
+        .ingest_file(&real_image("nih_00000001_000_cardiomegaly.png"))
+        .expect("ingest");
+    let tool = SegmentRegion::with_model(store, model.clone());
+    let boxes = [
+        [120, 150, 260, 380],
+        [250, 150, 400, 380],
+        [180, 250, 330, 420],
+    ];
+    let t = std::time::Instant::now();
+    call(&tool, json!({"image": id, "box": boxes[0]}))
+        .await
+        .expect("first call");
+    let first = t.elapsed().as_secs_f64();
+    let mut cached = Vec::new();
+    for _ in 0..3 {
+        for b in boxes {
+            let t = std::time::Instant::now();
+            call(&tool, json!({"image": id, "box": b}))
+                .await
+                .expect("cached call");
+            cached.push(t.elapsed().as_secs_f64());
+        }
+    }
+    cached.sort_by(f64::total_cmp);
+    let median = cached[cached.len() / 2];
+    println!(
+        "segment_region ViT-B 1024 px: first call {first:.2} s, cached call median {:.1} ms \
+         (min {:.1}, max {:.1}, n={}), ratio {:.0}x",
+        median * 1e3,
+        cached[0] * 1e3,
+        cached[cached.len() - 1] * 1e3,
+        cached.len(),
+        first / median
+    );
+    assert_eq!(model.encoder_runs(), 1);
+}
