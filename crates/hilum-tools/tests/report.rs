@@ -94,7 +94,7 @@ async fn writes_both_sections_as_the_models_decode_them() {
     assert!(out.summary.contains("IMPRESSION:"), "{}", out.summary);
     assert!(out.summary.contains("tokens/s"), "{}", out.summary);
     let tokens = d["tokens_generated"].as_u64().expect("tokens");
-    assert!(tokens >= 2 && tokens <= 2 * 23, "{tokens}");
+    assert!((2..=2 * 23).contains(&tokens), "{tokens}");
     assert!(d["tokens_per_second"].as_f64().expect("rate") > 0.0);
 
     // The same text as the model decoding the same prepared pixels directly.

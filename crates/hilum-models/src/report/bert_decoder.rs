@@ -64,7 +64,9 @@ fn d_act() -> String {
 
 impl BertDecoderConfig {
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(format!(
                 "hidden_size {} is not divisible by {} heads",
                 self.hidden_size, self.num_attention_heads

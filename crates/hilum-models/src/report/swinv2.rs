@@ -109,7 +109,7 @@ impl SwinV2Config {
         }
         for (i, &h) in self.num_heads.iter().enumerate() {
             let dim = self.embed_dim << i;
-            if h == 0 || dim % h != 0 {
+            if h == 0 || !dim.is_multiple_of(h) {
                 return Err(format!(
                     "stage {i}: width {dim} is not divisible by {h} heads"
                 ));
