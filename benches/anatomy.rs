@@ -1,8 +1,9 @@
 //! Latency of the anatomy tools' work: `measure_chest` geometry on real ground-truth masks
 //! (1600x1600) and the `segment_anatomy` pipeline (preprocess, PSPNet, resize back, stats,
 //! overlay and mask PNGs) with the small seeded PSPNet of tests/fixtures/anatomy on a real
-//! radiograph. The full-size 512 px forward is timed by
-//! `cargo test -p hilum-models --release --test pspnet_fixture -- --ignored --nocapture`.
+//! radiograph (native CPU kernels, the default on the CPU). The full-size 512 px forward, native
+//! vs candle, with a per-layer profile:
+//! `cargo run --release -p hilum-models --example xrv_profile -- pspnet`.
 //!
 //! `cargo bench --bench anatomy`
 

@@ -1,6 +1,15 @@
-//! Where the native CPU path spends its time, per kind of layer.
-//! `cargo run --release -p hilum-models --example xrv_profile -- [densenet|resnet] [batch] [iters]`
-//! (threads: `HILUM_CPU_THREADS`, default all cores).
+//! Where the native CPU path spends its time, per kind of layer, and how it compares with the
+//! other backends, interleaved in one run:
+//! `cargo run --release -p hilum-models --example xrv_profile -- MODE [batch] [iters]`
+//! - `densenet` | `resnet`: the classifiers (synthetic weights), native only;
+//! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet; needs
+//!   `HILUM_PYTHON` with h5py, see scripts/setup_onnxruntime.sh): native vs candle vs ONNX
+//!   Runtime (when `ORT_DYLIB_PATH` is set), same threads;
+//! - `pspnet`: the full-size ChestX-Det PSPNet at 512 px (random weights): native vs candle
+//!   (`HILUM_PROFILE_CANDLE=0` skips candle's ~1 min forward).
+//!
+//! Threads: `HILUM_CPU_THREADS` (default all cores), used by the native kernels and ONNX
+//! Runtime; candle uses its global pool of all cores.
 
 use std::time::Instant;
 
@@ -8,34 +17,153 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn ms<T>(f: impl FnOnce() -> Res<T>) -> Res<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
-    let spec = match args.get(1).map(String::as_str) {
-        Some("resnet") => XrvSpec::resnet50_res512_all(),
-        _ => XrvSpec::densenet121_res224_all(),
-    };
+    let mode = args.get(1).map(String::as_str).unwrap_or("densenet");
     let batch: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
     let iters: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(20);
+    match mode {
+        "unet" => unet(batch, iters),
+        "pspnet" => pspnet(iters),
+        "resnet" => classifier(XrvSpec::resnet50_res512_all(), batch, iters),
+        _ => classifier(XrvSpec::densenet121_res224_all(), batch, iters),
+    }
+}
+
+fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
     let w = xrv::synthetic_weights(&spec.arch, 7)?;
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
-    let m = Classifier::new(vb, spec.clone(), Backend::Native, xrv::default_threads())?;
+    let threads = hilum_models::cpu::default_threads();
+    let m = Classifier::new(vb, spec.clone(), Backend::Native, threads)?;
     let x = vec![0.5f32; batch * spec.resolution * spec.resolution];
     m.logits(&x, batch)?;
     let mut times = Vec::new();
     for _ in 0..iters {
-        let t = Instant::now();
-        m.logits(&x, batch)?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
+        times.push(ms(|| Ok(m.logits(&x, batch)?))?);
     }
     times.sort_by(f64::total_cmp);
     println!(
-        "{} native, batch {batch}, {} threads: median {:.2} ms, min {:.2} ms over {iters} runs",
+        "{} native, batch {batch}, {threads} threads: median {:.2} ms, min {:.2} ms over {iters} runs",
         spec.id,
-        xrv::default_threads(),
         times[times.len() / 2],
         times[0]
     );
     std::env::set_var("HILUM_CPU_PROFILE", "1");
     m.logits(&x, batch)?;
+    Ok(())
+}
+
+fn shared_data() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
+}
+
+fn unet(batch: usize, iters: usize) -> Res<()> {
+    use hilum_models::unet::{self, LungUnet};
+    use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
+    let dir = tempfile::tempdir()?;
+    let reg = ModelRegistry::new(dir.path())?;
+    let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+    hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())?;
+    let pool = ModelPool::new(std::sync::Arc::new(reg));
+    let m = pool.get_or_load::<LungUnet>("lung-unet", hilum_models::Device::Cpu)?;
+    let threads = hilum_models::cpu::default_threads();
+    let s = m.config().input_size;
+    // A real radiograph through the model's own preprocessing.
+    let img =
+        image::open(shared_data().join("cxr/images/nih_00000001_000_cardiomegaly.png"))?.to_luma8();
+    let gray: Vec<f32> = img.as_raw().iter().map(|&v| v as f32).collect();
+    let x = unet::preprocess_gray(&gray, img.width() as usize, img.height() as usize, s);
+    let xs = vec![x; batch];
+    #[cfg(feature = "onnx")]
+    let ort = match hilum_models::onnx::dylib_path() {
+        Some(_) => Some(hilum_models::onnx::OnnxModel::load(
+            &shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.onnx"),
+            threads,
+        )?),
+        None => {
+            println!("ONNX Runtime skipped: ORT_DYLIB_PATH is not set");
+            None
+        }
+    };
+    let flat: Vec<f32> = xs.concat();
+    // Warm-up (builds the native plan, ORT's arena).
+    m.predict_with(unet::Backend::Native, &xs)?;
+    m.predict_with(unet::Backend::Candle, &xs)?;
+    #[cfg(feature = "onnx")]
+    if let Some(o) = &ort {
+        o.run(&[batch, s, s, 3], &flat)?;
+    }
+    let (mut nat, mut can, mut onx) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..iters {
+        nat.push(ms(|| Ok(m.predict_with(unet::Backend::Native, &xs)?))?);
+        #[cfg(feature = "onnx")]
+        if let Some(o) = &ort {
+            onx.push(ms(|| Ok(o.run(&[batch, s, s, 3], &flat)?))?);
+        }
+        // candle is ~10x slower: one run in four.
+        if i % 4 == 0 {
+            can.push(ms(|| Ok(m.predict_with(unet::Backend::Candle, &xs)?))?);
+        }
+    }
+    let _ = &flat;
+    let (n, c) = (median(nat), median(can));
+    println!(
+        "lung U-Net {s}x{s}, batch {batch}, {threads} threads, medians of interleaved runs \
+         ({iters} native/ORT, {} candle):",
+        iters.div_ceil(4)
+    );
+    println!("  native       {n:>8.2} ms");
+    println!("  candle       {c:>8.2} ms  ({:.1}x native)", c / n);
+    if !onx.is_empty() {
+        let o = median(onx);
+        println!("  ONNX Runtime {o:>8.2} ms  (native / ORT = {:.2})", n / o);
+    }
+    std::env::set_var("HILUM_CPU_PROFILE", "1");
+    m.predict_with(unet::Backend::Native, &xs)?;
+    Ok(())
+}
+
+fn pspnet(iters: usize) -> Res<()> {
+    use hilum_models::pspnet::{self, Config, PspNet};
+    let cfg = Config::chestx_det();
+    let map = candle_nn::VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let model = PspNet::load(vb, &cfg)?;
+    let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
+    let t = ms(|| Ok(model.native()?.threads()))?;
+    println!("PSPNet native plan built (BN folded) in {t:.0} ms");
+    model.probabilities_with(pspnet::Backend::Native, &x)?;
+    let mut nat = Vec::new();
+    for _ in 0..iters.max(1) {
+        nat.push(ms(|| {
+            Ok(model.probabilities_with(pspnet::Backend::Native, &x)?)
+        })?);
+    }
+    let n = median(nat);
+    let threads = model.native()?.threads();
+    println!(
+        "PSPNet {0}x{0}, batch 1, {threads} threads: native {n:.0} ms (median of {1})",
+        cfg.input_size,
+        iters.max(1)
+    );
+    if std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0") {
+        let c = ms(|| Ok(model.probabilities_with(pspnet::Backend::Candle, &x)?))?;
+        println!("  candle {c:.0} ms ({:.1}x native)", c / n);
+    }
+    std::env::set_var("HILUM_CPU_PROFILE", "1");
+    model.probabilities_with(pspnet::Backend::Native, &x)?;
     Ok(())
 }

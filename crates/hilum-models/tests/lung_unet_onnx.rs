@@ -128,7 +128,7 @@ fn imported_graph_runs_through_the_pool_and_auto_picks_onnx() {
     let inst = hilum_models::import(&reg, "lung-unet", &h5, &import_opts()).expect("h5");
     assert_eq!(
         unet::Backend::auto(&inst, Device::Cpu),
-        unet::Backend::Candle
+        unet::Backend::Native
     );
     let inst = hilum_models::import(&reg, "lung-unet", &graph, &import_opts()).expect("onnx");
     assert!(inst.onnx.is_some());

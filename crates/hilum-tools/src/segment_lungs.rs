@@ -22,7 +22,8 @@ pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
-    /// `None`: ONNX Runtime when its graph is installed and loads, else candle.
+    /// `None`: ONNX Runtime when its graph is installed and loads, else the native CPU kernels
+    /// (candle on GPUs).
     backend: Option<unet::Backend>,
 }
 
@@ -54,7 +55,7 @@ impl SegmentLungs {
             store,
             models,
             device: Device::Cpu,
-            // HILUM_LUNG_UNET_BACKEND=candle|onnx overrides the automatic choice.
+            // HILUM_LUNG_UNET_BACKEND=native|candle|onnx overrides the automatic choice.
             backend: std::env::var("HILUM_LUNG_UNET_BACKEND")
                 .ok()
                 .and_then(|b| b.parse().ok()),

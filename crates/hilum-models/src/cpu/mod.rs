@@ -223,6 +223,8 @@ pub(crate) struct ConvOp {
     /// A BatchNorm after the residual add (the lung U-Net's `bn{n}_a`).
     pub post: Option<Affine>,
     pub post_act: Act,
+    /// Accumulate each image's channel sums of the output for the next squeeze-excitation.
+    pub se_sums: bool,
 }
 
 impl ConvOp {
@@ -246,6 +248,7 @@ impl ConvOp {
             residual: None,
             post: None,
             post_act: Act::None,
+            se_sums: false,
         }
     }
 
@@ -327,7 +330,8 @@ impl ConvOp {
 }
 
 /// Squeeze-excitation: per image, the channel means of `src` through a 1x1 conv + swish and a
-/// 1x1 conv + sigmoid, written as a gate (a 1x1 view) for the next conv.
+/// 1x1 conv + sigmoid, written as a gate (a 1x1 view) for the next conv. The conv writing
+/// `src` must have `se_sums` set: the sums are taken while its output is hot.
 #[derive(Clone, Debug)]
 pub(crate) struct SeOp {
     pub src: View,
@@ -418,6 +422,8 @@ struct Workspace {
     batch: usize,
     bufs: Vec<Vec<f32>>,
     scratch: Vec<Scratch>,
+    /// Per thread, per image: channel sums for squeeze-excitation (`se_width` floats each).
+    sums: Vec<f32>,
 }
 
 /// One thread's gathered tile and gate-scaled weights.
@@ -440,6 +446,16 @@ pub(crate) struct Executor {
 struct Shared {
     bufs: Vec<*mut f32>,
     lens: Vec<usize>,
+    sums: *mut f32,
+    batch: usize,
+    se_width: usize,
+}
+
+impl Shared {
+    /// Thread `t`'s channel sums of image `b`.
+    unsafe fn sums(&self, t: usize, b: usize) -> *mut f32 {
+        self.sums.add((t * self.batch + b) * self.se_width)
+    }
 }
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
@@ -532,6 +548,7 @@ impl Executor {
             }
             *guard = Some(Workspace {
                 batch,
+                sums: vec![0f32; self.threads * batch * se_width(p)],
                 bufs: p.buf_sizes.iter().map(|&s| vec![0f32; s * batch]).collect(),
                 scratch: (0..self.threads)
                     .map(|_| Scratch {
@@ -558,9 +575,13 @@ impl Executor {
                 }
             }
         }
+        ws.sums.fill(0.0);
         let shared = Shared {
             lens: ws.bufs.iter().map(|b| b.len()).collect(),
             bufs: ws.bufs.iter_mut().map(|b| b.as_mut_ptr()).collect(),
+            sums: ws.sums.as_mut_ptr(),
+            batch,
+            se_width: se_width(p),
         };
         let barrier = SpinBarrier::new(self.threads);
         let nt = self.threads;
@@ -591,6 +612,18 @@ impl Executor {
             }
         })
     }
+}
+
+/// Widest squeeze-excitation of a plan (0 without any).
+fn se_width(p: &Plan) -> usize {
+    p.ops
+        .iter()
+        .map(|op| match op {
+            Op::Se(se) => se.src.c,
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -797,7 +830,7 @@ fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch
                 );
                 a = b;
             }
-            epilogue(c, sh, r0, r1, n0, n1);
+            epilogue(c, sh, t, r0, r1, n0, n1);
         }
     }
 }
@@ -818,27 +851,45 @@ fn has_avx512() -> bool {
     false
 }
 
-/// Bias, activation, residual, post-affine and post-activation on rows r0..r1, columns n0..n1.
-unsafe fn epilogue(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
-    if c.bias.is_none() && c.residual.is_none() && c.act == Act::None {
+/// Bias, activation, residual, post-affine and post-activation on rows r0..r1, columns n0..n1;
+/// then thread `t`'s squeeze-excitation sums.
+unsafe fn epilogue(c: &ConvOp, sh: &Shared, t: usize, r0: usize, r1: usize, n0: usize, n1: usize) {
+    if c.bias.is_none() && c.residual.is_none() && c.act == Act::None && !c.se_sums {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
-        return epilogue_v4(c, sh, r0, r1, n0, n1);
+        return epilogue_v4(c, sh, t, r0, r1, n0, n1);
     }
-    epilogue_body(c, sh, r0, r1, n0, n1)
+    epilogue_body(c, sh, t, r0, r1, n0, n1)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-unsafe fn epilogue_v4(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
-    epilogue_body(c, sh, r0, r1, n0, n1)
+unsafe fn epilogue_v4(
+    c: &ConvOp,
+    sh: &Shared,
+    t: usize,
+    r0: usize,
+    r1: usize,
+    n0: usize,
+    n1: usize,
+) {
+    epilogue_body(c, sh, t, r0, r1, n0, n1)
 }
 
 #[inline(always)]
-unsafe fn epilogue_body(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize, n1: usize) {
+unsafe fn epilogue_body(
+    c: &ConvOp,
+    sh: &Shared,
+    t: usize,
+    r0: usize,
+    r1: usize,
+    n0: usize,
+    n1: usize,
+) {
     let dst = sh.bufs[c.dst.buf];
+    let hw = c.dst.h * c.dst.w;
     for r in r0..r1 {
         let row = std::slice::from_raw_parts_mut(dst.add(r * c.dst.pitch + c.dst.ch_off), c.dst.c);
         let row = &mut row[n0..n1];
@@ -857,6 +908,13 @@ unsafe fn epilogue_body(c: &ConvOp, sh: &Shared, r0: usize, r1: usize, n0: usize
                     .for_each(|((v, s), t)| *v = *v * s + t);
             }
             c.post_act.apply(row);
+        }
+        if c.se_sums {
+            let sums = std::slice::from_raw_parts_mut(sh.sums(t, r / hw), sh.se_width);
+            sums[n0..n1]
+                .iter_mut()
+                .zip(&*row)
+                .for_each(|(s, v)| *s += v);
         }
     }
 }
@@ -1085,18 +1143,19 @@ fn se_part(se: &SeOp, batch: usize, t: usize, nt: usize, sh: &Shared) {
     let c = src.c;
     let c_se = rw.len() / c.max(1);
     let hw = src.h * src.w;
-    // SAFETY: as in conv_part; this thread writes the gates of images b0..b1 only.
+    // SAFETY: as in conv_part; this thread writes the gates (and clears the sums) of images
+    // b0..b1 only; every thread's sums were completed before the barrier.
     unsafe {
-        let s = std::slice::from_raw_parts(sh.bufs[src.buf] as *const f32, sh.lens[src.buf]);
         let mut mean = vec![0f32; c];
         let mut hidden = vec![0f32; c_se];
         for b in b0..b1 {
             mean.fill(0.0);
-            for i in 0..hw {
-                let at = (b * hw + i) * src.pitch + src.ch_off;
-                mean.iter_mut()
-                    .zip(&s[at..at + c])
-                    .for_each(|(m, &v)| *m += v);
+            for th in 0..nt {
+                let part = std::slice::from_raw_parts_mut(sh.sums(th, b), c);
+                mean.iter_mut().zip(part.iter_mut()).for_each(|(m, p)| {
+                    *m += *p;
+                    *p = 0.0;
+                });
             }
             mean.iter_mut().for_each(|m| *m /= hw as f32);
             for (j, h) in hidden.iter_mut().enumerate() {
@@ -1162,7 +1221,9 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
     let one_px = |v: &View| fits(v) && v.h == 1 && v.w == 1;
     let input = View::whole(0, plan.size, plan.size, plan.in_channels);
     let mut ok_all = fits(&input);
+    let mut prev: Option<&Op> = None;
     for op in &plan.ops {
+        let summed = |v: &View| matches!(prev, Some(Op::Conv(c)) if c.se_sums && c.dst == *v);
         let ok = match op {
             Op::Conv(c) => {
                 fits(&c.src)
@@ -1215,6 +1276,7 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
             Op::Se(se) => {
                 let c_se = se.reduce.0.len() / se.src.c.max(1);
                 fits(&se.src)
+                    && summed(&se.src)
                     && one_px(&se.dst)
                     && se.dst.c == se.src.c
                     && se.reduce.0.len() == se.src.c * c_se
@@ -1224,6 +1286,7 @@ pub(crate) fn validate(plan: &Plan) -> Result<(), CpuError> {
             }
         };
         ok_all &= ok;
+        prev = Some(op);
         if !ok {
             return Err(CpuError::Weights(
                 format!("inconsistent layer in the CPU plan: {op:?}")

@@ -74,6 +74,7 @@ fn block_ops(
             Act::None
         },
         post,
+        se_sums: true,
         ..ConvOp::new(src, t, 3, s, pad, ConvOp::fold(&blk.conv, None)?)
     }));
     let gate = View::whole(b.gate, 1, 1, c);
