@@ -6,7 +6,7 @@
 # Separately run, NOT part of CI: installing llama-cpp-python compiles llama.cpp (~20 min on 2 cores).
 #
 # Usage: scripts/llama_server_check.sh [MODEL.gguf]
-#   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (chatml-function-calling),
+#   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (default: the GGUF's template),
 #        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running,
 #        HILUM_BIN (an already built `hilum`; default: build target/release/hilum).
 # Prints the NDJSON events and exits 0 only if at least one tool call succeeded and an answer came.
@@ -17,7 +17,12 @@ MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/model
 MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PORT="${PORT:-8089}"
 THREADS="${THREADS:-2}"
-FORMAT="${LLAMA_CHAT_FORMAT:-chatml-function-calling}"
+# Empty: the GGUF's own chat template (Qwen's, with its tool section); the model then writes
+# <tool_call> blocks as text, which Hilum reads as calls. `chatml-function-calling` lets
+# llama-cpp-python choose between a message and a call with its own grammar instead.
+FORMAT="${LLAMA_CHAT_FORMAT-}"
+FORMAT_ARGS=()
+[[ -n "$FORMAT" ]] && FORMAT_ARGS=(--chat_format "$FORMAT")
 IMAGE="${IMAGE:-$ROOT/../shared/data/cxr/images/covid_pneumocystis-pneumonia-1.jpg}"
 VENV="$ROOT/scripts/.venv-llama"
 
@@ -35,7 +40,7 @@ fi
 
 LOG="$(mktemp)"
 "$VENV/bin/python" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
-    --n_threads "$THREADS" --n_ctx 4096 --chat_format "$FORMAT" >"$LOG" 2>&1 &
+    --n_threads "$THREADS" --n_ctx 4096 "${FORMAT_ARGS[@]}" >"$LOG" 2>&1 &
 SERVER=$!
 cleanup() { [[ "${KEEP_SERVER:-0}" == 1 ]] || kill "$SERVER" 2>/dev/null || true; }
 trap cleanup EXIT

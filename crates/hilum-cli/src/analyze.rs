@@ -135,6 +135,13 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
             .or(a.tool_timeout_secs)
             .map(Duration::from_secs)
             .unwrap_or(defaults.tool_timeout),
+        // A small local model quotes a short observation (summary line + the start of the
+        // data) and gets lost in a long one.
+        max_observation_chars: if choice.is_local() {
+            600
+        } else {
+            defaults.max_observation_chars
+        },
         ..defaults
     };
     let agent = Agent::new(llm.clone(), toolbox, Environment::default(), config);

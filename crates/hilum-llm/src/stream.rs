@@ -90,6 +90,22 @@ fn text_tool_calls(turn: &mut AssistantTurn) {
     const OPEN: &str = "<tool_call>";
     const CLOSE: &str = "</tool_call>";
     if !turn.text.contains(OPEN) {
+        // The whole answer one bare (or fenced) call object: the same call with its
+        // `<tool_call>` markers dropped by the server's detokenizer.
+        let t = turn.text.trim();
+        let t = t
+            .strip_prefix("```json")
+            .or_else(|| t.strip_prefix("```"))
+            .and_then(|r| r.trim_end().strip_suffix("```"))
+            .unwrap_or(t)
+            .trim();
+        if t.starts_with('{') {
+            if let Some(call) = call_object(t, 0) {
+                turn.text.clear();
+                turn.tool_calls = vec![call];
+                turn.finish = crate::FinishReason::ToolCalls;
+            }
+        }
         return;
     }
     let mut free = String::new();
@@ -102,23 +118,8 @@ fn text_tool_calls(turn: &mut AssistantTurn) {
             Some(j) => (&after[..j], &after[j + CLOSE.len()..]),
             None => (after, ""),
         };
-        let parsed = serde_json::from_str::<serde_json::Value>(body.trim())
-            .ok()
-            .and_then(|v| {
-                let name = v.get("name")?.as_str()?.to_string();
-                let arguments = match v.get("arguments") {
-                    None | Some(serde_json::Value::Null) => "{}".to_string(),
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(other) => other.to_string(),
-                };
-                Some((name, arguments))
-            });
-        match parsed {
-            Some((name, arguments)) => calls.push(ToolCall {
-                id: format!("call_text_{}", calls.len()),
-                name,
-                arguments,
-            }),
+        match call_object(body.trim(), calls.len()) {
+            Some(call) => calls.push(call),
             None => {
                 free.push_str(OPEN);
                 free.push_str(body);
@@ -135,6 +136,22 @@ fn text_tool_calls(turn: &mut AssistantTurn) {
         turn.tool_calls = calls;
         turn.finish = crate::FinishReason::ToolCalls;
     }
+}
+
+/// `{"name": "...", "arguments": {...}}` as a call (arguments may also be a JSON string).
+fn call_object(text: &str, index: usize) -> Option<ToolCall> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments")? {
+        serde_json::Value::String(s) => s.clone(),
+        other @ serde_json::Value::Object(_) => other.to_string(),
+        _ => return None,
+    };
+    Some(ToolCall {
+        id: format!("call_text_{index}"),
+        name,
+        arguments,
+    })
 }
 
 #[cfg(test)]
@@ -214,6 +231,42 @@ mod tests {
         assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
         assert_eq!(turn.finish, FinishReason::ToolCalls);
         // The unreadable block stays visible as text.
-        assert_eq!(turn.text, "Checking.\n\n<tool_call>\nnot json\n</tool_call>");
+        assert_eq!(
+            turn.text,
+            "Checking.\n\n<tool_call>\nnot json\n</tool_call>"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_bare_call_object_as_the_whole_answer_is_a_call() {
+        for text in [
+            "{\n  \"name\": \"image_info\",\n  \"arguments\": {\"image\": \"img_ab12cd\"}\n}",
+            "```json\n{\"name\": \"image_info\", \"arguments\": {\"image\": \"img_ab12cd\"}}\n```",
+        ] {
+            let s = stream_of(vec![
+                Ok(ChatDelta::Text(text.into())),
+                Ok(ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None,
+                }),
+            ]);
+            let turn = collect_turn(s, |_| {}).await.unwrap();
+            assert_eq!(turn.tool_calls.len(), 1, "{text}");
+            assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
+            assert!(turn.text.is_empty());
+        }
+        // Prose that merely contains JSON stays prose; so does an object that is not a call.
+        for text in ["The result was {\"a\": 1}.", "{\"area\": 12}"] {
+            let s = stream_of(vec![
+                Ok(ChatDelta::Text(text.into())),
+                Ok(ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None,
+                }),
+            ]);
+            let turn = collect_turn(s, |_| {}).await.unwrap();
+            assert!(turn.tool_calls.is_empty(), "{text}");
+            assert_eq!(turn.text, text);
+        }
     }
 }
