@@ -1,6 +1,7 @@
 //! Where the native CPU path spends its time, per kind of layer, and how it compares with the
 //! other backends, interleaved in one run:
 //! `cargo run --release -p hilum-models --example xrv_profile -- MODE [batch] [iters]`
+//! (`pspnet [iters]`)
 //! - `densenet` | `resnet`: the classifiers (synthetic weights), native only;
 //! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet; needs
 //!   `HILUM_PYTHON` with h5py, see scripts/setup_onnxruntime.sh): native vs candle vs ONNX
@@ -37,7 +38,8 @@ fn main() -> Res<()> {
     let iters: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(20);
     match mode {
         "unet" => unet(batch, iters),
-        "pspnet" => pspnet(iters),
+        // pspnet [iters]: no batch argument.
+        "pspnet" => pspnet(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3)),
         "resnet" => classifier(XrvSpec::resnet50_res512_all(), batch, iters),
         _ => classifier(XrvSpec::densenet121_res224_all(), batch, iters),
     }
