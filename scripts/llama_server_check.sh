@@ -9,7 +9,8 @@
 #   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (default: the GGUF's template),
 #        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running,
 #        HILUM_BIN (an already built `hilum`; default: build target/release/hilum).
-# Prints the NDJSON events and exits 0 only if at least one tool call succeeded and an answer came.
+# Prints the NDJSON events and exits 0 only if at least one tool call succeeded and a non-empty
+# answer came. env MAX_ROUNDS (default 1): tool rounds before the agent asks for the answer.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -17,6 +18,9 @@ MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/model
 MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PORT="${PORT:-8089}"
 THREADS="${THREADS:-2}"
+# Served by llama.cpp the 0.5B model repeats its call every round (Hilum's in-process backend
+# stops that; a server does not): one tool round, then the agent asks for the answer.
+MAX_ROUNDS="${MAX_ROUNDS:-1}"
 # Empty: the GGUF's own chat template (Qwen's, with its tool section); the model then writes
 # <tool_call> blocks as text, which Hilum reads as calls. `chatml-function-calling` lets
 # llama-cpp-python choose between a message and a call with its own grammar instead.
@@ -59,13 +63,14 @@ fi
 OUT="$(mktemp)"
 OPENAI_API_KEY=none "$BIN" analyze "$IMAGE" \
     --question "What are the width and height of this image in pixels?" \
-    --llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$PORT/v1" --json | tee "$OUT"
+    --llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$PORT/v1" \
+    --max-rounds "$MAX_ROUNDS" --json | tee "$OUT"
 
 python3 - "$OUT" <<'PY'
 import json, sys
 events = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
 ok = [e for e in events if e.get("type") == "tool_finished"]
-final = [e for e in events if e.get("type") == "final"]
-print(f"llama.cpp interop: {len(ok)} tool call(s) finished, final answer: {bool(final)}")
-sys.exit(0 if ok and final else 1)
+answer = next((e.get("answer", "") for e in events if e.get("type") == "final"), "").strip()
+print(f"llama.cpp interop: {len(ok)} tool call(s) finished; answer: {answer!r}")
+sys.exit(0 if ok and answer else 1)
 PY
