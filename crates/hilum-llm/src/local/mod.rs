@@ -175,7 +175,7 @@ impl LocalLlm {
                 .cloned(),
         )?;
         if cfg.matmul != model::MatmulMode::Dense {
-            single_threaded_quantized_matmuls();
+            size_quantized_matmul_pool();
         }
         let model = model::Model::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
         let name = format!(
@@ -252,16 +252,25 @@ impl Llm for LocalLlm {
 }
 
 /// candle runs quantized matmuls on a pool of spinning threads sized by `CANDLE_NUM_THREADS`
-/// (default: all cores), created on first use. Next to the rayon threads of the f32 gemm, and on
-/// a machine that is busy anyway, the spinning made one-token decode 2-5x slower than running
-/// it on the calling thread (measured on 2 cores: 3-7 vs 25-33 tokens/s). Unless the user chose
-/// a value, the pool gets no extra threads. Done once, before candle reads the variable.
-fn single_threaded_quantized_matmuls() {
+/// (default: all cores), created on first use. On an idle machine that pool is the fastest
+/// decode (2 cores: 51 tokens/s vs 32 on one thread); on a busy one the spinning threads wait on
+/// each other and decode drops to 3-7 tokens/s, while one thread keeps 25-33. Unless the user
+/// chose a value, the pool gets all cores when the 1-minute load average is below the core
+/// count, else none besides the calling thread. Done once, before candle reads the variable.
+fn size_quantized_matmul_pool() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        if std::env::var_os("CANDLE_NUM_THREADS").is_some() {
+            return;
         }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok());
+        let busy = load.is_none_or(|l| l >= cores as f64);
+        let threads = if busy { 1 } else { cores };
+        tracing::debug!(?load, threads, "quantized matmul threads");
+        std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     });
 }
 
