@@ -70,6 +70,10 @@ pub struct AnalyzeArgs {
     /// Config file (TOML with [llm] and [agent] tables).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Classifier backend: BACKEND for every classifier, or MODEL=BACKEND (native, candle,
+    /// onnx); repeatable. Overrides HILUM_BACKEND and the config file's [backends] table.
+    #[arg(long)]
+    pub backend: Vec<String>,
 }
 
 pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
@@ -94,7 +98,8 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         Vec::new()
     };
 
-    let deps = crate::config::tool_deps(store.clone(), file.vlm)?;
+    let backends = crate::config::resolve_backends(&args.backend, &file.backends)?;
+    let deps = crate::config::tool_deps(store.clone(), file.vlm)?.with_backends(backends);
     let mut toolbox = default_toolbox(&deps).map_err(anyhow::Error::msg)?;
     if choice.is_local() {
         toolbox = local_toolbox(toolbox, &deps, &store, &ids)?;
