@@ -117,7 +117,10 @@ pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
         AnswerVisualQuestion::new(deps.images.clone(), deps.vlm.clone())
             .with_models(deps.models.clone()),
     ))?;
-    tb.register(Arc::new(GenerateReport::new(deps.images.clone(), deps.models.clone())))?;
+    tb.register(Arc::new(GenerateReport::new(
+        deps.images.clone(),
+        deps.models.clone(),
+    )))?;
     tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
     Ok(tb)
 }
