@@ -1,6 +1,13 @@
 """Reference tokenization of a corpus of prompts for the local Qwen2.5 GGUF model.
 
-llama.cpp is not installable here without a ~20 min compile, so the reference is Hugging Face
+Two references. `--llama-cpp` tokenizes with llama.cpp itself (llama-cpp-python, built by
+scripts/llama_server_check.sh into scripts/.venv-llama, ~20 min compile) and writes
+tokenization_llamacpp.json; each case says whether its text changes under NFC, the one place
+where llama.cpp (no normalisation) and Qwen's own tokenizer (NFC) differ.
+
+    scripts/.venv-llama/bin/python scripts/gen_llm_tokenizer_fixture.py --llama-cpp [MODEL.gguf]
+
+Without it, the reference is Hugging Face
 `tokenizers` (the library Qwen publishes its tokenizer for, and the one llama.cpp's own tokenizer
 tests compare against), built the way Qwen2's tokenizer.json is built: NFC normaliser, Qwen2
 split regex + byte-level pre-tokenizer, BPE with the vocabulary and merges read from the GGUF,
@@ -14,13 +21,14 @@ import os
 import pathlib
 import sys
 
-import gguf
-import tokenizers
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, decoders
+import unicodedata
 
-MODELS = pathlib.Path(os.environ.get("HILUM_MODELS_DIR", pathlib.Path.home() / ".cache/hilum/models"))
-MODEL = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else MODELS / "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm/tests/fixtures/local_llm/tokenization.json"
+LLAMA_CPP = "--llama-cpp" in sys.argv[1:]
+ARGS = [a for a in sys.argv[1:] if a != "--llama-cpp"]
+MODELS = pathlib.Path(os.environ.get("HILUM_MODELS_DIR", pathlib.Path.home() / ".local/share/hilum/models"))
+MODEL = pathlib.Path(ARGS[0]) if ARGS else MODELS / "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm/tests/fixtures/local_llm"
+OUT = FIXTURES / "tokenization.json"
 
 # Qwen2's published pre-tokenizer pattern (tokenizer.json of Qwen/Qwen2.5-*).
 QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -57,7 +65,29 @@ CORPUS = [
 ]
 
 
+def main_llama_cpp():
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(MODEL), vocab_only=True, verbose=False)
+    cases = [{
+        "text": text,
+        "ids": llm.tokenize(text.encode("utf-8"), add_bos=False, special=True),
+        "changes_under_nfc": unicodedata.normalize("NFC", text) != text,
+    } for text in CORPUS]
+    out = FIXTURES / "tokenization_llamacpp.json"
+    out.write_text(json.dumps({
+        "model": MODEL.name,
+        "reference": f"llama.cpp via llama-cpp-python {llama_cpp.__version__} (tokenize, add_bos=False, special=True)",
+        "cases": cases,
+    }, ensure_ascii=False, indent=1) + "\n")
+    print(f"wrote {out} ({len(cases)} cases, {sum(len(c['ids']) for c in cases)} tokens)")
+
+
 def main():
+    import gguf
+    import tokenizers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, decoders
+
     r = gguf.GGUFReader(str(MODEL))
     f = r.fields
     def strings(key):
@@ -80,7 +110,7 @@ def main():
     cases = []
     for text in CORPUS:
         ids = tok.encode(text, add_special_tokens=False).ids
-        assert tok.decode(ids, skip_special_tokens=False) == __import__("unicodedata").normalize("NFC", text), text
+        assert tok.decode(ids, skip_special_tokens=False) == unicodedata.normalize("NFC", text), text
         cases.append({"text": text, "ids": ids})
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
@@ -92,4 +122,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main_llama_cpp() if LLAMA_CPP else main()
