@@ -1,8 +1,9 @@
 //! `hilum models fetch ID`: HTTPS download of the published checkpoint, resumable (HTTP Range
 //! on a `.partial` file), sha256-verified against the manifest, then converted and installed
-//! exactly like `hilum models import`.
+//! exactly like `hilum models import`. The manifest's `fetch_files` (config, tokenizer) come
+//! from the same folder as the weights and are installed beside them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -62,6 +63,9 @@ pub async fn fetch(
     let partial = dl_dir.join(format!("{file_name}.partial"));
     let done_path = dl_dir.join(&file_name);
 
+    // The small files first: a missing one fails before a long download, and they lie beside
+    // the weights when import checks them (the report models' layout comes from config.json).
+    let extras = fetch_extras(id, &url, &manifest.source.fetch_list(), &dl_dir).await?;
     download(&url, &partial, progress).await?;
     std::fs::rename(&partial, &done_path).map_err(|e| ModelError::io(&done_path, e))?;
 
@@ -82,8 +86,94 @@ pub async fn fetch(
     let mut import_opts = opts.import.clone();
     import_opts.origin = Some(url);
     let installed = import(registry, id, &done_path, &import_opts)?;
+    let model_dir = registry.model_dir(id);
+    for name in &extras {
+        // Same filesystem (the download folder is inside the model's), so rename is atomic.
+        let dst = model_dir.join(name);
+        std::fs::rename(dl_dir.join(name), &dst).map_err(|e| ModelError::io(&dst, e))?;
+    }
     let _ = std::fs::remove_dir_all(&dl_dir);
     Ok(installed)
+}
+
+/// The URL of `name` in the folder of `weights_url` (query and fragment dropped).
+fn sibling_url(weights_url: &str, name: &str) -> String {
+    let end = weights_url.find(['?', '#']).unwrap_or(weights_url.len());
+    let path = &weights_url[..end];
+    match path.rfind('/') {
+        Some(i) => format!("{}/{name}", &path[..i]),
+        None => name.to_string(),
+    }
+}
+
+/// Downloads the manifest's `fetch_files` into `dir`; returns the names that were found
+/// (an optional file the server does not have is skipped).
+async fn fetch_extras(
+    id: &str,
+    weights_url: &str,
+    files: &[(&str, bool)],
+    dir: &Path,
+) -> Result<Vec<String>, ModelError> {
+    let mut got = Vec::new();
+    if files.is_empty() {
+        return Ok(got);
+    }
+    let client = client(weights_url)?;
+    for &(name, required) in files {
+        let url = sibling_url(weights_url, name);
+        let fail = |reason: String| ModelError::Fetch {
+            url: url.clone(),
+            reason,
+        };
+        if name.is_empty() || name.contains(['/', '\\']) || name == ".." {
+            return Err(ModelError::Manifest {
+                id: id.to_string(),
+                reason: format!("fetch_files entry `{name}` must be a plain file name"),
+            });
+        }
+        let resp = client
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| fail(format!("{e}; check the network or proxy (HTTPS_PROXY)")))?;
+        let status = resp.status();
+        if !required
+            && matches!(
+                status,
+                reqwest::StatusCode::NOT_FOUND | reqwest::StatusCode::GONE
+            )
+        {
+            continue;
+        }
+        if !status.is_success() {
+            return Err(fail(format!(
+                "server answered {status}; `{id}` needs {name} beside its weights: put it next \
+                 to the weights on the mirror, or install with `hilum models import` (see \
+                 models/{id}.toml)"
+            )));
+        }
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| fail(format!("{e}; run the same command again")))?;
+        // Written under a temporary name, then renamed: never half a file under the real one.
+        let tmp = dir.join(format!("{name}.partial"));
+        std::fs::write(&tmp, &body).map_err(|e| ModelError::io(&tmp, e))?;
+        let dst = dir.join(name);
+        std::fs::rename(&tmp, &dst).map_err(|e| ModelError::io(&dst, e))?;
+        got.push(name.to_string());
+    }
+    Ok(got)
+}
+
+fn client(url: &str) -> Result<reqwest::Client, ModelError> {
+    reqwest::Client::builder()
+        .user_agent(concat!("hilum/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| ModelError::Fetch {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })
 }
 
 /// Downloads `url` into `partial`, continuing from its current length when the server
@@ -98,10 +188,7 @@ async fn download(
         reason,
     };
     let have = std::fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
-    let client = reqwest::Client::builder()
-        .user_agent(concat!("hilum/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| fail(e.to_string()))?;
+    let client = client(url)?;
     let mut req = client.get(url);
     if have > 0 {
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));

@@ -106,6 +106,11 @@ pub struct Source {
     /// installation from the folder of the installed weights.
     #[serde(default)]
     pub companion_files: Vec<String>,
+    /// Files `hilum models fetch` downloads from the folder of the weights' URL (the same
+    /// Hugging Face repository and revision, or the `--url` mirror) into the model's
+    /// directory, e.g. `config.json`; a trailing `?` marks one that may be absent upstream.
+    #[serde(default)]
+    pub fetch_files: Vec<String>,
 }
 
 impl Source {
@@ -121,6 +126,17 @@ impl Source {
             )),
             _ => None,
         }
+    }
+
+    /// `fetch_files` as (file name, required) pairs.
+    pub fn fetch_list(&self) -> Vec<(&str, bool)> {
+        self.fetch_files
+            .iter()
+            .map(|f| match f.strip_suffix('?') {
+                Some(name) => (name, false),
+                None => (f.as_str(), true),
+            })
+            .collect()
     }
 }
 
@@ -434,6 +450,25 @@ mod tests {
         let d = reg.manifest("densenet121-res224-all").expect("densenet");
         assert_eq!(d.labels.len(), 18);
         assert!(d.source.download_url().is_some());
+    }
+
+    #[test]
+    fn fetch_files_are_plain_names_and_optional_ones_end_in_question_mark() {
+        let reg = ModelRegistry::new("/nonexistent").expect("manifests parse");
+        let report = reg.manifest("chexpert-report-findings").expect("report");
+        let list = report.source.fetch_list();
+        assert!(list.contains(&("config.json", true)), "{list:?}");
+        assert!(list.contains(&("vocab.txt", true)), "{list:?}");
+        assert!(list.contains(&("tokenizer_config.json", false)), "{list:?}");
+        for m in reg.manifests() {
+            for (name, _) in m.source.fetch_list() {
+                assert!(
+                    !name.is_empty() && !name.contains(['/', '\\', '?']) && name != "..",
+                    "{}: {name}",
+                    m.id
+                );
+            }
+        }
     }
 
     #[test]

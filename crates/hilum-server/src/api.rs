@@ -184,6 +184,76 @@ pub async fn list_images(
     }))
 }
 
+/// Header naming the significant bits of the pixels route's 16-bit samples.
+pub const BIT_DEPTH_HEADER: &str = "x-hilum-bit-depth";
+
+#[utoipa::path(get, path = "/v1/images/{id}/pixels", tag = "images",
+    params(("id" = String, Path, description = "Image id")),
+    responses(
+        (status = 200, description = "The canonical pixels at full depth: a 16-bit grayscale PNG \
+            whose samples are the decoder's values, 0..2^bits-1 (bright = dense; a DICOM file's own \
+            window already applied). The header x-hilum-bit-depth names bits (8, 10, 12, 15, 16). \
+            Pixels only: no metadata.", content_type = "image/png"),
+        (status = 404, description = "No such image for this token"),
+    ),
+    security(("bearer" = [])))]
+pub async fn image_pixels(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let space = state.space(&caller).await?;
+    state
+        .ensure_images(&caller, &space, std::slice::from_ref(&id))
+        .await?;
+    let img = space
+        .images
+        .get(&id)
+        .map_err(|_| ApiError::not_found("image", &id))?;
+    let bits = img.meta.bit_depth;
+    let png = tokio::task::spawn_blocking(move || encode_gray16(&img))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    Ok((
+        [
+            (header::CONTENT_TYPE, "image/png".to_string()),
+            // Patient pixels: keep them out of shared caches and the disk cache.
+            (header::CACHE_CONTROL, "private, no-store".to_string()),
+            (
+                header::HeaderName::from_static(BIT_DEPTH_HEADER),
+                bits.to_string(),
+            ),
+        ],
+        Body::from(png),
+    )
+        .into_response())
+}
+
+/// The canonical values as a 16-bit grayscale PNG, unscaled (an 8-bit image stays 0..255).
+fn encode_gray16(img: &hilum_imaging::CxrImage) -> Result<Vec<u8>, ApiError> {
+    let max = img.max_value().min(65535.0);
+    let samples: Vec<u16> = img
+        .pixels
+        .iter()
+        .map(|&v| {
+            if v.is_finite() {
+                v.round().clamp(0.0, max) as u16
+            } else {
+                0
+            }
+        })
+        .collect();
+    let buf =
+        image::ImageBuffer::<image::Luma<u16>, Vec<u16>>::from_raw(img.width, img.height, samples)
+            .ok_or_else(|| {
+                ApiError::Internal("image size does not match its pixel count".into())
+            })?;
+    let mut out = std::io::Cursor::new(Vec::new());
+    buf.write_to(&mut out, image::ImageFormat::Png)
+        .map_err(|e| ApiError::Internal(format!("cannot encode the pixels as PNG: {e}")))?;
+    Ok(out.into_inner())
+}
+
 // ---- sessions ----
 
 #[derive(Deserialize, Default, ToSchema)]

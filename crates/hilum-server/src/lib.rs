@@ -284,6 +284,7 @@ pub fn router(state: AppState) -> Router {
                 .layer(DefaultBodyLimit::max(upload_limit))
                 .get(api::list_images),
         )
+        .route("/v1/images/{id}/pixels", get(api::image_pixels))
         .route(
             "/v1/sessions",
             post(api::create_session).get(api::list_sessions),
