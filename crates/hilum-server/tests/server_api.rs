@@ -813,3 +813,92 @@ async fn pixels_reach_a_multimodal_model_only_when_enabled() {
         srv.stop().await;
     }
 }
+
+/// Uploads a file from ../shared/data/cxr by its path under that folder.
+async fn upload_file(client: &reqwest::Client, srv: &Server, tok: &str, rel: &str) -> Value {
+    let bytes = std::fs::read(data_dir().join("cxr").join(rel)).expect("read test file");
+    let part = reqwest::multipart::Part::bytes(bytes).file_name(rel.to_string());
+    let resp = client
+        .post(srv.url("/v1/images"))
+        .bearer_auth(tok)
+        .multipart(reqwest::multipart::Form::new().part("file", part))
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(resp.status(), 201, "upload of {rel}");
+    let body: Value = resp.json().await.expect("json");
+    body["images"][0].clone()
+}
+
+#[tokio::test]
+async fn pixels_route_serves_the_canonical_values_at_full_depth() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = start(config(&dir.path().join("h.db"), None)).await;
+    let alice = token(&srv.state, "alice");
+    let bob = token(&srv.state, "bob");
+    let client = reqwest::Client::new();
+    for rel in [
+        "dicom/CR-MONO1-10-chest_noPart10header.dcm",
+        "images/derived_RG1_chest_pa_16bit.png",
+    ] {
+        let row = upload_file(&client, &srv, &alice, rel).await;
+        let id = row["id"].as_str().expect("id");
+        let bits = row["bit_depth"].as_u64().expect("bit_depth");
+        assert!(bits > 8, "{rel}: expected a deep image, got {bits} bits");
+
+        let resp = client
+            .get(srv.url(&format!("/v1/images/{id}/pixels")))
+            .bearer_auth(&alice)
+            .send()
+            .await
+            .expect("pixels");
+        assert_eq!(resp.status(), 200, "{rel}");
+        assert_eq!(resp.headers()["content-type"], "image/png");
+        assert_eq!(
+            resp.headers()["x-hilum-bit-depth"],
+            bits.to_string().as_str()
+        );
+        let png = image::load_from_memory(&resp.bytes().await.expect("bytes")).expect("png");
+        let png = match png {
+            image::DynamicImage::ImageLuma16(p) => p,
+            other => panic!("{rel}: expected 16-bit grayscale, got {:?}", other.color()),
+        };
+        assert_eq!(u64::from(png.width()), row["width"].as_u64().expect("w"));
+        assert_eq!(u64::from(png.height()), row["height"].as_u64().expect("h"));
+
+        // The same values as the decoder's canonical image, not an 8-bit rendering.
+        let store = hilum_imaging::ImageStore::default();
+        let bytes = std::fs::read(data_dir().join("cxr").join(rel)).expect("read");
+        let canon = store
+            .get(&store.ingest_bytes(bytes.into(), rel).expect("decode"))
+            .expect("get");
+        let served: Vec<u16> = png.into_raw();
+        assert_eq!(served.len(), canon.pixels.len());
+        assert!(served
+            .iter()
+            .zip(&canon.pixels)
+            .all(|(&s, &c)| f32::from(s) == c.round()));
+        let max = served.iter().copied().max().unwrap_or(0);
+        assert!(max > 255, "{rel}: max value {max} fits in 8 bits");
+        assert!(
+            u64::from(max) < 1 << bits,
+            "{rel}: {max} exceeds {bits} bits"
+        );
+
+        // Another token does not see the image; no token is refused.
+        let other = client
+            .get(srv.url(&format!("/v1/images/{id}/pixels")))
+            .bearer_auth(&bob)
+            .send()
+            .await
+            .expect("pixels as bob");
+        assert_eq!(other.status(), 404);
+        let anon = client
+            .get(srv.url(&format!("/v1/images/{id}/pixels")))
+            .send()
+            .await
+            .expect("pixels without token");
+        assert_eq!(anon.status(), 401);
+    }
+    srv.stop().await;
+}
