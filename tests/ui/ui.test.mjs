@@ -207,7 +207,28 @@ try {
   }, imageId);
   assert.equal(await page.locator("#images button").count(), 2);
   assert.notEqual(await canvasHash(page), before, "the DICOM image was not drawn");
-  assert.match(await page.textContent("#wl-note"), /\d+-bit values stay on the server/);
+  // Window/level acts on the DICOM's own 10-bit values fetched from the server, not on an
+  // 8-bit rendering: the sliders span 0..1023 and narrowing the window changes the canvas.
+  assert.match(await page.textContent("#wl-note"), /the 10-bit values \(0–1023\)/);
+  assert.equal(await page.getAttribute("#wl", "max"), "1023");
+  assert.equal(await page.getAttribute("#ww", "max"), "1024");
+  const deepShown = await canvasHash(page);
+  const [ww0, wl0] = [await page.inputValue("#ww"), await page.inputValue("#wl")];
+  assert.ok(Number(ww0) > 255, `default window ${ww0} should span the 10-bit values`);
+  await setRange("#ww", "100");
+  const narrow = await canvasHash(page);
+  assert.notEqual(narrow, deepShown, "the window width did not change the 10-bit display");
+  assert.match(await page.textContent("#wl-note"), /window 100,/);
+  await setRange("#wl", String(Number(wl0) + 200));
+  assert.notEqual(await canvasHash(page), narrow, "the level did not change the 10-bit display");
+  await shot(page, "06-dicom-dropped-windowed.png");
+  // Keyboard only: focus the width slider and step it with the arrow keys.
+  await page.focus("#ww");
+  await page.keyboard.press("ArrowRight");
+  assert.equal(await page.inputValue("#ww"), "101");
+  await setRange("#ww", ww0);
+  await setRange("#wl", wl0);
+  assert.equal(await canvasHash(page), deepShown, "the default window did not come back");
   await shot(page, "06-dicom-dropped.png");
 
   // A server without a reasoning model: asking shows what is missing and how to fix it.

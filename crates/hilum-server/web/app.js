@@ -1,7 +1,7 @@
 // The workstation page: token, sessions, images, viewer, question with streamed events,
 // timeline, overlays, findings and export. State lives here; the API is in api.js.
 import { ApiError, getToken, setToken, getJson, postJson, request, upload, artifactBlob, ask, explainRunError } from "./api.js";
-import { Viewer } from "./viewer.js";
+import { Viewer, decodeGrayPng } from "./viewer.js";
 import { toMarkdown, toFhir, download } from "./export.js";
 
 const $ = (id) => document.getElementById(id);
@@ -13,6 +13,7 @@ const state = {
   localFiles: new Map(), // image id -> File, to show PNG/JPEG without a round trip
   run: null,
   lastRun: null,
+  wlUnits: "the 8-bit pixels (0–255)",
   busy: false,
 };
 
@@ -176,36 +177,75 @@ async function handleFile(file) {
   }
 }
 
-/** Shows an image: the browser decodes PNG/JPEG itself; DICOM (and images uploaded in an
- * earlier visit) are rendered to 8 bits by the server's `visualize` tool. */
+/** Shows an image. Deeper than 8 bits (DICOM, 16-bit PNG): the server's canonical values at
+ * full depth, windowed here. Otherwise the browser decodes PNG/JPEG itself; DICOM (and images
+ * uploaded in an earlier visit) are rendered to 8 bits by the server's `visualize` tool. */
 async function selectImage(id) {
   state.imageId = id;
   renderImages();
   const row = state.images.find((i) => i.id === id);
-  const file = state.localFiles.get(id);
-  let bitmap = null;
-  if (file && /png|jpe?g/i.test(file.type + file.name) && !/dicom/i.test(row?.format || "")) {
+  const deep = row && row.bit_depth > 8;
+  let shownDeep = false;
+  if (deep) {
     try {
-      bitmap = await createImageBitmap(file);
-    } catch {
-      bitmap = null; // Fall back to the server's rendering.
+      const resp = await request(`/v1/images/${encodeURIComponent(id)}/pixels`);
+      const bits = Number(resp.headers.get("x-hilum-bit-depth")) || row.bit_depth;
+      const px = await decodeGrayPng(await resp.arrayBuffer());
+      viewer.setDeepImage({ ...px, bits });
+      shownDeep = true;
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 401) throw e;
+      // An older server without the pixels route: fall back to the 8-bit rendering.
     }
   }
-  if (!bitmap) {
-    const res = await postJson("/v1/tools/visualize:call", { image: id, legend: false });
-    const png = (res.artifacts || []).find((a) => a.media_type === "image/png");
-    if (!png) throw new Error(`The server could not render image ${id}: ${res.error?.message || "no PNG returned"}`);
-    bitmap = await createImageBitmap(await artifactBlob(png.url));
+  if (!shownDeep) {
+    const file = state.localFiles.get(id);
+    let bitmap = null;
+    if (file && /png|jpe?g/i.test(file.type + file.name) && !/dicom/i.test(row?.format || "")) {
+      try {
+        bitmap = await createImageBitmap(file);
+      } catch {
+        bitmap = null; // Fall back to the server's rendering.
+      }
+    }
+    if (!bitmap) {
+      const res = await postJson("/v1/tools/visualize:call", { image: id, legend: false });
+      const png = (res.artifacts || []).find((a) => a.media_type === "image/png");
+      if (!png) throw new Error(`The server could not render image ${id}: ${res.error?.message || "no PNG returned"}`);
+      bitmap = await createImageBitmap(await artifactBlob(png.url));
+    }
+    viewer.setImage(bitmap);
   }
-  viewer.setImage(bitmap);
   $("viewer-empty").hidden = true;
   $("overlay-list").replaceChildren();
   $("overlays-empty").hidden = false;
-  const deep = row && row.bit_depth > 8;
-  $("wl-note").textContent = deep
-    ? `Window/level acts on the 8-bit rendering shown; the ${row.bit_depth}-bit values stay on the server.`
-    : "Window/level acts on the displayed pixels.";
+  state.wlUnits = shownDeep
+    ? `the ${viewer.deep.bits}-bit values (0–${viewer.maxValue})`
+    : deep
+      ? `the 8-bit rendering shown; this server did not send the ${row.bit_depth}-bit values`
+      : "the 8-bit pixels (0–255)";
+  syncWindowControls();
   $("canvas").setAttribute("data-image", id);
+}
+
+/** Puts the sliders in the shown image's own units and says what they act on. */
+function syncWindowControls() {
+  const max = viewer.maxValue;
+  const ww = $("ww");
+  const wl = $("wl");
+  ww.min = "1";
+  ww.max = String(max + 1);
+  wl.min = "0";
+  wl.max = String(max);
+  // Step 1 keeps every value reachable; Page Up/Down move by a tenth of the range.
+  ww.step = wl.step = "1";
+  ww.value = String(viewer.ww);
+  wl.value = String(viewer.wl);
+  updateWindowNote();
+}
+
+function updateWindowNote() {
+  $("wl-note").textContent = `Window/level acts on ${state.wlUnits}: window ${viewer.ww}, level ${viewer.wl}.`;
 }
 
 const drop = $("drop");
@@ -231,7 +271,10 @@ $("file").addEventListener("change", (e) => {
 $("zoom-in").addEventListener("click", () => viewer.zoom(1.25));
 $("zoom-out").addEventListener("click", () => viewer.zoom(0.8));
 $("reset-view").addEventListener("click", () => viewer.reset());
-const wl = () => viewer.setWindow(Number($("ww").value), Number($("wl").value), $("invert").checked);
+const wl = () => {
+  viewer.setWindow(Number($("ww").value), Number($("wl").value), $("invert").checked);
+  if (state.imageId) updateWindowNote();
+};
 for (const id of ["ww", "wl", "invert"]) $(id).addEventListener("input", wl);
 $("opacity").addEventListener("input", () => viewer.setOpacity(Number($("opacity").value) / 100));
 
