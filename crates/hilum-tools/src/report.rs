@@ -86,6 +86,8 @@ struct Section {
     seconds: f64,
     load_ms: f64,
     custom: bool,
+    /// The model's position table was shorter than `max_length`: generation stopped here.
+    capped_at: Option<usize>,
 }
 
 fn int_arg(args: &Value, key: &str, default: u64, max: u64) -> Result<usize, ToolError> {
@@ -165,6 +167,8 @@ impl Tool for GenerateReport {
                     .generate_from_pixels(&prepared.data, &model.generation(num_beams, max_length))
                     .map_err(|e| ToolError::Internal(e.to_string()))?;
                 let seconds = t.elapsed().as_secs_f64();
+                let capped_at =
+                    (max_length > model.max_length_limit()).then(|| model.max_length_limit());
                 let text = model
                     .decode(&gen.ids)
                     .map_err(|e| ToolError::Internal(e.to_string()))?;
@@ -176,6 +180,7 @@ impl Tool for GenerateReport {
                     seconds,
                     load_ms,
                     custom: model.custom,
+                    capped_at,
                 })
             })
             .await
@@ -219,7 +224,14 @@ impl Tool for GenerateReport {
                 "seconds": r2(s.seconds),
                 "tokens_per_second": r2(if s.seconds > 0.0 { s.tokens as f64 / s.seconds } else { 0.0 }),
                 "load_ms": r2(s.load_ms),
+                "max_length_used": s.capped_at.unwrap_or(max_length),
             });
+            if let Some(cap) = s.capped_at {
+                summary.push_str(&format!(
+                    "({}: max_length capped at {cap}, the model's longest sequence)\n",
+                    s.name
+                ));
+            }
         }
         summary.push_str(&format!(
             "({tokens} tokens in {:.2} s, {:.1} tokens/s; {})",

@@ -141,3 +141,29 @@ async fn one_section_with_beam_search() {
     assert!(!out.summary.contains("FINDINGS:"));
     assert!(d["tokens_generated"].as_u64().expect("tokens") <= 15);
 }
+
+#[tokio::test]
+async fn max_length_past_the_position_table_is_capped_not_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tool, id, pool, _) = setup(dir.path(), true);
+    let limit = pool
+        .get_or_load::<ReportModel>(FINDINGS_MODEL, Device::Cpu)
+        .expect("warm model")
+        .max_length_limit();
+    // The default max_length (128) is longer than the tiny models' position tables.
+    assert!(limit < 128, "fixture limit {limit}");
+    let out = tool
+        .call(
+            &ToolContext::default(),
+            json!({"image": id, "sections": "findings"}),
+        )
+        .await
+        .expect("generation ends at the table's end");
+    let detail = &out.data["findings_detail"];
+    assert_eq!(detail["max_length_used"].as_u64(), Some(limit as u64));
+    assert!(
+        detail["tokens"].as_u64().expect("tokens") < limit as u64,
+        "{detail}"
+    );
+    assert!(out.summary.contains("capped at"), "{}", out.summary);
+}

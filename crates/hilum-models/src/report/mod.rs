@@ -464,11 +464,17 @@ impl ReportModel {
         })
     }
 
-    /// Decoding settings for this model.
+    /// The longest sequence the decoder's position table allows.
+    pub fn max_length_limit(&self) -> usize {
+        self.net.config.decoder.max_position_embeddings
+    }
+
+    /// Decoding settings for this model; `max_length` is capped at [`Self::max_length_limit`]
+    /// so generation ends there instead of failing past the position table.
     pub fn generation(&self, num_beams: usize, max_length: usize) -> GenerationConfig {
         GenerationConfig {
             num_beams,
-            max_length,
+            max_length: max_length.min(self.max_length_limit()),
             length_penalty: 1.0,
             early_stopping: false,
             decoder_start_token_id: self.start_token,
