@@ -18,11 +18,13 @@ pub enum ModelsCmd {
         json: bool,
     },
     /// Download a model's published weights (HTTPS, resumable, sha256-verified), convert them
-    /// to safetensors where needed and install them.
+    /// to safetensors where needed and install them, with the config and tokenizer files its
+    /// manifest lists (`fetch_files`).
     Fetch {
         /// Model id, e.g. lung-unet (see `hilum models list`).
         id: String,
-        /// Download from this URL instead (a site mirror of the same file).
+        /// Download from this URL instead (a site mirror of the same file; the manifest's
+        /// `fetch_files` are taken from the same folder).
         #[arg(long)]
         url: Option<String>,
         /// Python with h5py and numpy, used to convert Keras .h5 checkpoints.

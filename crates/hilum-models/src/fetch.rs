@@ -242,3 +242,23 @@ async fn download(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::sibling_url;
+
+    #[test]
+    fn sibling_files_come_from_the_weights_folder() {
+        assert_eq!(
+            sibling_url(
+                "https://huggingface.co/o/r/resolve/abc/model.safetensors",
+                "vocab.txt"
+            ),
+            "https://huggingface.co/o/r/resolve/abc/vocab.txt"
+        );
+        assert_eq!(
+            sibling_url("https://m/x/model.safetensors?download=1#f", "config.json"),
+            "https://m/x/config.json"
+        );
+    }
+}
