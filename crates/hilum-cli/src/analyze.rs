@@ -195,6 +195,9 @@ fn tool_models(name: &str) -> &'static [&'static str] {
         "segment_lungs" => &["lung-unet"],
         "segment_anatomy" => &["chestx-det-pspnet"],
         "measure_chest" => &["chestx-det-pspnet", "lung-unet"],
+        "segment_region" => &["medsam-vit-b"],
+        "generate_report" => &["chexpert-report-findings", "chexpert-report-impression"],
+        // Model-free, or available only when configured (their `available()` decides).
         _ => &[],
     }
 }
@@ -229,4 +232,30 @@ fn local_toolbox(
         }
     }
     Ok(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tool either names the models it needs (so a local model is offered it only when
+    /// they are installed) or is known to need none; a new tool must be placed in one of the two.
+    #[test]
+    fn every_tool_is_classified_for_the_local_model() {
+        const MODEL_FREE: &[&str] = &[
+            "image_info",
+            "dicom_info",
+            "visualize",
+            "ground_phrase",
+            "answer_visual_question",
+        ];
+        let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()));
+        let toolbox = default_toolbox(&deps).expect("toolbox");
+        for name in toolbox.names() {
+            assert!(
+                !tool_models(&name).is_empty() || MODEL_FREE.contains(&name.as_str()),
+                "`{name}` needs an entry in tool_models (or in MODEL_FREE)"
+            );
+        }
+    }
 }

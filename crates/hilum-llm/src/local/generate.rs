@@ -77,6 +77,8 @@ struct Prepared {
     has_tools: bool,
     /// Calls made in earlier rounds of this conversation (name, parsed arguments).
     previous_calls: Vec<(String, Option<Value>)>,
+    /// Tools whose results in this conversation succeeded, in order (for the answer's lead).
+    answered_tools: Vec<String>,
     /// The prompt plus a user note that the results are in, for a model that repeats a call.
     repeat_prompt: Option<Vec<u32>>,
     shortened: usize,
@@ -108,6 +110,28 @@ fn previous_calls(messages: &[Message]) -> Vec<(String, Option<Value>)> {
         })
         .map(|c| call_key(&c.name, &c.arguments))
         .collect()
+}
+
+fn answered_tools(messages: &[Message]) -> Vec<String> {
+    messages
+        .iter()
+        .filter_map(|m| match m {
+            Message::Tool { name, is_error, .. } if !is_error => Some(name.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The words that start a prose answer after a repeated call: they point at a result that
+/// exists — the repeated tool's when it succeeded, else the last one that did.
+fn answer_lead(repeated: &str, answered: &[String]) -> String {
+    if answered.iter().any(|n| n == repeated) {
+        format!("According to the {repeated} result:")
+    } else if let Some(last) = answered.last() {
+        format!("According to the {last} result:")
+    } else {
+        "According to the tool results:".to_string()
+    }
 }
 
 fn image_ids(messages: &[Message]) -> Vec<String> {
@@ -185,6 +209,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         constraint,
         has_tools: !req.tools.is_empty(),
         previous_calls,
+        answered_tools: answered_tools(&req.messages),
         repeat_prompt,
         shortened,
         started,
@@ -646,7 +671,7 @@ fn decode(
                         }
                         // The answer starts by pointing at the result it must come from; a
                         // 0.5B model then quotes it instead of writing a vague sentence.
-                        let lead = format!("According to the {} result:", call.name);
+                        let lead = answer_lead(&call.name, &prep.answered_tools);
                         let lead_tokens = tok.encode(&lead)?;
                         if !lead_tokens.is_empty() {
                             logits = st.model.forward(&lead_tokens)?;
@@ -737,6 +762,36 @@ fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_answer_lead_names_a_tool_whose_result_succeeded() {
+        let tool = |name: &str, is_error: bool| Message::Tool {
+            tool_call_id: format!("c_{name}"),
+            name: name.into(),
+            content: String::new(),
+            is_error,
+        };
+        let msgs = vec![
+            tool("segment_lungs", false),
+            tool("segment_region", true),
+            tool("image_info", false),
+        ];
+        let answered = answered_tools(&msgs);
+        assert_eq!(answered, ["segment_lungs", "image_info"]);
+        assert_eq!(
+            answer_lead("segment_lungs", &answered),
+            "According to the segment_lungs result:"
+        );
+        // A repeated call that had failed points at the last result that exists instead.
+        assert_eq!(
+            answer_lead("segment_region", &answered),
+            "According to the image_info result:"
+        );
+        assert_eq!(
+            answer_lead("segment_region", &[]),
+            "According to the tool results:"
+        );
+    }
 
     #[test]
     fn repetition_finds_short_loops_only_when_the_window_is_full() {
