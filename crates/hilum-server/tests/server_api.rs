@@ -42,15 +42,7 @@ async fn upload_session_streamed_answer_and_artifacts(db: &TestDb) {
     assert_eq!(row["width"], real.width());
     assert_eq!(row["height"], real.height());
 
-    let listed: Value = client
-        .get(srv.url("/v1/images"))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("list")
-        .json()
-        .await
-        .expect("json");
+    let listed: Value = get_json(&client, srv.url("/v1/images"), &tok).await;
     assert_eq!(listed["images"][0]["id"], img.as_str());
 
     let ses = new_session(&client, &srv, &tok).await;
@@ -97,26 +89,20 @@ async fn upload_session_streamed_answer_and_artifacts(db: &TestDb) {
     assert_eq!(png.width(), 64);
     assert_eq!(png.height(), (real.height() * 64) / real.width());
 
-    let arts: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/artifacts")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("artifacts")
-        .json()
-        .await
-        .expect("json");
+    let arts: Value = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/artifacts")),
+        &tok,
+    )
+    .await;
     assert_eq!(arts["artifacts"].as_array().map(Vec::len), Some(1));
 
-    let msgs: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("messages")
-        .json()
-        .await
-        .expect("json");
+    let msgs: Value = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/messages")),
+        &tok,
+    )
+    .await;
     let roles: Vec<&str> = msgs["messages"]
         .as_array()
         .expect("array")
@@ -179,26 +165,15 @@ async fn sse_stream_carries_the_same_events() {
     assert_eq!(names.last(), Some(&"complete"), "{names:?}");
     assert!(names.contains(&"final"));
     // The stored events equal what was streamed (heartbeats are not stored).
-    let runs: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/runs")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("runs")
-        .json()
-        .await
-        .expect("json");
+    let runs: Value = get_json(&client, srv.url(&format!("/v1/sessions/{ses}/runs")), &tok).await;
     let run_id = runs["runs"][0]["id"].as_str().expect("run id");
     assert_eq!(runs["runs"][0]["status"], "completed");
-    let stored: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/runs/{run_id}/events")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("events")
-        .json()
-        .await
-        .expect("json");
+    let stored: Value = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/runs/{run_id}/events")),
+        &tok,
+    )
+    .await;
     let stored_types: Vec<&str> = stored["events"]
         .as_array()
         .expect("array")
@@ -230,15 +205,12 @@ async fn restart_on_the_same_database_keeps_sessions_and_images(db: &TestDb) {
         .await
         .expect("session");
     assert_eq!(resp.status(), 200, "the session survives a restart");
-    let msgs: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("messages")
-        .json()
-        .await
-        .expect("json");
+    let msgs: Value = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/messages")),
+        &tok,
+    )
+    .await;
     assert_eq!(msgs["messages"].as_array().map(Vec::len), Some(5));
 
     // Resume: the image is usable again and the conversation continues after message 5.
@@ -248,15 +220,12 @@ async fn restart_on_the_same_database_keeps_sessions_and_images(db: &TestDb) {
         .find(|e| e["type"] == "tool_finished" && e["name"] == "image_info")
         .expect("image_info after restart");
     assert!(info["data"]["width"].as_u64().is_some());
-    let msgs: Value = client
-        .get(srv.url(&format!("/v1/sessions/{ses}/messages")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("messages")
-        .json()
-        .await
-        .expect("json");
+    let msgs: Value = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/messages")),
+        &tok,
+    )
+    .await;
     let seqs: Vec<i64> = msgs["messages"]
         .as_array()
         .expect("array")
@@ -356,15 +325,7 @@ async fn another_tokens_images_sessions_and_artifacts_are_404(db: &TestDb) {
     assert_eq!(call.status(), 422);
     let body: Value = call.json().await.expect("json");
     assert_eq!(body["ok"], false);
-    let listed: Value = client
-        .get(srv.url("/v1/images"))
-        .bearer_auth(&bob)
-        .send()
-        .await
-        .expect("req")
-        .json()
-        .await
-        .expect("json");
+    let listed: Value = get_json(&client, srv.url("/v1/images"), &bob).await;
     assert_eq!(listed["images"].as_array().map(Vec::len), Some(0));
     // Alice still sees hers.
     let own = client
@@ -563,15 +524,8 @@ async fn client_disconnect_cancels_the_run() {
     let client = reqwest::Client::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let status = loop {
-        let runs: Value = client
-            .get(srv.url(&format!("/v1/sessions/{ses}/runs")))
-            .bearer_auth(&tok)
-            .send()
-            .await
-            .expect("runs")
-            .json()
-            .await
-            .expect("json");
+        let runs: Value =
+            get_json(&client, srv.url(&format!("/v1/sessions/{ses}/runs")), &tok).await;
         let status = runs["runs"][0]["status"].as_str().unwrap_or("").to_string();
         if status != "running" || std::time::Instant::now() > deadline {
             break status;

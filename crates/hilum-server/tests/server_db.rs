@@ -177,15 +177,7 @@ async fn two_replicas_share_sessions_images_and_the_audit_log(db: &TestDb) {
     let client = reqwest::Client::new();
 
     // B has built alice's space (empty) before the upload through A.
-    let empty: Value = client
-        .get(b.url("/v1/tools"))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("tools")
-        .json()
-        .await
-        .expect("json");
+    let empty: Value = get_json(&client, b.url("/v1/tools"), &tok).await;
     assert!(empty["tools"].as_array().is_some_and(|t| !t.is_empty()));
     let (img, row) = upload_id(&client, &a, &tok, IMG).await;
     let ses = new_session(&client, &a, &tok).await;
@@ -201,15 +193,7 @@ async fn two_replicas_share_sessions_images_and_the_audit_log(db: &TestDb) {
         200,
         "a session made on A is readable on B"
     );
-    let listed: Value = client
-        .get(b.url("/v1/images"))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("images")
-        .json()
-        .await
-        .expect("json");
+    let listed: Value = get_json(&client, b.url("/v1/images"), &tok).await;
     assert_eq!(listed["images"][0]["id"], img.as_str());
 
     // B answers in A's session with A's upload, and A then sees B's answer.
@@ -219,15 +203,12 @@ async fn two_replicas_share_sessions_images_and_the_audit_log(db: &TestDb) {
         .find(|e| e["type"] == "tool_finished" && e["name"] == "image_info")
         .expect("image_info ran on B");
     assert_eq!(info["data"]["width"], row["width"]);
-    let msgs: Value = client
-        .get(a.url(&format!("/v1/sessions/{ses}/messages")))
-        .bearer_auth(&tok)
-        .send()
-        .await
-        .expect("messages")
-        .json()
-        .await
-        .expect("json");
+    let msgs: Value = get_json(
+        &client,
+        a.url(&format!("/v1/sessions/{ses}/messages")),
+        &tok,
+    )
+    .await;
     let last = msgs["messages"]
         .as_array()
         .and_then(|m| m.last())

@@ -384,3 +384,16 @@ macro_rules! on_both_databases {
         }
     };
 }
+
+/// GET `url` with a bearer token and parse the JSON body (the request must succeed).
+pub async fn get_json(client: &reqwest::Client, url: String, token: &str) -> Value {
+    let resp = client
+        .get(&url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    resp.json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
+}
