@@ -360,7 +360,9 @@ fn decode_object(
         .clone()
         .unwrap_or_else(|| "MONOCHROME2".into());
     let monochrome1 = photometric == "MONOCHROME1";
+    // What the VOI step did, as decided once below (colour images have none).
     let mut voi_lut_applied = false;
+    let mut window_applied = None;
     let (bit_depth, max, mut pixels) = if spp == 3 {
         // Colour DICOM (secondary capture of a screen, …): luminance, 8 or 16 bits.
         let max = ((1u32 << s.bits_stored) - 1) as f32;
@@ -425,6 +427,7 @@ fn decode_object(
                 .collect(),
         };
         voi_lut_applied = table.is_some();
+        window_applied = window;
         (bits as u8, max, px)
     };
     if monochrome1 {
@@ -432,17 +435,6 @@ fn decode_object(
             *v = max - *v;
         }
     }
-    let window_applied = if spp == 1 {
-        match opts.voi {
-            Voi::None => None,
-            Voi::Window { center, width } if width >= 1.0 => Some((center, width)),
-            Voi::Window { .. } => None,
-            Voi::FromFile if voi_lut_applied => None,
-            Voi::FromFile => s.windows.first().copied().filter(|&(_, w)| w >= 1.0),
-        }
-    } else {
-        None
-    };
     Ok(CxrImage {
         width: w,
         height: h,
