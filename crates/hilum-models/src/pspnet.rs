@@ -381,17 +381,7 @@ pub fn preprocess(
 /// Every parameter the published checkpoint holds for `cfg` (minus the training-only head and
 /// `num_batches_tracked`), as the loader asks for them.
 pub fn expected_params(cfg: &Config) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
-    let map = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, candle_core::DType::F32, &candle_core::Device::Cpu);
-    PspNet::load(vb, cfg).map_err(|e| ModelError::Compute(e.to_string()))?;
-    let data = map
-        .data()
-        .lock()
-        .map_err(|e| ModelError::Compute(e.to_string()))?;
-    Ok(data
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().dims().to_vec()))
-        .collect())
+    crate::weights::recorded_params(|vb| PspNet::load(vb, cfg))
 }
 
 /// Loads a safetensors file with [`Config::chestx_det`] (or `cfg`).

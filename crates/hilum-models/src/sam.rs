@@ -1181,17 +1181,7 @@ pub fn interpolate_bilinear(src: &[f32], sw: usize, sh: usize, dw: usize, dh: us
 
 /// Every parameter of a SAM checkpoint for `cfg`, as the loader asks for them.
 pub fn expected_params(cfg: &Config) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
-    let map = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, DType::F32, &candle_core::Device::Cpu);
-    Sam::load(vb, cfg).map_err(|e| ModelError::Compute(e.to_string()))?;
-    let data = map
-        .data()
-        .lock()
-        .map_err(|e| ModelError::Compute(e.to_string()))?;
-    Ok(data
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().dims().to_vec()))
-        .collect())
+    crate::weights::recorded_params(|vb| Sam::load(vb, cfg))
 }
 
 /// A model of `cfg` with seeded random weights (benchmarks; never used for answers).
@@ -1205,15 +1195,7 @@ pub fn random(cfg: &Config, seed: u64, device: Device) -> Result<Sam, ModelError
         let fan_in = shape.iter().skip(1).product::<usize>().max(1) as f32;
         let amp = 1.0 / fan_in.sqrt();
         let v: Vec<f32> = (0..n)
-            .map(|_| {
-                // xorshift64*: reproducible without an RNG dependency.
-                state ^= state >> 12;
-                state ^= state << 25;
-                state ^= state >> 27;
-                let r =
-                    (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32;
-                (2.0 * r - 1.0) * amp
-            })
+            .map(|_| (2.0 * crate::weights::xorshift_unit(&mut state) - 1.0) * amp)
             .collect();
         tensors.insert(name, Tensor::from_vec(v, shape, &dev)?);
     }

@@ -8,6 +8,33 @@ use candle_nn::VarBuilder;
 
 use crate::{Device, ModelError};
 
+/// Parameter name → shape that `load` asks for, recorded by building the model once on fresh
+/// variables (for the name/shape check of a checkpoint against an architecture).
+pub(crate) fn recorded_params<T, E: std::fmt::Display>(
+    load: impl FnOnce(VarBuilder) -> Result<T, E>,
+) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let map = candle_nn::VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, candle_core::DType::F32, &candle_core::Device::Cpu);
+    load(vb).map_err(|e| ModelError::Compute(e.to_string()))?;
+    let data = map
+        .data()
+        .lock()
+        .map_err(|e| ModelError::Compute(e.to_string()))?;
+    Ok(data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().dims().to_vec()))
+        .collect())
+}
+
+/// One xorshift64* draw, uniform in [0, 1): seeded weights for benchmarks and parity tests,
+/// reproducible without an RNG dependency. `state` must not be zero.
+pub(crate) fn xorshift_unit(state: &mut u64) -> f32 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32
+}
+
 /// Parameter name → shape, as stored in a safetensors file (reads only the header).
 pub fn shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;

@@ -733,13 +733,8 @@ impl candle_nn::var_builder::SimpleBackend for Recorder {
 /// missing model is an error.
 pub fn synthetic_weights(arch: &Arch, seed: u64) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut state = seed.max(1);
-    // xorshift64*: small and deterministic; uniform in [-0.5, 0.5).
-    let mut next = move || {
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    // Uniform in [-0.5, 0.5).
+    let mut next = move || crate::weights::xorshift_unit(&mut state) - 0.5;
     let mut out = HashMap::new();
     for (name, shape) in expected_params(arch)? {
         let n: usize = shape.iter().product();
