@@ -145,21 +145,7 @@ fn full_size_parameters_match_sam_vit_b() {
     )
     .expect("list parses");
     let ours = sam::expected_params(&Config::vit_b()).expect("names");
-    let only_ref: Vec<_> = published
-        .keys()
-        .filter(|k| !ours.contains_key(*k))
-        .collect();
-    let only_ours: Vec<_> = ours
-        .keys()
-        .filter(|k| !published.contains_key(*k))
-        .collect();
-    assert!(
-        only_ref.is_empty() && only_ours.is_empty(),
-        "missing {only_ref:?}, extra {only_ours:?}"
-    );
-    for (k, shape) in &published {
-        assert_eq!(&ours[k], shape, "{k}");
-    }
+    hilum_models::weights::compare(&published, &ours).unwrap_or_else(|e| panic!("{e}"));
     println!("{} parameters match", published.len());
     assert_eq!(published.len(), 314);
     assert!(published.contains_key("image_encoder.blocks.0.attn.qkv.weight"));

@@ -2,7 +2,7 @@
 //! scripts/make_anatomy_fixtures.py): seeded small configuration to 1e-4, and the full-size
 //! published parameter names and shapes one to one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use candle_core::Device;
@@ -18,8 +18,8 @@ fn fixtures() -> PathBuf {
     p
 }
 
-#[test]
-fn small_pspnet_matches_reference_logits() {
+/// The small seeded PSPNet, its configuration and its reference input/logits.
+fn small_model_and_io() -> (pspnet::PspNet, Config, HashMap<String, candle_core::Tensor>) {
     let dir = fixtures();
     let cfg: Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("pspnet_small_config.json")).expect("config"),
@@ -33,6 +33,12 @@ fn small_pspnet_matches_reference_logits() {
     .expect("small weights load");
     let io = candle_core::safetensors::load(dir.join("pspnet_small_io.safetensors"), &Device::Cpu)
         .expect("io fixture");
+    (model, cfg, io)
+}
+
+#[test]
+fn small_pspnet_matches_reference_logits() {
+    let (model, _, io) = small_model_and_io();
     let y = model.forward(&io["input"]).expect("forward");
     assert_eq!(y.dims(), io["logits"].dims());
     let diff: f32 = (y - &io["logits"])
@@ -58,19 +64,7 @@ fn small_pspnet_matches_reference_logits() {
 /// fixture, and the default `probabilities` path, which runs them on the CPU.
 #[test]
 fn small_pspnet_native_matches_reference_logits() {
-    let dir = fixtures();
-    let cfg: Config = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("pspnet_small_config.json")).expect("config"),
-    )
-    .expect("config parses");
-    let model = pspnet::load_file(
-        &dir.join("pspnet_small.safetensors"),
-        &cfg,
-        hilum_models::Device::Cpu,
-    )
-    .expect("small weights load");
-    let io = candle_core::safetensors::load(dir.join("pspnet_small_io.safetensors"), &Device::Cpu)
-        .expect("io fixture");
+    let (model, cfg, io) = small_model_and_io();
     let input = io["input"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let want = io["logits"]
         .flatten_all()
@@ -137,21 +131,7 @@ fn full_size_parameters_match_the_published_checkpoint() {
         })
         .collect();
     let ours = pspnet::expected_params(&Config::chestx_det()).expect("names");
-    let only_ref: Vec<_> = published
-        .keys()
-        .filter(|k| !ours.contains_key(*k))
-        .collect();
-    let only_ours: Vec<_> = ours
-        .keys()
-        .filter(|k| !published.contains_key(*k))
-        .collect();
-    assert!(
-        only_ref.is_empty() && only_ours.is_empty(),
-        "missing {only_ref:?}, extra {only_ours:?}"
-    );
-    for (k, shape) in &published {
-        assert_eq!(&ours[k], shape, "{k}");
-    }
+    hilum_models::weights::compare(&published, &ours).unwrap_or_else(|e| panic!("{e}"));
     println!("{} parameters match", published.len());
     assert!(published.len() > 500);
 }
