@@ -315,13 +315,7 @@ async fn another_tokens_images_sessions_and_artifacts_are_404(db: &TestDb) {
         .await
         .expect("req");
     assert_eq!(ask.status(), 404);
-    let call = client
-        .post(srv.url("/v1/tools/image_info:call"))
-        .bearer_auth(&bob)
-        .json(&json!({"image": img}))
-        .send()
-        .await
-        .expect("req");
+    let call = call_tool(&client, &srv, &bob, "image_info", &json!({"image": img})).await;
     assert_eq!(call.status(), 422);
     let body: Value = call.json().await.expect("json");
     assert_eq!(body["ok"], false);
@@ -371,32 +365,14 @@ async fn direct_tool_calls_are_recorded_audited_and_measured(db: &TestDb) {
     let (img, row) = upload_id(&client, &srv, &tok, IMG2).await;
     let n = 5;
     for _ in 0..n {
-        let resp = client
-            .post(srv.url("/v1/tools/image_info:call"))
-            .bearer_auth(&tok)
-            .json(&json!({"image": img}))
-            .send()
-            .await
-            .expect("call");
+        let resp = call_tool(&client, &srv, &tok, "image_info", &json!({"image": img})).await;
         assert_eq!(resp.status(), 200);
         let body: Value = resp.json().await.expect("json");
         assert_eq!(body["data"]["width"], row["width"]);
     }
-    let bad = client
-        .post(srv.url("/v1/tools/image_info:call"))
-        .bearer_auth(&tok)
-        .json(&json!({"image": 42}))
-        .send()
-        .await
-        .expect("call");
+    let bad = call_tool(&client, &srv, &tok, "image_info", &json!({"image": 42})).await;
     assert_eq!(bad.status(), 422);
-    let unknown = client
-        .post(srv.url("/v1/tools/no_such_tool:call"))
-        .bearer_auth(&tok)
-        .json(&json!({}))
-        .send()
-        .await
-        .expect("call");
+    let unknown = call_tool(&client, &srv, &tok, "no_such_tool", &json!({})).await;
     assert_eq!(unknown.status(), 404);
     let no_suffix = client
         .post(srv.url("/v1/tools/image_info"))
@@ -440,13 +416,7 @@ async fn audit_export_needs_an_admin_token_and_is_json_lines(db: &TestDb) {
     let (_, admin) = srv.state.db().create_token("ops", true).expect("admin");
     let client = reqwest::Client::new();
     let (img, _) = upload_id(&client, &srv, &user, IMG2).await;
-    let _ = client
-        .post(srv.url("/v1/tools/image_info:call"))
-        .bearer_auth(&user)
-        .json(&json!({"image": img}))
-        .send()
-        .await
-        .expect("call");
+    let _ = call_tool(&client, &srv, &user, "image_info", &json!({"image": img})).await;
     let denied = client
         .get(srv.url("/v1/audit"))
         .bearer_auth(&user)

@@ -20,13 +20,7 @@ async fn audit_rows_cannot_be_changed_or_deleted(db: &TestDb) {
     let tok = token(&srv.state, "alice");
     let client = reqwest::Client::new();
     let (img, _) = upload_id(&client, &srv, &tok, IMG).await;
-    let resp = client
-        .post(srv.url("/v1/tools/image_info:call"))
-        .bearer_auth(&tok)
-        .json(&json!({"image": img}))
-        .send()
-        .await
-        .expect("call");
+    let resp = call_tool(&client, &srv, &tok, "image_info", &json!({"image": img})).await;
     assert_eq!(resp.status(), 200);
     srv.stop().await;
 
@@ -217,19 +211,15 @@ async fn two_replicas_share_sessions_images_and_the_audit_log(db: &TestDb) {
 
     // Direct calls on both replicas at once: every call has exactly one audit row.
     let n_each = 12;
+    let args = json!({"image": img});
     let mut calls = Vec::new();
     for srv in [&a, &b] {
         for _ in 0..n_each {
-            let req = client
-                .post(srv.url("/v1/tools/image_info:call"))
-                .bearer_auth(&tok)
-                .json(&json!({"image": img}))
-                .send();
-            calls.push(req);
+            calls.push(call_tool(&client, srv, &tok, "image_info", &args));
         }
     }
     for resp in futures::future::join_all(calls).await {
-        assert_eq!(resp.expect("call").status(), 200);
+        assert_eq!(resp.status(), 200);
     }
     let audit = a.state.db().audit_since(0, 10_000).expect("audit");
     let tool_calls = audit.iter().filter(|r| r.kind == "tool_call").count();

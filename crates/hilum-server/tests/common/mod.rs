@@ -397,3 +397,20 @@ pub async fn get_json(client: &reqwest::Client, url: String, token: &str) -> Val
         .await
         .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
 }
+
+/// POST `args` to `/v1/tools/{name}:call` with a bearer token (the request must be sent).
+pub async fn call_tool(
+    client: &reqwest::Client,
+    srv: &Server,
+    token: &str,
+    name: &str,
+    args: &Value,
+) -> reqwest::Response {
+    client
+        .post(srv.url(&format!("/v1/tools/{name}:call")))
+        .bearer_auth(token)
+        .json(args)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {name}:call: {e}"))
+}
