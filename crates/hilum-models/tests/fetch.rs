@@ -46,6 +46,18 @@ async fn serve_file(State(s): State<Served>, headers: HeaderMap) -> Response {
     }
 }
 
+/// Serves `app` on a free port of 127.0.0.1 for the rest of the test.
+async fn spawn_on_loopback(app: Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    addr
+}
+
 /// Serves `bytes` at http://127.0.0.1:PORT/lung.h5; returns the URL and the Range log.
 async fn server(bytes: Vec<u8>) -> (String, Arc<Mutex<Vec<Option<String>>>>) {
     let served = Served {
@@ -56,13 +68,7 @@ async fn server(bytes: Vec<u8>) -> (String, Arc<Mutex<Vec<Option<String>>>>) {
     let app = Router::new()
         .route("/lung.h5", get(serve_file))
         .with_state(served);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let addr = spawn_on_loopback(app).await;
     (format!("http://{addr}/lung.h5"), ranges)
 }
 
@@ -221,13 +227,7 @@ async fn mirror(files: BTreeMap<String, Vec<u8>>) -> (String, Arc<Mutex<Vec<Stri
     let app = Router::new()
         .route("/mirror/{name}", get(serve))
         .with_state(m);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let addr = spawn_on_loopback(app).await;
     (format!("http://{addr}/mirror"), asked)
 }
 
