@@ -17,6 +17,15 @@ fn data(rel: &str) -> PathBuf {
     p
 }
 
+/// Fails the test with hilum's stderr when the command did not succeed.
+fn assert_succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn hilum() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_hilum"));
     // Tests must not pick up a developer's key or config.
@@ -45,11 +54,7 @@ fn analyze_json_streams_events_ending_with_complete() {
         .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
         .output()
         .expect("run hilum");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).expect("each line is JSON"))
@@ -89,11 +94,7 @@ fn tools_call_fills_the_image_argument() {
         .arg(data("cxr/images/kermany_IM-0025-0001_normal.jpeg"))
         .output()
         .expect("run hilum");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
     assert_eq!(v["tool"], "image_info");
     assert!(v["data"]["width"].as_u64().unwrap_or(0) > 500);
@@ -181,11 +182,7 @@ fn bench_reports_percentiles_and_the_parallel_round() {
         .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
         .output()
         .expect("run hilum");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     let tools = v["tools"].as_array().expect("tools");
     assert_eq!(tools.len(), 3);
@@ -223,11 +220,7 @@ fn bench_times_the_classifier_per_backend_and_batch_and_names_missing_weights() 
         .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
         .output()
         .expect("run hilum");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     let tools = v["tools"].as_array().expect("tools");
     let backends: Vec<&str> = tools.iter().filter_map(|t| t["backend"].as_str()).collect();
