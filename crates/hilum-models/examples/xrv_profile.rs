@@ -2,7 +2,8 @@
 //! other backends, interleaved in one run:
 //! `cargo run --release -p hilum-models --example xrv_profile -- MODE [batch] [iters]`
 //! (`pspnet [iters]`)
-//! - `densenet` | `resnet`: the classifiers (synthetic weights), native only;
+//! - `densenet` | `resnet`: the classifiers (synthetic weights): native vs ONNX Runtime (when
+//!   `ORT_DYLIB_PATH` is set) on a graph built from the same weights, same threads;
 //! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet; needs
 //!   `HILUM_PYTHON` with h5py, see scripts/setup_onnxruntime.sh): native vs candle vs ONNX
 //!   Runtime (when `ORT_DYLIB_PATH` is set), same threads;
@@ -49,20 +50,65 @@ fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
     let w = xrv::synthetic_weights(&spec.arch, 7)?;
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
     let threads = hilum_models::cpu::default_threads();
-    let m = Classifier::new(vb, spec.clone(), Backend::Native, threads)?;
-    let x = vec![0.5f32; batch * spec.resolution * spec.resolution];
-    m.logits(&x, batch)?;
-    let mut times = Vec::new();
-    for _ in 0..iters {
-        times.push(ms(|| Ok(m.logits(&x, batch)?))?);
+    let m = Classifier::new(vb.clone(), spec.clone(), Backend::Native, threads)?;
+    // ONNX Runtime on a graph built from the same weights, when its library is available.
+    let ort = if cfg!(feature = "onnx") && std::env::var_os("ORT_DYLIB_PATH").is_some() {
+        Some(Classifier::new(vb, spec.clone(), Backend::Onnx, threads)?)
+    } else {
+        println!("ONNX Runtime skipped: ORT_DYLIB_PATH is not set");
+        None
+    };
+    let x: Vec<f32> = (0..batch * spec.resolution * spec.resolution)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    // Warm-up (workspace, ORT's arena).
+    let a = m.logits(&x, batch)?;
+    if let Some(o) = &ort {
+        let b = o.logits(&x, batch)?;
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        println!("max |native - ORT| logit difference: {diff:.2e}");
     }
-    times.sort_by(f64::total_cmp);
+    // Alternating blocks of runs, each after a pause and a discarded run: ONNX Runtime's
+    // workers keep spinning after a run (stealing the cores from a native run right after it),
+    // and both backends' pools need a run to become hot again after the other one ran.
+    let rounds = (iters / 5).clamp(1, 6);
+    let per = iters.div_ceil(rounds);
+    let block = |f: &dyn Fn() -> Res<()>, out: &mut Vec<f64>| -> Res<()> {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        f()?;
+        for _ in 0..per {
+            out.push(ms(f)?);
+        }
+        Ok(())
+    };
+    let (mut nat, mut onx) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        block(&|| Ok(m.logits(&x, batch).map(drop)?), &mut nat)?;
+        if let Some(o) = &ort {
+            block(&|| Ok(o.logits(&x, batch).map(drop)?), &mut onx)?;
+        }
+    }
+    let n_min = nat.iter().copied().fold(f64::INFINITY, f64::min);
+    let n = median(nat);
     println!(
-        "{} native, batch {batch}, {threads} threads: median {:.2} ms, min {:.2} ms over {iters} runs",
+        "{} batch {batch}, {threads} threads, medians of {} runs ({rounds} alternating blocks):",
         spec.id,
-        times[times.len() / 2],
-        times[0]
+        rounds * per
     );
+    println!("  native       {n:>8.2} ms  (min {n_min:.2})");
+    if !onx.is_empty() {
+        let o_min = onx.iter().copied().fold(f64::INFINITY, f64::min);
+        let o = median(onx);
+        println!(
+            "  ONNX Runtime {o:>8.2} ms  (min {o_min:.2})  native / ORT = {:.3} (mins {:.3})",
+            n / o,
+            n_min / o_min
+        );
+    }
     std::env::set_var("HILUM_CPU_PROFILE", "1");
     m.logits(&x, batch)?;
     Ok(())
