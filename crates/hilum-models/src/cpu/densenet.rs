@@ -25,17 +25,20 @@ impl NativeDenseNet {
         let stem = View::whole(1, h1, h1, cfg.num_init_features);
         buf_sizes.push(h1 * h1 * cfg.num_init_features);
         let (weight, bias) = ConvOp::fold(&net.conv0, Some(&net.norm0))?;
-        ops.push(Op::Conv(ConvOp {
-            act: Act::Relu,
-            ..ConvOp::new(
-                View::whole(0, size, size, cfg.in_channels),
-                stem,
-                7,
-                2,
-                3,
-                (weight, bias),
-            )
-        }));
+        ops.push(Op::Conv(
+            ConvOp {
+                act: Act::Relu,
+                ..ConvOp::new(
+                    View::whole(0, size, size, cfg.in_channels),
+                    stem,
+                    7,
+                    2,
+                    3,
+                    (weight, bias),
+                )
+            }
+            .packed(),
+        ));
 
         // One concatenation buffer per block; the bottleneck buffer is shared by all layers.
         let bottleneck_buf = 2;
@@ -67,29 +70,38 @@ impl NativeDenseNet {
                 let c_in = block_in[i] + j * cfg.growth_rate;
                 // norm1 + ReLU on the way in; norm2 folded into conv1, its ReLU fused.
                 let (weight, bias) = ConvOp::fold(&layer.conv1, Some(&layer.norm2))?;
-                ops.push(Op::Conv(ConvOp {
-                    pre: Some(bn_affine(&layer.norm1)?),
-                    act: Act::Relu,
-                    ..ConvOp::new(block.slice(0, c_in), tmp, 1, 1, 0, (weight, bias))
-                }));
+                ops.push(Op::Conv(
+                    ConvOp {
+                        pre: Some(bn_affine(&layer.norm1)?),
+                        act: Act::Relu,
+                        ..ConvOp::new(block.slice(0, c_in), tmp, 1, 1, 0, (weight, bias))
+                    }
+                    .packed(),
+                ));
                 // conv2 writes its growth_rate channels straight into the concatenation.
                 let (weight, bias) = ConvOp::fold(&layer.conv2, None)?;
-                ops.push(Op::Conv(ConvOp::new(
-                    tmp,
-                    block.slice(c_in, cfg.growth_rate),
-                    3,
-                    1,
-                    1,
-                    (weight, bias),
-                )));
+                ops.push(Op::Conv(
+                    ConvOp::new(
+                        tmp,
+                        block.slice(c_in, cfg.growth_rate),
+                        3,
+                        1,
+                        1,
+                        (weight, bias),
+                    )
+                    .packed(),
+                ));
             }
             if let (Some(t), Some(next)) = (net.transitions.get(i), blocks.get(i + 1)) {
                 let (weight, bias) = ConvOp::fold(&t.conv, None)?;
-                ops.push(Op::Conv(ConvOp {
-                    pre: Some(bn_affine(&t.norm)?),
-                    pool2: true,
-                    ..ConvOp::new(block, next.slice(0, block.c / 2), 1, 1, 0, (weight, bias))
-                }));
+                ops.push(Op::Conv(
+                    ConvOp {
+                        pre: Some(bn_affine(&t.norm)?),
+                        pool2: true,
+                        ..ConvOp::new(block, next.slice(0, block.c / 2), 1, 1, 0, (weight, bias))
+                    }
+                    .packed(),
+                ));
             }
         }
         let last = *blocks

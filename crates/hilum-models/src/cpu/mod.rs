@@ -15,6 +15,7 @@
 //!   materialised), squeeze-excitation gates folded into the next 1x1 conv's weights per image,
 //!   swish/sigmoid with a vectorisable `exp`, pooling and bilinear resizing between NHWC views.
 
+mod dense_gemm;
 mod densenet;
 mod pspnet;
 mod resnet;
@@ -225,6 +226,8 @@ pub(crate) struct ConvOp {
     pub post_act: Act,
     /// Accumulate each image's channel sums of the output for the next squeeze-excitation.
     pub se_sums: bool,
+    /// The weights packed for the AVX-512 kernel ([`ConvOp::packed`]), used when the CPU has it.
+    pub packed: Option<dense_gemm::Packed>,
 }
 
 impl ConvOp {
@@ -249,7 +252,23 @@ impl ConvOp {
             post: None,
             post_act: Act::None,
             se_sums: false,
+            packed: None,
         }
+    }
+
+    /// This conv with its weights also packed for the AVX-512 kernel (when its epilogue allows:
+    /// bias and ReLU only). Set the other fields first.
+    pub fn packed(mut self) -> Self {
+        if dense_gemm::packable(&self) {
+            let p = dense_gemm::Packed::new(
+                &self.weight,
+                self.bias.as_deref(),
+                self.kdim(),
+                self.c_out(),
+            );
+            self.packed = Some(p);
+        }
+        self
     }
 
     /// Conv (c_out, c_in, k, k) followed by an optional BatchNorm, as gemm weights and a bias.
@@ -541,6 +560,9 @@ impl Executor {
                         let rows = batch * c.dst.h * c.dst.w;
                         tile_len = tile_len.max(c.tile_rows(rows) * c.kdim());
                     }
+                    if c.packed.is_some() {
+                        tile_len = tile_len.max(dense_gemm::tile_len(c));
+                    }
                     if c.gate.is_some() {
                         w_len = w_len.max(c.weight.len());
                     }
@@ -728,6 +750,10 @@ fn share(n: usize, t: usize, nt: usize) -> (usize, usize) {
 }
 
 fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch: &mut Scratch) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(pk), true) = (&c.packed, has_avx512()) {
+        return dense_gemm::conv_part(c, pk, batch, t, nt, sh, scratch);
+    }
     let rows = batch * c.dst.h * c.dst.w;
     let tm = c.tile_rows(rows);
     let (kdim, c_out) = (c.kdim(), c.c_out());

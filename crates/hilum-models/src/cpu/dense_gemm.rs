@@ -1,0 +1,371 @@
+//! Convolutions as a gemm against weights packed once at load, with an AVX-512 register-tiled
+//! kernel (`MR` pixels x `NR` output channels per call). Compared with calling the `gemm` crate
+//! per tile, nothing is repacked per call (the weights were a large share of the small layers'
+//! time at batch 1), a kxk conv without pre-activation reads its input through per-pixel row
+//! pointers (no im2col copy, padding points at zeros), and bias + ReLU are applied to the
+//! accumulators before the only store.
+
+#[cfg(target_arch = "x86_64")]
+use super::{gather, share, Scratch, Shared};
+use super::{Act, ConvOp};
+
+/// Output channels per packed panel (two 16-float registers).
+pub(crate) const NR: usize = 32;
+/// Pixels per kernel call.
+const MR: usize = 12;
+/// Largest input channel count read through row pointers (the zero row covers it).
+const MAX_DIRECT_C: usize = 2048;
+static ZEROS: [f32; MAX_DIRECT_C] = [0.0; MAX_DIRECT_C];
+
+/// Weights (kdim, n) regrouped as panels of `NR` columns, each (kdim, NR) row-major and
+/// zero-padded, plus the bias padded the same way.
+#[derive(Clone, Debug)]
+pub(crate) struct Packed {
+    data: Vec<f32>,
+    /// First float of panel 0 (chosen so panels start 64-byte aligned when packed).
+    off: usize,
+    bias: Vec<f32>,
+    kdim: usize,
+    panels: usize,
+}
+
+impl Packed {
+    pub fn new(weight: &[f32], bias: Option<&[f32]>, kdim: usize, n: usize) -> Self {
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0f32; panels * kdim * NR + 16];
+        let off = data.as_ptr().align_offset(64).min(15);
+        for p in 0..panels {
+            for r in 0..kdim {
+                let row = &mut data[off + (p * kdim + r) * NR..][..NR];
+                for (j, d) in row.iter_mut().enumerate() {
+                    let col = p * NR + j;
+                    if col < n {
+                        *d = weight[r * n + col];
+                    }
+                }
+            }
+        }
+        let mut b = vec![0f32; panels * NR];
+        if let Some(bias) = bias {
+            b[..n].copy_from_slice(&bias[..n]);
+        }
+        Packed {
+            data,
+            off,
+            bias: b,
+            kdim,
+            panels,
+        }
+    }
+
+    fn panel(&self, p: usize) -> *const f32 {
+        self.data[self.off + p * self.kdim * NR..].as_ptr()
+    }
+}
+
+/// Whether `c` can take the packed path: its epilogue is at most bias + ReLU.
+pub(crate) fn packable(c: &ConvOp) -> bool {
+    c.gate.is_none()
+        && c.residual.is_none()
+        && c.post.is_none()
+        && c.post_act == Act::None
+        && !c.se_sums
+        && matches!(c.act, Act::None | Act::Relu)
+}
+
+/// Whether the input is read in place through row pointers (else gathered into a tile).
+fn indirect(c: &ConvOp) -> bool {
+    c.k <= 3 && c.pre.is_none() && !c.pool2 && c.src.c >= 8 && c.src.c <= MAX_DIRECT_C
+}
+
+/// Pixels per gathered tile: about 256 KiB of floats, a multiple of `MR`, at most `CHUNK * 9`
+/// row blocks (the row pointer array).
+fn tile_rows(c: &ConvOp) -> usize {
+    ((super::tile_floats() / c.kdim()) / MR).clamp(1, CHUNK * 9) * MR
+}
+
+/// Floats of per-thread tile the packed path needs for `c`.
+pub(crate) fn tile_len(c: &ConvOp) -> usize {
+    if indirect(c) {
+        0
+    } else {
+        tile_rows(c) * c.kdim()
+    }
+}
+
+/// `[lo, hi)` of `n` rows for thread `t` of `nt`, cut at multiples of `MR`.
+fn share_rows(n: usize, t: usize, nt: usize) -> (usize, usize) {
+    let cut = |i: usize| {
+        if i == nt {
+            n
+        } else {
+            ((n * i / nt + MR / 2) / MR * MR).min(n)
+        }
+    };
+    (cut(t), cut(t + 1))
+}
+
+/// Floats of the reduction per kernel pass: a (KC, NR) block of weights (32 KiB) stays in L1
+/// while it meets every row of a chunk.
+const KC: usize = 256;
+/// Row blocks per chunk of pixels read through row pointers.
+const CHUNK: usize = 16;
+
+/// One pass over part of the reduction: taps `tap0..tap0 + taps`, floats `koff..koff + kc` of
+/// each.
+#[derive(Clone, Copy)]
+struct KBlock {
+    tap0: usize,
+    taps: usize,
+    koff: usize,
+    kc: usize,
+}
+
+/// The reduction over `taps` taps of `kt` floats each, cut into passes of about `KC` floats.
+fn k_blocks(taps: usize, kt: usize) -> Vec<KBlock> {
+    let mut v = Vec::new();
+    if kt <= KC {
+        let per = (KC / kt).max(1);
+        let mut t = 0;
+        while t < taps {
+            let n = per.min(taps - t);
+            v.push(KBlock {
+                tap0: t,
+                taps: n,
+                koff: 0,
+                kc: kt,
+            });
+            t += n;
+        }
+    } else {
+        let pieces = kt.div_ceil(KC);
+        for t in 0..taps {
+            for i in 0..pieces {
+                let (k0, k1) = (kt * i / pieces, kt * (i + 1) / pieces);
+                v.push(KBlock {
+                    tap0: t,
+                    taps: 1,
+                    koff: k0,
+                    kc: k1 - k0,
+                });
+            }
+        }
+    }
+    v
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn conv_part(
+    c: &ConvOp,
+    pk: &Packed,
+    batch: usize,
+    t: usize,
+    nt: usize,
+    sh: &Shared,
+    scratch: &mut Scratch,
+) {
+    let rows = batch * c.dst.h * c.dst.w;
+    // Rows per thread when there are enough of them, else output panels.
+    let ((r0, r1), (p0, p1)) = if rows >= nt * 4 * MR || pk.panels < nt {
+        (share_rows(rows, t, nt), (0, pk.panels))
+    } else {
+        ((0, rows), share(pk.panels, t, nt))
+    };
+    if r0 >= r1 || p0 >= p1 {
+        return;
+    }
+    let relu = c.act == Act::Relu;
+    let n = c.c_out();
+    let ind = indirect(c);
+    let (taps, kt) = if ind {
+        (c.k * c.k, c.src.c)
+    } else {
+        (1, c.kdim())
+    };
+    let blocks = k_blocks(taps, kt);
+    let chunk = if ind { CHUNK * MR } else { tile_rows(c) };
+    let mut ptrs = [ZEROS.as_ptr(); CHUNK * 9 * MR];
+    // SAFETY: views were checked against their buffers when the plan was built; this thread
+    // writes rows r0..r1, panels p0..p1 of dst only; the src was completed before the barrier.
+    unsafe {
+        let src = sh.bufs[c.src.buf] as *const f32;
+        let dst = sh.bufs[c.dst.buf];
+        let mut g0 = r0;
+        while g0 < r1 {
+            let g1 = (g0 + chunk).min(r1);
+            // Row pointers of every row block of the chunk: [block][tap][row].
+            if ind {
+                row_pointers(c, g0, g1, src, &mut ptrs);
+            } else {
+                let kdim = c.kdim();
+                gather(
+                    c,
+                    g0,
+                    g1,
+                    src,
+                    sh.lens[c.src.buf],
+                    &mut scratch.tile[..(g1 - g0) * kdim],
+                );
+                let tile = scratch.tile.as_ptr();
+                for (i, q) in ptrs.iter_mut().take(g1 - g0).enumerate() {
+                    *q = tile.add(i * kdim);
+                }
+            }
+            let stride = if ind { taps * MR } else { MR };
+            for (bi, kb) in blocks.iter().enumerate() {
+                let (first, last) = (bi == 0, bi + 1 == blocks.len());
+                for p in p0..p1 {
+                    let cols = (n - p * NR).min(NR);
+                    let b = pk.panel(p).add((kb.tap0 * kt + kb.koff) * NR);
+                    let mut m0 = g0;
+                    while m0 < g1 {
+                        let m = (g1 - m0).min(MR);
+                        let blk = (m0 - g0) / MR;
+                        let a = &ptrs[blk * stride + kb.tap0 * MR..];
+                        let call = Call {
+                            a,
+                            taps: kb.taps,
+                            koff: kb.koff,
+                            kc: kb.kc,
+                            b,
+                            bias: pk.bias[p * NR..].as_ptr(),
+                            c: dst.add(m0 * c.dst.pitch + c.dst.ch_off + p * NR),
+                            ldc: c.dst.pitch,
+                            cols,
+                            first,
+                            last,
+                            relu,
+                        };
+                        kernel(m, &call);
+                        m0 += m;
+                    }
+                }
+            }
+            g0 = g1;
+        }
+    }
+}
+
+/// Fills `ptrs` ([block][tap][row], `MR` rows a block) with each output pixel's input pixel
+/// per tap, the zero row where the tap falls in the padding.
+#[cfg(target_arch = "x86_64")]
+unsafe fn row_pointers(c: &ConvOp, g0: usize, g1: usize, src: *const f32, ptrs: &mut [*const f32]) {
+    let s = c.src;
+    let (ho, wo) = (c.dst.h, c.dst.w);
+    let (ih, iw) = c.in_hw();
+    let up = usize::from(c.up2);
+    let taps = c.k * c.k;
+    for r in g0..g1 {
+        let (blk, i) = ((r - g0) / MR, (r - g0) % MR);
+        let (b, oy, ox) = (r / (ho * wo), (r / wo) % ho, r % wo);
+        for ky in 0..c.k {
+            let iy = (oy * c.stride + ky * c.dilation) as isize - c.pad as isize;
+            for kx in 0..c.k {
+                let ix = (ox * c.stride + kx * c.dilation) as isize - c.pad as isize;
+                let tap = ky * c.k + kx;
+                ptrs[(blk * taps + tap) * MR + i] =
+                    if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
+                        ZEROS.as_ptr()
+                    } else {
+                        let (y, x) = (iy as usize >> up, ix as usize >> up);
+                        src.add(((b * s.h + y) * s.w + x) * s.pitch + s.ch_off)
+                    };
+            }
+        }
+    }
+}
+
+/// One kernel call: `M` rows of output, one panel, one pass of the reduction.
+struct Call<'a> {
+    /// Row pointers [tap][row], `MR` per tap, from this pass's first tap.
+    a: &'a [*const f32],
+    taps: usize,
+    koff: usize,
+    kc: usize,
+    /// The panel's rows for this pass.
+    b: *const f32,
+    bias: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    /// First pass: start from zero (else from `c`); last: add bias, ReLU.
+    first: bool,
+    last: bool,
+    relu: bool,
+}
+
+/// Dispatches `m` (1..=MR) rows to the kernel compiled for that many.
+#[cfg(target_arch = "x86_64")]
+unsafe fn kernel(m: usize, call: &Call) {
+    macro_rules! go {
+        ($($m:literal)*) => {
+            match m {
+                $($m => micro::<$m>(call),)*
+                _ => unreachable!("kernel rows {m}"),
+            }
+        };
+    }
+    go!(1 2 3 4 5 6 7 8 9 10 11 12)
+}
+
+/// `M` pixels x `NR` channels: for each tap, rows `a[tap * MR + i] + koff` (`kc` floats each)
+/// times the panel's next `kc` rows, added to zero or to `c`; on the last pass bias and ReLU;
+/// stores the first `cols` channels.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+unsafe fn micro<const M: usize>(k: &Call) {
+    use std::arch::x86_64::*;
+    let m0: __mmask16 = if k.cols >= 16 {
+        0xffff
+    } else {
+        (1u32 << k.cols) as u16 - 1
+    };
+    let m1: __mmask16 = if k.cols >= 32 {
+        0xffff
+    } else if k.cols > 16 {
+        (1u32 << (k.cols - 16)) as u16 - 1
+    } else {
+        0
+    };
+    let mut acc = [[_mm512_setzero_ps(); 2]; M];
+    if !k.first {
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let row = k.c.add(i * k.ldc);
+            acc[0] = _mm512_maskz_loadu_ps(m0, row);
+            acc[1] = _mm512_maskz_loadu_ps(m1, row.add(16));
+        }
+    }
+    let mut bp = k.b;
+    for tap in 0..k.taps {
+        let mut ap = [std::ptr::null::<f32>(); M];
+        for (i, p) in ap.iter_mut().enumerate() {
+            *p = k.a[tap * MR + i].add(k.koff);
+        }
+        for kk in 0..k.kc {
+            let b0 = _mm512_loadu_ps(bp);
+            let b1 = _mm512_loadu_ps(bp.add(16));
+            bp = bp.add(NR);
+            for i in 0..M {
+                let av = _mm512_set1_ps(*ap[i].add(kk));
+                acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+            }
+        }
+    }
+    let zero = _mm512_setzero_ps();
+    let (bias0, bias1) = (_mm512_loadu_ps(k.bias), _mm512_loadu_ps(k.bias.add(16)));
+    for (i, acc) in acc.iter().enumerate() {
+        let (mut v0, mut v1) = (acc[0], acc[1]);
+        if k.last {
+            v0 = _mm512_add_ps(v0, bias0);
+            v1 = _mm512_add_ps(v1, bias1);
+            if k.relu {
+                v0 = _mm512_max_ps(v0, zero);
+                v1 = _mm512_max_ps(v1, zero);
+            }
+        }
+        let row = k.c.add(i * k.ldc);
+        _mm512_mask_storeu_ps(row, m0, v0);
+        _mm512_mask_storeu_ps(row.add(16), m1, v1);
+    }
+}
