@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side speed of Hilum's local backend and llama.cpp (llama-cpp-python) on the same GGUF,
-# same threads, same agent-shaped prompt (393 tokens: system prompt, one tool, a question).
+# same threads, same agent-shaped prompt (393 tokens: system prompt, one tool, a question), and
+# generation speed on a 128-token answer without tools.
 # The two sides alternate REPS times (default 3) so that both see the same machine load; the
 # summary gives medians and the per-repetition ratios.
 #
@@ -41,17 +42,21 @@ out, skip = pathlib.Path(sys.argv[1]), sys.argv[2] == "1"
 h = [json.loads(l) for l in open(out / "hilum.jsonl") if l.startswith("{")]
 h1 = [r for r in h if r.get("round") == 1]
 h2 = [r for r in h if r.get("round") == 2]
+h3 = [r for r in h if r.get("round") == 3]
 med = lambda xs: statistics.median(xs)
-print(f"hilum  prompt {med([r['prefill_tok_s'] for r in h1]):.1f} tok/s, generation {med([r['decode_tok_s'] for r in h1]):.1f} tok/s "
-      f"(sampled tokens), first tool call {med([r['first_tool_call_s'] for r in h1]):.2f} s on {h1[0]['prompt_tokens']} prompt tokens; "
+print(f"hilum  prompt {med([r['prefill_tok_s'] for r in h1]):.1f} tok/s, generation {med([r['decode_tok_s'] for r in h3]):.1f} tok/s "
+      f"({h3[0]['decode_tokens']} tokens), first tool call {med([r['first_tool_call_s'] for r in h1]):.2f} s on {h1[0]['prompt_tokens']} prompt tokens; "
       f"round 2 reused {h2[0]['reused']} of {h2[0]['prompt_tokens']} tokens, answered in {med([r['wall_s'] for r in h2]):.2f} s")
 if skip:
     sys.exit(0)
-l = [json.loads(x) for x in open(out / "llama.jsonl") if x.startswith("{")]
-print(f"llama.cpp prompt {med([r['prefill_tok_s'] for r in l]):.1f} tok/s, generation {med([r['decode_tok_s'] for r in l]):.1f} tok/s, "
-      f"prompt + call {med([r['total_s'] for r in l]):.2f} s ({l[0]['prompt_tokens']} prompt tokens)")
-for name, hk, lk in [("prompt", "prefill_tok_s", "prefill_tok_s"), ("generation", "decode_tok_s", "decode_tok_s")]:
-    ratios = [a[hk] / b[lk] for a, b in zip(h1, l)]
+rows = [json.loads(x) for x in open(out / "llama.jsonl") if x.startswith("{")]
+l = [r for r in rows if "round" not in r]
+l3 = [r for r in rows if r.get("round") == 3]
+print(f"llama.cpp prompt {med([r['prefill_tok_s'] for r in l]):.1f} tok/s, generation {med([r['decode_tok_s'] for r in l3]):.1f} tok/s "
+      f"({l3[0]['completion_tokens']} tokens), prompt + call {med([r['total_s'] for r in l]):.2f} s ({l[0]['prompt_tokens']} prompt tokens)")
+for name, hs, ls in [("prompt", h1, l), ("generation", h3, l3)]:
+    key = "prefill_tok_s" if name == "prompt" else "decode_tok_s"
+    ratios = [a[key] / b[key] for a, b in zip(hs, ls)]
     print(f"{name:10s} ratio hilum/llama.cpp: median {med(ratios):.2f} (per rep: {', '.join(f'{r:.2f}' for r in ratios)})")
 ratios = [b["total_s"] / a["first_tool_call_s"] for a, b in zip(h1, l)]
 print(f"first tool call: llama.cpp time / hilum time: median {med(ratios):.2f} (per rep: {', '.join(f'{r:.2f}' for r in ratios)})")

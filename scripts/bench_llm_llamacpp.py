@@ -27,6 +27,13 @@ PROMPT = ("<|im_start|>system\n" + SYSTEM + "\n\n# Tools\n\nYou may call one or 
           "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
           "<|im_start|>user\nWhat are the size and bit depth of this image?\n\nImages: img_5d41402abc4b<|im_end|>\n<|im_start|>assistant\n")
 
+# Generation on its own: no tools, a question whose answer runs to GEN_TOKENS (as bench_local's round 3).
+GEN_QUESTION = ("List forty findings a chest X-ray report can mention, one per line, "
+                "each with a one-sentence description.")
+GEN_PROMPT = ("<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n" + GEN_QUESTION +
+              "<|im_end|>\n<|im_start|>assistant\n")
+GEN_TOKENS = 128
+
 model, threads = sys.argv[1], int(sys.argv[2])
 llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
 t = time.time()
@@ -39,3 +46,12 @@ if perf:
     res["prefill_tok_s"] = perf.n_p_eval / max(perf.t_p_eval_ms / 1e3, 1e-9)
     res["decode_tok_s"] = perf.n_eval / max(perf.t_eval_ms / 1e3, 1e-9)
 print(json.dumps(res))
+
+llm.reset()
+if llm._ctx.ctx:
+    __import__("llama_cpp").llama_perf_context_reset(llm._ctx.ctx)
+out = llm.create_completion(GEN_PROMPT, max_tokens=GEN_TOKENS, temperature=0.0, stop=["<|im_end|>"])
+perf = llm._ctx.ctx and __import__("llama_cpp").llama_perf_context(llm._ctx.ctx)
+if perf:
+    print(json.dumps({"round": 3, "completion_tokens": out["usage"]["completion_tokens"],
+                      "decode_tok_s": perf.n_eval / max(perf.t_eval_ms / 1e3, 1e-9)}))

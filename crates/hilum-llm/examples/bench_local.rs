@@ -4,6 +4,8 @@
 //!
 //! Round 1: a ~260-token prompt (system prompt, one tool, a question) from an empty cache, up to
 //! the first tool call. Round 2: the same conversation plus the tool result, reusing the cache.
+//! Round 3: generation speed on its own — a fresh conversation without tools whose answer runs
+//! to `GEN_TOKENS` tokens (a list), timed per sampled token.
 //! Prints one JSON object per round (scripts/bench_llm.sh compares it with llama.cpp).
 
 use std::time::Instant;
@@ -18,6 +20,11 @@ Base every finding on tool results and say which result supports it; never inven
 When several tools are needed and do not depend on each other, call them all in the same turn: they run in parallel. \
 If a tool fails, read its error and either fix the call or answer without it. \
 Say plainly what is uncertain. Your answers support a radiologist; they are not a diagnosis.";
+
+/// Asks for a long list so that both backends generate the full `GEN_TOKENS`.
+const GEN_QUESTION: &str = "List forty findings a chest X-ray report can mention, one per line, \
+each with a one-sentence description.";
+const GEN_TOKENS: u32 = 128;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -89,6 +96,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "prefill_tok_s": s.prefill_tokens_per_sec(), "decode_tokens": s.decode_tokens,
             "decode_s": s.decode_secs, "decode_tok_s": s.decode_tokens_per_sec(), "wall_s": wall,
             "answer": turn.text})
+    );
+    llm.reset_cache();
+    let gen = vec![Message::system(SYSTEM), Message::user(GEN_QUESTION, vec![])];
+    let t = Instant::now();
+    let req = ChatRequest {
+        messages: gen,
+        max_tokens: Some(GEN_TOKENS),
+        ..Default::default()
+    };
+    collect_turn(llm.chat(req).await?, |_| {}).await?;
+    let wall = t.elapsed().as_secs_f64();
+    let s = llm.last_stats();
+    println!(
+        "{}",
+        json!({"round": 3, "prompt_tokens": s.prompt_tokens, "prefill_tok_s": s.prefill_tokens_per_sec(),
+            "decode_tokens": s.decode_tokens, "decode_s": s.decode_secs,
+            "decode_tok_s": s.decode_tokens_per_sec(), "wall_s": wall})
     );
     Ok(())
 }

@@ -12,6 +12,7 @@
 mod generate;
 pub mod grammar;
 pub mod model;
+mod qmatvec;
 mod template;
 pub mod tokenizer;
 pub mod toolcall;

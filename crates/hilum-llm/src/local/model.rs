@@ -2,18 +2,24 @@
 //!
 //! Matches llama.cpp's `qwen2` and `llama` graphs (RMSNorm, GQA attention with NeoX rotary
 //! embeddings — `rope` on halves for qwen2, interleaved `rope_i` for llama — SwiGLU MLP). It differs
-//! from candle-transformers' `quantized_qwen2` in two ways that matter for latency:
+//! from candle-transformers' `quantized_qwen2` in three ways that matter for latency:
 //! - the KV cache can be truncated to any prefix, so a new round only processes the tokens after
 //!   the longest prefix it shares with what is already cached;
 //! - each weight matrix can be kept twice: dequantized to f32 for multi-token prompt chunks
-//!   (candle's f32 `gemm`, compute-bound work where dense kernels win) and quantized for
-//!   one-token decode (memory-bound: reading ~0.6 GB of blocks per token instead of ~2 GB of f32).
-//!   Quantized types without a SIMD dot product in candle (Q5_0, Q4_1, Q5_1: the row length 896
-//!   of Qwen2.5-0.5B forces llama.cpp to use Q5_0 for most of its matrices) are re-quantized to
-//!   Q8_0 at load, which has one; its rounding step is 1/8 of Q5_0's.
+//!   (candle's f32 `gemm`, compute-bound work where dense kernels win) and as its GGUF blocks
+//!   for one-token decode (memory-bound: reading ~0.4 GB of blocks per token instead of ~2 GB
+//!   of f32);
+//! - a one-token step (`forward_one`) runs on slices with Hilum's block kernels (`qmatvec`:
+//!   Q5_0 — most of Qwen2.5-0.5B, for which candle has no SIMD dot product — Q8_0, and candle's
+//!   K-quant dot products), q/k/v and gate/up each in one parallel product, and the new key and
+//!   value appended in place, instead of ~30 tensor operations per layer and a copy of the cache.
+//!   Elsewhere (a GPU, `HILUM_LOCAL_MATMUL=quantized` prompt chunks) candle's `QMatMul` runs, and
+//!   types without a SIMD dot product there (Q5_0, Q4_1, Q5_1) are re-quantized to Q8_0 at load.
 
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+
+use super::qmatvec::{self, QMat};
 
 /// How the weight matrices are multiplied (`HILUM_LOCAL_MATMUL=dense|quantized|hybrid`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +75,10 @@ impl Arch {
     }
 }
 
-fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> candle_core::Result<&'a gguf_file::Value> {
+pub(crate) fn md<'a>(
+    ct: &'a gguf_file::Content,
+    key: &str,
+) -> candle_core::Result<&'a gguf_file::Value> {
     ct.metadata
         .get(key)
         .ok_or_else(|| candle_core::Error::Msg(format!("GGUF metadata has no `{key}`")))
@@ -118,21 +127,42 @@ impl Config {
 }
 
 /// A layer `y = x W^T (+ b)`, W of shape (out, in), as f32 and/or quantized blocks.
-struct Linear {
+pub(crate) struct Linear {
     dense: Option<Tensor>,
     quant: Option<QMatMul>,
+    /// The GGUF blocks for Hilum's one-row kernels (Q5_0, Q8_0, Q4_K, Q6_K), used before `quant`.
+    blocks: Option<QMat>,
     b: Option<Tensor>,
+    /// `b` as a slice, for the one-token step.
+    b_v: Option<Vec<f32>>,
 }
 
 impl Linear {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)?;
-        let y = match (&self.dense, &self.quant) {
-            (Some(_), Some(q)) if rows == 1 => q.forward(x)?,
+        let y = match (&self.dense, &self.quant, &self.blocks) {
+            (_, _, Some(m)) if rows == 1 => {
+                let xv = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut y = vec![0f32; m.rows()];
+                qmatvec::matvec(&xv, &[m], &mut y)?;
+                Tensor::from_vec(y, (1, m.rows()), x.device())?
+            }
+            (Some(_), Some(q), _) if rows == 1 => q.forward(x)?,
             // (t, in) x (in, out): gemm reads W^T through strides, no copy.
-            (Some(w), _) => x.matmul(&w.t()?)?,
-            (None, Some(q)) => q.forward(x)?,
-            (None, None) => candle_core::bail!("a linear layer has no weights"),
+            (Some(w), _, _) => x.matmul(&w.t()?)?,
+            (None, Some(q), _) => q.forward(x)?,
+            (None, None, Some(m)) => {
+                // Several rows and only the blocks (not a mode `load` builds): one row at a time.
+                let mut out = Vec::with_capacity(rows * m.rows());
+                for r in 0..rows {
+                    let xv = x.get(r)?.to_vec1::<f32>()?;
+                    let mut y = vec![0f32; m.rows()];
+                    qmatvec::matvec(&xv, &[m], &mut y)?;
+                    out.extend(y);
+                }
+                Tensor::from_vec(out, (rows, m.rows()), x.device())?
+            }
+            (None, None, None) => candle_core::bail!("a linear layer has no weights"),
         };
         match &self.b {
             Some(b) => y.broadcast_add(b),
@@ -143,12 +173,22 @@ impl Linear {
 
 struct RmsNorm {
     alpha: Tensor,
+    /// `alpha` as a slice, for the one-token step.
+    w: Vec<f32>,
     eps: f32,
 }
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         candle_nn::ops::rms_norm(x, &self.alpha, self.eps)
+    }
+
+    fn forward_slice(&self, x: &[f32], out: &mut [f32]) {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32;
+        let inv = 1.0 / (ms + self.eps).sqrt();
+        for ((o, v), w) in out.iter_mut().zip(x).zip(&self.w) {
+            *o = v * inv * w;
+        }
     }
 }
 
@@ -164,10 +204,12 @@ struct Layer {
     down: Linear,
 }
 
-/// Keys and values of the processed positions, per layer: (n_kv_head, len, head_dim).
+/// Keys and values of the processed positions, per layer, position-major: (len, n_kv_head *
+/// head_dim). A new position is appended in place (no copy of the cache per token), and a
+/// truncation is a `Vec::truncate`.
 struct KvCache {
-    k: Vec<Option<Tensor>>,
-    v: Vec<Option<Tensor>>,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
     len: usize,
 }
 
@@ -180,10 +222,15 @@ pub struct Model {
     cos: Tensor,
     sin: Tensor,
     cache: KvCache,
+    /// Rotary tables as slices (positions x head_dim/2), for the one-token step.
+    cos_v: Vec<f32>,
+    sin_v: Vec<f32>,
+    /// Every matrix has its GGUF blocks on the CPU: one-token steps run `forward_one`.
+    one_token_path: bool,
     device: Device,
 }
 
-fn dense(
+pub(crate) fn dense(
     ct: &gguf_file::Content,
     r: &mut std::fs::File,
     name: &str,
@@ -194,24 +241,37 @@ fn dense(
 }
 
 /// Loads a weight matrix in the form(s) `mode` needs.
-fn linear_weights(
+pub(crate) fn linear_weights(
     ct: &gguf_file::Content,
     r: &mut std::fs::File,
     name: &str,
     mode: MatmulMode,
     dev: &Device,
-) -> candle_core::Result<(Option<Tensor>, Option<QMatMul>)> {
+) -> candle_core::Result<Linear> {
     let q: QTensor = ct.tensor(r, name, dev)?;
     let w = q.dequantize(dev)?.to_dtype(DType::F32)?;
-    let quant = match mode {
-        MatmulMode::Dense => None,
+    let blocks = match (mode, dev) {
+        (MatmulMode::Dense, _) => None,
+        (_, Device::Cpu) => QMat::from_qtensor(&q)?,
+        _ => None,
+    };
+    // Hybrid runs prompt chunks on the dense copy, so the blocks alone serve one-row decode;
+    // Quantized keeps candle's batched kernels for prompt chunks.
+    let quant = match (mode, &blocks) {
+        (MatmulMode::Dense, _) | (MatmulMode::Hybrid, Some(_)) => None,
         _ => Some(quantized_for_dot(q, &w)?),
     };
     let dense = match mode {
         MatmulMode::Quantized => None,
         _ => Some(w),
     };
-    Ok((dense, quant))
+    Ok(Linear {
+        dense,
+        quant,
+        blocks,
+        b: None,
+        b_v: None,
+    })
 }
 
 /// The block type candle has a SIMD dot product for: kept as is, else re-quantized to Q8_0.
@@ -250,8 +310,10 @@ impl Model {
         let cfg = Config::from_gguf(ct)?;
         let eps = cfg.rms_eps as f32;
         let norm = |r: &mut std::fs::File, n: &str| -> candle_core::Result<RmsNorm> {
+            let alpha = dense(ct, r, n, dev)?;
             Ok(RmsNorm {
-                alpha: dense(ct, r, n, dev)?,
+                w: alpha.to_vec1()?,
+                alpha,
                 eps,
             })
         };
@@ -261,8 +323,10 @@ impl Model {
             } else {
                 None
             };
-            let (dense, quant) = linear_weights(ct, r, &format!("{n}.weight"), mode, dev)?;
-            Ok(Linear { dense, quant, b })
+            let mut l = linear_weights(ct, r, &format!("{n}.weight"), mode, dev)?;
+            l.b_v = b.as_ref().map(|b| b.to_vec1()).transpose()?;
+            l.b = b;
+            Ok(l)
         };
         let embed = dense(ct, r, "token_embd.weight", dev)?; // (vocab, n_embd)
                                                              // Only the last position goes through the output layer, even in a prompt chunk, so it
@@ -277,12 +341,7 @@ impl Model {
             // Tied embeddings (small Qwen/Llama variants).
             "token_embd.weight"
         };
-        let (dense_out, quant_out) = linear_weights(ct, r, output_name, out_mode, dev)?;
-        let output = Linear {
-            dense: dense_out,
-            quant: quant_out,
-            b: None,
-        };
+        let output = linear_weights(ct, r, output_name, out_mode, dev)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
@@ -302,6 +361,15 @@ impl Model {
         let max_positions = max_positions.min(cfg.context_length).max(1);
         let (cos, sin) = rotary_tables(cfg.head_dim, cfg.rope_base, max_positions, dev)?;
         let n_layer = cfg.n_layer;
+        let one_token_path = dev.is_cpu()
+            && output.blocks.is_some()
+            && layers.iter().all(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .all(|m| m.blocks.is_some())
+            });
+        let cos_v = cos.flatten_all()?.to_vec1()?;
+        let sin_v = sin.flatten_all()?.to_vec1()?;
         Ok(Model {
             cfg,
             embed,
@@ -311,10 +379,13 @@ impl Model {
             cos,
             sin,
             cache: KvCache {
-                k: vec![None; n_layer],
-                v: vec![None; n_layer],
+                k: vec![Vec::new(); n_layer],
+                v: vec![Vec::new(); n_layer],
                 len: 0,
             },
+            cos_v,
+            sin_v,
+            one_token_path,
             device: dev.clone(),
         })
     }
@@ -334,14 +405,9 @@ impl Model {
         if len >= self.cache.len {
             return Ok(());
         }
+        let kvd = self.cfg.n_kv_head * self.cfg.head_dim;
         for slot in self.cache.k.iter_mut().chain(self.cache.v.iter_mut()) {
-            if let Some(t) = slot.take() {
-                *slot = if len == 0 {
-                    None
-                } else {
-                    Some(t.narrow(1, 0, len)?)
-                };
-            }
+            slot.truncate(len * kvd);
         }
         self.cache.len = len;
         Ok(())
@@ -360,6 +426,9 @@ impl Model {
                 pos + t,
                 self.max_positions()
             );
+        }
+        if t == 1 && self.one_token_path {
+            return self.forward_one(tokens[0]);
         }
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // (t, n_embd)
@@ -393,12 +462,32 @@ impl Model {
             let q = self.rotate(&q.contiguous()?, &cos, &sin)?;
             let k = self.rotate(&k.contiguous()?, &cos, &sin)?;
             let v = v.contiguous()?;
-            let (k, v) = match (&self.cache.k[li], &self.cache.v[li]) {
-                (Some(kc), Some(vc)) => (Tensor::cat(&[kc, &k], 1)?, Tensor::cat(&[vc, &v], 1)?),
-                _ => (k, v),
+            // Append as (t, nkv*hd) rows; attend over the whole cache as (nkv, len, hd).
+            let kvd = nkv * hd;
+            let (k, v) = {
+                let mut full = Vec::with_capacity(2);
+                for (new, slot) in [(&k, &mut self.cache.k[li]), (&v, &mut self.cache.v[li])] {
+                    slot.truncate(pos * kvd);
+                    slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
+                    full.push(if pos == 0 {
+                        new.clone()
+                    } else {
+                        Tensor::from_slice(
+                            &slot[..(pos + t) * kvd],
+                            (pos + t, nkv, hd),
+                            &self.device,
+                        )?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                    });
+                }
+                let v = full.pop();
+                let k = full.pop();
+                match (k, v) {
+                    (Some(k), Some(v)) => (k, v),
+                    _ => candle_core::bail!("kv cache: missing keys or values"),
+                }
             };
-            self.cache.k[li] = Some(k.clone());
-            self.cache.v[li] = Some(v.clone());
             // Grouped-query attention: the query heads of one group share a kv head, so fold
             // the group into the rows: (nkv, group*t, hd) x (nkv, hd, kv_len).
             let group = nh / nkv;
@@ -431,6 +520,95 @@ impl Model {
         self.output.forward(&last)?.squeeze(0)
     }
 
+    /// One token after the cached positions, on slices: the same arithmetic as `forward`
+    /// without a tensor allocation per operation, with q/k/v and gate/up each in one parallel
+    /// product (decode is bound by reading the weights once per token).
+    fn forward_one(&mut self, token: u32) -> candle_core::Result<Tensor> {
+        let pos = self.cache.len;
+        let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
+        let (kvd, qd, half, group) = (nkv * hd, nh * hd, hd / 2, nh / nkv);
+        let n_embd = self.cfg.n_embd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut x: Vec<f32> = self.embed.get(token as usize)?.to_vec1()?;
+        let cos = &self.cos_v[pos * half..(pos + 1) * half];
+        let sin = &self.sin_v[pos * half..(pos + 1) * half];
+        let mut h = vec![0f32; n_embd];
+        let mut qkv = vec![0f32; qd + 2 * kvd];
+        let mut att = vec![0f32; qd];
+        let mut scores = vec![0f32; pos + 1];
+        let mut proj = vec![0f32; n_embd];
+        let mut gu = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            layer.attn_norm.forward_slice(&x, &mut h);
+            qmatvec::matvec(
+                &h,
+                &[blocks(&layer.wq)?, blocks(&layer.wk)?, blocks(&layer.wv)?],
+                &mut qkv,
+            )?;
+            let (q, kv) = qkv.split_at_mut(qd);
+            let (k, v) = kv.split_at_mut(kvd);
+            for (part, lin) in [
+                (&mut *q, &layer.wq),
+                (&mut *k, &layer.wk),
+                (&mut *v, &layer.wv),
+            ] {
+                if let Some(b) = &lin.b_v {
+                    for (a, b) in part.iter_mut().zip(b) {
+                        *a += b;
+                    }
+                }
+            }
+            for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+                rope_slice(self.cfg.arch, head, cos, sin);
+            }
+            let kc = &mut self.cache.k[li];
+            let vc = &mut self.cache.v[li];
+            kc.truncate(pos * kvd);
+            vc.truncate(pos * kvd);
+            kc.extend_from_slice(k);
+            vc.extend_from_slice(v);
+            for (hq, (qh, out)) in q.chunks_exact(hd).zip(att.chunks_exact_mut(hd)).enumerate() {
+                let g = (hq / group) * hd;
+                for (p, sc) in scores.iter_mut().enumerate() {
+                    *sc = qmatvec::dot_f32(qh, &kc[p * kvd + g..p * kvd + g + hd]) * scale;
+                }
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let mut sum = 0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                out.fill(0.0);
+                for (p, &w) in scores.iter().enumerate() {
+                    qmatvec::axpy(out, w / sum, &vc[p * kvd + g..p * kvd + g + hd]);
+                }
+            }
+            qmatvec::matvec(&att, &[blocks(&layer.wo)?], &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+            layer.ffn_norm.forward_slice(&x, &mut h);
+            let (gate, up) = (blocks(&layer.gate)?, blocks(&layer.up)?);
+            gu.resize(gate.rows() + up.rows(), 0.0);
+            qmatvec::matvec(&h, &[gate, up], &mut gu)?;
+            let (g, u) = gu.split_at_mut(gate.rows());
+            for (g, u) in g.iter_mut().zip(u.iter()) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            qmatvec::matvec(g, &[blocks(&layer.down)?], &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+        }
+        self.cache.len = pos + 1;
+        self.norm.forward_slice(&x, &mut h);
+        let out = blocks(&self.output)?;
+        let mut logits = vec![0f32; out.rows()];
+        qmatvec::matvec(&h, &[out], &mut logits)?;
+        let n = logits.len();
+        Tensor::from_vec(logits, n, &self.device)
+    }
+
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
         let x = x.unsqueeze(0)?;
         let y = match self.cfg.arch {
@@ -441,7 +619,35 @@ impl Model {
     }
 }
 
-fn rotary_tables(
+/// The GGUF blocks of a layer (`forward_one` runs only when every layer has them).
+fn blocks(l: &Linear) -> candle_core::Result<&QMat> {
+    l.blocks
+        .as_ref()
+        .ok_or_else(|| candle_core::Error::Msg("a layer has no quantized blocks".into()))
+}
+
+/// Rotary embedding of one head at one position: halves for qwen2 (NeoX), pairs for llama.
+fn rope_slice(arch: Arch, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    match arch {
+        Arch::Qwen2 => {
+            for i in 0..half {
+                let (a, b) = (x[i], x[i + half]);
+                x[i] = a * cos[i] - b * sin[i];
+                x[i + half] = a * sin[i] + b * cos[i];
+            }
+        }
+        Arch::Llama => {
+            for i in 0..half {
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = a * cos[i] - b * sin[i];
+                x[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+}
+
+pub(crate) fn rotary_tables(
     head_dim: usize,
     base: f32,
     positions: usize,
