@@ -47,6 +47,9 @@ fn main() -> Res<()> {
 }
 
 fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
+    // The profile of one last run: HILUM_CPU_PROFILE=2 breaks it down per output size.
+    let profile = std::env::var("HILUM_CPU_PROFILE").unwrap_or_else(|_| "1".into());
+    std::env::remove_var("HILUM_CPU_PROFILE");
     let w = xrv::synthetic_weights(&spec.arch, 7)?;
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
     let threads = hilum_models::cpu::default_threads();
@@ -109,7 +112,7 @@ fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
             n_min / o_min
         );
     }
-    std::env::set_var("HILUM_CPU_PROFILE", "1");
+    std::env::set_var("HILUM_CPU_PROFILE", profile);
     m.logits(&x, batch)?;
     Ok(())
 }
