@@ -198,25 +198,33 @@ pub(crate) fn conv_part(
                 row_pointers(c, g0, g1, src, &mut ptrs);
             } else {
                 let kdim = c.kdim();
-                gather(
-                    c,
-                    g0,
-                    g1,
-                    src,
-                    sh.lens[c.src.buf],
-                    &mut scratch.tile[..(g1 - g0) * kdim],
-                );
+                let tile = &mut scratch.tile[..(g1 - g0) * kdim];
+                if c.src.c == 1 && c.pre.is_none() && !c.pool2 && !c.up2 {
+                    gather_c1(c, g0, g1, src, tile);
+                } else {
+                    gather(c, g0, g1, src, sh.lens[c.src.buf], tile);
+                }
                 let tile = scratch.tile.as_ptr();
                 for (i, q) in ptrs.iter_mut().take(g1 - g0).enumerate() {
                     *q = tile.add(i * kdim);
                 }
             }
             let stride = if ind { taps * MR } else { MR };
+            let b_at = |p: usize, kb: &KBlock| pk.panel(p).add((kb.tap0 * kt + kb.koff) * NR);
             for (bi, kb) in blocks.iter().enumerate() {
                 let (first, last) = (bi == 0, bi + 1 == blocks.len());
                 for p in p0..p1 {
                     let cols = (n - p * NR).min(NR);
-                    let b = pk.panel(p).add((kb.tap0 * kt + kb.koff) * NR);
+                    let b = b_at(p, kb);
+                    // The next weight block, fetched into L2 while this one's first row block
+                    // runs (small layers meet each block a few times only: an L3 miss costs).
+                    let next = if p + 1 < p1 {
+                        b_at(p + 1, kb)
+                    } else if let Some(nb) = blocks.get(bi + 1) {
+                        b_at(p0, nb)
+                    } else {
+                        std::ptr::null()
+                    };
                     let mut m0 = g0;
                     while m0 < g1 {
                         let m = (g1 - m0).min(MR);
@@ -235,6 +243,7 @@ pub(crate) fn conv_part(
                             first,
                             last,
                             relu,
+                            prefetch: if m0 == g0 { next } else { std::ptr::null() },
                         };
                         kernel(m, &call);
                         m0 += m;
@@ -242,6 +251,36 @@ pub(crate) fn conv_part(
                 }
             }
             g0 = g1;
+        }
+    }
+}
+
+/// im2col of a one-channel input without pre-activation (the classifiers' stems): rows of
+/// k*k floats, zero in the padding.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gather_c1(c: &ConvOp, g0: usize, g1: usize, src: *const f32, tile: &mut [f32]) {
+    let s = c.src;
+    let (ho, wo, k) = (c.dst.h, c.dst.w, c.k);
+    let (d, pad) = (c.dilation, c.pad as isize);
+    for r in g0..g1 {
+        let (b, oy, ox) = (r / (ho * wo), (r / wo) % ho, r % wo);
+        let out = &mut tile[(r - g0) * k * k..][..k * k];
+        let x0 = (ox * c.stride) as isize - pad;
+        for (ky, o) in out.chunks_exact_mut(k).enumerate() {
+            let iy = (oy * c.stride + ky * d) as isize - pad;
+            if iy < 0 || iy >= s.h as isize {
+                o.fill(0.0);
+                continue;
+            }
+            let row = src.add((b * s.h + iy as usize) * s.w * s.pitch + s.ch_off);
+            for (kx, v) in o.iter_mut().enumerate() {
+                let ix = x0 + (kx * d) as isize;
+                *v = if ix >= 0 && ix < s.w as isize {
+                    *row.add(ix as usize * s.pitch)
+                } else {
+                    0.0
+                };
+            }
         }
     }
 }
@@ -292,6 +331,8 @@ struct Call<'a> {
     first: bool,
     last: bool,
     relu: bool,
+    /// Weights to prefetch into L2, as many rows as this pass reads (null: none).
+    prefetch: *const f32,
 }
 
 /// Dispatches `m` (1..=MR) rows to the kernel compiled for that many.
@@ -300,7 +341,11 @@ unsafe fn kernel(m: usize, call: &Call) {
     macro_rules! go {
         ($($m:literal)*) => {
             match m {
-                $($m => micro::<$m>(call),)*
+                $($m => if call.prefetch.is_null() {
+                    micro::<$m, false>(call)
+                } else {
+                    micro::<$m, true>(call)
+                },)*
                 _ => unreachable!("kernel rows {m}"),
             }
         };
@@ -313,7 +358,7 @@ unsafe fn kernel(m: usize, call: &Call) {
 /// stores the first `cols` channels.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,fma")]
-unsafe fn micro<const M: usize>(k: &Call) {
+unsafe fn micro<const M: usize, const PF: bool>(k: &Call) {
     use std::arch::x86_64::*;
     let m0: __mmask16 = if k.cols >= 16 {
         0xffff
@@ -336,6 +381,7 @@ unsafe fn micro<const M: usize>(k: &Call) {
         }
     }
     let mut bp = k.b;
+    let mut pf = k.prefetch;
     for tap in 0..k.taps {
         let mut ap = [std::ptr::null::<f32>(); M];
         for (i, p) in ap.iter_mut().enumerate() {
@@ -345,6 +391,11 @@ unsafe fn micro<const M: usize>(k: &Call) {
             let b0 = _mm512_loadu_ps(bp);
             let b1 = _mm512_loadu_ps(bp.add(16));
             bp = bp.add(NR);
+            if PF {
+                _mm_prefetch::<_MM_HINT_T1>(pf as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(16) as *const i8);
+                pf = pf.wrapping_add(NR);
+            }
             for i in 0..M {
                 let av = _mm512_set1_ps(*ap[i].add(kk));
                 acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);

@@ -725,7 +725,12 @@ fn print_profile(plan: &Plan, batch: usize, nt: usize, times: &[f64]) {
             Op::Conv(c) => 2.0 * (batch * c.dst.h * c.dst.w * c.kdim() * c.c_out()) as f64,
             _ => 0.0,
         };
-        let e = rows.entry(op_kind(op)).or_default();
+        let mut kind = op_kind(op);
+        // HILUM_CPU_PROFILE=2: per output size too.
+        if let (Op::Conv(c), Some("2")) = (op, std::env::var("HILUM_CPU_PROFILE").ok().as_deref()) {
+            kind += &format!(" -> {}x{}", c.dst.h, c.dst.w);
+        }
+        let e = rows.entry(kind).or_default();
         e.0 += 1;
         e.1 += ms;
         e.2 += flops;
@@ -1032,6 +1037,8 @@ unsafe fn gather_body(
                             *o = (v * sc + sh).max(0.0);
                         }
                     }
+                    // One channel (the classifiers' stems): a store, not a memcpy call.
+                    None if s.c == 1 => o[0] = p[0],
                     None => o.copy_from_slice(p),
                 }
             }
@@ -1040,6 +1047,38 @@ unsafe fn gather_body(
 }
 
 fn maxpool_part(
+    src: View,
+    dst: View,
+    geom: (usize, usize, usize),
+    batch: usize,
+    t: usize,
+    nt: usize,
+    sh: &Shared,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has the features (checked at run time).
+        return unsafe { maxpool_v4(src, dst, geom, batch, t, nt, sh) };
+    }
+    maxpool_body(src, dst, geom, batch, t, nt, sh)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+unsafe fn maxpool_v4(
+    src: View,
+    dst: View,
+    geom: (usize, usize, usize),
+    batch: usize,
+    t: usize,
+    nt: usize,
+    sh: &Shared,
+) {
+    maxpool_body(src, dst, geom, batch, t, nt, sh)
+}
+
+#[inline(always)]
+fn maxpool_body(
     src: View,
     dst: View,
     (k, stride, pad): (usize, usize, usize),
