@@ -158,14 +158,25 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         o.run(&[batch, s, s, 3], &flat)?;
     }
     let (mut nat, mut can, mut onx) = (Vec::new(), Vec::new(), Vec::new());
+    // ORT's and rayon's workers keep spinning for a while after a run; a pause before each run
+    // keeps them from taking the next backend's cores (`HILUM_PROFILE_PAUSE_MS`, default 20;
+    // 0 runs back to back).
+    let pause_ms: u64 = std::env::var("HILUM_PROFILE_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let pause = || std::thread::sleep(std::time::Duration::from_millis(pause_ms));
     for i in 0..iters {
+        pause();
         nat.push(ms(|| Ok(m.predict_with(unet::Backend::Native, &xs)?))?);
         #[cfg(feature = "onnx")]
         if let Some(o) = &ort {
+            pause();
             onx.push(ms(|| Ok(o.run(&[batch, s, s, 3], &flat)?))?);
         }
         // candle is ~10x slower: one run in four.
         if i % 4 == 0 {
+            pause();
             can.push(ms(|| Ok(m.predict_with(unet::Backend::Candle, &xs)?))?);
         }
     }
@@ -173,7 +184,7 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     let (n, c) = (median(nat), median(can));
     println!(
         "lung U-Net {s}x{s}, batch {batch}, {threads} threads, medians of interleaved runs \
-         ({iters} native/ORT, {} candle):",
+         ({iters} native/ORT, {} candle, {pause_ms} ms pause before each):",
         iters.div_ceil(4)
     );
     println!("  native       {n:>8.2} ms");
