@@ -96,6 +96,17 @@ pub(crate) fn start(inner: Arc<Inner>, req: ChatRequest) -> Result<DeltaStream, 
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
 
+/// Index of the largest logit (the first one on ties; NaN never wins).
+fn greedy(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// A call's identity: its name and its arguments as JSON (so spacing and key order do not count).
 fn call_key(name: &str, arguments: &str) -> (String, Option<Value>) {
     (name.to_string(), serde_json::from_str(arguments).ok())
@@ -545,7 +556,11 @@ fn decode(
             }
             _ => {}
         }
-        let next = sampler.sample(&Tensor::new(l.as_slice(), &Device::Cpu)?)?;
+        let next = match prep.sampling {
+            // Greedy: the index of the largest logit, without another copy into a tensor.
+            Sampling::ArgMax => greedy(&l),
+            _ => sampler.sample(&Tensor::new(l.as_slice(), &Device::Cpu)?)?,
+        };
 
         if tok.stop_tokens.contains(&next) {
             if let Mode::Call { body: Some(_), .. } = mode {

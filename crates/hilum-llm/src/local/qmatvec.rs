@@ -40,11 +40,50 @@ struct Activation {
     /// 32-element blocks: one f32 scale and 32 signed bytes each.
     q8_d: Vec<f32>,
     q8_qs: Vec<i8>,
-    /// Per block, the sum of its 32 quantized values (the AVX-512 kernels fold the weights'
-    /// offset into it).
-    q8_sum: Vec<i32>,
+    /// Per pair of blocks, what the AVX-512 kernels load instead of building it per row.
+    pairs: Vec<PairConsts>,
     /// 256-element blocks for candle's K-quant dot products.
     q8k: Vec<BlockQ8K>,
+}
+
+/// Blocks 2p and 2p+1 of the activation spread over the 16 lanes of a 512-bit register (lanes
+/// 0-7: the first block, 8-15: the second).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct PairConsts {
+    /// `-16 * sum(x)` (Q5_0's stored offset) in lanes 0 and 8, zero elsewhere.
+    off5: [i32; 16],
+    /// `-128 * sum(x)` (Q8_0 flipped to unsigned) in lanes 0 and 8.
+    off8: [i32; 16],
+    /// The activation's scales.
+    dx: [f32; 16],
+}
+
+impl PairConsts {
+    fn build(d: &[f32], qs: &[i8]) -> Vec<Self> {
+        // The weights' offset times the block's sum of quantized activations.
+        let sums: Vec<i32> = qs
+            .chunks(QK)
+            .map(|b| b.iter().map(|&v| v as i32).sum())
+            .collect();
+        (0..d.len() / 2)
+            .map(|p| {
+                let (b0, b1) = (2 * p, 2 * p + 1);
+                let mut c = PairConsts {
+                    off5: [0; 16],
+                    off8: [0; 16],
+                    dx: [0.0; 16],
+                };
+                c.off5[0] = -16 * sums[b0];
+                c.off5[8] = -16 * sums[b1];
+                c.off8[0] = -128 * sums[b0];
+                c.off8[8] = -128 * sums[b1];
+                c.dx[..8].fill(d[b0]);
+                c.dx[8..].fill(d[b1]);
+                c
+            })
+            .collect()
+    }
 }
 
 fn copy_blocks<T: GgmlType>(bytes: &[u8]) -> Option<Vec<T>> {
@@ -170,9 +209,9 @@ fn dot(q5: bool, row: &[u8], a: &Activation) -> f32 {
             // SAFETY: the CPU has the features of the level (detected once at run time).
             Simd::Avx512 => unsafe {
                 return if q5 {
-                    avx512::dot_q5_0(row, &a.q8_d, &a.q8_qs, &a.q8_sum)
+                    avx512::dot_q5_0(row, a)
                 } else {
-                    avx512::dot_q8_0(row, &a.q8_d, &a.q8_qs, &a.q8_sum)
+                    avx512::dot_q8_0(row, a)
                 };
             },
             Simd::Avx2 => unsafe {
@@ -434,28 +473,17 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Q5_0_BYTES, Q8_0_BYTES, QK};
+    use super::{Activation, Q5_0_BYTES, Q8_0_BYTES, QK};
 
-    /// The scales of two consecutive blocks (f16 at `p` and `p + stride`) times the
-    /// activation's, each spread over the eight lanes of its half.
+    /// The weight scales of two consecutive blocks (f16 at `p` and `p + stride`), each spread
+    /// over the eight lanes of its half.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    unsafe fn scales2(p: *const u8, stride: usize, d: &[f32], b: usize) -> __m512 {
-        let h0 = (p as *const i16).read_unaligned();
-        let h1 = (p.add(stride) as *const i16).read_unaligned();
-        let w = _mm_cvtph_ps(_mm_setr_epi16(h0, h1, 0, 0, 0, 0, 0, 0));
-        let x = _mm_setr_ps(d[b], d[b + 1], 0.0, 0.0);
-        let s = _mm_mul_ps(w, x);
+    unsafe fn scales2(p: *const u8, stride: usize) -> __m512 {
+        let h0 = (p as *const u16).read_unaligned() as i32;
+        let h1 = (p.add(stride) as *const u16).read_unaligned() as i32;
+        let w = _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | (h1 << 16)));
         let lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s))
-    }
-
-    /// `vpdpbusd` takes unsigned weights: they are stored with an offset (`offset`), whose
-    /// share `offset * sum(x)` starts the two blocks' accumulators (lanes 0 and 8).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    unsafe fn offset2(sums: &[i32], b: usize, offset: i32) -> __m512i {
-        let c0 = -offset * sums[b];
-        let c1 = -offset * sums[b + 1];
-        _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, c0), 0x0100, c1)
+        _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(w))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
@@ -480,17 +508,20 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn dot_q5_0(row: &[u8], d: &[f32], qs: &[i8], sums: &[i32]) -> f32 {
+    pub(super) unsafe fn dot_q5_0(row: &[u8], a: &Activation) -> f32 {
+        let (d, qs) = (&a.q8_d, &a.q8_qs);
         let nb = d.len().min(row.len() / Q5_0_BYTES);
         let p = row.as_ptr();
         let mut acc = _mm512_setzero_ps();
         let mut b = 0;
         while b + 1 < nb {
+            let c = &a.pairs[b / 2];
             let blk = p.add(b * Q5_0_BYTES);
             let w = q5_0_pair(blk);
             let x = _mm512_loadu_si512(qs.as_ptr().add(b * QK) as *const __m512i);
-            let i = _mm512_dpbusd_epi32(offset2(sums, b, 16), w, x);
-            let s = scales2(blk, Q5_0_BYTES, d, b);
+            let off = _mm512_load_si512(c.off5.as_ptr() as *const __m512i);
+            let i = _mm512_dpbusd_epi32(off, w, x);
+            let s = _mm512_mul_ps(scales2(blk, Q5_0_BYTES), _mm512_load_ps(c.dx.as_ptr()));
             acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(i), acc);
             b += 2;
         }
@@ -502,7 +533,8 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn dot_q8_0(row: &[u8], d: &[f32], qs: &[i8], sums: &[i32]) -> f32 {
+    pub(super) unsafe fn dot_q8_0(row: &[u8], a: &Activation) -> f32 {
+        let (d, qs) = (&a.q8_d, &a.q8_qs);
         let nb = d.len().min(row.len() / Q8_0_BYTES);
         let p = row.as_ptr();
         let mut acc = _mm512_setzero_ps();
@@ -515,8 +547,10 @@ mod avx512 {
             // Signed bytes + 128 = the same bits with the top one flipped.
             let w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), flip);
             let x = _mm512_loadu_si512(qs.as_ptr().add(b * QK) as *const __m512i);
-            let i = _mm512_dpbusd_epi32(offset2(sums, b, 128), w, x);
-            let s = scales2(blk, Q8_0_BYTES, d, b);
+            let c = &a.pairs[b / 2];
+            let off = _mm512_load_si512(c.off8.as_ptr() as *const __m512i);
+            let i = _mm512_dpbusd_epi32(off, w, x);
+            let s = _mm512_mul_ps(scales2(blk, Q8_0_BYTES), _mm512_load_ps(c.dx.as_ptr()));
             acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(i), acc);
             b += 2;
         }
@@ -567,16 +601,12 @@ pub(crate) fn matvec(x: &[f32], mats: &[&QMat], out: &mut [f32]) -> candle_core:
     let mut act = Activation {
         q8_d: Vec::new(),
         q8_qs: Vec::new(),
-        q8_sum: Vec::new(),
+        pairs: Vec::new(),
         q8k: Vec::new(),
     };
     if mats.iter().any(|m| !m.needs_q8k()) {
         quantize_q8(x, &mut act.q8_d, &mut act.q8_qs);
-        act.q8_sum = act
-            .q8_qs
-            .chunks(QK)
-            .map(|b| b.iter().map(|&v| v as i32).sum())
-            .collect();
+        act.pairs = PairConsts::build(&act.q8_d, &act.q8_qs);
     }
     if mats.iter().any(|m| m.needs_q8k()) {
         act.q8k = vec![BlockQ8K::zeros(); x.len() / BlockQ8K::BLCK_SIZE];
@@ -691,15 +721,11 @@ mod tests {
         let mut a = Activation {
             q8_d: Vec::new(),
             q8_qs: Vec::new(),
-            q8_sum: Vec::new(),
+            pairs: Vec::new(),
             q8k: Vec::new(),
         };
         quantize_q8(&x, &mut a.q8_d, &mut a.q8_qs);
-        a.q8_sum = a
-            .q8_qs
-            .chunks(QK)
-            .map(|b| b.iter().map(|&v| v as i32).sum())
-            .collect();
+        a.pairs = PairConsts::build(&a.q8_d, &a.q8_qs);
         for dtype in [GgmlDType::Q5_0, GgmlDType::Q8_0] {
             let w = Tensor::from_vec(weights(1, cols, 5), (1, cols), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, dtype).unwrap();
@@ -732,9 +758,9 @@ mod tests {
                     // SAFETY: detected above.
                     let v = unsafe {
                         if q5 {
-                            avx512::dot_q5_0(row, &a.q8_d, &a.q8_qs, &a.q8_sum)
+                            avx512::dot_q5_0(row, &a)
                         } else {
-                            avx512::dot_q8_0(row, &a.q8_d, &a.q8_qs, &a.q8_sum)
+                            avx512::dot_q8_0(row, &a)
                         }
                     };
                     got.push(("avx512", v));
