@@ -227,7 +227,7 @@ pub(crate) struct ConvOp {
     /// Accumulate each image's channel sums of the output for the next squeeze-excitation.
     pub se_sums: bool,
     /// The weights packed for the AVX-512 kernel ([`ConvOp::packed`]), used when the CPU has it.
-    pub packed: Option<dense_gemm::Packed>,
+    pub packed: Option<Box<dense_gemm::Packed>>,
 }
 
 impl ConvOp {
@@ -266,7 +266,7 @@ impl ConvOp {
                 self.kdim(),
                 self.c_out(),
             );
-            self.packed = Some(p);
+            self.packed = Some(Box::new(p));
         }
         self
     }
@@ -360,6 +360,8 @@ pub(crate) struct SeOp {
     pub expand: Folded,
 }
 
+// Plans are built once and walked per forward: conv ops inline, not boxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
     Conv(ConvOp),
