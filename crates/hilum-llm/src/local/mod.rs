@@ -1,5 +1,5 @@
-//! In-process local models: a quantized GGUF (Qwen2/Qwen2.5, Llama) run on candle, with the
-//! GGUF's own tokenizer and chat template, grammar-constrained tool calls, and a KV cache kept
+//! In-process local models: a quantized GGUF (Qwen2/Qwen2.5, Llama, Gemma 3) run on candle, with
+//! the GGUF's own tokenizer and chat template, grammar-constrained tool calls, and a KV cache kept
 //! across the rounds of a conversation.
 //!
 //! ```no_run
@@ -9,10 +9,12 @@
 //! # Ok(()) }
 //! ```
 
+pub mod gemma3;
 mod generate;
 pub mod grammar;
 pub mod model;
 mod qmatvec;
+mod spm;
 mod template;
 pub mod tokenizer;
 pub mod toolcall;
@@ -133,8 +135,69 @@ impl LocalConfig {
     }
 }
 
+/// The decoder of a loaded GGUF, by architecture.
+pub enum Decoder {
+    /// `qwen2` and `llama`.
+    Llama(model::Model),
+    Gemma3(gemma3::Gemma3),
+}
+
+impl Decoder {
+    /// Loads the decoder `general.architecture` names.
+    pub fn load(
+        ct: &gguf_file::Content,
+        r: &mut std::fs::File,
+        max_positions: usize,
+        mode: model::MatmulMode,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let arch = ct
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str);
+        Ok(match arch {
+            Some("gemma3") => {
+                Decoder::Gemma3(gemma3::Gemma3::load(ct, r, max_positions, mode, dev)?)
+            }
+            _ => Decoder::Llama(model::Model::load(ct, r, max_positions, mode, dev)?),
+        })
+    }
+
+    /// Runs `tokens` after the cached positions; returns the logits of the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Decoder::Llama(m) => m.forward(tokens),
+            Decoder::Gemma3(m) => m.forward(tokens),
+        }
+    }
+
+    /// Forgets every cached position from `len` on.
+    pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
+        match self {
+            Decoder::Llama(m) => m.truncate_cache(len),
+            Decoder::Gemma3(m) => m.truncate_cache(len),
+        }
+    }
+
+    pub fn cached_len(&self) -> usize {
+        match self {
+            Decoder::Llama(m) => m.cached_len(),
+            Decoder::Gemma3(m) => m.cached_len(),
+        }
+    }
+
+    /// The longest conversation (in tokens) this instance accepts.
+    pub fn max_positions(&self) -> usize {
+        match self {
+            Decoder::Llama(m) => m.max_positions(),
+            Decoder::Gemma3(m) => m.max_positions(),
+        }
+    }
+}
+
 pub(crate) struct State {
-    pub model: model::Model,
+    pub model: Decoder,
     /// Tokens whose keys/values are in the model's KV cache, in order.
     pub cached: Vec<u32>,
 }
@@ -169,16 +232,17 @@ impl LocalLlm {
             reason: e.to_string(),
         })?;
         let tok = Arc::new(GgufTokenizer::from_gguf(&ct)?);
-        let template = ChatTemplate::new(
+        let template = ChatTemplate::for_gguf(
             ct.metadata
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.to_string().ok())
                 .cloned(),
+            &tok,
         )?;
         if cfg.matmul != model::MatmulMode::Dense {
             size_quantized_matmul_pool();
         }
-        let model = model::Model::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
+        let model = Decoder::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
         let name = format!(
             "local:{}",
             cfg.path

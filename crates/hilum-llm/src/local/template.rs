@@ -6,17 +6,60 @@ use serde_json::{json, Value};
 
 use crate::{Message, ToolSpec};
 
-use super::LocalError;
+use super::{GgufTokenizer, LocalError};
 
-/// ChatML, for GGUFs that carry no template.
+/// ChatML, for GGUFs that carry no template but have its turn tokens.
 const CHATML: &str = "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// Gemma's turn format, for Gemma GGUFs without a template (the base models): a system message
+/// opens the first user turn, the assistant is `model`, tool results are user turns.
+const GEMMA_TURNS: &str = r#"{%- set ns = namespace(system='') -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' -%}{%- set ns.system = ns.system + message.content + '\n\n' -%}
+{%- else -%}
+{%- set role = 'model' if message.role == 'assistant' else 'user' -%}
+{{- '<start_of_turn>' + role + '\n' + ns.system -}}{%- set ns.system = '' -%}
+{%- if message.role == 'tool' -%}{{- 'Result of ' + message.name + ':\n' + message.content -}}
+{%- else -%}{{- message.content -}}
+{%- for call in message.tool_calls or [] -%}{{- '\n<tool_call>\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '\n</tool_call>' -}}{%- endfor -%}
+{%- endif -%}
+{{- '<end_of_turn>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
     pub source: String,
+    /// Text of the BOS token the prompt must start with (`bos_token` in templates), if any.
+    bos: Option<String>,
 }
 
 impl ChatTemplate {
+    /// The GGUF's own template; without one, the turn format its vocabulary has tokens for
+    /// (ChatML or Gemma's), else an error. Prompts start with the BOS token when the GGUF asks
+    /// for it (`tokenizer.ggml.add_bos_token`), whether or not the template writes `bos_token`.
+    pub fn for_gguf(source: Option<String>, tok: &GgufTokenizer) -> Result<Self, LocalError> {
+        let source = match source {
+            Some(s) => s,
+            None if tok.special("<start_of_turn>").is_some()
+                && tok.special("<end_of_turn>").is_some() =>
+            {
+                GEMMA_TURNS.to_string()
+            }
+            None if tok.special("<|im_start|>").is_some() => CHATML.to_string(),
+            None => {
+                return Err(LocalError::Template(
+                    "the GGUF has no chat template (tokenizer.chat_template) and its vocabulary has no known turn tokens (<|im_start|>, <start_of_turn>); use an instruct model's GGUF".into(),
+                ))
+            }
+        };
+        let mut t = Self::new(Some(source))?;
+        t.bos = tok.bos_text();
+        Ok(t)
+    }
+
+    /// `source`, or ChatML when `None`; no BOS token is added.
     pub fn new(source: Option<String>) -> Result<Self, LocalError> {
         let source = source.unwrap_or_else(|| CHATML.to_string());
         let mut env = Environment::new();
@@ -29,7 +72,11 @@ impl ChatTemplate {
         });
         env.add_template_owned("chat", source.clone())
             .map_err(|e| LocalError::Template(format!("the chat template does not parse: {e}")))?;
-        Ok(ChatTemplate { env, source })
+        Ok(ChatTemplate {
+            env,
+            source,
+            bos: None,
+        })
     }
 
     /// The prompt for `messages`, ending with the assistant header when `add_generation_prompt`.
@@ -55,11 +102,16 @@ impl ChatTemplate {
             messages => JValue::from_serialize(&msgs),
             tools => if tools.is_empty() { JValue::from(()) } else { JValue::from_serialize(&tools) },
             add_generation_prompt => add_generation_prompt,
-            bos_token => "",
+            bos_token => self.bos.as_deref().unwrap_or(""),
             eos_token => "",
         };
-        tmpl.render(ctx)
-            .map_err(|e| LocalError::Template(format!("rendering the chat template failed: {e:#}")))
+        let text = tmpl.render(ctx).map_err(|e| {
+            LocalError::Template(format!("rendering the chat template failed: {e:#}"))
+        })?;
+        Ok(match &self.bos {
+            Some(b) if !text.starts_with(b.as_str()) => format!("{b}{text}"),
+            _ => text,
+        })
     }
 }
 

@@ -8,21 +8,41 @@ use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
+use super::spm::{self, SpmVocab, TYPE_CONTROL, TYPE_UNKNOWN, TYPE_UNUSED, TYPE_USER_DEFINED};
 use super::LocalError;
 
-// GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-const TYPE_CONTROL: i64 = 3;
-const TYPE_USER_DEFINED: i64 = 4;
-const TYPE_UNUSED: i64 = 5;
+/// How text becomes ids: a byte-level BPE (`gpt2`-type vocabularies: Qwen, Llama 3) or a
+/// SentencePiece vocabulary (`llama`-type: Gemma).
+enum Encoder {
+    Bpe(Box<tokenizers::Tokenizer>),
+    Spm(SpmVocab),
+}
+
+impl Encoder {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, LocalError> {
+        match self {
+            Encoder::Bpe(hf) => hf
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| LocalError::Tokenizer(e.to_string())),
+            Encoder::Spm(v) => v.encode(text),
+        }
+    }
+}
 
 pub struct GgufTokenizer {
-    hf: tokenizers::Tokenizer,
+    encoder: Encoder,
     /// Raw bytes of each token (special tokens: their text).
     bytes: Vec<Vec<u8>>,
     special: HashMap<String, u32>,
     is_special: Vec<bool>,
     pub eos: u32,
-    /// End-of-turn tokens that end generation (eos, `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`).
+    /// Beginning-of-sequence token, if the GGUF names one.
+    pub bos: Option<u32>,
+    /// Whether prompts start with `bos` (`tokenizer.ggml.add_bos_token`; SentencePiece default: yes).
+    pub add_bos: bool,
+    /// End-of-turn tokens that end generation (eos, `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`,
+    /// `<end_of_turn>`).
     pub stop_tokens: Vec<u32>,
     trie: Arc<TokTrie>,
     prose_bans: std::sync::OnceLock<(Vec<u32>, Vec<u32>)>,
@@ -77,11 +97,6 @@ impl GgufTokenizer {
     }
 
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self, LocalError> {
-        let hf = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| {
-            LocalError::Unsupported(format!(
-                "cannot build a tokenizer from this GGUF's vocabulary ({e}); only byte-level BPE (`gpt2`-type) vocabularies are supported"
-            ))
-        })?;
         let tokens: Vec<String> = ct
             .metadata
             .get("tokenizer.ggml.tokens")
@@ -98,33 +113,7 @@ impl GgufTokenizer {
             ));
         }
         let types = metadata_ints(ct, "tokenizer.ggml.token_type");
-        let dec = byte_decoder();
-        let mut bytes = Vec::with_capacity(tokens.len());
-        let mut special = HashMap::new();
-        let mut is_special = Vec::with_capacity(tokens.len());
-        for (i, tok) in tokens.iter().enumerate() {
-            let ty = types.get(i).copied().unwrap_or(1);
-            if matches!(ty, TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNUSED) {
-                special.insert(tok.clone(), i as u32);
-                bytes.push(tok.as_bytes().to_vec());
-                is_special.push(true);
-            } else {
-                // A normal token's text is in the byte-level alphabet; characters outside it
-                // (should not occur) are kept as UTF-8.
-                let mut b = Vec::with_capacity(tok.len());
-                for c in tok.chars() {
-                    match dec.get(&c) {
-                        Some(&x) => b.push(x),
-                        None => {
-                            let mut buf = [0u8; 4];
-                            b.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-                        }
-                    }
-                }
-                bytes.push(b);
-                is_special.push(false);
-            }
-        }
+        let ty = |i: usize| types.get(i).copied().unwrap_or(1);
         let id = |k: &str| {
             ct.metadata.get(k).and_then(|v| {
                 v.to_u32()
@@ -132,11 +121,94 @@ impl GgufTokenizer {
                     .or_else(|| v.to_i32().ok().map(|x| x as u32))
             })
         };
+        let flag = |k: &str| ct.metadata.get(k).and_then(|v| v.to_bool().ok());
+        let model = ct
+            .metadata
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+            .unwrap_or("gpt2");
+        let mut bytes = Vec::with_capacity(tokens.len());
+        let mut special = HashMap::new();
+        let mut is_special = Vec::with_capacity(tokens.len());
+        let (encoder, add_bos) = match model {
+            "gpt2" => {
+                let hf = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| {
+                    LocalError::Unsupported(format!(
+                        "cannot build a tokenizer from this GGUF's byte-level BPE vocabulary ({e})"
+                    ))
+                })?;
+                let dec = byte_decoder();
+                for (i, tok) in tokens.iter().enumerate() {
+                    if matches!(ty(i), TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNUSED) {
+                        special.insert(tok.clone(), i as u32);
+                        bytes.push(tok.as_bytes().to_vec());
+                        is_special.push(true);
+                    } else {
+                        // A normal token's text is in the byte-level alphabet; characters
+                        // outside it (should not occur) are kept as UTF-8.
+                        let mut b = Vec::with_capacity(tok.len());
+                        for c in tok.chars() {
+                            match dec.get(&c) {
+                                Some(&x) => b.push(x),
+                                None => {
+                                    let mut buf = [0u8; 4];
+                                    b.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                                }
+                            }
+                        }
+                        bytes.push(b);
+                        is_special.push(false);
+                    }
+                }
+                let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(false);
+                (Encoder::Bpe(Box::new(hf)), add_bos)
+            }
+            "llama" => {
+                let scores: Vec<f32> = ct
+                    .metadata
+                    .get("tokenizer.ggml.scores")
+                    .and_then(|v| v.to_vec().ok())
+                    .map(|v| v.iter().map(|x| x.to_f32().unwrap_or(0.0)).collect())
+                    .unwrap_or_default();
+                let vocab = SpmVocab::new(
+                    &tokens,
+                    &scores,
+                    &types,
+                    id("tokenizer.ggml.unknown_token_id"),
+                    flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+                )?;
+                for (i, tok) in tokens.iter().enumerate() {
+                    let t = ty(i);
+                    if matches!(t, TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNKNOWN) {
+                        special.insert(tok.clone(), i as u32);
+                    }
+                    // User-defined pieces ("\n\n", runs of spaces, HTML tags) are ordinary
+                    // text for grammars and prose checks; control tokens are not.
+                    is_special.push(matches!(t, TYPE_CONTROL | TYPE_UNKNOWN | TYPE_UNUSED));
+                    bytes.push(spm::piece_bytes(tok, t));
+                }
+                let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(true);
+                (Encoder::Spm(vocab), add_bos)
+            }
+            other => {
+                return Err(LocalError::Unsupported(format!(
+                    "the GGUF's tokenizer model `{other}` is not supported (byte-level BPE `gpt2` and SentencePiece `llama` are)"
+                )))
+            }
+        };
         let eos = id("tokenizer.ggml.eos_token_id")
             .or_else(|| special.get("<|im_end|>").copied())
             .ok_or_else(|| LocalError::Unsupported("the GGUF names no eos token".into()))?;
+        let bos = id("tokenizer.ggml.bos_token_id").filter(|&b| (b as usize) < tokens.len());
         let mut stop_tokens = vec![eos];
-        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"] {
+        for name in [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "<end_of_turn>",
+            "</s>",
+        ] {
             if let Some(&t) = special.get(name) {
                 if !stop_tokens.contains(&t) {
                     stop_tokens.push(t);
@@ -158,18 +230,28 @@ impl GgufTokenizer {
             })
             .collect();
         let mut info = TokRxInfo::new(words.len() as u32, eos);
-        info.tok_end_of_turn = special.get("<|im_end|>").copied();
+        info.tok_end_of_turn = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>"]
+            .iter()
+            .find_map(|n| special.get(*n).copied());
         let trie = Arc::new(TokTrie::from(&info, &words));
         Ok(GgufTokenizer {
-            hf,
+            encoder,
             bytes,
             special,
             is_special,
             eos,
+            bos,
+            add_bos,
             stop_tokens,
             trie,
             prose_bans: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The text of the BOS token when prompts must start with it (rendered by the chat template).
+    pub fn bos_text(&self) -> Option<String> {
+        let b = self.bos.filter(|_| self.add_bos)?;
+        Some(String::from_utf8_lossy(self.token_bytes(b)).into_owned())
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -179,11 +261,7 @@ impl GgufTokenizer {
     /// Tokenizes a rendered prompt; special-token text (`<|im_start|>`) becomes the special token,
     /// as llama.cpp does with `parse_special`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, LocalError> {
-        let enc = self
-            .hf
-            .encode(text, false)
-            .map_err(|e| LocalError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.encoder.encode(text)
     }
 
     /// The bytes a token stands for (special tokens: their name).
@@ -260,9 +338,8 @@ impl TokenizerEnv for TrieEnv {
         match std::str::from_utf8(s) {
             Ok(text) => self
                 .tok
-                .hf
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
+                .encoder
+                .encode(text)
                 .unwrap_or_else(|_| self.tok.trie.greedy_tokenize(s)),
             Err(_) => self.tok.trie.greedy_tokenize(s),
         }

@@ -1,0 +1,485 @@
+//! Gemma 3 decoder run from a GGUF file (`general.architecture = "gemma3"`), written after
+//! llama.cpp's `gemma3` graph (interleaved sliding-window variant):
+//! - token embeddings scaled by sqrt(n_embd) (the embedding matrix doubles as the output layer);
+//! - per layer: RMSNorm -> q/k/v -> RMSNorm of each q and k head -> NeoX rotary embedding ->
+//!   queries scaled by 1/sqrt(head_dim) -> attention -> output projection -> RMSNorm -> residual,
+//!   then RMSNorm -> GELU(tanh)-gated FFN -> RMSNorm -> residual (the GGUF's norm weights already
+//!   include Gemma's "+1", so they multiply as stored);
+//! - layers are local (each query sees the last `sliding_window` positions, itself included;
+//!   rotary base 10 000) except every `sliding_window_pattern`-th one, which is global (the GGUF's
+//!   `rope.freq_base`).
+//!
+//! The KV cache keeps every position of every layer, so it can be truncated to any prefix like
+//! the Qwen/Llama model's; local layers only read their window of it.
+
+use std::borrow::Cow;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
+use candle_core::{DType, Device, IndexOp, Tensor};
+
+use super::model::{dense, linear_weights, md, rotary_tables, Linear, MatmulMode};
+
+/// Layers per local/global cycle when the GGUF does not say (llama.cpp's value for Gemma 3).
+const DEFAULT_SWA_PATTERN: u32 = 6;
+/// Rotary base of the local layers (Gemma 3's, not stored in its GGUFs).
+const DEFAULT_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+/// Gemma 3 hyper-parameters read from the GGUF metadata.
+#[derive(Clone, Debug)]
+pub struct Gemma3Config {
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub context_length: usize,
+    pub rms_eps: f64,
+    pub rope_base_global: f32,
+    pub rope_base_local: f32,
+    pub sliding_window: usize,
+    /// Layer `i` is global when `i % swa_pattern == swa_pattern - 1`.
+    pub swa_pattern: usize,
+    /// Factor applied to the queries before attention.
+    pub attn_scale: f64,
+}
+
+impl Gemma3Config {
+    pub fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Self> {
+        let arch = md(ct, "general.architecture")?.to_string()?;
+        if arch != "gemma3" {
+            candle_core::bail!("GGUF architecture `{arch}` is not gemma3");
+        }
+        let u = |k: &str| -> candle_core::Result<usize> {
+            Ok(md(ct, &format!("gemma3.{k}"))?.to_u32()? as usize)
+        };
+        let opt_u = |k: &str| u(k).ok();
+        let opt_f = |k: &str| md(ct, &format!("gemma3.{k}")).and_then(|v| v.to_f32()).ok();
+        let n_embd = u("embedding_length")?;
+        let n_head = u("attention.head_count")?;
+        let n_kv_head = opt_u("attention.head_count_kv").unwrap_or(n_head);
+        let head_dim = opt_u("attention.key_length").unwrap_or(n_embd / n_head.max(1));
+        if let Some(v) = opt_u("attention.value_length") {
+            if v != head_dim {
+                candle_core::bail!("gemma3 GGUF with value length {v} != key length {head_dim}");
+            }
+        }
+        if n_head == 0 || n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) || head_dim % 2 != 0 {
+            candle_core::bail!(
+                "GGUF has inconsistent attention shapes ({n_head} heads, {n_kv_head} kv heads, head size {head_dim})"
+            );
+        }
+        let n_layer = u("block_count")?;
+        let sliding_window = u("attention.sliding_window")?;
+        let swa_pattern = opt_u("attention.sliding_window_pattern")
+            .unwrap_or(DEFAULT_SWA_PATTERN as usize)
+            .max(1);
+        // llama.cpp (after gemma_pytorch's config): the 62-layer 27B scales queries by
+        // 1/sqrt(n_embd / n_head); every other size by 1/sqrt(head_dim).
+        let scale_dim = if n_layer == 62 {
+            n_embd / n_head
+        } else {
+            head_dim
+        };
+        Ok(Gemma3Config {
+            n_layer,
+            n_embd,
+            n_head,
+            n_kv_head,
+            head_dim,
+            context_length: u("context_length")?,
+            rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6) as f64,
+            rope_base_global: opt_f("rope.freq_base").unwrap_or(1_000_000.0),
+            rope_base_local: opt_f("rope.freq_base_swa").unwrap_or(DEFAULT_LOCAL_ROPE_BASE),
+            sliding_window: sliding_window.max(1),
+            swa_pattern,
+            attn_scale: 1.0 / (scale_dim as f64).sqrt(),
+        })
+    }
+
+    /// Whether layer `i` attends only to its sliding window.
+    pub fn is_local(&self, i: usize) -> bool {
+        i % self.swa_pattern < self.swa_pattern - 1
+    }
+}
+
+struct Norm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl Norm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(x, &self.w, self.eps)
+    }
+}
+
+struct Layer {
+    attn_norm: Norm,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    q_norm: Norm,
+    k_norm: Norm,
+    wo: Linear,
+    post_attn_norm: Norm,
+    ffn_norm: Norm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    post_ffn_norm: Norm,
+    local: bool,
+}
+
+/// The embedding matrix kept in its GGUF blocks (262k x 640 would be 671 MB as f32); the rows
+/// of a batch are dequantized on lookup.
+struct Embedding {
+    blocks: Vec<u8>,
+    dtype: GgmlDType,
+    row_bytes: usize,
+    rows: usize,
+    n_embd: usize,
+}
+
+impl Embedding {
+    fn load(
+        ct: &gguf_file::Content,
+        r: &mut std::fs::File,
+        n_embd: usize,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let q: QTensor = ct.tensor(r, "token_embd.weight", dev)?;
+        let dtype = q.dtype();
+        let (rows, cols) = q.shape().dims2()?;
+        if cols != n_embd || !n_embd.is_multiple_of(dtype.block_size()) {
+            candle_core::bail!(
+                "token_embd.weight has shape ({rows}, {cols}), expected n_embd {n_embd}"
+            );
+        }
+        let row_bytes = n_embd / dtype.block_size() * dtype.type_size();
+        let blocks = q.data()?.into_owned();
+        if blocks.len() != rows * row_bytes {
+            candle_core::bail!(
+                "token_embd.weight holds {} bytes, expected {}",
+                blocks.len(),
+                rows * row_bytes
+            );
+        }
+        Ok(Embedding {
+            blocks,
+            dtype,
+            row_bytes,
+            rows,
+            n_embd,
+        })
+    }
+
+    /// The f32 rows of `tokens`: (tokens, n_embd).
+    fn rows(&self, tokens: &[u32], dev: &Device) -> candle_core::Result<Tensor> {
+        let mut buf = Vec::with_capacity(tokens.len() * self.row_bytes);
+        for &t in tokens {
+            let t = t as usize;
+            if t >= self.rows {
+                candle_core::bail!("token id {t} is outside the vocabulary of {}", self.rows);
+            }
+            buf.extend_from_slice(&self.blocks[t * self.row_bytes..(t + 1) * self.row_bytes]);
+        }
+        let storage = QStorage::from_data(Cow::Owned(buf), dev, self.dtype)?;
+        QTensor::new(storage, (tokens.len(), self.n_embd))?
+            .dequantize(dev)?
+            .to_dtype(DType::F32)
+    }
+}
+
+/// Keys and values of the processed positions, per layer: (n_kv_head, len, head_dim).
+struct KvCache {
+    k: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
+    len: usize,
+}
+
+pub struct Gemma3 {
+    pub cfg: Gemma3Config,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Norm,
+    output: Linear,
+    /// Rotary tables (positions, head_dim / 2) of the global and the local layers.
+    rope_global: (Tensor, Tensor),
+    rope_local: (Tensor, Tensor),
+    cache: KvCache,
+    device: Device,
+}
+
+impl Gemma3 {
+    /// Loads every tensor in the form `mode` multiplies with; rotary tables and the cache are
+    /// sized for `max_positions` (at most the model's context).
+    pub fn load(
+        ct: &gguf_file::Content,
+        r: &mut std::fs::File,
+        max_positions: usize,
+        mode: MatmulMode,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let cfg = Gemma3Config::from_gguf(ct)?;
+        let eps = cfg.rms_eps as f32;
+        let norm = |r: &mut std::fs::File, n: &str| -> candle_core::Result<Norm> {
+            Ok(Norm {
+                w: dense(ct, r, n, dev)?,
+                eps,
+            })
+        };
+        let lin = |r: &mut std::fs::File, n: &str| linear_weights(ct, r, n, mode, dev);
+        let embed = Embedding::load(ct, r, cfg.n_embd, dev)?;
+        // Only the last position reaches the output layer: one row, so quantized unless Dense.
+        let out_mode = match mode {
+            MatmulMode::Dense => MatmulMode::Dense,
+            _ => MatmulMode::Quantized,
+        };
+        let output_name = if ct.tensor_infos.contains_key("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        let output = linear_weights(ct, r, output_name, out_mode, dev)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: norm(r, &p("attn_norm"))?,
+                wq: lin(r, &p("attn_q"))?,
+                wk: lin(r, &p("attn_k"))?,
+                wv: lin(r, &p("attn_v"))?,
+                q_norm: norm(r, &p("attn_q_norm"))?,
+                k_norm: norm(r, &p("attn_k_norm"))?,
+                wo: lin(r, &p("attn_output"))?,
+                post_attn_norm: norm(r, &p("post_attention_norm"))?,
+                ffn_norm: norm(r, &p("ffn_norm"))?,
+                gate: lin(r, &p("ffn_gate"))?,
+                up: lin(r, &p("ffn_up"))?,
+                down: lin(r, &p("ffn_down"))?,
+                post_ffn_norm: norm(r, &p("post_ffw_norm"))?,
+                local: cfg.is_local(i),
+            });
+        }
+        let norm_out = norm(r, "output_norm.weight")?;
+        let positions = max_positions.min(cfg.context_length).max(1);
+        let rope_global = rotary_tables(cfg.head_dim, cfg.rope_base_global, positions, dev)?;
+        let rope_local = rotary_tables(cfg.head_dim, cfg.rope_base_local, positions, dev)?;
+        let n_layer = cfg.n_layer;
+        Ok(Gemma3 {
+            cfg,
+            embed,
+            layers,
+            norm: norm_out,
+            output,
+            rope_global,
+            rope_local,
+            cache: KvCache {
+                k: vec![None; n_layer],
+                v: vec![None; n_layer],
+                len: 0,
+            },
+            device: dev.clone(),
+        })
+    }
+
+    /// Positions the rotary tables cover: the longest conversation this instance accepts.
+    pub fn max_positions(&self) -> usize {
+        self.rope_global.0.dims()[0]
+    }
+
+    /// Number of positions in the KV cache.
+    pub fn cached_len(&self) -> usize {
+        self.cache.len
+    }
+
+    /// Forgets every cached position from `len` on.
+    pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
+        if len >= self.cache.len {
+            return Ok(());
+        }
+        for slot in self.cache.k.iter_mut().chain(self.cache.v.iter_mut()) {
+            if let Some(t) = slot.take() {
+                *slot = if len == 0 {
+                    None
+                } else {
+                    Some(t.narrow(1, 0, len)?)
+                };
+            }
+        }
+        self.cache.len = len;
+        Ok(())
+    }
+
+    /// Runs `tokens` (appended after the cached positions) and returns the logits of the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
+        let t = tokens.len();
+        let pos = self.cache.len;
+        if t == 0 {
+            candle_core::bail!("forward called with no tokens");
+        }
+        if pos + t > self.max_positions() {
+            candle_core::bail!(
+                "{} positions exceed the context of {} this model was loaded with",
+                pos + t,
+                self.max_positions()
+            );
+        }
+        let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
+        let group = nh / nkv;
+        let window = self.cfg.sliding_window;
+        let mut x = (self.embed.rows(tokens, &self.device)? * (self.cfg.n_embd as f64).sqrt())?;
+        // Keys a layer reads start at `kv_start`: 0 for global layers, the window start of the
+        // first query for local ones.
+        let local_start = (pos + 1).saturating_sub(window);
+        let global_mask = if t > 1 {
+            Some(attention_mask(t, pos, 0, None, &self.device)?)
+        } else {
+            None
+        };
+        let local_mask = if t > 1 {
+            Some(attention_mask(
+                t,
+                pos,
+                local_start,
+                Some(window),
+                &self.device,
+            )?)
+        } else {
+            None
+        };
+        let rope = |local: bool| {
+            let (c, s) = if local {
+                &self.rope_local
+            } else {
+                &self.rope_global
+            };
+            Ok::<_, candle_core::Error>((c.narrow(0, pos, t)?, s.narrow(0, pos, t)?))
+        };
+        let (cos_g, sin_g) = rope(false)?;
+        let (cos_l, sin_l) = rope(true)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (cos, sin, kv_start, mask) = if layer.local {
+                (&cos_l, &sin_l, local_start, &local_mask)
+            } else {
+                (&cos_g, &sin_g, 0, &global_mask)
+            };
+            let h = layer.attn_norm.forward(&x)?;
+            // (t, heads*hd) -> (t, heads, hd), normalised per head, -> (heads, t, hd)
+            let q = layer
+                .q_norm
+                .forward(&layer.wq.forward(&h)?.reshape((t, nh, hd))?)?;
+            let k = layer
+                .k_norm
+                .forward(&layer.wk.forward(&h)?.reshape((t, nkv, hd))?)?;
+            let v = layer.wv.forward(&h)?.reshape((t, nkv, hd))?;
+            let q = rope_neox(&q.transpose(0, 1)?.contiguous()?, cos, sin)?;
+            let k = rope_neox(&k.transpose(0, 1)?.contiguous()?, cos, sin)?;
+            let v = v.transpose(0, 1)?.contiguous()?;
+            let q = (q * self.cfg.attn_scale)?;
+            let (k, v) = match (&self.cache.k[li], &self.cache.v[li]) {
+                (Some(kc), Some(vc)) => (Tensor::cat(&[kc, &k], 1)?, Tensor::cat(&[vc, &v], 1)?),
+                _ => (k, v),
+            };
+            self.cache.k[li] = Some(k.clone());
+            self.cache.v[li] = Some(v.clone());
+            let kv_len = pos + t - kv_start;
+            let k = k.narrow(1, kv_start, kv_len)?;
+            let v = v.narrow(1, kv_start, kv_len)?;
+            // Grouped-query attention: the query heads of a group share one kv head.
+            let qg = q.reshape((nkv, group * t, hd))?;
+            let att = qg.matmul(&k.t()?)?; // (nkv, group*t, kv_len)
+            let att = match mask {
+                Some(m) => att
+                    .reshape((nkv, group, t, kv_len))?
+                    .broadcast_add(m)?
+                    .reshape((nkv, group * t, kv_len))?,
+                None => att,
+            };
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att
+                .matmul(&v.contiguous()?)?
+                .reshape((nh, t, hd))?
+                .transpose(0, 1)?
+                .reshape((t, nh * hd))?;
+            let y = layer.post_attn_norm.forward(&layer.wo.forward(&y)?)?;
+            x = (x + y)?;
+            let h = layer.ffn_norm.forward(&x)?;
+            let g = layer.gate.forward(&h)?.gelu()?;
+            let u = layer.up.forward(&h)?;
+            let f = layer
+                .post_ffn_norm
+                .forward(&layer.down.forward(&(g * u)?)?)?;
+            x = (x + f)?;
+        }
+        self.cache.len = pos + t;
+        let last = self.norm.forward(&x.i(t - 1..t)?)?;
+        self.output.forward(&last)?.squeeze(0)
+    }
+}
+
+/// NeoX rotary embedding (pairs `i` and `i + head_dim/2`) of (heads, t, head_dim).
+fn rope_neox(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::rotary_emb::rope(&x.unsqueeze(0)?, cos, sin)?.squeeze(0)
+}
+
+/// Additive mask (t, pos + t - kv_start) for queries at `pos..pos + t` over keys at
+/// `kv_start..pos + t`: a key is hidden when it comes after the query or, with a `window`, when
+/// it is `window` or more positions before it (llama.cpp's standard sliding window).
+pub fn attention_mask(
+    t: usize,
+    pos: usize,
+    kv_start: usize,
+    window: Option<usize>,
+    dev: &Device,
+) -> candle_core::Result<Tensor> {
+    let kv = pos + t - kv_start;
+    let mut v = Vec::with_capacity(t * kv);
+    for i in 0..t {
+        let qp = pos + i;
+        for j in 0..kv {
+            let kp = kv_start + j;
+            let hidden = kp > qp || window.is_some_and(|w| qp - kp >= w);
+            v.push(if hidden { f32::NEG_INFINITY } else { 0.0 });
+        }
+    }
+    Tensor::from_vec(v, (t, kv), dev)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn visible(t: usize, pos: usize, start: usize, w: Option<usize>) -> Vec<Vec<u8>> {
+        let m = attention_mask(t, pos, start, w, &Device::Cpu).unwrap();
+        m.to_vec2::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.into_iter().map(|x| u8::from(x == 0.0)).collect())
+            .collect()
+    }
+
+    #[test]
+    fn causal_mask_without_window() {
+        assert_eq!(
+            visible(3, 1, 0, None),
+            [vec![1, 1, 0, 0], vec![1, 1, 1, 0], vec![1, 1, 1, 1]]
+        );
+    }
+
+    #[test]
+    fn sliding_window_keeps_the_last_w_positions_including_the_query() {
+        // Window 2, queries at 3 and 4, keys 2..=4 (the window start of the first query).
+        assert_eq!(visible(2, 3, 2, Some(2)), [vec![1, 1, 0], vec![0, 1, 1]]);
+        // From the start: query 2 with window 3 sees 0, 1, 2.
+        assert_eq!(
+            visible(4, 0, 0, Some(3)),
+            [
+                vec![1, 0, 0, 0],
+                vec![1, 1, 0, 0],
+                vec![1, 1, 1, 0],
+                vec![0, 1, 1, 1]
+            ]
+        );
+    }
+}
