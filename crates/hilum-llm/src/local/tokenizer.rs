@@ -15,7 +15,7 @@ use super::LocalError;
 /// SentencePiece vocabulary (`llama`-type: Gemma).
 enum Encoder {
     Bpe(Box<tokenizers::Tokenizer>),
-    Spm(SpmVocab),
+    Spm(Box<SpmVocab>),
 }
 
 impl Encoder {
@@ -189,7 +189,7 @@ impl GgufTokenizer {
                     bytes.push(spm::piece_bytes(tok, t));
                 }
                 let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(true);
-                (Encoder::Spm(vocab), add_bos)
+                (Encoder::Spm(Box::new(vocab)), add_bos)
             }
             other => {
                 return Err(LocalError::Unsupported(format!(
