@@ -2,8 +2,8 @@
 //! kernel (`MR` pixels x `NR` output channels per call). Compared with calling the `gemm` crate
 //! per tile, nothing is repacked per call (the weights were a large share of the small layers'
 //! time at batch 1), a kxk conv without pre-activation reads its input through per-pixel row
-//! pointers (no im2col copy, padding points at zeros), and bias + ReLU are applied to the
-//! accumulators before the only store.
+//! pointers (no im2col copy, padding points at zeros), and bias, ReLU and a residual add are
+//! applied to the accumulators before the last store.
 
 #[cfg(target_arch = "x86_64")]
 use super::{gather, share, Scratch, Shared};
@@ -63,14 +63,16 @@ impl Packed {
     }
 }
 
-/// Whether `c` can take the packed path: its epilogue is at most bias + ReLU.
+/// Whether `c` can take the packed path: its epilogue is at most bias, ReLU, a residual add
+/// and ReLU.
 pub(crate) fn packable(c: &ConvOp) -> bool {
     c.gate.is_none()
-        && c.residual.is_none()
         && c.post.is_none()
-        && c.post_act == Act::None
         && !c.se_sums
         && matches!(c.act, Act::None | Act::Relu)
+        && matches!(c.post_act, Act::None | Act::Relu)
+        // Passes before the last store partial sums into dst.
+        && c.residual.is_none_or(|r| r.buf != c.dst.buf)
 }
 
 /// Whether the input is read in place through row pointers (else gathered into a tile).
@@ -175,6 +177,7 @@ pub(crate) fn conv_part(
         return;
     }
     let relu = c.act == Act::Relu;
+    let post_relu = c.residual.is_some() && c.post_act == Act::Relu;
     let n = c.c_out();
     let ind = indirect(c);
     let (taps, kt) = if ind {
@@ -190,6 +193,10 @@ pub(crate) fn conv_part(
     unsafe {
         let src = sh.bufs[c.src.buf] as *const f32;
         let dst = sh.bufs[c.dst.buf];
+        let res_at = |r: usize, p: usize| match &c.residual {
+            Some(v) => (sh.bufs[v.buf] as *const f32).add(r * v.pitch + v.ch_off + p * NR),
+            None => std::ptr::null(),
+        };
         let mut g0 = r0;
         while g0 < r1 {
             let g1 = (g0 + chunk).min(r1);
@@ -243,6 +250,13 @@ pub(crate) fn conv_part(
                             first,
                             last,
                             relu,
+                            res: if last {
+                                res_at(m0, p)
+                            } else {
+                                std::ptr::null()
+                            },
+                            res_ld: c.residual.map_or(0, |v| v.pitch),
+                            post_relu,
                             prefetch: if m0 == g0 { next } else { std::ptr::null() },
                         };
                         kernel(m, &call);
@@ -331,6 +345,11 @@ struct Call<'a> {
     first: bool,
     last: bool,
     relu: bool,
+    /// Rows to add after the ReLU on the last pass (null: none), `res_ld` apart; then ReLU
+    /// again when `post_relu`.
+    res: *const f32,
+    res_ld: usize,
+    post_relu: bool,
     /// Weights to prefetch into L2, as many rows as this pass reads (null: none).
     prefetch: *const f32,
 }
@@ -413,6 +432,15 @@ unsafe fn micro<const M: usize, const PF: bool>(k: &Call) {
             if k.relu {
                 v0 = _mm512_max_ps(v0, zero);
                 v1 = _mm512_max_ps(v1, zero);
+            }
+            if !k.res.is_null() {
+                let r = k.res.add(i * k.res_ld);
+                v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, r));
+                v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, r.add(16)));
+                if k.post_relu {
+                    v0 = _mm512_max_ps(v0, zero);
+                    v1 = _mm512_max_ps(v1, zero);
+                }
             }
         }
         let row = k.c.add(i * k.ldc);

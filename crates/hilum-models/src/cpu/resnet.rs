@@ -32,12 +32,15 @@ fn conv(
 ) -> Op {
     // ReLU after the shortcut is added.
     let act = if relu { Act::Relu } else { Act::None };
-    Op::Conv(ConvOp {
-        residual,
-        act: if residual.is_some() { Act::None } else { act },
-        post_act: act,
-        ..ConvOp::new(src, dst, k, stride, pad, folded)
-    })
+    Op::Conv(
+        ConvOp {
+            residual,
+            act: if residual.is_some() { Act::None } else { act },
+            post_act: act,
+            ..ConvOp::new(src, dst, k, stride, pad, folded)
+        }
+        .packed(),
+    )
 }
 
 impl NativeResNet {
