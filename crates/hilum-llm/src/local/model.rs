@@ -535,7 +535,6 @@ impl Model {
         let mut h = vec![0f32; n_embd];
         let mut qkv = vec![0f32; qd + 2 * kvd];
         let mut att = vec![0f32; qd];
-        let mut scores = vec![0f32; pos + 1];
         let mut proj = vec![0f32; n_embd];
         let mut gu = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -567,22 +566,7 @@ impl Model {
             vc.truncate(pos * kvd);
             kc.extend_from_slice(k);
             vc.extend_from_slice(v);
-            for (hq, (qh, out)) in q.chunks_exact(hd).zip(att.chunks_exact_mut(hd)).enumerate() {
-                let g = (hq / group) * hd;
-                for (p, sc) in scores.iter_mut().enumerate() {
-                    *sc = qmatvec::dot_f32(qh, &kc[p * kvd + g..p * kvd + g + hd]) * scale;
-                }
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let mut sum = 0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                out.fill(0.0);
-                for (p, &w) in scores.iter().enumerate() {
-                    qmatvec::axpy(out, w / sum, &vc[p * kvd + g..p * kvd + g + hd]);
-                }
-            }
+            attend(q, kc, vc, pos + 1, (group, hd, kvd), scale, &mut att);
             qmatvec::matvec(&att, &[blocks(&layer.wo)?], &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
@@ -617,6 +601,42 @@ impl Model {
         };
         y.squeeze(0)
     }
+}
+
+/// One token's attention over `len` cached positions (`k`, `v`: (len, kvd) rows), heads split
+/// over candle's thread pool. `shape` = (query heads per kv head, head_dim, kv row width).
+fn attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    shape: (usize, usize, usize),
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (group, hd, kvd) = shape;
+    let heads = q.len() / hd;
+    let out_ptr = out.as_mut_ptr() as usize;
+    let head = |hq: usize| {
+        let qh = &q[hq * hd..(hq + 1) * hd];
+        let g = (hq / group) * hd;
+        let mut scores: Vec<f32> = (0..len)
+            .map(|p| qmatvec::dot_f32(qh, &k[p * kvd + g..p * kvd + g + hd]) * scale)
+            .collect();
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        // SAFETY: head `hq` writes only out[hq*hd..(hq+1)*hd]; `out` outlives the pool call.
+        let o = unsafe { std::slice::from_raw_parts_mut((out_ptr as *mut f32).add(hq * hd), hd) };
+        o.fill(0.0);
+        for (p, &w) in scores.iter().enumerate() {
+            qmatvec::axpy(o, w / sum, &v[p * kvd + g..p * kvd + g + hd]);
+        }
+    };
+    candle_core::utils::barrier_pool().execute_chunked(heads, |range| range.for_each(head));
 }
 
 /// The GGUF blocks of a layer (`forward_one` runs only when every layer has them).
