@@ -86,12 +86,23 @@ fn tile_rows(c: &ConvOp) -> usize {
     ((super::tile_floats() / c.kdim()) / MR).clamp(1, CHUNK * 9) * MR
 }
 
+/// Floats from one gathered row to the next: an odd multiple of 16 (64 bytes), so the
+/// kernel's rows do not all map to the same L1 sets (rows 4 KiB apart would thrash them).
+fn tile_ld(c: &ConvOp) -> usize {
+    let ld = c.kdim().div_ceil(16) * 16;
+    if (ld / 16) % 2 == 0 {
+        ld + 16
+    } else {
+        ld
+    }
+}
+
 /// Floats of per-thread tile the packed path needs for `c`.
 pub(crate) fn tile_len(c: &ConvOp) -> usize {
     if indirect(c) {
         0
     } else {
-        tile_rows(c) * c.kdim()
+        tile_rows(c) * tile_ld(c)
     }
 }
 
@@ -204,16 +215,16 @@ pub(crate) fn conv_part(
             if ind {
                 row_pointers(c, g0, g1, src, &mut ptrs);
             } else {
-                let kdim = c.kdim();
-                let tile = &mut scratch.tile[..(g1 - g0) * kdim];
+                let ld = tile_ld(c);
+                let tile = &mut scratch.tile[..(g1 - g0) * ld];
                 if c.src.c == 1 && c.pre.is_none() && !c.pool2 && !c.up2 {
-                    gather_c1(c, g0, g1, src, tile);
+                    gather_c1(c, g0, g1, src, tile, ld);
                 } else {
-                    gather(c, g0, g1, src, sh.lens[c.src.buf], tile);
+                    gather(c, g0, g1, src, sh.lens[c.src.buf], tile, ld);
                 }
                 let tile = scratch.tile.as_ptr();
                 for (i, q) in ptrs.iter_mut().take(g1 - g0).enumerate() {
-                    *q = tile.add(i * kdim);
+                    *q = tile.add(i * ld);
                 }
             }
             let stride = if ind { taps * MR } else { MR };
@@ -272,24 +283,41 @@ pub(crate) fn conv_part(
 /// im2col of a one-channel input without pre-activation (the classifiers' stems): rows of
 /// k*k floats, zero in the padding.
 #[cfg(target_arch = "x86_64")]
-unsafe fn gather_c1(c: &ConvOp, g0: usize, g1: usize, src: *const f32, tile: &mut [f32]) {
+unsafe fn gather_c1(
+    c: &ConvOp,
+    g0: usize,
+    g1: usize,
+    src: *const f32,
+    tile: &mut [f32],
+    ld: usize,
+) {
     let s = c.src;
     let (ho, wo, k) = (c.dst.h, c.dst.w, c.k);
     let (d, pad) = (c.dilation, c.pad as isize);
+    let (h, w) = (s.h as isize, s.w as isize);
     for r in g0..g1 {
         let (b, oy, ox) = (r / (ho * wo), (r / wo) % ho, r % wo);
-        let out = &mut tile[(r - g0) * k * k..][..k * k];
+        let out = &mut tile[(r - g0) * ld..][..k * k];
         let x0 = (ox * c.stride) as isize - pad;
+        let inside = x0 >= 0 && x0 + (((k - 1) * d) as isize) < w && s.pitch == 1;
         for (ky, o) in out.chunks_exact_mut(k).enumerate() {
             let iy = (oy * c.stride + ky * d) as isize - pad;
-            if iy < 0 || iy >= s.h as isize {
+            if iy < 0 || iy >= h {
                 o.fill(0.0);
                 continue;
             }
             let row = src.add((b * s.h + iy as usize) * s.w * s.pitch + s.ch_off);
+            if inside && d == 1 {
+                // Contiguous pixels: plain loads, no per-tap bounds checks.
+                let p = std::slice::from_raw_parts(row.add(x0 as usize), k);
+                for (v, &x) in o.iter_mut().zip(p) {
+                    *v = x;
+                }
+                continue;
+            }
             for (kx, v) in o.iter_mut().enumerate() {
                 let ix = x0 + (kx * d) as isize;
-                *v = if ix >= 0 && ix < s.w as isize {
+                *v = if ix >= 0 && ix < w {
                     *row.add(ix as usize * s.pitch)
                 } else {
                     0.0

@@ -805,6 +805,7 @@ fn conv_part(c: &ConvOp, batch: usize, t: usize, nt: usize, sh: &Shared, scratch
                     src,
                     sh.lens[c.src.buf],
                     &mut scratch.tile[..m * kdim],
+                    kdim,
                 );
                 gathered = Some(r0);
             }
@@ -952,9 +953,9 @@ unsafe fn epilogue_body(
     }
 }
 
-/// im2col of output pixels r0..r1 into `tile` ((r1 - r0) x k*k*c_in), applying the
-/// pre-activation, the 2x2 pre-pool, dilation and on-the-fly 2x upsampling. Padding stays zero
-/// (PyTorch and Keras pad the activated input).
+/// im2col of output pixels r0..r1 into `tile` ((r1 - r0) rows of k*k*c_in, `ld` apart),
+/// applying the pre-activation, the 2x2 pre-pool, dilation and on-the-fly 2x upsampling.
+/// Padding stays zero (PyTorch and Keras pad the activated input).
 unsafe fn gather(
     c: &ConvOp,
     r0: usize,
@@ -962,12 +963,13 @@ unsafe fn gather(
     src: *const f32,
     src_len: usize,
     tile: &mut [f32],
+    ld: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
-        return gather_v4(c, r0, r1, src, src_len, tile);
+        return gather_v4(c, r0, r1, src, src_len, tile, ld);
     }
-    gather_body(c, r0, r1, src, src_len, tile)
+    gather_body(c, r0, r1, src, src_len, tile, ld)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -979,8 +981,9 @@ unsafe fn gather_v4(
     src: *const f32,
     src_len: usize,
     tile: &mut [f32],
+    ld: usize,
 ) {
-    gather_body(c, r0, r1, src, src_len, tile)
+    gather_body(c, r0, r1, src, src_len, tile, ld)
 }
 
 #[inline(always)]
@@ -991,6 +994,7 @@ unsafe fn gather_body(
     src: *const f32,
     src_len: usize,
     tile: &mut [f32],
+    ld: usize,
 ) {
     let s = c.src;
     let (ho, wo) = (c.dst.h, c.dst.w);
@@ -1003,7 +1007,7 @@ unsafe fn gather_body(
     };
     for r in r0..r1 {
         let (b, oy, ox) = (r / (ho * wo), (r / wo) % ho, r % wo);
-        let out = &mut tile[(r - r0) * kdim..(r - r0 + 1) * kdim];
+        let out = &mut tile[(r - r0) * ld..][..kdim];
         if c.pool2 {
             out.fill(0.0);
             for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
