@@ -13,8 +13,9 @@
 //!   gate itself and folds it into its copy of the 1x1 projection's weights (no extra pass);
 //! - the threads split every layer by rows and meet at a spin barrier between layers.
 //!
-//! `HILUM_UNET_ENGINE=gemm` selects the shared im2col + gemm plan of [`super::Executor`]
-//! instead (for comparison).
+//! Without AVX2 (or with `HILUM_UNET_ENGINE=gemm`) the network runs as a plan for the shared
+//! im2col + gemm [`super::Executor`] instead; `HILUM_UNET_ENGINE=direct` forces the direct
+//! kernels, and `HILUM_UNET_ISA=avx2|portable` caps their instruction set (for comparisons).
 
 #[path = "unet_kernels.rs"]
 mod kernels;
@@ -41,7 +42,7 @@ pub struct NativeUnet {
 
 enum Engine {
     Direct(Box<Direct>),
-    Gemm(Executor),
+    Gemm(Box<Executor>),
 }
 
 impl std::fmt::Debug for NativeUnet {
@@ -64,10 +65,17 @@ impl NativeUnet {
     pub fn new(net: &LungUnet, threads: usize) -> Result<Self, CpuError> {
         let threads = threads.max(1);
         let size = net.config().input_size;
-        let engine = if std::env::var("HILUM_UNET_ENGINE").as_deref() == Ok("gemm") {
-            Engine::Gemm(gemm_plan(net, threads)?)
-        } else {
+        // The direct kernels are vectorised for x86-64 (AVX-512, AVX2); elsewhere the gemm
+        // crate's kernels are faster than their scalar fallback.
+        let direct = match std::env::var("HILUM_UNET_ENGINE").as_deref() {
+            Ok("gemm") => false,
+            Ok("direct") => true,
+            _ => kernels::has_avx512() || kernels::has_avx2(),
+        };
+        let engine = if direct {
             Engine::Direct(Box::new(Direct::new(net, threads)?))
+        } else {
+            Engine::Gemm(Box::new(gemm_plan(net, threads)?))
         };
         Ok(NativeUnet {
             engine,
@@ -171,7 +179,7 @@ struct HeadOp {
 enum UOp {
     /// The image (NHWC) into the interior of a map.
     Input(Map),
-    Conv(Conv),
+    Conv(Box<Conv>),
     /// Keras MaxPooling2D(2).
     Pool {
         src: Map,
@@ -265,15 +273,15 @@ impl Builder {
             }
             let dst = self.map(2 * src.h, 2 * src.w, cout);
             let mut passes = Vec::new();
-            for py in 0..2 {
-                for px in 0..2 {
+            for (py, row_span) in SPAN.iter().enumerate() {
+                for (px, col_span) in SPAN.iter().enumerate() {
                     let mut mats = Vec::new();
                     let mut taps = Vec::new();
-                    for dy in 0..2 {
-                        for dx in 0..2 {
+                    for (dy, kys) in row_span.iter().enumerate() {
+                        for (dx, kxs) in col_span.iter().enumerate() {
                             let mut m = vec![0f32; cin * cout];
-                            for &ky in SPAN[py][dy] {
-                                for &kx in SPAN[px][dx] {
+                            for &ky in *kys {
+                                for &kx in *kxs {
                                     m.iter_mut().zip(tap(ky, kx)).for_each(|(a, b)| *a += b);
                                 }
                             }
@@ -338,7 +346,7 @@ impl Builder {
             };
             (dst, dst.h, dst.w, vec![pass], epi(post))
         };
-        self.ops.push(UOp::Conv(Conv {
+        self.ops.push(UOp::Conv(Box::new(Conv {
             name,
             src: src.buf,
             dst: dst.buf,
@@ -350,7 +358,7 @@ impl Builder {
             epi,
             sums: Some(slot),
             gate: None,
-        }));
+        })));
         Ok(dst)
     }
 
@@ -382,7 +390,7 @@ impl Builder {
             }
             None => None,
         };
-        self.ops.push(UOp::Conv(Conv {
+        self.ops.push(UOp::Conv(Box::new(Conv {
             name,
             src: t.buf,
             dst: dst.buf,
@@ -410,7 +418,7 @@ impl Builder {
                 reduce: ConvOp::fold(&blk.se_reduce, None)?,
                 expand: ConvOp::fold(&blk.se_expand, None)?,
             }),
-        }));
+        })));
         Ok(dst)
     }
 }
@@ -541,12 +549,11 @@ impl Direct {
         let mut slot_base = vec![0; b.slots];
         let mut per_image = 0;
         for (op, &n) in b.ops.iter().zip(&chunks) {
-            if let UOp::Conv(Conv {
-                sums: Some(slot), ..
-            }) = op
-            {
-                slot_base[*slot] = per_image;
-                per_image += n;
+            if let UOp::Conv(c) = op {
+                if let Some(slot) = c.sums {
+                    slot_base[slot] = per_image;
+                    per_image += n;
+                }
             }
         }
         let d = Direct {
@@ -768,7 +775,7 @@ impl Direct {
         }
     }
 
-    /// Rows `y0..y1` of `op` for image `b` on thread `t`.
+    /// Rows `y0..y1` (chunk `chunk`) of `op` for image `b`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn exec(
         &self,
@@ -1049,4 +1056,108 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
     };
     validate(&plan)?;
     Executor::new(plan, threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::unet::{Backend, Config};
+    use candle_core::{DType, Device, Tensor};
+
+    /// The lung U-Net at 64 px with seeded weights (fan-in scaled so activations stay in range).
+    fn small_net() -> LungUnet {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut unit = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut ts = std::collections::HashMap::new();
+        for (name, shape) in crate::unet::expected_params() {
+            let n: usize = shape.iter().product();
+            let fan_in = if shape.len() == 4 {
+                shape[0] * shape[1] * shape[2]
+            } else {
+                1
+            };
+            let vals: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = unit();
+                    if name.ends_with("moving_variance") {
+                        0.5 + u.abs()
+                    } else {
+                        3.0 * u / (fan_in as f32).sqrt()
+                    }
+                })
+                .collect();
+            let t = Tensor::from_vec(vals, shape, &Device::Cpu).expect("tensor");
+            ts.insert(name, t);
+        }
+        let vb = candle_nn::VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+        let cfg = Config {
+            input_size: 64,
+            ..Config::lung_seg_valiou_088()
+        };
+        LungUnet::load(vb, &cfg).expect("load")
+    }
+
+    /// The direct kernels against candle, and bit for bit the same whatever the thread count
+    /// (the squeeze-excitation sums are kept per chunk, not per thread).
+    #[test]
+    fn direct_engine_matches_candle_for_any_thread_count() {
+        let net = small_net();
+        let mut state = 99u32;
+        let inputs: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                (0..64 * 64 * 3)
+                    .map(|_| {
+                        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        (state >> 24) as f32
+                    })
+                    .collect()
+            })
+            .collect();
+        let flat = inputs.concat();
+        let expected = net
+            .predict_with(Backend::Candle, &inputs)
+            .expect("candle")
+            .concat();
+        let one = Direct::new(&net, 1)
+            .expect("plan")
+            .forward(&flat, 2)
+            .expect("forward");
+        let max = one
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-4, "direct vs candle: max abs diff {max}");
+        let spread = expected
+            .iter()
+            .fold((1f32, 0f32), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        assert!(
+            spread.1 - spread.0 > 0.1,
+            "degenerate test output {spread:?}"
+        );
+        for threads in [2, 3] {
+            let d = Direct::new(&net, threads).expect("plan");
+            for _ in 0..3 {
+                assert!(
+                    d.forward(&flat, 2).expect("forward") == one,
+                    "{threads} threads"
+                );
+            }
+        }
+        let gemm = gemm_plan(&net, 2)
+            .expect("plan")
+            .forward(&flat, 2)
+            .expect("gemm");
+        let max = gemm
+            .iter()
+            .zip(&one)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-4, "direct vs gemm plan: max abs diff {max}");
+    }
 }

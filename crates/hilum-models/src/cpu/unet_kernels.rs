@@ -80,17 +80,41 @@ pub(super) struct Row<'a> {
     pub width: usize,
 }
 
+/// `HILUM_UNET_ISA=avx2|portable` caps the kernels used (to compare them on one machine).
+fn isa_cap() -> u8 {
+    static CAP: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("HILUM_UNET_ISA").as_deref() {
+        Ok("portable") => 0,
+        Ok("avx2") => 1,
+        _ => 2,
+    })
+}
+
 /// Whether this CPU runs the AVX-512 kernels.
 pub(super) fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *V4.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
+            isa_cap() >= 2
+                && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512dq")
                 && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this CPU runs the AVX2 kernels.
+pub(super) fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static V3: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *V3.get_or_init(|| {
+            isa_cap() >= 1 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -112,7 +136,34 @@ pub(super) unsafe fn conv_row(r: &Row) {
             _ => {}
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && row_v3(r) {
+        return;
+    }
     row_portable(r)
+}
+
+/// The AVX2 row kernel, when it covers `r.cout` (a multiple of 8, at most 64).
+///
+/// # Safety
+/// As for [`conv_row`], on a CPU with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+unsafe fn row_v3(r: &Row) -> bool {
+    if !r.cout.is_multiple_of(8) {
+        return false;
+    }
+    match r.cout / 8 {
+        1 => v3::row::<8, 1>(r),
+        2 => v3::row::<6, 2>(r),
+        3 => v3::row::<4, 3>(r),
+        4 => v3::row::<3, 4>(r),
+        5 => v3::row::<2, 5>(r),
+        6 => v3::row::<2, 6>(r),
+        7 => v3::row::<1, 7>(r),
+        8 => v3::row::<1, 8>(r),
+        _ => return false,
+    }
+    true
 }
 
 unsafe fn row_portable(r: &Row) {
@@ -168,9 +219,15 @@ pub(super) struct HeadRow<'a> {
 /// As for [`conv_row`].
 pub(super) unsafe fn head_row(h: &HeadRow) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() && h.cin % 8 == 0 {
+    if has_avx512() && h.cin.is_multiple_of(8) {
         let full = h.width / 16 * 16;
         v4::head16(h, full);
+        return head_portable(h, full);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && h.cin.is_multiple_of(8) {
+        let full = h.width / 8 * 8;
+        v3::head8(h, full);
         return head_portable(h, full);
     }
     head_portable(h, 0)
@@ -362,22 +419,6 @@ mod v4 {
         }
     }
 
-    /// Eight 8-lane dot-product accumulators to their eight sums.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-    fn hsum8(a: &[__m256; 8]) -> __m256 {
-        let h01 = _mm256_hadd_ps(a[0], a[1]);
-        let h23 = _mm256_hadd_ps(a[2], a[3]);
-        let h45 = _mm256_hadd_ps(a[4], a[5]);
-        let h67 = _mm256_hadd_ps(a[6], a[7]);
-        let lo = _mm256_hadd_ps(h01, h23);
-        let hi = _mm256_hadd_ps(h45, h67);
-        _mm256_add_ps(
-            _mm256_permute2f128_ps::<0x20>(lo, hi),
-            _mm256_permute2f128_ps::<0x31>(lo, hi),
-        )
-    }
-
     /// Head pixels `0..full` (a multiple of 16), input channels a multiple of 8.
     #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
     pub(super) unsafe fn head16(h: &HeadRow, full: usize) {
@@ -396,11 +437,160 @@ mod v4 {
                         }
                     }
                 }
-                *out = hsum8(&acc);
+                *out = super::v3::hsum8(&acc);
             }
             let v = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(halves[0]), halves[1]);
             _mm512_storeu_ps(h.dst.add(x), act(Act::Sigmoid, _mm512_add_ps(v, bias)));
             x += 16;
+        }
+    }
+}
+
+/// The same kernels on 8-lane AVX2 vectors, for CPUs without AVX-512: output channels a
+/// multiple of 8, so no masking.
+#[cfg(target_arch = "x86_64")]
+mod v3 {
+    use super::{cpad, Act, HeadRow, Row};
+    use std::arch::x86_64::*;
+
+    /// `exp` as [`crate::cpu::exp_approx`], the power of two built in the exponent bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(
+            _mm256_min_ps(x, _mm256_set1_ps(88.0)),
+            _mm256_set1_ps(-87.0),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        // n is in [-126, 127] after the clamp: a normal power of two.
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn act(a: Act, v: __m256) -> __m256 {
+        let one = _mm256_set1_ps(1.0);
+        let e = || exp(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        match a {
+            Act::None => v,
+            Act::Swish => _mm256_div_ps(v, _mm256_add_ps(one, e())),
+            Act::Sigmoid => _mm256_div_ps(one, _mm256_add_ps(one, e())),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row<const N: usize, const CV: usize>(r: &Row) {
+        let mut sums = [_mm256_setzero_ps(); CV];
+        let mut x = 0;
+        while x + N <= r.width {
+            block::<N, CV>(r, x, &mut sums);
+            x += N;
+        }
+        while x < r.width {
+            block::<1, CV>(r, x, &mut sums);
+            x += 1;
+        }
+        if !r.sums.is_null() {
+            for (v, s) in sums.iter().enumerate() {
+                let p = r.sums.add(v * 8);
+                _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), *s));
+            }
+        }
+    }
+
+    /// Eight 8-lane dot-product accumulators to their eight sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn hsum8(a: &[__m256; 8]) -> __m256 {
+        let h01 = _mm256_hadd_ps(a[0], a[1]);
+        let h23 = _mm256_hadd_ps(a[2], a[3]);
+        let h45 = _mm256_hadd_ps(a[4], a[5]);
+        let h67 = _mm256_hadd_ps(a[6], a[7]);
+        let lo = _mm256_hadd_ps(h01, h23);
+        let hi = _mm256_hadd_ps(h45, h67);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(lo, hi),
+            _mm256_permute2f128_ps::<0x31>(lo, hi),
+        )
+    }
+
+    /// Head pixels `0..full` (a multiple of 8), input channels a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn head8(h: &HeadRow, full: usize) {
+        let bias = _mm256_set1_ps(h.bias);
+        let mut x = 0;
+        while x < full {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (t, &off) in h.taps.iter().enumerate() {
+                for c8 in (0..h.cin).step_by(8) {
+                    let w = _mm256_loadu_ps(h.w.as_ptr().add(t * h.cin + c8));
+                    let ip = h.src.add(x * h.in_xs + off + c8);
+                    for (n, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(ip.add(n * h.in_xs)), w, *a);
+                    }
+                }
+            }
+            let v = _mm256_add_ps(hsum8(&acc), bias);
+            _mm256_storeu_ps(h.dst.add(x), act(Act::Sigmoid, v));
+            x += 8;
+        }
+    }
+
+    /// `N` output pixels from `x`, `CV = cout / 8` vectors each.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block<const N: usize, const CV: usize>(r: &Row, x: usize, sums: &mut [__m256; CV]) {
+        let cp = cpad(r.cout);
+        let mut acc = [[_mm256_setzero_ps(); CV]; N];
+        for (t, &off) in r.taps.iter().enumerate() {
+            let wt = r.w.add(t * r.cin * cp);
+            let ip = r.src.add(x * r.in_xs + off);
+            for ci in 0..r.cin {
+                let mut wv = [_mm256_setzero_ps(); CV];
+                for (v, w) in wv.iter_mut().enumerate() {
+                    *w = _mm256_loadu_ps(wt.add(ci * cp + v * 8));
+                }
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let b = _mm256_broadcast_ss(&*ip.add(n * r.in_xs + ci));
+                    for v in 0..CV {
+                        a[v] = _mm256_fmadd_ps(b, wv[v], a[v]);
+                    }
+                }
+            }
+        }
+        let e = r.epi;
+        for (n, a) in acc.iter().enumerate() {
+            for v in 0..CV {
+                let mut y = act(
+                    e.act,
+                    _mm256_add_ps(a[v], _mm256_loadu_ps(e.bias.as_ptr().add(v * 8))),
+                );
+                if !r.res.is_null() {
+                    y = _mm256_add_ps(y, _mm256_loadu_ps(r.res.add((x + n) * r.res_xs + v * 8)));
+                }
+                if let Some((s, t)) = &e.post {
+                    y = _mm256_fmadd_ps(
+                        y,
+                        _mm256_loadu_ps(s.as_ptr().add(v * 8)),
+                        _mm256_loadu_ps(t.as_ptr().add(v * 8)),
+                    );
+                }
+                y = act(e.post_act, y);
+                _mm256_storeu_ps(r.dst.add((x + n) * r.out_xs + v * 8), y);
+                sums[v] = _mm256_add_ps(sums[v], y);
+            }
         }
     }
 }
@@ -416,12 +606,19 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
-    /// The AVX-512 row kernel (when this CPU has it) against the scalar one, for every vector
-    /// count, with all epilogue parts on and a width that leaves a remainder.
+    #[derive(Clone, Copy)]
+    enum Path {
+        Best,
+        Portable,
+        Avx2,
+    }
+
+    /// The vector row kernels this CPU has against the scalar one, for every vector count,
+    /// with all epilogue parts on and a width that leaves a remainder.
     #[test]
     fn vector_rows_match_scalar_rows() {
         let mut seed = 7;
-        for cout in [1, 8, 16, 24, 32, 48, 64] {
+        for cout in [1, 8, 16, 24, 32, 40, 48, 64] {
             let (cin, width, xs) = (5, 11, 7);
             let taps = [0, 3, 40];
             let cp = cpad(cout);
@@ -442,7 +639,7 @@ mod tests {
                 w[t * cp + cout..(t + 1) * cp].fill(0.0);
             }
             epi.bias[cout..].fill(0.0);
-            let run = |vector: bool| {
+            let run = |path: Path| {
                 let mut out = vec![0f32; width * cp + 3];
                 let mut sums = vec![0f32; cp];
                 let r = Row {
@@ -462,16 +659,20 @@ mod tests {
                 };
                 // SAFETY: the buffers above cover the row.
                 unsafe {
-                    if vector {
-                        conv_row(&r)
-                    } else {
-                        row_portable(&r)
+                    match path {
+                        Path::Best => conv_row(&r),
+                        Path::Portable => row_portable(&r),
+                        #[cfg(target_arch = "x86_64")]
+                        Path::Avx2 => assert!(row_v3(&r)),
+                        #[cfg(not(target_arch = "x86_64"))]
+                        Path::Avx2 => unreachable!(),
                     }
                 }
                 (out, sums)
             };
-            let (a, sa) = run(true);
-            let (b, sb) = run(false);
+            let (a, sa) = run(Path::Best);
+            let (b, sb) = run(Path::Portable);
+            let avx2 = (has_avx2() && cout % 8 == 0).then(|| run(Path::Avx2));
             for x in 0..width {
                 for c in 0..cp {
                     let (va, vb) = (a[x * cp + c], b[x * cp + c]);
@@ -487,6 +688,17 @@ mod tests {
             }
             for c in 0..cout {
                 assert!((sa[c] - sb[c]).abs() < 1e-4, "cout {cout} sum {c}");
+            }
+            if let Some((v3, s3)) = avx2 {
+                for x in 0..width {
+                    for c in 0..cp {
+                        let (va, vb) = (v3[x * cp + c], b[x * cp + c]);
+                        assert!((va - vb).abs() < 1e-5, "avx2 cout {cout} x {x} c {c}");
+                    }
+                }
+                for c in 0..cout {
+                    assert!((s3[c] - sb[c]).abs() < 1e-4, "avx2 cout {cout} sum {c}");
+                }
             }
         }
     }
@@ -523,6 +735,33 @@ mod tests {
         let (a, b) = (run(true), run(false));
         for x in 0..width {
             assert!((a[x] - b[x]).abs() < 1e-6, "x {x}: {} vs {}", a[x], b[x]);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            let mut c = vec![0f32; width];
+            let h = HeadRow {
+                src: src.as_ptr(),
+                in_xs: cin,
+                taps: &taps,
+                cin,
+                w: &w,
+                bias: 0.3,
+                dst: c.as_mut_ptr(),
+                width,
+            };
+            // SAFETY: as above.
+            unsafe {
+                v3::head8(&h, width / 8 * 8);
+                head_portable(&h, width / 8 * 8);
+            }
+            for x in 0..width {
+                assert!(
+                    (c[x] - b[x]).abs() < 1e-6,
+                    "avx2 x {x}: {} vs {}",
+                    c[x],
+                    b[x]
+                );
+            }
         }
     }
 }

@@ -48,7 +48,7 @@ pub(super) struct Pool {
 
 /// Spins of a worker after a job before it sleeps: back-to-back forwards (a batch, a series)
 /// then find it awake.
-const SPINS: u32 = 1 << 16;
+const SPINS: u32 = 1 << 14;
 
 impl Pool {
     /// A pool of `threads - 1` workers (the caller is the last thread).
