@@ -339,7 +339,6 @@ mod tests {
             ("▁", -1.0),
             ("ab", -2.0),
             ("bc", -1.5),
-            ("abc", -3.0),
             ("▁a", -2.5),
             ("é", -1.0),
         ] {
@@ -363,9 +362,11 @@ mod tests {
     #[test]
     fn highest_score_pair_merges_first() {
         let v = vocab(false);
-        // "bc" (-1.5) beats "ab" (-2.0); then "a"+"bc" is not a token, so it stops there.
+        // "bc" (-1.5) beats "ab" (-2.0); "a"+"bc" is not a token, so it stops there.
         assert_eq!(pieces(&v, "abc"), ["a", "bc"]);
         assert_eq!(pieces(&v, "ab"), ["ab"]);
+        // "ab" (-2.0) beats the leftmost "▁a" (-2.5).
+        assert_eq!(pieces(&v, " ab"), ["▁", "ab"]);
         assert_eq!(pieces(&v, "b a"), ["b", "▁a"]);
     }
 

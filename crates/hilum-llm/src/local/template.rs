@@ -21,7 +21,7 @@ const GEMMA_TURNS: &str = r#"{%- set ns = namespace(system='') -%}
 {{- '<start_of_turn>' + role + '\n' + ns.system -}}{%- set ns.system = '' -%}
 {%- if message.role == 'tool' -%}{{- 'Result of ' + message.name + ':\n' + message.content -}}
 {%- else -%}{{- message.content -}}
-{%- for call in message.tool_calls or [] -%}{{- '\n<tool_call>\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '\n</tool_call>' -}}{%- endfor -%}
+{%- for call in message.tool_calls or [] -%}{{- '\n<tool_call>\n{"name": ' + (call.function.name | tojson) + ', "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' -}}{%- endfor -%}
 {%- endif -%}
 {{- '<end_of_turn>\n' -}}
 {%- endif -%}
@@ -225,5 +225,35 @@ mod tests {
             .render(&[Message::assistant("", vec![call])], &[], false)
             .unwrap();
         assert_eq!(p, r#"{"image": "img_1"}"#);
+    }
+
+    #[test]
+    fn gemma_turns_fold_the_system_prompt_and_name_the_assistant_model() {
+        let t = ChatTemplate::new(Some(GEMMA_TURNS.into())).unwrap();
+        let call = ToolCall::new("c1", "image_info", &json!({"image": "img_1"}));
+        let p = t
+            .render(
+                &[
+                    Message::system("S"),
+                    Message::user("hi", vec![]),
+                    Message::assistant("", vec![call]),
+                    Message::Tool {
+                        tool_call_id: "c1".into(),
+                        name: "image_info".into(),
+                        content: "8-bit".into(),
+                        is_error: false,
+                    },
+                ],
+                &[],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            p,
+            "<start_of_turn>user\nS\n\nhi<end_of_turn>\n\
+             <start_of_turn>model\n\n<tool_call>\n{\"name\": \"image_info\", \"arguments\": {\"image\": \"img_1\"}}\n</tool_call><end_of_turn>\n\
+             <start_of_turn>user\nResult of image_info:\n8-bit<end_of_turn>\n\
+             <start_of_turn>model\n"
+        );
     }
 }

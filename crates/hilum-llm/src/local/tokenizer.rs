@@ -1,5 +1,6 @@
-//! The tokenizer of a GGUF file, built from its own vocabulary and merges, plus the token trie
-//! llguidance needs to constrain sampling.
+//! The tokenizer of a GGUF file, built from its own vocabulary (byte-level BPE with its merges,
+//! or SentencePiece with its scores: see `spm`), plus the token trie llguidance needs to
+//! constrain sampling.
 
 use std::collections::HashMap;
 use std::sync::Arc;
