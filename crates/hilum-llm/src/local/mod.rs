@@ -160,7 +160,13 @@ impl Decoder {
             Some("gemma3") => {
                 Decoder::Gemma3(gemma3::Gemma3::load(ct, r, max_positions, mode, dev)?)
             }
-            _ => Decoder::Llama(model::Model::load(ct, r, max_positions, mode, dev)?),
+            Some("qwen2" | "llama") => {
+                Decoder::Llama(model::Model::load(ct, r, max_positions, mode, dev)?)
+            }
+            other => candle_core::bail!(
+                "GGUF architecture `{}` is not supported by the local backend (qwen2, llama and gemma3 are)",
+                other.unwrap_or("(none)")
+            ),
         })
     }
 
