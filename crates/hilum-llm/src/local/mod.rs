@@ -309,9 +309,12 @@ impl Llm for LocalLlm {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // Tool calls are decoded between `<tool_call>` tokens; vocabularies without them (Gemma)
+        // can only call tools through a text protocol (ReAct).
+        let native = self.inner.tok.special("<tool_call>").is_some();
         Capabilities {
-            native_tools: true,
-            parallel_tool_calls: true,
+            native_tools: native,
+            parallel_tool_calls: native,
             images: false,
             local: true,
         }
