@@ -317,6 +317,8 @@ async fn loads_as_a_local_llm_with_the_gemma_turn_format() {
     let mut cfg = LocalConfig::new(path);
     cfg.context = 1024;
     let llm = LocalLlm::load(cfg).expect("loads");
+    // No <tool_call> tokens in Gemma's vocabulary: tools go through the ReAct text protocol.
+    assert!(!llm.capabilities().native_tools);
     let prompt = llm
         .template()
         .render(
