@@ -145,6 +145,9 @@ struct Pass {
 #[derive(Debug)]
 struct Gate {
     slot: usize,
+    /// Output pixels per vector of the summing conv: its sums of channel `c` sit at
+    /// `c + j * channels` for `j < fold`.
+    fold: usize,
     pixels: usize,
     reduce: Folded,
     expand: Folded,
@@ -152,7 +155,10 @@ struct Gate {
 
 #[derive(Debug)]
 struct Conv {
+    /// For the profile: what the op computes (output size, channels) and its FLOPs (after the
+    /// sub-pixel decomposition, without paired pixels' zero weights).
     name: String,
+    flops: f64,
     src: usize,
     dst: usize,
     rows: usize,
@@ -216,6 +222,11 @@ struct Builder {
     bufs: Vec<usize>,
     ops: Vec<UOp>,
     slots: usize,
+    /// Pixels per vector of the last conv's sums (see [`Gate::fold`]).
+    last_fold: usize,
+    /// Pair neighbouring output pixels of layers with at most 8 channels in one 16-lane vector
+    /// (AVX-512 only: AVX2 vectors are already full at 8).
+    pair: bool,
 }
 
 impl Builder {
@@ -272,38 +283,84 @@ impl Builder {
                 ));
             }
             let dst = self.map(2 * src.h, 2 * src.w, cout);
+            // Effective 2x2 kernel of output parity (py, px), tap (dy, dx): (cin x cout).
+            let eff = |py: usize, px: usize, dy: usize, dx: usize| {
+                let mut m = vec![0f32; cin * cout];
+                for &ky in SPAN[py][dy] {
+                    for &kx in SPAN[px][dx] {
+                        m.iter_mut().zip(tap(ky, kx)).for_each(|(a, b)| *a += b);
+                    }
+                }
+                m
+            };
             let mut passes = Vec::new();
-            for (py, row_span) in SPAN.iter().enumerate() {
-                for (px, col_span) in SPAN.iter().enumerate() {
+            if self.pair && 2 * cout <= 16 {
+                // Both column parities in one vector: lanes [0, cout) are output column 2x
+                // (low-resolution columns x-1, x), lanes [cout, 2 cout) column 2x + 1 (x, x+1),
+                // so each row parity is a 2x3 conv to 2 * cout channels, stored contiguously.
+                let vc = 2 * cout;
+                for py in 0..2 {
                     let mut mats = Vec::new();
                     let mut taps = Vec::new();
-                    for (dy, kys) in row_span.iter().enumerate() {
-                        for (dx, kxs) in col_span.iter().enumerate() {
-                            let mut m = vec![0f32; cin * cout];
-                            for &ky in *kys {
-                                for &kx in *kxs {
-                                    m.iter_mut().zip(tap(ky, kx)).for_each(|(a, b)| *a += b);
+                    for dy in 0..2 {
+                        for cx in 0..3usize {
+                            let mut m = vec![0f32; cin * vc];
+                            for (px, dx) in [(0, cx), (1, cx.wrapping_sub(1))] {
+                                if dx < 2 {
+                                    let e = eff(py, px, dy, dx);
+                                    for ci in 0..cin {
+                                        m[ci * vc + px * cout..][..cout]
+                                            .copy_from_slice(&e[ci * cout..][..cout]);
+                                    }
                                 }
                             }
                             mats.push(m);
-                            taps.push(dy * src.row() + dx * src.c);
+                            taps.push(dy * src.row() + cx * src.c);
                         }
                     }
                     passes.push(Pass {
                         input: Grid {
-                            org: py * src.row() + px * src.c,
+                            org: py * src.row(),
                             ys: src.row(),
                             xs: src.c,
                         },
                         output: Grid {
-                            org: dst.interior().at(py, px),
+                            org: dst.interior().at(py, 0),
                             ys: 2 * dst.row(),
-                            xs: 2 * dst.c,
+                            xs: vc,
                         },
                         residual: None,
                         taps,
-                        weight: pack(&mats, cin, cout),
+                        weight: pack(&mats, cin, vc),
                     });
+                }
+            } else {
+                for py in 0..2 {
+                    for px in 0..2 {
+                        let mut mats = Vec::new();
+                        let mut taps = Vec::new();
+                        for dy in 0..2 {
+                            for dx in 0..2 {
+                                mats.push(eff(py, px, dy, dx));
+                                taps.push(dy * src.row() + dx * src.c);
+                            }
+                        }
+                        passes.push(Pass {
+                            input: Grid {
+                                org: py * src.row() + px * src.c,
+                                ys: src.row(),
+                                xs: src.c,
+                            },
+                            output: Grid {
+                                org: dst.interior().at(py, px),
+                                ys: 2 * dst.row(),
+                                xs: 2 * dst.c,
+                            },
+                            residual: None,
+                            taps,
+                            weight: pack(&mats, cin, cout),
+                        });
+                    }
                 }
             }
             (dst, src.h, src.w, passes, epi(None))
@@ -346,14 +403,29 @@ impl Builder {
             };
             (dst, dst.h, dst.w, vec![pass], epi(post))
         };
+        // Paired passes write two pixels' channels per output: 2 * cout lanes.
+        let fold = if up2 && passes.len() == 2 { 2 } else { 1 };
+        let vc = fold * cout;
+        let epi = Epi {
+            bias: padded(&epi.bias[..cout].repeat(fold), vc),
+            ..epi
+        };
+        self.last_fold = fold;
+        let taps = if up2 { 4 } else { 9 };
+        let how = match (up2, fold) {
+            (false, _) => String::new(),
+            (true, 1) => " as 4 2x2 convs".into(),
+            (true, _) => " as 2 paired 2x3 convs".into(),
+        };
         self.ops.push(UOp::Conv(Box::new(Conv {
-            name,
+            name: format!("{name}{how} to {}x{}x{cout}", dst.h, dst.w),
+            flops: 2.0 * (dst.h * dst.w * taps * cin * cout) as f64,
             src: src.buf,
             dst: dst.buf,
             rows,
             cols,
             cin,
-            cout,
+            cout: vc,
             passes,
             epi,
             sums: Some(slot),
@@ -390,29 +462,62 @@ impl Builder {
             }
             None => None,
         };
-        self.ops.push(UOp::Conv(Box::new(Conv {
-            name,
-            src: t.buf,
-            dst: dst.buf,
-            rows: t.h,
-            cols: t.w,
-            cin,
-            cout,
-            passes: vec![Pass {
+        let bias = b.unwrap_or_else(|| vec![0.0; cout]);
+        // With at most 8 channels, two neighbouring pixels form one 16-lane output: taps at
+        // the two pixels with block-diagonal weights.
+        let pass = if self.pair && 2 * cout <= 16 && t.w.is_multiple_of(2) {
+            let vc = 2 * cout;
+            let mats: Vec<Vec<f32>> = (0..2)
+                .map(|px| {
+                    let mut m = vec![0f32; cin * vc];
+                    for ci in 0..cin {
+                        m[ci * vc + px * cout..][..cout].copy_from_slice(&w[ci * cout..][..cout]);
+                    }
+                    m
+                })
+                .collect();
+            let pairs = |g: Grid| Grid { xs: 2 * g.xs, ..g };
+            Pass {
+                input: pairs(t.interior()),
+                output: pairs(dst.interior()),
+                residual: residual.map(|(buf, g)| (buf, pairs(g))),
+                taps: vec![0, cin],
+                weight: pack(&mats, cin, vc),
+            }
+        } else {
+            Pass {
                 input: t.interior(),
                 output: dst.interior(),
                 residual,
                 taps: vec![0],
                 weight: pack(&[w], cin, cout),
-            }],
+            }
+        };
+        let fold = pass.taps.len();
+        self.ops.push(UOp::Conv(Box::new(Conv {
+            name: format!(
+                "{name}{} to {}x{}x{cout}",
+                if fold > 1 { " paired" } else { "" },
+                dst.h,
+                dst.w
+            ),
+            flops: 2.0 * (dst.h * dst.w * cin * cout) as f64,
+            src: t.buf,
+            dst: dst.buf,
+            rows: t.h,
+            cols: t.w / fold,
+            cin,
+            cout: fold * cout,
+            passes: vec![pass],
             epi: Epi {
-                bias: padded(b.as_deref().unwrap_or(&[]), cout),
+                bias: padded(&padded(&bias, cout)[..cout].repeat(fold), fold * cout),
                 act: Act::Swish,
                 post: None,
                 post_act: Act::None,
             },
             sums: None,
             gate: Some(Gate {
+                fold: self.last_fold,
                 slot: self.slots - 1,
                 pixels: t.h * t.w,
                 reduce: ConvOp::fold(&blk.se_reduce, None)?,
@@ -495,6 +600,8 @@ impl Direct {
             bufs: Vec::new(),
             ops: Vec::new(),
             slots: 0,
+            last_fold: 1,
+            pair: kernels::has_avx512(),
         };
         let input = b.map(size, size, cfg.in_channels);
         b.ops.push(UOp::Input(input));
@@ -506,14 +613,24 @@ impl Direct {
                 b.ops.push(UOp::Pool { src: x, dst: p });
                 x = p;
             }
-            let t = b.conv3(x, blk, false, format!("enc{i} 3x3 s{}", blk.stride))?;
+            let t = b.conv3(
+                x,
+                blk,
+                false,
+                format!("enc{i} 3x3 s{} {}ch", blk.stride, x.c),
+            )?;
             x = b.project(t, blk, None, format!("enc{i} 1x1 gated"))?;
             skips.push(x);
         }
         skips.pop(); // the bottleneck is `x` itself
         for (i, blk) in net.decoder.iter().enumerate() {
-            let t = b.conv3(x, blk, true, format!("dec{i} up2 3x3 (4x 2x2)"))?;
-            x = b.project(t, blk, skips.pop(), format!("dec{i} 1x1 gated +skip"))?;
+            let t = b.conv3(x, blk, true, format!("dec{i} up2+3x3 {}ch", x.c))?;
+            let skip = skips.pop();
+            let name = format!(
+                "dec{i} 1x1 gated{}",
+                if skip.is_some() { " +skip" } else { "" }
+            );
+            x = b.project(t, blk, skip, name)?;
         }
         let cin = x.c;
         let (w, bias, cout) = Builder::fold3(&net.head, cin)?;
@@ -621,7 +738,7 @@ impl Direct {
                             let c_se = g.reduce.0.len() / c.cin.max(1);
                             c.passes.len() == 1
                                 && g.slot < self.slots
-                                && c.cin <= self.cmax
+                                && g.fold * c.cin <= self.cmax
                                 && g.reduce.0.len() == c.cin * c_se
                                 && g.expand.0.len() == c_se * c.cin
                                 && g.reduce.1.as_ref().is_none_or(|b| b.len() == c_se)
@@ -659,7 +776,7 @@ impl Direct {
                 .ops
                 .iter()
                 .map(|op| match op {
-                    UOp::Conv(c) if c.gate.is_some() => c.cin * cpad(c.cout),
+                    UOp::Conv(c) if c.gate.is_some() => c.passes[0].weight.len(),
                     _ => 0,
                 })
                 .max()
@@ -830,19 +947,27 @@ impl Direct {
                         *gate_ready = true;
                         let mut mean = vec![0f32; c.cin];
                         for k in 0..self.chunk_count(g.slot) {
-                            let part =
-                                std::slice::from_raw_parts(self.sums(sh, b, g.slot, k), c.cin);
-                            mean.iter_mut().zip(part).for_each(|(m, p)| *m += p);
+                            let part = std::slice::from_raw_parts(
+                                self.sums(sh, b, g.slot, k),
+                                g.fold * c.cin,
+                            );
+                            for lanes in part.chunks_exact(c.cin) {
+                                mean.iter_mut().zip(lanes).for_each(|(m, p)| *m += p);
+                            }
                         }
                         mean.iter_mut().for_each(|m| *m /= g.pixels as f32);
                         let mut gate = vec![0f32; c.cin];
                         kernels::se_gate(&mean, &g.reduce, &g.expand, &mut gate);
+                        // Weight rows are (tap, input channel): every tap reads the same
+                        // channels (the pixels paired by a 1x1).
                         let w = &c.passes[0].weight;
-                        for (ci, gv) in gate.iter().enumerate() {
-                            scratch[ci * cp..(ci + 1) * cp]
-                                .iter_mut()
-                                .zip(&w[ci * cp..(ci + 1) * cp])
-                                .for_each(|(d, &v)| *d = v * gv);
+                        for (r, (d, s)) in scratch[..w.len()]
+                            .chunks_exact_mut(cp)
+                            .zip(w.chunks_exact(cp))
+                            .enumerate()
+                        {
+                            let gv = gate[r % c.cin];
+                            d.iter_mut().zip(s).for_each(|(d, &v)| *d = v * gv);
                         }
                     }
                     _ => {}
@@ -898,16 +1023,10 @@ impl Direct {
                     "head 3x3 sigmoid".to_string(),
                     2.0 * (h.src.h * h.src.w * h.weight.len()) as f64,
                 ),
-                UOp::Conv(c) => (
-                    format!("{} {}x{} {}->{}", c.name, c.rows, c.cols, c.cin, c.cout),
-                    c.passes
-                        .iter()
-                        .map(|p| 2.0 * (c.rows * c.cols * p.taps.len() * c.cin * c.cout) as f64)
-                        .sum(),
-                ),
+                UOp::Conv(c) => (c.name.clone(), c.flops),
             };
             eprintln!(
-                "  {name:<44} {ms:>7.3} ms {:>5.1}% {:>6.1} GFLOP/s",
+                "  {name:<54} {ms:>7.3} ms {:>5.1}% {:>6.1} GFLOP/s",
                 100.0 * ms / total.max(1e-9),
                 batch as f64 * flops / (ms.max(1e-9) * 1e6)
             );
