@@ -438,7 +438,7 @@ pub(crate) struct Plan {
     pub output: Output,
 }
 
-/// Per-thread scratch and buffers, reused across calls with the same batch size.
+/// Per-thread scratch and buffers, reused across calls with at most its batch size.
 struct Workspace {
     batch: usize,
     bufs: Vec<Vec<f32>>,
@@ -554,7 +554,7 @@ impl Executor {
             });
         }
         let mut guard = self.ws.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().map(|w| w.batch) != Some(batch) {
+        if guard.as_ref().is_none_or(|w| w.batch < batch) {
             let (mut tile_len, mut w_len) = (0, 0);
             for op in &p.ops {
                 if let Op::Conv(c) = op {
