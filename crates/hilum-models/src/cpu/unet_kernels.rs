@@ -426,6 +426,30 @@ mod v4 {
         let mut x = 0;
         while x < full {
             let mut halves = [_mm256_setzero_ps(); 2];
+            if h.cin == 8 && h.in_xs == 8 {
+                // Two neighbouring pixels' 8 channels fill one 16-lane load.
+                for (half, out) in halves.iter_mut().enumerate() {
+                    let mut acc = [_mm512_setzero_ps(); 4];
+                    for (t, &off) in h.taps.iter().enumerate() {
+                        let w8 = _mm256_loadu_ps(h.w.as_ptr().add(t * 8));
+                        let w = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(w8), w8);
+                        let ip = h.src.add((x + half * 8) * 8 + off);
+                        for (n, a) in acc.iter_mut().enumerate() {
+                            *a = _mm512_fmadd_ps(_mm512_loadu_ps(ip.add(n * 16)), w, *a);
+                        }
+                    }
+                    let mut px = [_mm256_setzero_ps(); 8];
+                    for (n, a) in acc.iter().enumerate() {
+                        px[2 * n] = _mm512_castps512_ps256(*a);
+                        px[2 * n + 1] = _mm512_extractf32x8_ps::<1>(*a);
+                    }
+                    *out = super::v3::hsum8(&px);
+                }
+                let v = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(halves[0]), halves[1]);
+                _mm512_storeu_ps(h.dst.add(x), act(Act::Sigmoid, _mm512_add_ps(v, bias)));
+                x += 16;
+                continue;
+            }
             for (half, out) in halves.iter_mut().enumerate() {
                 let mut acc = [_mm256_setzero_ps(); 8];
                 for (t, &off) in h.taps.iter().enumerate() {
@@ -705,8 +729,15 @@ mod tests {
 
     #[test]
     fn vector_head_matches_scalar_head() {
+        for cin in [8, 16] {
+            head_case(cin);
+        }
+    }
+
+    /// Input channels 8 take the paired-pixel path of the AVX-512 head.
+    fn head_case(cin: usize) {
         let mut seed = 3;
-        let (cin, width) = (16, 37);
+        let width = 37;
         let taps = [0, 16, 640];
         let src: Vec<f32> = (0..width * cin + 700).map(|_| lcg(&mut seed)).collect();
         let w: Vec<f32> = (0..taps.len() * cin).map(|_| lcg(&mut seed)).collect();
