@@ -11,7 +11,12 @@
 //! - bias, swish, the encoder's residual + BatchNorm + swish and the squeeze-excitation sums
 //!   are applied to the accumulators before they are stored; each thread then computes the
 //!   gate itself and folds it into its copy of the 1x1 projection's weights (no extra pass);
-//! - the threads split every layer by rows and meet at a spin barrier between layers.
+//! - on AVX-512, layers with 8 channels pair neighbouring output pixels in one 16-lane vector;
+//! - every layer is handed out in row chunks of ~10 µs: the caller starts at once, persistent
+//!   workers ([`pool`]) join when they wake, and a thread moves to the next layer when all of
+//!   this layer's chunks are done; so a late or descheduled worker delays a chunk, not every
+//!   layer (the squeeze-excitation sums are kept per chunk, so results do not depend on which
+//!   thread ran what).
 //!
 //! Without AVX2 (or with `HILUM_UNET_ENGINE=gemm`) the network runs as a plan for the shared
 //! im2col + gemm [`super::Executor`] instead; `HILUM_UNET_ENGINE=direct` forces the direct
