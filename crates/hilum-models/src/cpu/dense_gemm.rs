@@ -234,19 +234,24 @@ pub(crate) fn conv_part(
                 for p in p0..p1 {
                     let cols = (n - p * NR).min(NR);
                     let b = b_at(p, kb);
-                    // The next weight block, fetched into L2 while this one's first row block
-                    // runs (small layers meet each block a few times only: an L3 miss costs).
-                    let next = if p + 1 < p1 {
-                        b_at(p + 1, kb)
+                    // The next weight block is fetched into L2 while this one runs, a slice
+                    // per row block (small layers meet each block a few times only, and it
+                    // comes from memory).
+                    let (next, next_rows) = if p + 1 < p1 {
+                        (b_at(p + 1, kb), kb.taps * kb.kc)
                     } else if let Some(nb) = blocks.get(bi + 1) {
-                        b_at(p0, nb)
+                        (b_at(p0, nb), nb.taps * nb.kc)
+                    } else if g1 < r1 {
+                        (b_at(p0, &blocks[0]), blocks[0].taps * blocks[0].kc)
                     } else {
-                        std::ptr::null()
+                        (std::ptr::null(), 0)
                     };
+                    let row_blocks = (g1 - g0).div_ceil(MR);
                     let mut m0 = g0;
                     while m0 < g1 {
                         let m = (g1 - m0).min(MR);
                         let blk = (m0 - g0) / MR;
+                        let (pf0, pf1) = share(next_rows, blk, row_blocks);
                         let a = &ptrs[blk * stride + kb.tap0 * MR..];
                         let call = Call {
                             a,
@@ -268,7 +273,12 @@ pub(crate) fn conv_part(
                             },
                             res_ld: c.residual.map_or(0, |v| v.pitch),
                             post_relu,
-                            prefetch: if m0 == g0 { next } else { std::ptr::null() },
+                            prefetch: if pf1 > pf0 {
+                                next.wrapping_add(pf0 * NR)
+                            } else {
+                                std::ptr::null()
+                            },
+                            prefetch_rows: pf1 - pf0,
                         };
                         kernel(m, &call);
                         m0 += m;
@@ -378,8 +388,9 @@ struct Call<'a> {
     res: *const f32,
     res_ld: usize,
     post_relu: bool,
-    /// Weights to prefetch into L2, as many rows as this pass reads (null: none).
+    /// Weights to prefetch into L2 (null: none), `prefetch_rows` rows of `NR`.
     prefetch: *const f32,
+    prefetch_rows: usize,
 }
 
 /// Dispatches `m` (1..=MR) rows to the kernel compiled for that many.
@@ -429,6 +440,7 @@ unsafe fn micro<const M: usize, const PF: bool>(k: &Call) {
     }
     let mut bp = k.b;
     let mut pf = k.prefetch;
+    let mut pf_left = k.prefetch_rows;
     for tap in 0..k.taps {
         let mut ap = [std::ptr::null::<f32>(); M];
         for (i, p) in ap.iter_mut().enumerate() {
@@ -438,10 +450,11 @@ unsafe fn micro<const M: usize, const PF: bool>(k: &Call) {
             let b0 = _mm512_loadu_ps(bp);
             let b1 = _mm512_loadu_ps(bp.add(16));
             bp = bp.add(NR);
-            if PF {
+            if PF && pf_left > 0 {
                 _mm_prefetch::<_MM_HINT_T1>(pf as *const i8);
                 _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(16) as *const i8);
                 pf = pf.wrapping_add(NR);
+                pf_left -= 1;
             }
             for i in 0..M {
                 let av = _mm512_set1_ps(*ap[i].add(kk));
@@ -474,5 +487,159 @@ unsafe fn micro<const M: usize, const PF: bool>(k: &Call) {
         let row = k.c.add(i * k.ldc);
         _mm512_mask_storeu_ps(row, m0, v0);
         _mm512_mask_storeu_ps(row.add(16), m1, v1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{validate, Act, Affine, ConvOp, Executor, Op, Output, Plan, View};
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Runs `op` (reading buffer 0, an NHWC input of `size`^2 x `c` per image, and writing
+    /// buffer 1) with and without packed weights; returns the largest difference.
+    fn packed_vs_plain(op: ConvOp, size: usize, c: usize, batch: usize) -> f32 {
+        let dst = op.dst;
+        let input = values(batch * size * size * c, 3);
+        let run = |op: ConvOp, threads: usize| {
+            let plan = Plan {
+                in_channels: c,
+                size,
+                input_nhwc: true,
+                buf_sizes: vec![size * size * c, dst.h * dst.w * dst.pitch],
+                ops: vec![Op::Conv(op)],
+                output: Output::Map(dst),
+            };
+            validate(&plan).expect("valid plan");
+            let exec = Executor::new(plan, threads).expect("executor");
+            exec.forward(&input, batch).expect("forward")
+        };
+        let plain = run(op.clone(), 1);
+        let packed = op.packed();
+        assert!(packed.packed.is_some(), "op should take the packed path");
+        let mut worst = 0f32;
+        for threads in [1, 2, 3] {
+            let out = run(packed.clone(), threads);
+            assert_eq!(out.len(), plain.len());
+            for (a, b) in out.iter().zip(&plain) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+        worst
+    }
+
+    fn conv(src: View, dst: View, k: usize, stride: usize, pad: usize, seed: u64) -> ConvOp {
+        let kdim = k * k * src.c;
+        let w = values(kdim * dst.c, seed)
+            .into_iter()
+            .map(|v| v / (kdim as f32).sqrt())
+            .collect();
+        ConvOp::new(src, dst, k, stride, pad, (w, Some(values(dst.c, seed + 1))))
+    }
+
+    fn affine(c: usize) -> Affine {
+        Affine {
+            scale: values(c, 11).iter().map(|v| 1.0 + v).collect(),
+            shift: values(c, 12),
+        }
+    }
+
+    #[test]
+    fn pre_activated_1x1_on_a_channel_slice() {
+        // 40 of 48 channels in, 40 out (a masked panel), 81 pixels (row-block tails).
+        let src = View::whole(0, 9, 9, 48).slice(0, 40);
+        let op = ConvOp {
+            pre: Some(affine(40)),
+            act: Act::Relu,
+            ..conv(src, View::whole(1, 9, 9, 40), 1, 1, 0, 1)
+        };
+        assert!(packed_vs_plain(op, 9, 48, 2) < 1e-5);
+    }
+
+    #[test]
+    fn long_reduction_takes_several_passes() {
+        let src = View::whole(0, 5, 5, 600);
+        let op = ConvOp {
+            pre: Some(affine(600)),
+            ..conv(src, View::whole(1, 5, 5, 70), 1, 1, 0, 2)
+        };
+        assert!(packed_vs_plain(op, 5, 600, 3) < 1e-5);
+    }
+
+    #[test]
+    fn kxk_through_row_pointers_with_padding_and_stride() {
+        let op = conv(
+            View::whole(0, 7, 7, 16),
+            View::whole(1, 7, 7, 32),
+            3,
+            1,
+            1,
+            3,
+        );
+        assert!(packed_vs_plain(op, 7, 16, 2) < 1e-5);
+        let op = ConvOp {
+            act: Act::Relu,
+            ..conv(
+                View::whole(0, 13, 13, 24),
+                View::whole(1, 7, 7, 64),
+                3,
+                2,
+                1,
+                4,
+            )
+        };
+        assert!(packed_vs_plain(op, 13, 24, 3) < 1e-5);
+    }
+
+    #[test]
+    fn one_channel_stem_and_pooled_transition() {
+        let op = ConvOp {
+            act: Act::Relu,
+            ..conv(
+                View::whole(0, 20, 20, 1),
+                View::whole(1, 10, 10, 64),
+                7,
+                2,
+                3,
+                5,
+            )
+        };
+        assert!(packed_vs_plain(op, 20, 1, 2) < 1e-5);
+        let op = ConvOp {
+            pre: Some(affine(32)),
+            pool2: true,
+            ..conv(
+                View::whole(0, 8, 8, 32),
+                View::whole(1, 4, 4, 16),
+                1,
+                1,
+                0,
+                6,
+            )
+        };
+        assert!(packed_vs_plain(op, 8, 32, 2) < 1e-5);
+    }
+
+    #[test]
+    fn residual_add_then_relu() {
+        let x = View::whole(0, 6, 6, 32);
+        for (k, pad) in [(1, 0), (3, 1)] {
+            let op = ConvOp {
+                residual: Some(x),
+                post_act: Act::Relu,
+                ..conv(x, View::whole(1, 6, 6, 32), k, 1, pad, 7)
+            };
+            assert!(packed_vs_plain(op, 6, 32, 2) < 1e-5);
+        }
     }
 }
