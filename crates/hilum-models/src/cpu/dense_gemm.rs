@@ -90,7 +90,7 @@ fn tile_rows(c: &ConvOp) -> usize {
 /// kernel's rows do not all map to the same L1 sets (rows 4 KiB apart would thrash them).
 fn tile_ld(c: &ConvOp) -> usize {
     let ld = c.kdim().div_ceil(16) * 16;
-    if (ld / 16) % 2 == 0 {
+    if (ld / 16).is_multiple_of(2) {
         ld + 16
     } else {
         ld

@@ -132,7 +132,7 @@ impl NativeDenseNet {
     /// Logits (batch, classes) for input (batch, in_channels, size, size).
     pub fn forward(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, CpuError> {
         let chunk = images_per_pass();
-        if batch <= chunk || input.len() % batch != 0 {
+        if batch <= chunk || !input.len().is_multiple_of(batch) {
             return self.exec.forward(input, batch);
         }
         // A few images at a time: a dense block's buffers for the whole batch outgrow the L3
