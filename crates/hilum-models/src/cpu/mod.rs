@@ -7,7 +7,7 @@
 //!   (im2col) into a per-thread buffer and runs one single-threaded gemm per tile;
 //! - on AVX-512 CPUs the classifiers' convs instead run a register-tiled kernel against
 //!   weights packed at load (`dense_gemm`): kxk inputs read in place through row pointers,
-//!   bias/ReLU/residual applied before the only store;
+//!   bias/ReLU/residual applied before the last store;
 //! - BatchNorm after a conv is folded into its weights at load; bias, residual and ReLU are
 //!   applied to each tile while it is hot; a BatchNorm + ReLU *before* a conv (DenseNet) is
 //!   applied while the tile is gathered;
