@@ -6,7 +6,8 @@
 //!   `ORT_DYLIB_PATH` is set) on a graph built from the same weights, same threads;
 //! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet; needs
 //!   `HILUM_PYTHON` with h5py, see scripts/setup_onnxruntime.sh): native vs candle vs ONNX
-//!   Runtime (when `ORT_DYLIB_PATH` is set), same threads;
+//!   Runtime (when `ORT_DYLIB_PATH` is set), same threads, with a pause before each run
+//!   (`HILUM_PROFILE_PAUSE_MS`, default 20; `HILUM_PROFILE_CANDLE=0` leaves candle out);
 //! - `pspnet`: the full-size ChestX-Det PSPNet at 512 px (random weights): native vs candle
 //!   (`HILUM_PROFILE_CANDLE=0` skips candle's ~1 min forward).
 //!
@@ -150,9 +151,13 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         }
     };
     let flat: Vec<f32> = xs.concat();
+    // `HILUM_PROFILE_CANDLE=0` leaves candle out (as for pspnet).
+    let with_candle = std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0");
     // Warm-up (builds the native plan, ORT's arena).
     m.predict_with(unet::Backend::Native, &xs)?;
-    m.predict_with(unet::Backend::Candle, &xs)?;
+    if with_candle {
+        m.predict_with(unet::Backend::Candle, &xs)?;
+    }
     #[cfg(feature = "onnx")]
     if let Some(o) = &ort {
         o.run(&[batch, s, s, 3], &flat)?;
@@ -175,20 +180,23 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
             onx.push(ms(|| Ok(o.run(&[batch, s, s, 3], &flat)?))?);
         }
         // candle is ~10x slower: one run in four.
-        if i % 4 == 0 {
+        if i % 4 == 0 && with_candle {
             pause();
             can.push(ms(|| Ok(m.predict_with(unet::Backend::Candle, &xs)?))?);
         }
     }
     let _ = &flat;
-    let (n, c) = (median(nat), median(can));
+    let n = median(nat);
     println!(
         "lung U-Net {s}x{s}, batch {batch}, {threads} threads, medians of interleaved runs \
          ({iters} native/ORT, {} candle, {pause_ms} ms pause before each):",
         iters.div_ceil(4)
     );
     println!("  native       {n:>8.2} ms");
-    println!("  candle       {c:>8.2} ms  ({:.1}x native)", c / n);
+    if with_candle {
+        let c = median(can);
+        println!("  candle       {c:>8.2} ms  ({:.1}x native)", c / n);
+    }
     if !onx.is_empty() {
         let o = median(onx);
         println!("  ONNX Runtime {o:>8.2} ms  (native / ORT = {:.2})", n / o);
