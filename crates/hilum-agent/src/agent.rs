@@ -184,7 +184,10 @@ impl Agent {
         mut config: AgentConfig,
     ) -> Self {
         if config.protocol == Protocol::Native && !llm.capabilities().native_tools {
-            tracing::info!("{} has no native tool calls: using the react protocol", llm.name());
+            tracing::info!(
+                "{} has no native tool calls: using the react protocol",
+                llm.name()
+            );
             config.protocol = Protocol::React;
         }
         Agent {

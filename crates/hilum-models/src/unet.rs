@@ -418,13 +418,17 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// On the CPU: ONNX Runtime when its graph is installed and the runtime loads (measured
-    /// 2-3x faster than the native kernels on this small-channel network, see
-    /// `examples/xrv_profile.rs unet`), else the native kernels (4-8x faster than candle's CPU
-    /// convolutions). candle on GPUs.
+    /// On the CPU: the native kernels where their direct (AVX2/AVX-512) engine runs — 0.4x
+    /// ONNX Runtime's time on this small-channel network (`examples/xrv_profile.rs unet`);
+    /// elsewhere ONNX Runtime when its graph is installed and the runtime loads (the native
+    /// im2col + gemm plan measured 2-3x slower than it), else the native kernels (still 4-8x
+    /// faster than candle's CPU convolutions). candle on GPUs.
     pub fn auto(installed: &InstalledModel, device: Device) -> Backend {
         if device.is_gpu() {
             return Backend::Candle;
+        }
+        if crate::cpu::unet_direct_engine() {
+            return Backend::Native;
         }
         #[cfg(feature = "onnx")]
         if installed.onnx.is_some() && crate::onnx::available() {

@@ -132,7 +132,14 @@ fn imported_graph_runs_through_the_pool_and_auto_picks_onnx() {
     );
     let inst = hilum_models::import(&reg, "lung-unet", &graph, &import_opts()).expect("onnx");
     assert!(inst.onnx.is_some());
-    assert_eq!(unet::Backend::auto(&inst, Device::Cpu), unet::Backend::Onnx);
+    // With the graph installed, ONNX Runtime is the default only where the native direct
+    // kernels do not run (they are faster than it).
+    let want = if hilum_models::cpu::unet_direct_engine() {
+        unet::Backend::Native
+    } else {
+        unet::Backend::Onnx
+    };
+    assert_eq!(unet::Backend::auto(&inst, Device::Cpu), want);
     assert!(reg.verify("lung-unet").expect("verify").ok);
 
     let pool = ModelPool::new(std::sync::Arc::new(reg));

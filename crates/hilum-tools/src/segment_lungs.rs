@@ -22,8 +22,8 @@ pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
-    /// `None`: ONNX Runtime when its graph is installed and loads, else the native CPU kernels
-    /// (candle on GPUs).
+    /// `None`: [`unet::Backend::auto`] — the native CPU kernels where their AVX2/AVX-512 engine
+    /// runs, else ONNX Runtime when installed, else the native kernels (candle on GPUs).
     backend: Option<unet::Backend>,
 }
 

@@ -27,7 +27,7 @@ mod unet;
 pub use densenet::NativeDenseNet;
 pub use pspnet::NativePspNet;
 pub use resnet::NativeResNet;
-pub use unet::NativeUnet;
+pub use unet::{direct_engine as unet_direct_engine, NativeUnet};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;

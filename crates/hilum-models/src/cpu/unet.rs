@@ -66,17 +66,23 @@ impl std::fmt::Debug for NativeUnet {
     }
 }
 
+/// Whether [`NativeUnet`] runs the direct kernels here (x86-64 with AVX2 or AVX-512, unless
+/// `HILUM_UNET_ENGINE` says otherwise) rather than the im2col + gemm plan.
+pub fn direct_engine() -> bool {
+    match std::env::var("HILUM_UNET_ENGINE").as_deref() {
+        Ok("gemm") => false,
+        Ok("direct") => true,
+        _ => kernels::has_avx512() || kernels::has_avx2(),
+    }
+}
+
 impl NativeUnet {
     pub fn new(net: &LungUnet, threads: usize) -> Result<Self, CpuError> {
         let threads = threads.max(1);
         let size = net.config().input_size;
         // The direct kernels are vectorised for x86-64 (AVX-512, AVX2); elsewhere the gemm
         // crate's kernels are faster than their scalar fallback.
-        let direct = match std::env::var("HILUM_UNET_ENGINE").as_deref() {
-            Ok("gemm") => false,
-            Ok("direct") => true,
-            _ => kernels::has_avx512() || kernels::has_avx2(),
-        };
+        let direct = direct_engine();
         let engine = if direct {
             Engine::Direct(Box::new(Direct::new(net, threads)?))
         } else {
