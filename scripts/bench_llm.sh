@@ -27,7 +27,7 @@ OUT="$(mktemp -d)"
 echo "machine: $(nproc) cores, $(uptime | sed 's/.*load/load/')"
 for rep in $(seq 1 "$REPS"); do
     echo "== rep $rep: hilum local backend (candle), $THREADS threads"
-    RAYON_NUM_THREADS="$THREADS" target/release/examples/bench_local "$MODEL" \
+    RAYON_NUM_THREADS="$THREADS" "${CARGO_TARGET_DIR:-target}/release/examples/bench_local" "$MODEL" \
         | tee -a "$OUT/hilum.jsonl"
     if [[ "${SKIP_LLAMA:-0}" != 1 ]]; then
         echo "== rep $rep: llama.cpp (llama-cpp-python), $THREADS threads"

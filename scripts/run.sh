@@ -14,7 +14,7 @@ question=${2:-"How large are the lungs in this image?"}
 
 echo "== building hilum (release; the first build takes several minutes)" >&2
 cargo build --release -p hilum-cli
-bin=target/release/hilum
+bin="${CARGO_TARGET_DIR:-target}/release/hilum"  # where cargo put it
 
 echo "== ONNX Runtime and h5py (PyPI)" >&2
 eval "$(scripts/setup_onnxruntime.sh)"
