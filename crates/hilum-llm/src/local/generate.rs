@@ -78,7 +78,9 @@ struct Prepared {
     /// Calls made in earlier rounds of this conversation (name, parsed arguments).
     previous_calls: Vec<(String, Option<Value>)>,
     /// Tools whose results in this conversation succeeded, in order (for the answer's lead).
-    answered_tools: Vec<String>,
+    answered_tools: Vec<(String, String)>,
+    /// The user's last question (the answer lead points at the result most about it).
+    question: String,
     /// The prompt plus a user note that the results are in, for a model that repeats a call.
     repeat_prompt: Option<Vec<u32>>,
     shortened: usize,
@@ -123,22 +125,108 @@ fn previous_calls(messages: &[Message]) -> Vec<(String, Option<Value>)> {
         .collect()
 }
 
-fn answered_tools(messages: &[Message]) -> Vec<String> {
+/// Tools whose results succeeded, in order: (name, result text).
+fn answered_tools(messages: &[Message]) -> Vec<(String, String)> {
     messages
         .iter()
         .filter_map(|m| match m {
-            Message::Tool { name, is_error, .. } if !is_error => Some(name.clone()),
+            Message::Tool {
+                name,
+                content,
+                is_error,
+                ..
+            } if !is_error => Some((name.clone(), content.clone())),
             _ => None,
         })
         .collect()
 }
 
+fn last_question(messages: &[Message]) -> String {
+    messages
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            Message::User { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// Lower-case word stems (a trailing plural `s` dropped) of `text`, without the words every
+/// question about a radiograph shares.
+fn content_stems(text: &str) -> Vec<String> {
+    const COMMON: &[&str] = &[
+        "the",
+        "and",
+        "are",
+        "how",
+        "what",
+        "which",
+        "this",
+        "that",
+        "these",
+        "those",
+        "with",
+        "from",
+        "image",
+        "img",
+        "there",
+        "does",
+        "have",
+        "has",
+        "any",
+        "for",
+        "you",
+        "can",
+        "please",
+        "tell",
+        "about",
+        "show",
+        "see",
+        "chest",
+        "ray",
+        "xray",
+        "radiograph",
+        "result",
+        "its",
+    ];
+    text.split(|c: char| !c.is_alphanumeric())
+        .map(|w| w.to_lowercase())
+        .map(|w| match w.strip_suffix('s') {
+            Some(stem) if stem.len() >= 3 => stem.to_string(),
+            _ => w,
+        })
+        .filter(|w| w.len() >= 3 && !COMMON.contains(&w.as_str()))
+        .collect()
+}
+
 /// The words that start a prose answer after a repeated call: they point at a result that
-/// exists — the repeated tool's when it succeeded, else the last one that did.
-fn answer_lead(repeated: &str, answered: &[String]) -> String {
-    if answered.iter().any(|n| n == repeated) {
+/// exists and is about the question — the succeeded tool whose name (twice) and result share
+/// the most words with the question; on a tie (or no overlap) the repeated tool's result when it
+/// succeeded, else the last one that did.
+fn answer_lead(repeated: &str, answered: &[(String, String)], question: &str) -> String {
+    let asked = content_stems(question);
+    let score = |name: &str, result: &str| {
+        let (in_name, in_result) = (content_stems(name), content_stems(result));
+        asked
+            .iter()
+            .map(|w| 2 * in_name.contains(w) as usize + in_result.contains(w) as usize)
+            .sum::<usize>()
+    };
+    let repeated_score = answered
+        .iter()
+        .find(|(n, _)| n == repeated)
+        .map(|(n, r)| score(n, r));
+    let best = answered
+        .iter()
+        .map(|(n, r)| (score(n, r), n))
+        .filter(|(s, _)| *s > 0 && Some(*s) > repeated_score)
+        .max_by_key(|(s, _)| *s);
+    if let Some((_, name)) = best {
+        format!("According to the {name} result:")
+    } else if repeated_score.is_some() {
         format!("According to the {repeated} result:")
-    } else if let Some(last) = answered.last() {
+    } else if let Some((last, _)) = answered.last() {
         format!("According to the {last} result:")
     } else {
         "According to the tool results:".to_string()
@@ -221,6 +309,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         has_tools: !req.tools.is_empty(),
         previous_calls,
         answered_tools: answered_tools(&req.messages),
+        question: last_question(&req.messages),
         repeat_prompt,
         shortened,
         started,
@@ -686,7 +775,7 @@ fn decode(
                         }
                         // The answer starts by pointing at the result it must come from; a
                         // 0.5B model then quotes it instead of writing a vague sentence.
-                        let lead = answer_lead(&call.name, &prep.answered_tools);
+                        let lead = answer_lead(&call.name, &prep.answered_tools, &prep.question);
                         let lead_tokens = tok.encode(&lead)?;
                         if !lead_tokens.is_empty() {
                             logits = st.model.forward(&lead_tokens)?;
@@ -792,19 +881,63 @@ mod tests {
             tool("image_info", false),
         ];
         let answered = answered_tools(&msgs);
-        assert_eq!(answered, ["segment_lungs", "image_info"]);
+        let names: Vec<&str> = answered.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["segment_lungs", "image_info"]);
         assert_eq!(
-            answer_lead("segment_lungs", &answered),
+            answer_lead("segment_lungs", &answered, ""),
             "According to the segment_lungs result:"
         );
         // A repeated call that had failed points at the last result that exists instead.
         assert_eq!(
-            answer_lead("segment_region", &answered),
+            answer_lead("segment_region", &answered, ""),
             "According to the image_info result:"
         );
         assert_eq!(
-            answer_lead("segment_region", &[]),
+            answer_lead("segment_region", &[], ""),
             "According to the tool results:"
+        );
+    }
+
+    /// The main job's case: the model repeats `image_info`, but the question is about the lungs.
+    #[test]
+    fn the_answer_lead_points_at_the_result_about_the_question() {
+        let result = |name: &str, content: &str| (name.to_string(), content.to_string());
+        let answered = vec![
+            result(
+                "image_info",
+                "img_c8cb: 512x512 px, 8-bit png, mean 128.14, std 67.36",
+            ),
+            result(
+                "segment_lungs",
+                "img_c8cb: 2 lung field(s); right 43042 px, left 43510 px; lungs cover 33%",
+            ),
+            result(
+                "measure_chest",
+                "CTR not measured; thorax 435 px; L/R lung area 1.01",
+            ),
+        ];
+        let q = "How large are the lungs in this image?\n\nImages: img_c8cb";
+        assert_eq!(
+            answer_lead("image_info", &answered, q),
+            "According to the segment_lungs result:"
+        );
+        // Nothing in common with the question: the repeated tool's own result.
+        assert_eq!(
+            answer_lead("image_info", &answered, "Anything else?"),
+            "According to the image_info result:"
+        );
+        // A tie with the repeated tool keeps the repeated tool.
+        assert_eq!(
+            answer_lead(
+                "measure_chest",
+                &answered[..1]
+                    .iter()
+                    .chain(&answered[2..])
+                    .cloned()
+                    .collect::<Vec<_>>(),
+                "lung area?"
+            ),
+            "According to the measure_chest result:"
         );
     }
 
