@@ -17,7 +17,10 @@ use std::borrow::Cow;
 use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
-use super::model::{dense, linear_weights, md, rotary_tables, Linear, MatmulMode};
+use super::model::{
+    attention_mask, check_span, dense, linear_weights, md, rotary_tables, KvCache, Linear,
+    MatmulMode,
+};
 
 /// Layers per local/global cycle when the GGUF does not say (llama.cpp's value for Gemma 3).
 const DEFAULT_SWA_PATTERN: u32 = 6;
@@ -190,13 +193,6 @@ impl Embedding {
     }
 }
 
-/// Keys and values of the processed positions, per layer: (n_kv_head, len, head_dim).
-struct KvCache {
-    k: Vec<Option<Tensor>>,
-    v: Vec<Option<Tensor>>,
-    len: usize,
-}
-
 pub struct Gemma3 {
     pub cfg: Gemma3Config,
     embed: Embedding,
@@ -265,7 +261,7 @@ impl Gemma3 {
         let positions = max_positions.min(cfg.context_length).max(1);
         let rope_global = rotary_tables(cfg.head_dim, cfg.rope_base_global, positions, dev)?;
         let rope_local = rotary_tables(cfg.head_dim, cfg.rope_base_local, positions, dev)?;
-        let n_layer = cfg.n_layer;
+        let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
         Ok(Gemma3 {
             cfg,
             embed,
@@ -274,11 +270,7 @@ impl Gemma3 {
             output,
             rope_global,
             rope_local,
-            cache: KvCache {
-                k: vec![None; n_layer],
-                v: vec![None; n_layer],
-                len: 0,
-            },
+            cache: KvCache::new(n_layer, kvd),
             device: dev.clone(),
         })
     }
@@ -290,41 +282,20 @@ impl Gemma3 {
 
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
-        self.cache.len
+        self.cache.len()
     }
 
     /// Forgets every cached position from `len` on.
     pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
-        if len >= self.cache.len {
-            return Ok(());
-        }
-        for slot in self.cache.k.iter_mut().chain(self.cache.v.iter_mut()) {
-            if let Some(t) = slot.take() {
-                *slot = if len == 0 {
-                    None
-                } else {
-                    Some(t.narrow(1, 0, len)?)
-                };
-            }
-        }
-        self.cache.len = len;
+        self.cache.truncate(len);
         Ok(())
     }
 
     /// Runs `tokens` (appended after the cached positions) and returns the logits of the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
         let t = tokens.len();
-        let pos = self.cache.len;
-        if t == 0 {
-            candle_core::bail!("forward called with no tokens");
-        }
-        if pos + t > self.max_positions() {
-            candle_core::bail!(
-                "{} positions exceed the context of {} this model was loaded with",
-                pos + t,
-                self.max_positions()
-            );
-        }
+        let pos = self.cache.len();
+        check_span(pos, t, self.max_positions())?;
         let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
         let group = nh / nkv;
         let window = self.cfg.sliding_window;
@@ -377,12 +348,7 @@ impl Gemma3 {
             let k = rope_neox(&k.transpose(0, 1)?.contiguous()?, cos, sin)?;
             let v = v.transpose(0, 1)?.contiguous()?;
             let q = (q * self.cfg.attn_scale)?;
-            let (k, v) = match (&self.cache.k[li], &self.cache.v[li]) {
-                (Some(kc), Some(vc)) => (Tensor::cat(&[kc, &k], 1)?, Tensor::cat(&[vc, &v], 1)?),
-                _ => (k, v),
-            };
-            self.cache.k[li] = Some(k.clone());
-            self.cache.v[li] = Some(v.clone());
+            let (k, v) = self.cache.append(li, &k, &v)?;
             let kv_len = pos + t - kv_start;
             let k = k.narrow(1, kv_start, kv_len)?;
             let v = v.narrow(1, kv_start, kv_len)?;
@@ -412,7 +378,7 @@ impl Gemma3 {
                 .forward(&layer.down.forward(&(g * u)?)?)?;
             x = (x + f)?;
         }
-        self.cache.len = pos + t;
+        self.cache.advance(t);
         let last = self.norm.forward(&x.i(t - 1..t)?)?;
         self.output.forward(&last)?.squeeze(0)
     }
@@ -421,29 +387,6 @@ impl Gemma3 {
 /// NeoX rotary embedding (pairs `i` and `i + head_dim/2`) of (heads, t, head_dim).
 fn rope_neox(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     candle_nn::rotary_emb::rope(&x.unsqueeze(0)?, cos, sin)?.squeeze(0)
-}
-
-/// Additive mask (t, pos + t - kv_start) for queries at `pos..pos + t` over keys at
-/// `kv_start..pos + t`: a key is hidden when it comes after the query or, with a `window`, when
-/// it is `window` or more positions before it (llama.cpp's standard sliding window).
-pub fn attention_mask(
-    t: usize,
-    pos: usize,
-    kv_start: usize,
-    window: Option<usize>,
-    dev: &Device,
-) -> candle_core::Result<Tensor> {
-    let kv = pos + t - kv_start;
-    let mut v = Vec::with_capacity(t * kv);
-    for i in 0..t {
-        let qp = pos + i;
-        for j in 0..kv {
-            let kp = kv_start + j;
-            let hidden = kp > qp || window.is_some_and(|w| qp - kp >= w);
-            v.push(if hidden { f32::NEG_INFINITY } else { 0.0 });
-        }
-    }
-    Tensor::from_vec(v, (t, kv), dev)
 }
 
 #[cfg(test)]

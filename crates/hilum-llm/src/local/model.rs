@@ -206,11 +206,90 @@ struct Layer {
 
 /// Keys and values of the processed positions, per layer, position-major: (len, n_kv_head *
 /// head_dim). A new position is appended in place (no copy of the cache per token), and a
-/// truncation is a `Vec::truncate`.
-struct KvCache {
+/// truncation is a `Vec::truncate`. Shared by the qwen2/llama and the Gemma 3 decoders.
+pub(crate) struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// n_kv_head * head_dim: one position's row.
+    kvd: usize,
     len: usize,
+}
+
+impl KvCache {
+    pub(crate) fn new(n_layer: usize, kvd: usize) -> Self {
+        KvCache {
+            k: vec![Vec::new(); n_layer],
+            v: vec![Vec::new(); n_layer],
+            kvd,
+            len: 0,
+        }
+    }
+
+    /// Positions every layer holds.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Forgets every position from `len` on.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        for slot in self.k.iter_mut().chain(self.v.iter_mut()) {
+            slot.truncate(len * self.kvd);
+        }
+        self.len = len;
+    }
+
+    /// Appends layer `li`'s keys and values of `t` new positions, (n_kv_head, t, head_dim)
+    /// each, and returns the layer's keys and values of all `len + t` positions in that layout.
+    /// [`KvCache::advance`] counts the positions once every layer has appended them.
+    pub(crate) fn append(
+        &mut self,
+        li: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (pos, kvd) = (self.len, self.kvd);
+        let (nkv, t, hd) = k.dims3()?;
+        let whole = |new: &Tensor, slot: &mut Vec<f32>| -> candle_core::Result<Tensor> {
+            slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
+            if pos == 0 {
+                return Ok(new.clone());
+            }
+            Tensor::from_slice(&slot[..(pos + t) * kvd], (pos + t, nkv, hd), new.device())?
+                .transpose(0, 1)?
+                .contiguous()
+        };
+        Ok((whole(k, &mut self.k[li])?, whole(v, &mut self.v[li])?))
+    }
+
+    /// Appends layer `li`'s key and value rows of one new position; returns all of the layer's
+    /// key and value rows.
+    fn push(&mut self, li: usize, k: &[f32], v: &[f32]) -> (&[f32], &[f32]) {
+        self.k[li].extend_from_slice(k);
+        self.v[li].extend_from_slice(v);
+        (&self.k[li], &self.v[li])
+    }
+
+    /// Counts `t` appended positions (after every layer appended them).
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+}
+
+/// Refuses an empty run of tokens and one past the positions a decoder was loaded with.
+pub(crate) fn check_span(pos: usize, t: usize, max: usize) -> candle_core::Result<()> {
+    if t == 0 {
+        candle_core::bail!("forward called with no tokens");
+    }
+    if pos + t > max {
+        candle_core::bail!(
+            "{} positions exceed the context of {max} this model was loaded with",
+            pos + t
+        );
+    }
+    Ok(())
 }
 
 pub struct Model {
@@ -360,7 +439,7 @@ impl Model {
         let norm_out = norm(r, "output_norm.weight")?;
         let max_positions = max_positions.min(cfg.context_length).max(1);
         let (cos, sin) = rotary_tables(cfg.head_dim, cfg.rope_base, max_positions, dev)?;
-        let n_layer = cfg.n_layer;
+        let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
         let one_token_path = dev.is_cpu()
             && output.blocks.is_some()
             && layers.iter().all(|l| {
@@ -378,11 +457,7 @@ impl Model {
             output,
             cos,
             sin,
-            cache: KvCache {
-                k: vec![Vec::new(); n_layer],
-                v: vec![Vec::new(); n_layer],
-                len: 0,
-            },
+            cache: KvCache::new(n_layer, kvd),
             cos_v,
             sin_v,
             one_token_path,
@@ -397,43 +472,27 @@ impl Model {
 
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
-        self.cache.len
+        self.cache.len()
     }
 
     /// Forgets every cached position from `len` on.
     pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
-        if len >= self.cache.len {
-            return Ok(());
-        }
-        let kvd = self.cfg.n_kv_head * self.cfg.head_dim;
-        for slot in self.cache.k.iter_mut().chain(self.cache.v.iter_mut()) {
-            slot.truncate(len * kvd);
-        }
-        self.cache.len = len;
+        self.cache.truncate(len);
         Ok(())
     }
 
     /// Runs `tokens` (appended after the cached positions) and returns the logits of the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
         let t = tokens.len();
-        let pos = self.cache.len;
-        if t == 0 {
-            candle_core::bail!("forward called with no tokens");
-        }
-        if pos + t > self.max_positions() {
-            candle_core::bail!(
-                "{} positions exceed the context of {} this model was loaded with",
-                pos + t,
-                self.max_positions()
-            );
-        }
+        let pos = self.cache.len();
+        check_span(pos, t, self.max_positions())?;
         if t == 1 && self.one_token_path {
             return self.forward_one(tokens[0]);
         }
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // (t, n_embd)
         let mask = if t > 1 {
-            Some(causal_mask(t, pos, &self.device)?)
+            Some(attention_mask(t, pos, 0, None, &self.device)?)
         } else {
             None
         };
@@ -462,32 +521,7 @@ impl Model {
             let q = self.rotate(&q.contiguous()?, &cos, &sin)?;
             let k = self.rotate(&k.contiguous()?, &cos, &sin)?;
             let v = v.contiguous()?;
-            // Append as (t, nkv*hd) rows; attend over the whole cache as (nkv, len, hd).
-            let kvd = nkv * hd;
-            let (k, v) = {
-                let mut full = Vec::with_capacity(2);
-                for (new, slot) in [(&k, &mut self.cache.k[li]), (&v, &mut self.cache.v[li])] {
-                    slot.truncate(pos * kvd);
-                    slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
-                    full.push(if pos == 0 {
-                        new.clone()
-                    } else {
-                        Tensor::from_slice(
-                            &slot[..(pos + t) * kvd],
-                            (pos + t, nkv, hd),
-                            &self.device,
-                        )?
-                        .transpose(0, 1)?
-                        .contiguous()?
-                    });
-                }
-                let v = full.pop();
-                let k = full.pop();
-                match (k, v) {
-                    (Some(k), Some(v)) => (k, v),
-                    _ => candle_core::bail!("kv cache: missing keys or values"),
-                }
-            };
+            let (k, v) = self.cache.append(li, &k, &v)?;
             // Grouped-query attention: the query heads of one group share a kv head, so fold
             // the group into the rows: (nkv, group*t, hd) x (nkv, hd, kv_len).
             let group = nh / nkv;
@@ -514,7 +548,7 @@ impl Model {
             let u = layer.up.forward(&h)?;
             x = (layer.down.forward(&(g * u)?)? + &x)?;
         }
-        self.cache.len = pos + t;
+        self.cache.advance(t);
         let last = x.i(t - 1..t)?;
         let last = self.norm.forward(&last)?;
         self.output.forward(&last)?.squeeze(0)
@@ -524,7 +558,7 @@ impl Model {
     /// without a tensor allocation per operation, with q/k/v and gate/up each in one parallel
     /// product (decode is bound by reading the weights once per token).
     fn forward_one(&mut self, token: u32) -> candle_core::Result<Tensor> {
-        let pos = self.cache.len;
+        let pos = self.cache.len();
         let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
         let (kvd, qd, half, group) = (nkv * hd, nh * hd, hd / 2, nh / nkv);
         let n_embd = self.cfg.n_embd;
@@ -560,12 +594,7 @@ impl Model {
             for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
                 rope_slice(self.cfg.arch, head, cos, sin);
             }
-            let kc = &mut self.cache.k[li];
-            let vc = &mut self.cache.v[li];
-            kc.truncate(pos * kvd);
-            vc.truncate(pos * kvd);
-            kc.extend_from_slice(k);
-            vc.extend_from_slice(v);
+            let (kc, vc) = self.cache.push(li, k, v);
             attend(q, kc, vc, pos + 1, (group, hd, kvd), scale, &mut att);
             qmatvec::matvec(&att, &[blocks(&layer.wo)?], &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
@@ -584,7 +613,7 @@ impl Model {
                 *a += b;
             }
         }
-        self.cache.len = pos + 1;
+        self.cache.advance(1);
         self.norm.forward_slice(&x, &mut h);
         let out = blocks(&self.output)?;
         let mut logits = vec![0f32; out.rows()];
@@ -684,12 +713,26 @@ pub(crate) fn rotary_tables(
     Ok((ang.cos()?, ang.sin()?))
 }
 
-/// Additive mask (t, pos + t): query i sees keys 0..=pos+i.
-fn causal_mask(t: usize, pos: usize, dev: &Device) -> candle_core::Result<Tensor> {
-    let kv = pos + t;
-    let v: Vec<f32> = (0..t)
-        .flat_map(|i| (0..kv).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
+/// Additive mask (t, pos + t - kv_start) for queries at `pos..pos + t` over keys at
+/// `kv_start..pos + t`: a key is hidden when it comes after the query or, with a `window`, when
+/// it is `window` or more positions before it (llama.cpp's standard sliding window).
+pub fn attention_mask(
+    t: usize,
+    pos: usize,
+    kv_start: usize,
+    window: Option<usize>,
+    dev: &Device,
+) -> candle_core::Result<Tensor> {
+    let kv = pos + t - kv_start;
+    let mut v = Vec::with_capacity(t * kv);
+    for i in 0..t {
+        let qp = pos + i;
+        for j in 0..kv {
+            let kp = kv_start + j;
+            let hidden = kp > qp || window.is_some_and(|w| qp - kp >= w);
+            v.push(if hidden { f32::NEG_INFINITY } else { 0.0 });
+        }
+    }
     Tensor::from_vec(v, (t, kv), dev)
 }
 
