@@ -390,6 +390,25 @@ pub(crate) enum Op {
     Se(SeOp),
 }
 
+impl Op {
+    /// The two maps an op reads and writes.
+    fn views(&self) -> [View; 2] {
+        match self {
+            Op::Conv(c) => [c.src, c.dst],
+            Op::MaxPool { src, dst, .. } => [*src, *dst],
+            Op::Se(se) => [se.src, se.dst],
+            Op::AvgPool { src, dst, .. } | Op::Resize { src, dst } => [*src, *dst],
+        }
+    }
+}
+
+/// Grows `sizes` (floats per buffer) so every map of `ops` fits its buffer.
+pub(crate) fn grow_buffers(ops: &[Op], sizes: &mut [usize]) {
+    for v in ops.iter().flat_map(Op::views) {
+        sizes[v.buf] = sizes[v.buf].max(v.h * v.w * v.pitch);
+    }
+}
+
 /// The classification head: optional BN + ReLU, global average pool, linear layer.
 #[derive(Clone, Debug)]
 pub(crate) struct Head {

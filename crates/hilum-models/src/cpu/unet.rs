@@ -1165,17 +1165,7 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
     }));
     let mut buf_sizes = vec![0usize; b.out + 1];
     buf_sizes[INPUT] = size * size * cfg.in_channels;
-    for op in &ops {
-        let views: Vec<View> = match op {
-            Op::Conv(c) => vec![c.src, c.dst],
-            Op::MaxPool { src, dst, .. } => vec![*src, *dst],
-            Op::Se(se) => vec![se.src, se.dst],
-            Op::AvgPool { src, dst, .. } | Op::Resize { src, dst } => vec![*src, *dst],
-        };
-        for v in views {
-            buf_sizes[v.buf] = buf_sizes[v.buf].max(v.h * v.w * v.pitch);
-        }
-    }
+    super::grow_buffers(&ops, &mut buf_sizes);
     let plan = Plan {
         in_channels: cfg.in_channels,
         size,
