@@ -90,22 +90,10 @@ fn isa_cap() -> u8 {
     })
 }
 
-/// Whether this CPU runs the AVX-512 kernels.
+/// Whether this CPU runs the AVX-512 kernels (the shared kernels' detection, under the
+/// `HILUM_UNET_ISA` cap).
 pub(super) fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *V4.get_or_init(|| {
-            isa_cap() >= 2
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512dq")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    isa_cap() >= 2 && crate::cpu::has_avx512()
 }
 
 /// Whether this CPU runs the AVX2 kernels.
