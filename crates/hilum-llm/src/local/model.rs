@@ -151,18 +151,10 @@ impl Linear {
             // (t, in) x (in, out): gemm reads W^T through strides, no copy.
             (Some(w), _, _) => x.matmul(&w.t()?)?,
             (None, Some(q), _) => q.forward(x)?,
-            (None, None, Some(m)) => {
-                // Several rows and only the blocks (not a mode `load` builds): one row at a time.
-                let mut out = Vec::with_capacity(rows * m.rows());
-                for r in 0..rows {
-                    let xv = x.get(r)?.to_vec1::<f32>()?;
-                    let mut y = vec![0f32; m.rows()];
-                    qmatvec::matvec(&xv, &[m], &mut y)?;
-                    out.extend(y);
-                }
-                Tensor::from_vec(out, (rows, m.rows()), x.device())?
+            // `load` keeps a dense or a candle copy beside the blocks for several rows.
+            (None, None, _) => {
+                candle_core::bail!("a linear layer has no weights for {rows} rows")
             }
-            (None, None, None) => candle_core::bail!("a linear layer has no weights"),
         };
         match &self.b {
             Some(b) => y.broadcast_add(b),
