@@ -4,6 +4,7 @@
 mod common;
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,12 +30,16 @@ enum Reply {
     Status(u16, &'static str),
     /// A raw event-stream body, sent as is.
     Raw(&'static str),
+    /// The same text chunk forever, one per millisecond, as a model stuck in a loop.
+    Endless(&'static str),
 }
 
 #[derive(Clone, Default)]
 struct Server {
     replies: Arc<Mutex<VecDeque<Reply>>>,
     requests: Arc<Mutex<Vec<Value>>>,
+    /// Chunks an endless reply has produced so far.
+    endless_sent: Arc<AtomicUsize>,
 }
 
 async fn completions(State(s): State<Server>, Json(body): Json<Value>) -> Response {
@@ -49,6 +54,22 @@ async fn completions(State(s): State<Server>, Json(body): Json<Value>) -> Respon
             .header(header::CONTENT_TYPE, "text/event-stream")
             .body(Body::from(body))
             .expect("response"),
+        Some(Reply::Endless(chunk)) => {
+            let event = format!("data: {}\n\n", text(chunk));
+            let sent = s.endless_sent.clone();
+            let body = futures::stream::unfold((), move |()| {
+                let (event, sent) = (event.clone(), sent.clone());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    Some((Ok::<_, std::io::Error>(event), ()))
+                }
+            });
+            Response::builder()
+                .header(header::CONTENT_TYPE, "text/event-stream")
+                .body(Body::from_stream(body))
+                .expect("response")
+        }
         Some(Reply::Stream { chunks, done }) => {
             let mut text = String::new();
             for c in chunks {
@@ -275,6 +296,107 @@ async fn malformed_stream_is_a_bad_response() {
     .await;
     let (out, _) = run(llm(&url), AgentConfig::default(), "q").await;
     assert!(out.error.unwrap_or_default().contains("ended early"));
+}
+
+#[tokio::test]
+async fn a_model_stuck_in_a_loop_is_stopped_and_its_request_closed() {
+    let (server, url) = start(vec![Reply::Endless("Findings: no effusion. ")]).await;
+    let started = std::time::Instant::now();
+    let (out, events) = run(llm(&url), AgentConfig::default(), "q").await;
+    assert_eq!(out.reason, StopReason::Error);
+    let err = out.error.expect("error");
+    assert!(err.contains("repeated the same 23-byte text"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the loop ran {:?}",
+        started.elapsed()
+    );
+    // The text streamed before the stop was shown; no tool ran.
+    assert!(events
+        .iter()
+        .any(|e| matches!(&e.event, Event::Token { text } if text.contains("no effusion"))));
+    // Dropping the stream closed the connection: the server stops producing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_stop = server.endless_sent.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = server.endless_sent.load(Ordering::SeqCst);
+    assert!(
+        later <= after_stop + 1,
+        "server still streaming: {after_stop} then {later} chunks"
+    );
+    assert!(after_stop < 200, "{after_stop} chunks sent before the stop");
+}
+
+#[tokio::test]
+async fn a_model_that_only_repeats_calls_is_made_to_answer() {
+    let calls = |list: &[(&str, &str)]| Reply::Stream {
+        chunks: list
+            .iter()
+            .enumerate()
+            .map(|(i, (id, args))| tool_call_chunk(i, id, "fast", args))
+            .chain([finish("tool_calls")])
+            .collect(),
+        done: true,
+    };
+    let (server, url) = start(vec![
+        calls(&[("c1", "{\"x\": 1}")]),
+        // One repeat (spacing differs) and one new call: the new one runs, the round goes on.
+        calls(&[("c2", "{ \"x\":1 }"), ("c3", "{\"x\": 2}")]),
+        // Only repeats: not run, and the next turn has no tools.
+        calls(&[("c4", "{\"x\": 2}")]),
+        answer("x=1 doubled is 2 and x=2 doubled is 4."),
+    ])
+    .await;
+    let (out, events) = run(llm(&url), AgentConfig::default(), "double them").await;
+    assert_eq!(out.error, None);
+    assert_eq!(out.reason, StopReason::RepeatedCalls);
+    assert_eq!(
+        out.answer.as_deref(),
+        Some("x=1 doubled is 2 and x=2 doubled is 4.")
+    );
+    let started: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolStarted { call_id, .. } => Some(call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started, ["c1", "c3"]);
+    let repeated: Vec<(&str, &str)> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolFailed {
+                call_id,
+                kind,
+                error,
+                ..
+            } if kind == "repeated" => Some((call_id.as_str(), error.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(repeated.len(), 2, "{repeated:?}");
+    assert_eq!(repeated[0].0, "c2");
+    assert!(repeated[0].1.contains("c1 (round 1)"), "{}", repeated[0].1);
+    assert!(repeated[1].1.contains("c3 (round 2)"), "{}", repeated[1].1);
+
+    let requests = server.requests.lock().expect("lock").clone();
+    assert_eq!(requests.len(), 4);
+    assert!(requests[2]["tools"]
+        .as_array()
+        .is_some_and(|t| !t.is_empty()));
+    assert!(
+        requests[3]["tools"].as_array().is_none_or(|t| t.is_empty()),
+        "{}",
+        requests[3]["tools"]
+    );
+    let last_user = requests[3]["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .expect("user message");
+    assert!(last_user["content"]
+        .as_str()
+        .unwrap_or("")
+        .contains("only repeated calls"));
 }
 
 #[tokio::test]

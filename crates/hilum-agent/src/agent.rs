@@ -10,7 +10,7 @@ use serde_json::Value;
 use crate::event::{CallInfo, Event, EventSender, RunEvent};
 use crate::protocol::{ParsedTurn, Protocol};
 use crate::tool::{Environment, ToolContext};
-use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, Toolbox};
+use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
 use hilum_llm::{collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, Usage};
 
 /// How the loop reaches its answer.
@@ -101,6 +101,9 @@ pub enum StopReason {
     Answered,
     MaxRounds,
     MaxToolCalls,
+    /// Every call of a round repeated one that had already succeeded; the model then answered
+    /// without tools.
+    RepeatedCalls,
     Deadline,
     Error,
 }
@@ -111,6 +114,7 @@ impl StopReason {
             StopReason::Answered => "answered",
             StopReason::MaxRounds => "max_rounds",
             StopReason::MaxToolCalls => "max_tool_calls",
+            StopReason::RepeatedCalls => "repeated_calls",
             StopReason::Deadline => "deadline",
             StopReason::Error => "error",
         }
@@ -151,10 +155,25 @@ struct RunState {
     tool_ms: f64,
     usage: Usage,
     results: Vec<CallResult>,
+    /// The round of each entry of `results`.
+    result_rounds: Vec<usize>,
     events: Option<EventSender>,
 }
 
 impl RunState {
+    /// The id and round of an earlier successful call with the same tool and arguments.
+    fn earlier_success(&self, p: &PreparedCall) -> Option<(String, usize)> {
+        self.results
+            .iter()
+            .zip(&self.result_rounds)
+            .find(|(r, _)| {
+                r.result.is_ok()
+                    && r.call.name == p.call.name
+                    && r.arguments.as_ref() == Some(&p.arguments)
+            })
+            .map(|(r, round)| (r.call.id.clone(), *round))
+    }
+
     fn emit(&self, event: Event) {
         if let Some(tx) = &self.events {
             let _ = tx.send(RunEvent {
@@ -237,6 +256,7 @@ impl Agent {
             tool_ms: 0.0,
             usage: Usage::default(),
             results: Vec::new(),
+            result_rounds: Vec::new(),
             events,
         }
     }
@@ -248,7 +268,11 @@ impl Agent {
             }
             let turn = self.reason(st, true, self.remaining(st)).await?;
             if !turn.tool_calls.is_empty() || !turn.problems.is_empty() {
-                self.act(st, turn).await;
+                if self.act(st, turn).await {
+                    // A model that only re-asks for results it has would loop until a budget
+                    // ran out (a served model has no guard of its own): make it answer now.
+                    return self.synthesize(st, StopReason::RepeatedCalls).await;
+                }
                 continue;
             }
             let answer = turn.answer.unwrap_or_default();
@@ -348,8 +372,10 @@ impl Agent {
         Ok(parsed)
     }
 
-    /// Runs every call of the turn at once and appends the observations.
-    async fn act(&self, st: &mut RunState, turn: ParsedTurn) {
+    /// Runs every call of the turn at once and appends the observations. A call identical to
+    /// one that already succeeded (same tool, same arguments) is not run again. Returns whether
+    /// every call of the turn was such a repeat.
+    async fn act(&self, st: &mut RunState, turn: ParsedTurn) -> bool {
         st.rounds += 1;
         let round = st.rounds;
         let started = Instant::now();
@@ -367,7 +393,17 @@ impl Agent {
                     ),
                 })
             } else {
-                self.toolbox.prepare(call, &self.env)
+                self.toolbox
+                    .prepare(call, &self.env)
+                    .and_then(|p| match st.earlier_success(&p) {
+                        Some((id, earlier_round)) => Err(CallFailure {
+                            kind: FailureKind::Repeated,
+                            message: format!(
+                                "not run again: the same call already succeeded as {id} (round {earlier_round}); its result is above. Use it, or call something else."
+                            ),
+                        }),
+                        None => Ok(p),
+                    })
             };
             if let Ok(p) = &prepared {
                 st.emit(Event::ToolStarted {
@@ -421,7 +457,15 @@ impl Agent {
                 vec![],
             ));
         }
+        let only_repeats = turn.problems.is_empty()
+            && !results.is_empty()
+            && results
+                .iter()
+                .all(|r| matches!(&r.result, Err(f) if f.kind == FailureKind::Repeated));
+        st.result_rounds
+            .extend(std::iter::repeat_n(round, results.len()));
         st.results.extend(results);
+        only_repeats
     }
 
     fn observe(&self, st: &mut RunState, round: usize, r: &CallResult) {
@@ -485,16 +529,24 @@ impl Agent {
         st: &mut RunState,
         reason: StopReason,
     ) -> Result<(String, StopReason), String> {
+        let limit = |what: String| format!("You have reached {what}.");
         let why = match reason {
-            StopReason::MaxRounds => format!("the limit of {} tool rounds", self.config.max_rounds),
-            StopReason::MaxToolCalls => {
-                format!("the limit of {} tool calls", self.config.max_tool_calls)
+            StopReason::RepeatedCalls => {
+                "Your last turn only repeated calls whose results you already have.".to_string()
             }
-            _ => "the time budget".to_string(),
+            StopReason::MaxRounds => limit(format!(
+                "the limit of {} tool rounds",
+                self.config.max_rounds
+            )),
+            StopReason::MaxToolCalls => limit(format!(
+                "the limit of {} tool calls",
+                self.config.max_tool_calls
+            )),
+            _ => limit("the time budget".to_string()),
         };
         st.messages.push(Message::user(
             format!(
-                "You have reached {why}. No more tools can be called. Give your final answer now from the tool results above, and say what could not be checked."
+                "{why} No more tools can be called. Give your final answer now from the tool results above, and say what could not be checked."
             ),
             vec![],
         ));

@@ -22,6 +22,8 @@ pub enum FailureKind {
     Panic,
     ToolError,
     Budget,
+    /// Not run: the same tool with the same arguments already succeeded in this run.
+    Repeated,
 }
 
 impl FailureKind {
@@ -33,6 +35,7 @@ impl FailureKind {
             FailureKind::Panic => "panic",
             FailureKind::ToolError => "tool_error",
             FailureKind::Budget => "budget",
+            FailureKind::Repeated => "repeated",
         }
     }
 }

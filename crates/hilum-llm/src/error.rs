@@ -23,6 +23,8 @@ pub enum LlmError {
     BadResponse(String),
     #[error("the response stream ended early: {0}")]
     StreamCut(String),
+    #[error("the model repeated the same {period}-byte text over its last {window} bytes of output and was stopped (the request was cancelled); try another temperature, a clearer question or a larger model")]
+    Repetition { period: usize, window: usize },
     #[error("script backend: {0}")]
     Script(String),
     #[error("{0}")]

@@ -15,10 +15,40 @@ struct PartialCall {
     arguments: String,
 }
 
+/// Bytes of recent output the loop guard looks at.
+const LOOP_WINDOW: usize = 768;
+/// Longest repeated unit it recognises: a loop must repeat at least six times.
+const LOOP_MAX_PERIOD: usize = 128;
+
+/// Watches a model's output (text and call arguments, in arrival order) for a loop: the last
+/// [`LOOP_WINDOW`] bytes made of one unit of at most [`LOOP_MAX_PERIOD`] bytes repeated. A
+/// served model has no repetition guard of its own, and one stuck in a loop would otherwise run
+/// until the server's token limit or the run's deadline.
+#[derive(Default)]
+struct LoopGuard {
+    tail: Vec<u8>,
+}
+
+impl LoopGuard {
+    /// The period of the loop the output has fallen into, if any.
+    fn push(&mut self, fragment: &str) -> Option<usize> {
+        self.tail.extend_from_slice(fragment.as_bytes());
+        if self.tail.len() > 2 * LOOP_WINDOW {
+            self.tail.drain(..self.tail.len() - LOOP_WINDOW);
+        }
+        if self.tail.len() < LOOP_WINDOW {
+            return None;
+        }
+        let t = &self.tail[self.tail.len() - LOOP_WINDOW..];
+        (1..=LOOP_MAX_PERIOD).find(|&p| (p..LOOP_WINDOW).all(|i| t[i] == t[i - p]))
+    }
+}
+
 /// Assembles a delta stream into one turn, calling `on_token` for every text fragment.
 ///
 /// A stream that ends without a `Finish` delta was cut (dropped connection, killed server):
-/// that is an error, because a half-written tool call must never be executed.
+/// that is an error, because a half-written tool call must never be executed. Output that falls
+/// into a loop is an error too; the stream is dropped, which closes the request.
 pub async fn collect_turn(
     mut stream: DeltaStream,
     mut on_token: impl FnMut(&str) + Send,
@@ -26,11 +56,19 @@ pub async fn collect_turn(
     let mut turn = AssistantTurn::default();
     let mut calls: BTreeMap<usize, PartialCall> = BTreeMap::new();
     let mut finished = false;
+    let mut guard = LoopGuard::default();
+    let looping = |period| LlmError::Repetition {
+        period,
+        window: LOOP_WINDOW,
+    };
     while let Some(delta) = stream.next().await {
         match delta? {
             ChatDelta::Text(t) => {
                 on_token(&t);
                 turn.text.push_str(&t);
+                if let Some(period) = guard.push(&t) {
+                    return Err(looping(period));
+                }
             }
             ChatDelta::ToolCall {
                 index,
@@ -46,6 +84,9 @@ pub async fn collect_turn(
                     call.name = Some(name);
                 }
                 call.arguments.push_str(&arguments);
+                if let Some(period) = guard.push(&arguments) {
+                    return Err(looping(period));
+                }
             }
             ChatDelta::Finish { reason, usage } => {
                 turn.finish = reason;
@@ -213,6 +254,59 @@ mod tests {
         let err = collect_turn(s, |_| {}).await.unwrap_err();
         assert!(matches!(err, LlmError::StreamCut(_)), "{err}");
         assert!(err.to_string().contains("tool call"));
+    }
+
+    #[tokio::test]
+    async fn a_looping_answer_is_stopped_and_ordinary_text_is_not() {
+        // An endless stream: only the guard can end it.
+        let endless = |unit: &'static str| -> DeltaStream {
+            Box::pin(futures::stream::repeat_with(move || {
+                Ok(ChatDelta::Text(unit.to_string()))
+            }))
+        };
+        let unit = "The right lung is clear. ";
+        let err = collect_turn(endless(unit), |_| {}).await.unwrap_err();
+        match err {
+            LlmError::Repetition { period, .. } => assert_eq!(period, unit.len()),
+            other => panic!("{other}"),
+        }
+        let err = collect_turn(endless("\n"), |_| {}).await.unwrap_err();
+        assert!(err.to_string().contains("repeated"), "{err}");
+
+        // Endless arguments of a call are a loop too.
+        let args: DeltaStream = Box::pin(futures::stream::repeat_with(|| {
+            Ok(ChatDelta::ToolCall {
+                index: 0,
+                id: None,
+                name: Some("segment_lungs".into()),
+                arguments: "[1, 2], ".into(),
+            })
+        }));
+        let err = collect_turn(args, |_| {}).await.unwrap_err();
+        assert!(
+            matches!(err, LlmError::Repetition { period: 8, .. }),
+            "{err}"
+        );
+
+        // A long answer that repeats words and phrases, but never one unit six times in a
+        // row, passes; so does a unit repeated five times (below the guard's window).
+        let mut long = String::new();
+        for i in 0..200 {
+            long.push_str(&format!("Region {i}: area {} px. ", 1000 + i * 7));
+        }
+        long.push_str(&"| --- | --- | --- |\n".repeat(5));
+        let s = stream_of(
+            long.as_bytes()
+                .chunks(13)
+                .map(|c| Ok(ChatDelta::Text(String::from_utf8_lossy(c).to_string())))
+                .chain([Ok(ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None,
+                })])
+                .collect(),
+        );
+        let turn = collect_turn(s, |_| {}).await.unwrap();
+        assert_eq!(turn.text, long);
     }
 
     #[tokio::test]
