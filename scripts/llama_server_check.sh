@@ -10,7 +10,8 @@
 #        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running,
 #        HILUM_BIN (an already built `hilum`; default: build target/release/hilum).
 # Prints the NDJSON events and exits 0 only if at least one tool call succeeded and a non-empty
-# answer came. env MAX_ROUNDS (default 1): tool rounds before the agent asks for the answer.
+# answer came. env MAX_ROUNDS (default 6, as `hilum analyze`): tool rounds before the agent asks
+# for the answer.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,9 +19,9 @@ MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/model
 MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PORT="${PORT:-8089}"
 THREADS="${THREADS:-2}"
-# Served by llama.cpp the 0.5B model repeats its call every round (Hilum's in-process backend
-# stops that; a server does not): one tool round, then the agent asks for the answer.
-MAX_ROUNDS="${MAX_ROUNDS:-1}"
+# Served by llama.cpp the 0.5B model repeats its call every round; the agent does not run a call
+# that already succeeded and, when a round holds nothing else, asks for the answer.
+MAX_ROUNDS="${MAX_ROUNDS:-6}"
 # Empty: the GGUF's own chat template (Qwen's, with its tool section); the model then writes
 # <tool_call> blocks as text, which Hilum reads as calls. `chatml-function-calling` lets
 # llama-cpp-python choose between a message and a call with its own grammar instead.

@@ -169,6 +169,55 @@ async fn round_budget_ends_in_synthesis_without_tools() {
 }
 
 #[tokio::test]
+async fn a_synthesis_without_words_is_asked_once_more_then_fails_clearly() {
+    // Asked for the answer, the model writes a call again (no words): one plainer request.
+    let llm = script(
+        r#"[
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 1}}]},
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 1}}]},
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 1}}]},
+        {"content": "x doubled is 2."}
+    ]"#,
+    );
+    let (out, _) = run(llm.clone(), AgentConfig::default(), "q").await;
+    assert_eq!(out.error, None);
+    assert_eq!(out.reason, StopReason::RepeatedCalls);
+    assert_eq!(out.answer.as_deref(), Some("x doubled is 2."));
+    assert_eq!(out.tool_calls, 2);
+    assert_eq!(llm.calls(), 4);
+    let last_user = out
+        .messages
+        .iter()
+        .rev()
+        .find(|m| matches!(m, Message::User { .. }))
+        .map(|m| m.text().to_string())
+        .unwrap_or_default();
+    assert!(last_user.contains("plain sentences"), "{last_user}");
+
+    // Still no words: a clear error, not an empty answer.
+    let llm = script(
+        r#"[
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 1}}]},
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 2}}]},
+        {"tool_calls": [{"name": "fast", "arguments": {"x": 3}}]},
+        {"content": "  "}
+    ]"#,
+    );
+    let config = AgentConfig {
+        max_rounds: 2,
+        ..Default::default()
+    };
+    let (out, _) = run(llm.clone(), config, "q").await;
+    assert_eq!(out.reason, StopReason::Error);
+    let err = out.error.unwrap_or_default();
+    assert!(
+        err.contains("gave no answer in words") && err.contains("max_rounds"),
+        "{err}"
+    );
+    assert_eq!(llm.calls(), 4);
+}
+
+#[tokio::test]
 async fn tool_call_budget_refuses_extra_calls() {
     let llm = script(
         r#"[

@@ -340,8 +340,9 @@ async fn a_model_that_only_repeats_calls_is_made_to_answer() {
     };
     let (server, url) = start(vec![
         calls(&[("c1", "{\"x\": 1}")]),
-        // One repeat (spacing differs) and one new call: the new one runs, the round goes on.
-        calls(&[("c2", "{ \"x\":1 }"), ("c3", "{\"x\": 2}")]),
+        // One repeat (spacing differs; its id reused, as servers writing calls as text do) and
+        // one new call: the new one runs, the round goes on.
+        calls(&[("c1", "{ \"x\":1 }"), ("c3", "{\"x\": 2}")]),
         // Only repeats: not run, and the next turn has no tools.
         calls(&[("c4", "{\"x\": 2}")]),
         answer("x=1 doubled is 2 and x=2 doubled is 4."),
@@ -375,7 +376,7 @@ async fn a_model_that_only_repeats_calls_is_made_to_answer() {
         })
         .collect();
     assert_eq!(repeated.len(), 2, "{repeated:?}");
-    assert_eq!(repeated[0].0, "c2");
+    assert_eq!(repeated[0].0, "c1_r2", "a reused id is made unique");
     assert!(repeated[0].1.contains("c1 (round 1)"), "{}", repeated[0].1);
     assert!(repeated[1].1.contains("c3 (round 2)"), "{}", repeated[1].1);
 
@@ -396,7 +397,15 @@ async fn a_model_that_only_repeats_calls_is_made_to_answer() {
     assert!(last_user["content"]
         .as_str()
         .unwrap_or("")
-        .contains("only repeated calls"));
+        .contains("results you already have"));
+    // The repeat-only turn is not part of the conversation the model answers from.
+    let msgs = requests[3]["messages"].as_array().expect("messages");
+    assert!(!msgs.iter().any(|m| m.to_string().contains("c4")));
+    let ids: Vec<&str> = msgs
+        .iter()
+        .filter_map(|m| m["tool_call_id"].as_str())
+        .collect();
+    assert_eq!(ids, ["c1", "c1_r2", "c3"]);
 }
 
 #[tokio::test]

@@ -186,6 +186,8 @@ impl RunState {
 
 const SYNTHESIS_GRACE: Duration = Duration::from_secs(30);
 
+const NO_TOOLS_PROMPT: &str = "Tools are not available any more. Write your answer to the question in plain sentences now, from the tool results above; no JSON, no tool calls.";
+
 const CRITIQUE_PROMPT: &str = "Critique your draft answer before it is final. List (1) what is missing: claims not backed by a tool result, \
 findings or measurements a tool could still check; (2) what is superfluous or speculative. Be brief. Do not call tools in this step.";
 
@@ -375,9 +377,16 @@ impl Agent {
     /// Runs every call of the turn at once and appends the observations. A call identical to
     /// one that already succeeded (same tool, same arguments) is not run again. Returns whether
     /// every call of the turn was such a repeat.
-    async fn act(&self, st: &mut RunState, turn: ParsedTurn) -> bool {
+    async fn act(&self, st: &mut RunState, mut turn: ParsedTurn) -> bool {
         st.rounds += 1;
         let round = st.rounds;
+        // Ids must stay unique in the conversation: servers that write calls as text give the
+        // same ids (call_text_0, ...) every round.
+        for call in &mut turn.tool_calls {
+            if st.results.iter().any(|r| r.call.id == call.id) {
+                call.id = format!("{}_r{round}", call.id);
+            }
+        }
         let started = Instant::now();
         let allowed = self.config.max_tool_calls.saturating_sub(st.tool_calls);
         let timeout = self.config.tool_timeout.min(self.remaining(st));
@@ -444,6 +453,12 @@ impl Agent {
         let results = join_all(futures).await;
         st.tool_ms += started.elapsed().as_secs_f64() * 1e3;
 
+        let only_repeats = turn.problems.is_empty()
+            && !results.is_empty()
+            && results
+                .iter()
+                .all(|r| matches!(&r.result, Err(f) if f.kind == FailureKind::Repeated));
+        let before = st.messages.len();
         st.messages.push(Message::assistant(
             turn.text.clone(),
             turn.tool_calls.clone(),
@@ -451,17 +466,17 @@ impl Agent {
         for r in &results {
             self.observe(st, round, r);
         }
+        if only_repeats {
+            // The turn adds nothing the conversation lacks; kept, it would show a small model
+            // its own repeat (and often what it imagined the result to be) right before it answers.
+            st.messages.truncate(before);
+        }
         for problem in &turn.problems {
             st.messages.push(Message::user(
                 format!("Observation: your last turn could not be read: {problem}."),
                 vec![],
             ));
         }
-        let only_repeats = turn.problems.is_empty()
-            && !results.is_empty()
-            && results
-                .iter()
-                .all(|r| matches!(&r.result, Err(f) if f.kind == FailureKind::Repeated));
         st.result_rounds
             .extend(std::iter::repeat_n(round, results.len()));
         st.results.extend(results);
@@ -532,7 +547,7 @@ impl Agent {
         let limit = |what: String| format!("You have reached {what}.");
         let why = match reason {
             StopReason::RepeatedCalls => {
-                "Your last turn only repeated calls whose results you already have.".to_string()
+                "You asked again for tool results you already have.".to_string()
             }
             StopReason::MaxRounds => limit(format!(
                 "the limit of {} tool rounds",
@@ -558,7 +573,27 @@ impl Agent {
             self.remaining(st)
         };
         let turn = self.reason(st, false, budget).await?;
-        Ok((turn.answer.unwrap_or(turn.text), reason))
+        let mut answer = turn.answer.unwrap_or(turn.text);
+        if answer.trim().is_empty() {
+            // Typically a small model behind a server that renders tools into its template: it
+            // writes one more call instead of an answer. One plainer request, then give up.
+            st.messages.push(Message::user(NO_TOOLS_PROMPT, vec![]));
+            let budget = if reason == StopReason::Deadline {
+                SYNTHESIS_GRACE / 2
+            } else {
+                self.remaining(st)
+            };
+            let turn = self.reason(st, false, budget).await?;
+            answer = turn.answer.unwrap_or(turn.text);
+        }
+        if answer.trim().is_empty() {
+            return Err(format!(
+                "model `{}` gave no answer in words after the tools ({}), even when asked again; the tool results are in the run's events",
+                self.llm.name(),
+                reason.as_str()
+            ));
+        }
+        Ok((answer, reason))
     }
 
     fn finish(&self, st: RunState, result: Result<(String, StopReason), String>) -> RunOutcome {

@@ -131,22 +131,43 @@ fn text_tool_calls(turn: &mut AssistantTurn) {
     const OPEN: &str = "<tool_call>";
     const CLOSE: &str = "</tool_call>";
     if !turn.text.contains(OPEN) {
-        // The whole answer one bare (or fenced) call object: the same call with its
+        // Call objects at the start of the answer, bare or fenced: the same calls with their
         // `<tool_call>` markers dropped by the server's detokenizer.
         let t = turn.text.trim();
         let t = t
             .strip_prefix("```json")
             .or_else(|| t.strip_prefix("```"))
-            .and_then(|r| r.trim_end().strip_suffix("```"))
+            .map(|r| r.trim_end().strip_suffix("```").unwrap_or(r))
             .unwrap_or(t)
             .trim();
-        if t.starts_with('{') {
-            if let Some(call) = call_object(t, 0) {
-                turn.text.clear();
-                turn.tool_calls = vec![call];
-                turn.finish = crate::FinishReason::ToolCalls;
-            }
+        if !t.starts_with('{') {
+            return;
         }
+        let mut values = serde_json::Deserializer::from_str(t).into_iter::<serde_json::Value>();
+        let (mut calls, mut end) = (Vec::new(), 0);
+        while let Some(Ok(v)) = values.next() {
+            match call_value(&v, calls.len()) {
+                Some(call) => calls.push(call),
+                None => break,
+            }
+            end = values.byte_offset();
+        }
+        if calls.is_empty() {
+            return;
+        }
+        // What follows the calls stays as text unless it is only JSON: a small model often
+        // goes on to write the result it expects, which must not pass for an answer.
+        let rest = t[end..].trim();
+        let only_json = serde_json::Deserializer::from_str(rest)
+            .into_iter::<serde_json::Value>()
+            .all(|v| v.is_ok());
+        turn.text = if only_json {
+            String::new()
+        } else {
+            rest.to_string()
+        };
+        turn.tool_calls = calls;
+        turn.finish = crate::FinishReason::ToolCalls;
         return;
     }
     let mut free = String::new();
@@ -181,7 +202,10 @@ fn text_tool_calls(turn: &mut AssistantTurn) {
 
 /// `{"name": "...", "arguments": {...}}` as a call (arguments may also be a JSON string).
 fn call_object(text: &str, index: usize) -> Option<ToolCall> {
-    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    call_value(&serde_json::from_str(text).ok()?, index)
+}
+
+fn call_value(v: &serde_json::Value, index: usize) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments")? {
         serde_json::Value::String(s) => s.clone(),
@@ -349,8 +373,36 @@ mod tests {
             assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
             assert!(turn.text.is_empty());
         }
+        // A call followed by the result the model imagined: the call runs, the imagined result
+        // is dropped; prose after a call stays as the turn's text.
+        for (text, rest) in [
+            (
+                "{\"name\": \"image_info\", \"arguments\": \"{\\\"image\\\":\\\"img_ab12cd\\\"}\"}\n{\"width\": 1600, \"height\": 1600}",
+                "",
+            ),
+            (
+                "{\"name\": \"image_info\", \"arguments\": {\"image\": \"img_ab12cd\"}} then I will measure.",
+                "then I will measure.",
+            ),
+        ] {
+            let s = stream_of(vec![
+                Ok(ChatDelta::Text(text.into())),
+                Ok(ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None,
+                }),
+            ]);
+            let turn = collect_turn(s, |_| {}).await.unwrap();
+            assert_eq!(turn.tool_calls.len(), 1, "{text}");
+            assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
+            assert_eq!(turn.text, rest);
+        }
         // Prose that merely contains JSON stays prose; so does an object that is not a call.
-        for text in ["The result was {\"a\": 1}.", "{\"area\": 12}"] {
+        for text in [
+            "The result was {\"a\": 1}.",
+            "{\"area\": 12}",
+            "{\"area\": 12} {\"name\": \"image_info\", \"arguments\": {}}",
+        ] {
             let s = stream_of(vec![
                 Ok(ChatDelta::Text(text.into())),
                 Ok(ChatDelta::Finish {
