@@ -6,7 +6,8 @@
 # summary gives medians and the per-repetition ratios.
 #
 # Usage: scripts/bench_llm.sh [MODEL.gguf]        env: THREADS (default 2), REPS (3), SKIP_LLAMA=1
-# The llama.cpp side needs scripts/.venv-llama from scripts/llama_server_check.sh (a ~20 min compile).
+# The llama.cpp side needs scripts/.venv-llama from scripts/llama_server_check.sh (a ~20 min compile);
+# LLAMA_VENV picks another build (e.g. one without AVX-512, to compare with HILUM_LOCAL_SIMD=avx2).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,7 +19,7 @@ cd "$ROOT"
 [[ -f "$MODEL" ]] || { echo "no model at $MODEL: run scripts/fetch_local_llm.sh" >&2; exit 1; }
 
 cargo build --quiet --release -p hilum-llm --example bench_local
-PY="$ROOT/scripts/.venv-llama/bin/python"
+PY="${LLAMA_VENV:-$ROOT/scripts/.venv-llama}/bin/python"
 if [[ "${SKIP_LLAMA:-0}" != 1 && ! -x "$PY" ]]; then
     echo "no llama-cpp-python venv: run scripts/llama_server_check.sh first (or SKIP_LLAMA=1)" >&2
     exit 1
