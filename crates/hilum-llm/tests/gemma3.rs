@@ -276,6 +276,68 @@ fn greedy_continuations_match_llama_cpp_up_to_the_first_near_tie() {
     eprintln!("greedy tokens equal to llama.cpp's: {}", report.join(", "));
 }
 
+/// Decode on the one-token kernels (the default `Hybrid` mode keeps the GGUF blocks): greedy
+/// tokens as llama.cpp's up to the first near tie — past the sliding window too — and the first
+/// decode step's logits close to the f32 tensor path's.
+#[test]
+fn one_token_decode_matches_llama_cpp_and_the_tensor_path() {
+    let Some(path) = model_path() else { return };
+    let Some(dense) = model() else { return };
+    let mut f = std::fs::File::open(&path).expect("open");
+    let ct = gguf_file::Content::read(&mut f).expect("gguf");
+    let mut m = Gemma3::load(&ct, &mut f, 2048, MatmulMode::Hybrid, &Device::Cpu).expect("load");
+    assert!(m.uses_one_token_path());
+    let n_new = fixture()["new_tokens"].as_u64().unwrap() as usize;
+    let mut report = Vec::new();
+    for c in fixture()["generate"].as_array().unwrap() {
+        let prompt = ids(&c["prompt_ids"]);
+        let want = ids(&c["greedy"]);
+        let first_tie = c["margins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|x| (x.as_f64().unwrap() as f32) < NEAR_TIE)
+            .unwrap_or(want.len());
+        let (_, got) = greedy(&mut m, &prompt, 512, n_new);
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        report.push(format!("{same}/{}", want.len()));
+        assert!(
+            same >= first_tie,
+            "prompt {:?}: one-token decode differs after {same} (first near tie at {first_tie}): ours {got:?}, llama.cpp {want:?}",
+            short(c)
+        );
+        // One decode step from the same prompt on the same weights: the one-token path vs the
+        // tensor path (whose one-row products run the same block kernels), and vs f32 weights.
+        let step = |m: &mut Gemma3| {
+            m.truncate_cache(0).unwrap();
+            m.forward(&prompt).unwrap();
+            m.forward(&want[..1]).unwrap().to_vec1::<f32>().unwrap()
+        };
+        let max_diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        };
+        let ours = step(&mut m);
+        m.set_one_token_path(false);
+        let tensor_path = step(&mut m);
+        m.set_one_token_path(true);
+        let d = max_diff(&ours, &tensor_path);
+        assert!(d < 1e-3, "prompt {:?}: paths differ by {d}", short(c));
+        let f32_weights = step(&mut dense.lock().unwrap());
+        eprintln!(
+            "{:?}: one-token vs tensor path {d:.1e}; vs f32 weights {:.2}",
+            short(c),
+            max_diff(&ours, &f32_weights)
+        );
+    }
+    eprintln!(
+        "one-token decode, greedy tokens equal to llama.cpp's: {}",
+        report.join(", ")
+    );
+}
+
 /// Prefill in chunks that straddle the sliding window, then one token at a time, must give the
 /// tokens of a single prefill; so must a cache truncated back to the prompt and run again.
 #[test]

@@ -18,9 +18,10 @@ use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::model::{
-    attention_mask, check_span, dense, linear_weights, md, rotary_tables, KvCache, Linear,
-    MatmulMode,
+    attend, attention_mask, blocks, check_span, linear_weights, md, rope_halves, rotary_tables,
+    KvCache, Linear, MatmulMode, RmsNorm,
 };
+use super::qmatvec;
 
 /// Layers per local/global cycle when the GGUF does not say (llama.cpp's value for Gemma 3).
 const DEFAULT_SWA_PATTERN: u32 = 6;
@@ -105,32 +106,29 @@ impl Gemma3Config {
     }
 }
 
-struct Norm {
-    w: Tensor,
-    eps: f32,
-}
-
-impl Norm {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::ops::rms_norm(x, &self.w, self.eps)
-    }
-}
-
 struct Layer {
-    attn_norm: Norm,
+    attn_norm: RmsNorm,
     wq: Linear,
     wk: Linear,
     wv: Linear,
-    q_norm: Norm,
-    k_norm: Norm,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
     wo: Linear,
-    post_attn_norm: Norm,
-    ffn_norm: Norm,
+    post_attn_norm: RmsNorm,
+    ffn_norm: RmsNorm,
     gate: Linear,
     up: Linear,
     down: Linear,
-    post_ffn_norm: Norm,
+    post_ffn_norm: RmsNorm,
     local: bool,
+}
+
+impl Layer {
+    fn matrices(&self) -> [&Linear; 7] {
+        [
+            &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+        ]
+    }
 }
 
 /// The embedding matrix kept in its GGUF blocks (262k x 640 would be 671 MB as f32); the rows
@@ -197,11 +195,16 @@ pub struct Gemma3 {
     pub cfg: Gemma3Config,
     embed: Embedding,
     layers: Vec<Layer>,
-    norm: Norm,
+    norm: RmsNorm,
     output: Linear,
     /// Rotary tables (positions, head_dim / 2) of the global and the local layers.
     rope_global: (Tensor, Tensor),
     rope_local: (Tensor, Tensor),
+    /// The same tables as slices (cos, sin), for the one-token step.
+    rope_global_v: (Vec<f32>, Vec<f32>),
+    rope_local_v: (Vec<f32>, Vec<f32>),
+    /// Every matrix has its GGUF blocks on the CPU: one-token steps run `forward_one`.
+    one_token_path: bool,
     cache: KvCache,
     device: Device,
 }
@@ -218,12 +221,7 @@ impl Gemma3 {
     ) -> candle_core::Result<Self> {
         let cfg = Gemma3Config::from_gguf(ct)?;
         let eps = cfg.rms_eps as f32;
-        let norm = |r: &mut std::fs::File, n: &str| -> candle_core::Result<Norm> {
-            Ok(Norm {
-                w: dense(ct, r, n, dev)?,
-                eps,
-            })
-        };
+        let norm = |r: &mut std::fs::File, n: &str| RmsNorm::load(ct, r, n, eps, dev);
         let lin = |r: &mut std::fs::File, n: &str| linear_weights(ct, r, n, mode, dev);
         let embed = Embedding::load(ct, r, cfg.n_embd, dev)?;
         // Only the last position reaches the output layer: one row, so quantized unless Dense.
@@ -262,22 +260,48 @@ impl Gemma3 {
         let rope_global = rotary_tables(cfg.head_dim, cfg.rope_base_global, positions, dev)?;
         let rope_local = rotary_tables(cfg.head_dim, cfg.rope_base_local, positions, dev)?;
         let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
-        Ok(Gemma3 {
+        let slices = |(c, s): &(Tensor, Tensor)| -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+            Ok((c.flatten_all()?.to_vec1()?, s.flatten_all()?.to_vec1()?))
+        };
+        let mut model = Gemma3 {
             cfg,
             embed,
             layers,
             norm: norm_out,
             output,
+            rope_global_v: slices(&rope_global)?,
+            rope_local_v: slices(&rope_local)?,
             rope_global,
             rope_local,
+            one_token_path: false,
             cache: KvCache::new(n_layer, kvd),
             device: dev.clone(),
-        })
+        };
+        model.set_one_token_path(true);
+        Ok(model)
     }
 
     /// Positions the rotary tables cover: the longest conversation this instance accepts.
     pub fn max_positions(&self) -> usize {
         self.rope_global.0.dims()[0]
+    }
+
+    /// Whether one-token steps run on the GGUF blocks (`Hybrid`/`Quantized` on the CPU when every
+    /// matrix has a supported block type) rather than the tensor path.
+    pub fn uses_one_token_path(&self) -> bool {
+        self.one_token_path
+    }
+
+    /// Turns the one-token path off (or back on, where the blocks allow it), to compare it with
+    /// the tensor path on the same weights.
+    pub fn set_one_token_path(&mut self, on: bool) {
+        self.one_token_path = on
+            && self.device.is_cpu()
+            && self.output.has_blocks()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.matrices().iter().all(|m| m.has_blocks()));
     }
 
     /// Number of positions in the KV cache.
@@ -296,6 +320,9 @@ impl Gemma3 {
         let t = tokens.len();
         let pos = self.cache.len();
         check_span(pos, t, self.max_positions())?;
+        if t == 1 && self.one_token_path {
+            return self.forward_one(tokens[0]);
+        }
         let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
         let group = nh / nkv;
         let window = self.cfg.sliding_window;
@@ -382,6 +409,94 @@ impl Gemma3 {
         let last = self.norm.forward(&x.i(t - 1..t)?)?;
         self.output.forward(&last)?.squeeze(0)
     }
+
+    /// One token after the cached positions, on slices: `forward`'s arithmetic without a tensor
+    /// per operation, q/k/v and gate/up each in one parallel product of the GGUF blocks.
+    fn forward_one(&mut self, token: u32) -> candle_core::Result<Tensor> {
+        let pos = self.cache.len();
+        let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
+        let (kvd, qd, half) = (nkv * hd, nh * hd, hd / 2);
+        let n_embd = self.cfg.n_embd;
+        let scale = self.cfg.attn_scale as f32;
+        let window = self.cfg.sliding_window;
+        let mut x: Vec<f32> = self
+            .embed
+            .rows(&[token], &self.device)?
+            .flatten_all()?
+            .to_vec1()?;
+        let embed_scale = (n_embd as f32).sqrt();
+        x.iter_mut().for_each(|v| *v *= embed_scale);
+        let at = |(c, s): &(Vec<f32>, Vec<f32>)| {
+            (
+                c[pos * half..(pos + 1) * half].to_vec(),
+                s[pos * half..(pos + 1) * half].to_vec(),
+            )
+        };
+        let (rope_g, rope_l) = (at(&self.rope_global_v), at(&self.rope_local_v));
+        let mut h = vec![0f32; n_embd];
+        let mut qkv = vec![0f32; qd + 2 * kvd];
+        let mut att = vec![0f32; qd];
+        let mut proj = vec![0f32; n_embd];
+        let mut gu = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let ((cos, sin), kv_start) = if layer.local {
+                (&rope_l, (pos + 1).saturating_sub(window))
+            } else {
+                (&rope_g, 0)
+            };
+            layer.attn_norm.forward_slice(&x, &mut h);
+            qmatvec::matvec(
+                &h,
+                &[blocks(&layer.wq)?, blocks(&layer.wk)?, blocks(&layer.wv)?],
+                &mut qkv,
+            )?;
+            let (q, kv) = qkv.split_at_mut(qd);
+            let (k, v) = kv.split_at_mut(kvd);
+            layer.q_norm.forward_inplace(q);
+            layer.k_norm.forward_inplace(k);
+            for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+                rope_halves(head, cos, sin);
+            }
+            let (kc, vc) = self.cache.push(li, k, v);
+            let len = pos + 1 - kv_start;
+            attend(
+                q,
+                &kc[kv_start * kvd..],
+                &vc[kv_start * kvd..],
+                len,
+                (nh / nkv, hd, kvd),
+                scale,
+                &mut att,
+            );
+            qmatvec::matvec(&att, &[blocks(&layer.wo)?], &mut proj)?;
+            layer.post_attn_norm.forward_inplace(&mut proj);
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            layer.ffn_norm.forward_slice(&x, &mut h);
+            let (gate, up) = (blocks(&layer.gate)?, blocks(&layer.up)?);
+            gu.resize(gate.rows() + up.rows(), 0.0);
+            qmatvec::matvec(&h, &[gate, up], &mut gu)?;
+            let (g, u) = gu.split_at_mut(gate.rows());
+            for (g, u) in g.iter_mut().zip(u.iter()) {
+                *g = gelu_tanh(*g) * u;
+            }
+            qmatvec::matvec(g, &[blocks(&layer.down)?], &mut proj)?;
+            layer.post_ffn_norm.forward_inplace(&mut proj);
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+        }
+        self.cache.advance(1);
+        self.norm.forward_slice(&x, &mut h);
+        let out = blocks(&self.output)?;
+        let mut logits = vec![0f32; out.rows()];
+        qmatvec::matvec(&h, &[out], &mut logits)?;
+        let n = logits.len();
+        Tensor::from_vec(logits, n, &self.device)
+    }
+}
+
+/// GELU, tanh approximation (as candle's `gelu` and llama.cpp's Gemma graph).
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 /// NeoX rotary embedding (pairs `i` and `i + head_dim/2`) of (heads, t, head_dim).

@@ -138,6 +138,11 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    /// Whether the GGUF blocks are kept for the one-row kernels.
+    pub(crate) fn has_blocks(&self) -> bool {
+        self.blocks.is_some()
+    }
+
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)?;
         let y = match (&self.dense, &self.quant, &self.blocks) {
@@ -163,7 +168,7 @@ impl Linear {
     }
 }
 
-struct RmsNorm {
+pub(crate) struct RmsNorm {
     alpha: Tensor,
     /// `alpha` as a slice, for the one-token step.
     w: Vec<f32>,
@@ -171,11 +176,37 @@ struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn load(
+        ct: &gguf_file::Content,
+        r: &mut std::fs::File,
+        name: &str,
+        eps: f32,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let alpha = dense(ct, r, name, dev)?;
+        Ok(RmsNorm {
+            w: alpha.to_vec1()?,
+            alpha,
+            eps,
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         candle_nn::ops::rms_norm(x, &self.alpha, self.eps)
     }
 
-    fn forward_slice(&self, x: &[f32], out: &mut [f32]) {
+    /// Normalises `x` in place, in pieces of the weight's length (one head each for q/k norms).
+    pub(crate) fn forward_inplace(&self, x: &mut [f32]) {
+        for piece in x.chunks_exact_mut(self.w.len().max(1)) {
+            let ms = piece.iter().map(|v| v * v).sum::<f32>() / piece.len() as f32;
+            let inv = 1.0 / (ms + self.eps).sqrt();
+            for (v, w) in piece.iter_mut().zip(&self.w) {
+                *v *= inv * w;
+            }
+        }
+    }
+
+    pub(crate) fn forward_slice(&self, x: &[f32], out: &mut [f32]) {
         let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32;
         let inv = 1.0 / (ms + self.eps).sqrt();
         for ((o, v), w) in out.iter_mut().zip(x).zip(&self.w) {
@@ -258,7 +289,7 @@ impl KvCache {
 
     /// Appends layer `li`'s key and value rows of one new position; returns all of the layer's
     /// key and value rows.
-    fn push(&mut self, li: usize, k: &[f32], v: &[f32]) -> (&[f32], &[f32]) {
+    pub(crate) fn push(&mut self, li: usize, k: &[f32], v: &[f32]) -> (&[f32], &[f32]) {
         self.k[li].extend_from_slice(k);
         self.v[li].extend_from_slice(v);
         (&self.k[li], &self.v[li])
@@ -380,14 +411,7 @@ impl Model {
     ) -> candle_core::Result<Self> {
         let cfg = Config::from_gguf(ct)?;
         let eps = cfg.rms_eps as f32;
-        let norm = |r: &mut std::fs::File, n: &str| -> candle_core::Result<RmsNorm> {
-            let alpha = dense(ct, r, n, dev)?;
-            Ok(RmsNorm {
-                w: alpha.to_vec1()?,
-                alpha,
-                eps,
-            })
-        };
+        let norm = |r: &mut std::fs::File, n: &str| RmsNorm::load(ct, r, n, eps, dev);
         let lin = |r: &mut std::fs::File, n: &str, bias: bool| -> candle_core::Result<Linear> {
             let b = if bias && ct.tensor_infos.contains_key(&format!("{n}.bias")) {
                 Some(dense(ct, r, &format!("{n}.bias"), dev)?)
@@ -626,7 +650,7 @@ impl Model {
 
 /// One token's attention over `len` cached positions (`k`, `v`: (len, kvd) rows), heads split
 /// over candle's thread pool. `shape` = (query heads per kv head, head_dim, kv row width).
-fn attend(
+pub(crate) fn attend(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -661,7 +685,7 @@ fn attend(
 }
 
 /// The GGUF blocks of a layer (`forward_one` runs only when every layer has them).
-fn blocks(l: &Linear) -> candle_core::Result<&QMat> {
+pub(crate) fn blocks(l: &Linear) -> candle_core::Result<&QMat> {
     l.blocks
         .as_ref()
         .ok_or_else(|| candle_core::Error::Msg("a layer has no quantized blocks".into()))
@@ -671,13 +695,7 @@ fn blocks(l: &Linear) -> candle_core::Result<&QMat> {
 fn rope_slice(arch: Arch, x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
     match arch {
-        Arch::Qwen2 => {
-            for i in 0..half {
-                let (a, b) = (x[i], x[i + half]);
-                x[i] = a * cos[i] - b * sin[i];
-                x[i + half] = a * sin[i] + b * cos[i];
-            }
-        }
+        Arch::Qwen2 => rope_halves(x, cos, sin),
         Arch::Llama => {
             for i in 0..half {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
@@ -685,6 +703,16 @@ fn rope_slice(arch: Arch, x: &mut [f32], cos: &[f32], sin: &[f32]) {
                 x[2 * i + 1] = a * sin[i] + b * cos[i];
             }
         }
+    }
+}
+
+/// NeoX rotary embedding of one head: element `i` pairs with `i + head_dim / 2`.
+pub(crate) fn rope_halves(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = a * sin[i] + b * cos[i];
     }
 }
 
