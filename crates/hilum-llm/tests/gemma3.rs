@@ -74,8 +74,8 @@ fn encode(tok: &GgufTokenizer, text: &str) -> Vec<u32> {
 }
 
 /// One model per test binary; tests share it in turn. Dense weights: one-token steps then run on
-/// candle's f32 gemm, which stays fast in debug builds (the default hybrid mode's quantized
-/// one-token kernels are checked end to end by `loads_as_a_local_llm_with_the_gemma_turn_format`).
+/// candle's f32 gemm, which stays fast in debug builds (the default hybrid mode's one-token path
+/// has its own test and runs end to end in `loads_as_a_local_llm_with_the_gemma_turn_format`).
 fn model() -> Option<&'static Mutex<Gemma3>> {
     static M: OnceLock<Option<Mutex<Gemma3>>> = OnceLock::new();
     M.get_or_init(|| {
