@@ -18,8 +18,8 @@ use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
 use super::model::{
-    attend, attention_mask, blocks, check_span, linear_weights, md, rope_halves, rotary_tables,
-    KvCache, Linear, MatmulMode, RmsNorm,
+    attend, attention_mask, blocks, check_span, gated_ffn, linear_weights, logits_one, md,
+    one_token_ready, rope_halves, rotary_tables, KvCache, Linear, MatmulMode, RmsNorm,
 };
 use super::qmatvec;
 
@@ -296,12 +296,11 @@ impl Gemma3 {
     /// the tensor path on the same weights.
     pub fn set_one_token_path(&mut self, on: bool) {
         self.one_token_path = on
-            && self.device.is_cpu()
-            && self.output.has_blocks()
-            && self
-                .layers
-                .iter()
-                .all(|l| l.matrices().iter().all(|m| m.has_blocks()));
+            && one_token_ready(
+                &self.device,
+                &self.output,
+                self.layers.iter().flat_map(Layer::matrices),
+            );
     }
 
     /// Number of positions in the KV cache.
@@ -472,24 +471,19 @@ impl Gemma3 {
             layer.post_attn_norm.forward_inplace(&mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
             layer.ffn_norm.forward_slice(&x, &mut h);
-            let (gate, up) = (blocks(&layer.gate)?, blocks(&layer.up)?);
-            gu.resize(gate.rows() + up.rows(), 0.0);
-            qmatvec::matvec(&h, &[gate, up], &mut gu)?;
-            let (g, u) = gu.split_at_mut(gate.rows());
-            for (g, u) in g.iter_mut().zip(u.iter()) {
-                *g = gelu_tanh(*g) * u;
-            }
-            qmatvec::matvec(g, &[blocks(&layer.down)?], &mut proj)?;
+            gated_ffn(
+                &h,
+                (&layer.gate, &layer.up, &layer.down),
+                gelu_tanh,
+                &mut gu,
+                &mut proj,
+            )?;
             layer.post_ffn_norm.forward_inplace(&mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
         }
         self.cache.advance(1);
         self.norm.forward_slice(&x, &mut h);
-        let out = blocks(&self.output)?;
-        let mut logits = vec![0f32; out.rows()];
-        qmatvec::matvec(&h, &[out], &mut logits)?;
-        let n = logits.len();
-        Tensor::from_vec(logits, n, &self.device)
+        logits_one(&h, &self.output, &self.device)
     }
 }
 

@@ -201,18 +201,53 @@ impl RmsNorm {
             let ms = piece.iter().map(|v| v * v).sum::<f32>() / piece.len() as f32;
             let inv = 1.0 / (ms + self.eps).sqrt();
             for (v, w) in piece.iter_mut().zip(&self.w) {
-                *v *= inv * w;
+                *v = *v * inv * w;
             }
         }
     }
 
+    /// `x` normalised into `out` (both of the weight's length).
     pub(crate) fn forward_slice(&self, x: &[f32], out: &mut [f32]) {
-        let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len().max(1) as f32;
-        let inv = 1.0 / (ms + self.eps).sqrt();
-        for ((o, v), w) in out.iter_mut().zip(x).zip(&self.w) {
-            *o = v * inv * w;
-        }
+        out.copy_from_slice(x);
+        self.forward_inplace(out);
     }
+}
+
+/// Whether every matrix keeps its GGUF blocks on the CPU, so one-token steps can run on slices.
+pub(crate) fn one_token_ready<'a>(
+    dev: &Device,
+    output: &Linear,
+    matrices: impl IntoIterator<Item = &'a Linear>,
+) -> bool {
+    dev.is_cpu() && output.has_blocks() && matrices.into_iter().all(Linear::has_blocks)
+}
+
+/// The one-token gated FFN: `down(act(gate(h)) * up(h))` into `out`, gate and up in one
+/// parallel product (`gu` is scratch space).
+pub(crate) fn gated_ffn(
+    h: &[f32],
+    (gate, up, down): (&Linear, &Linear, &Linear),
+    act: impl Fn(f32) -> f32,
+    gu: &mut Vec<f32>,
+    out: &mut [f32],
+) -> candle_core::Result<()> {
+    let (gate, up) = (blocks(gate)?, blocks(up)?);
+    gu.resize(gate.rows() + up.rows(), 0.0);
+    qmatvec::matvec(h, &[gate, up], gu)?;
+    let (g, u) = gu.split_at_mut(gate.rows());
+    for (g, u) in g.iter_mut().zip(u.iter()) {
+        *g = act(*g) * u;
+    }
+    qmatvec::matvec(g, &[blocks(down)?], out)
+}
+
+/// The logits of one normalised hidden state through the output layer's blocks.
+pub(crate) fn logits_one(h: &[f32], output: &Linear, dev: &Device) -> candle_core::Result<Tensor> {
+    let out = blocks(output)?;
+    let mut logits = vec![0f32; out.rows()];
+    qmatvec::matvec(h, &[out], &mut logits)?;
+    let n = logits.len();
+    Tensor::from_vec(logits, n, dev)
 }
 
 struct Layer {
@@ -456,13 +491,13 @@ impl Model {
         let max_positions = max_positions.min(cfg.context_length).max(1);
         let (cos, sin) = rotary_tables(cfg.head_dim, cfg.rope_base, max_positions, dev)?;
         let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
-        let one_token_path = dev.is_cpu()
-            && output.blocks.is_some()
-            && layers.iter().all(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .all(|m| m.blocks.is_some())
-            });
+        let one_token_path = one_token_ready(
+            dev,
+            &output,
+            layers
+                .iter()
+                .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]),
+        );
         let cos_v = cos.flatten_all()?.to_vec1()?;
         let sin_v = sin.flatten_all()?.to_vec1()?;
         Ok(Model {
@@ -617,25 +652,20 @@ impl Model {
                 *a += b;
             }
             layer.ffn_norm.forward_slice(&x, &mut h);
-            let (gate, up) = (blocks(&layer.gate)?, blocks(&layer.up)?);
-            gu.resize(gate.rows() + up.rows(), 0.0);
-            qmatvec::matvec(&h, &[gate, up], &mut gu)?;
-            let (g, u) = gu.split_at_mut(gate.rows());
-            for (g, u) in g.iter_mut().zip(u.iter()) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-            qmatvec::matvec(g, &[blocks(&layer.down)?], &mut proj)?;
+            gated_ffn(
+                &h,
+                (&layer.gate, &layer.up, &layer.down),
+                |g| g / (1.0 + (-g).exp()),
+                &mut gu,
+                &mut proj,
+            )?;
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
             }
         }
         self.cache.advance(1);
         self.norm.forward_slice(&x, &mut h);
-        let out = blocks(&self.output)?;
-        let mut logits = vec![0f32; out.rows()];
-        qmatvec::matvec(&h, &[out], &mut logits)?;
-        let n = logits.len();
-        Tensor::from_vec(logits, n, &self.device)
+        logits_one(&h, &self.output, &self.device)
     }
 
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
