@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{event_types, run};
-use hilum::agent::{AgentConfig, Event, Message, Mode, Protocol, StopReason};
+use hilum::agent::{AgentConfig, Event, Message, Mode, Protocol, RunOutcome, StopReason};
 use hilum::llm::ScriptLlm;
 
 fn script(json: &str) -> Arc<ScriptLlm> {
@@ -153,15 +153,13 @@ async fn round_budget_ends_in_synthesis_without_tools() {
     assert_eq!(out.reason, StopReason::MaxRounds);
     assert_eq!(out.rounds, 2);
     assert_eq!(out.tool_calls, 2, "the synthesis call must not run tools");
-    assert!(out.answer.unwrap_or_default().contains("2 and 4"));
+    assert!(out
+        .answer
+        .as_deref()
+        .unwrap_or_default()
+        .contains("2 and 4"));
     assert_eq!(llm.calls(), 3);
-    let last_user = out
-        .messages
-        .iter()
-        .rev()
-        .find(|m| matches!(m, Message::User { .. }))
-        .map(|m| m.text().to_string())
-        .unwrap_or_default();
+    let last_user = last_user_text(&out);
     assert!(last_user.contains("limit of 2 tool rounds"), "{last_user}");
     let types = event_types(&events);
     assert_eq!(types.last().map(String::as_str), Some("complete"));
@@ -185,13 +183,7 @@ async fn a_synthesis_without_words_is_asked_once_more_then_fails_clearly() {
     assert_eq!(out.answer.as_deref(), Some("x doubled is 2."));
     assert_eq!(out.tool_calls, 2);
     assert_eq!(llm.calls(), 4);
-    let last_user = out
-        .messages
-        .iter()
-        .rev()
-        .find(|m| matches!(m, Message::User { .. }))
-        .map(|m| m.text().to_string())
-        .unwrap_or_default();
+    let last_user = last_user_text(&out);
     assert!(last_user.contains("plain sentences"), "{last_user}");
 
     // Still no words: a clear error, not an empty answer.
@@ -381,4 +373,14 @@ async fn events_carry_timings_and_serialize_as_ndjson() {
     assert!(events
         .iter()
         .any(|e| matches!(&e.event, Event::Token { text } if text.contains("Checking"))));
+}
+
+/// The text of the run's last user message (the agent's own prompts are user messages).
+fn last_user_text(out: &RunOutcome) -> String {
+    out.messages
+        .iter()
+        .rev()
+        .find(|m| matches!(m, Message::User { .. }))
+        .map(|m| m.text().to_string())
+        .unwrap_or_default()
 }

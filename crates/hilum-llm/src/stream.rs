@@ -228,6 +228,18 @@ mod tests {
         Box::pin(futures::stream::iter(items))
     }
 
+    /// The turn a stream of one text fragment and a normal finish gives.
+    async fn turn_of(text: &str) -> AssistantTurn {
+        let s = stream_of(vec![
+            Ok(ChatDelta::Text(text.into())),
+            Ok(ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            }),
+        ]);
+        collect_turn(s, |_| {}).await.unwrap()
+    }
+
     #[tokio::test]
     async fn fragments_are_joined_per_index() {
         let s = stream_of(vec![
@@ -361,14 +373,7 @@ mod tests {
             "{\n  \"name\": \"image_info\",\n  \"arguments\": {\"image\": \"img_ab12cd\"}\n}",
             "```json\n{\"name\": \"image_info\", \"arguments\": {\"image\": \"img_ab12cd\"}}\n```",
         ] {
-            let s = stream_of(vec![
-                Ok(ChatDelta::Text(text.into())),
-                Ok(ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None,
-                }),
-            ]);
-            let turn = collect_turn(s, |_| {}).await.unwrap();
+            let turn = turn_of(text).await;
             assert_eq!(turn.tool_calls.len(), 1, "{text}");
             assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
             assert!(turn.text.is_empty());
@@ -385,14 +390,7 @@ mod tests {
                 "then I will measure.",
             ),
         ] {
-            let s = stream_of(vec![
-                Ok(ChatDelta::Text(text.into())),
-                Ok(ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None,
-                }),
-            ]);
-            let turn = collect_turn(s, |_| {}).await.unwrap();
+            let turn = turn_of(text).await;
             assert_eq!(turn.tool_calls.len(), 1, "{text}");
             assert_eq!(turn.tool_calls[0].arguments, "{\"image\":\"img_ab12cd\"}");
             assert_eq!(turn.text, rest);
@@ -403,14 +401,7 @@ mod tests {
             "{\"area\": 12}",
             "{\"area\": 12} {\"name\": \"image_info\", \"arguments\": {}}",
         ] {
-            let s = stream_of(vec![
-                Ok(ChatDelta::Text(text.into())),
-                Ok(ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None,
-                }),
-            ]);
-            let turn = collect_turn(s, |_| {}).await.unwrap();
+            let turn = turn_of(text).await;
             assert!(turn.tool_calls.is_empty(), "{text}");
             assert_eq!(turn.text, text);
         }

@@ -1184,6 +1184,13 @@ mod tests {
     use crate::unet::{Backend, Config};
     use candle_core::{DType, Device, Tensor};
 
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    }
+
     /// The lung U-Net at 64 px with seeded weights (fan-in scaled so activations stay in range).
     fn small_net() -> LungUnet {
         let mut state = 0x2545_f491_4f6c_dd1du64;
@@ -1247,11 +1254,7 @@ mod tests {
             .expect("plan")
             .forward(&flat, 2)
             .expect("forward");
-        let max = one
-            .iter()
-            .zip(&expected)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let max = max_diff(&one, &expected);
         assert!(max < 1e-4, "direct vs candle: max abs diff {max}");
         let spread = expected
             .iter()
@@ -1273,11 +1276,7 @@ mod tests {
             .expect("plan")
             .forward(&flat, 2)
             .expect("gemm");
-        let max = gemm
-            .iter()
-            .zip(&one)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let max = max_diff(&gemm, &one);
         assert!(max < 1e-4, "direct vs gemm plan: max abs diff {max}");
     }
 }
