@@ -14,7 +14,11 @@ pub use agent::{
 };
 pub use event::{CallInfo, Event, EventSender, RunEvent};
 pub use protocol::{ParsedTurn, Protocol};
-pub use tool::{Artifact, Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+pub use schemars;
+pub use tool::{
+    schema_of, Artifact, Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput,
+    ToolSpec, Typed, TypedTool,
+};
 pub use toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
 
 pub use hilum_llm as llm;

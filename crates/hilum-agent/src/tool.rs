@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use thiserror::Error;
@@ -104,15 +106,200 @@ pub enum ToolError {
     Internal(String),
 }
 
+/// What a tool needs before it can run, declared once by the tool and read by every front
+/// end (the CLI, the server, MCP, the local model's tool offer) through [`Environment`] facts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Requirements {
+    /// Model ids; the tool runs when at least one of them is installed (empty: no model).
+    pub models: &'static [&'static str],
+    /// A served VLM endpoint (or a native VLM) must be configured.
+    pub vlm: bool,
+    /// Only meaningful when a DICOM image is in the question.
+    pub dicom_input: bool,
+    /// Draws for the user and informs no answer (not offered to small local models).
+    pub presentation: bool,
+}
+
+impl Requirements {
+    pub const NONE: Requirements = Requirements {
+        models: &[],
+        vlm: false,
+        dicom_input: false,
+        presentation: false,
+    };
+
+    /// The fact key saying that model `id` is installed.
+    pub fn model_fact(id: &str) -> String {
+        format!("model:{id}")
+    }
+    /// The fact key saying that a VLM is configured.
+    pub const VLM_FACT: &'static str = "vlm";
+    /// The fact key saying that a DICOM image is among the inputs.
+    pub const DICOM_FACT: &'static str = "input:dicom";
+
+    /// What does not hold in `env`, in words; empty when the tool can run and inform an answer.
+    pub fn unmet(&self, env: &Environment) -> Vec<String> {
+        let mut unmet = Vec::new();
+        if !self.models.is_empty()
+            && !self
+                .models
+                .iter()
+                .any(|m| env.get(&Self::model_fact(m)).is_some())
+        {
+            unmet.push(format!("none of the models {:?} is installed", self.models));
+        }
+        if self.vlm && env.get(Self::VLM_FACT).is_none() {
+            unmet.push("no VLM is configured".into());
+        }
+        if self.dicom_input && env.get(Self::DICOM_FACT).is_none() {
+            unmet.push("no DICOM image among the inputs".into());
+        }
+        if self.presentation {
+            unmet.push("draws for the user only".into());
+        }
+        unmet
+    }
+}
+
 #[async_trait]
 pub trait Tool: Send + Sync {
     fn spec(&self) -> &ToolSpec;
 
-    /// Whether the tool is offered to the model in this environment.
+    /// What the tool needs; see [`Requirements`].
+    fn requirements(&self) -> Requirements {
+        Requirements::NONE
+    }
+
+    /// Whether the tool is offered to the model in this environment (a configuration problem
+    /// a call should report stays offered; requirements decide the strict offer, see
+    /// [`crate::Toolbox::runnable`]).
     fn available(&self, _env: &Environment) -> bool {
         true
     }
 
     /// Runs the call. `args` already passed the spec's JSON Schema.
     async fn call(&self, ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError>;
+}
+
+/// A tool with typed arguments: the JSON Schema the model reads and the agent validates against
+/// is generated from `Args` (its doc comments become descriptions, `#[schemars(range(..))]`
+/// the bounds), so checks live in one place. Wrap it in [`Typed`] to get a [`Tool`].
+#[async_trait]
+pub trait TypedTool: Send + Sync + 'static {
+    type Args: DeserializeOwned + JsonSchema + Send;
+    const NAME: &'static str;
+
+    /// The description the model reads.
+    fn description(&self) -> String;
+
+    fn requirements(&self) -> Requirements {
+        Requirements::NONE
+    }
+
+    fn available(&self, _env: &Environment) -> bool {
+        true
+    }
+
+    async fn run(&self, ctx: &ToolContext, args: Self::Args) -> Result<ToolOutput, ToolError>;
+}
+
+/// The JSON Schema of `T` as tools publish it: subschemas inlined (models and grammar
+/// compilers handle no `$ref`), an optional field is its inner type left out of `required`,
+/// no `$schema`/`title` noise.
+pub fn schema_of<T: JsonSchema>() -> Value {
+    let mut settings = schemars::generate::SchemaSettings::draft07();
+    settings.inline_subschemas = true;
+    let schema = settings.into_generator().into_root_schema_for::<T>();
+    let mut value = schema.to_value();
+    if let Some(obj) = value.as_object_mut() {
+        obj.remove("$schema");
+        obj.remove("title");
+        obj.remove("definitions");
+        obj.remove("$defs");
+    }
+    drop_null(&mut value);
+    value
+}
+
+/// `"type": ["number", "null"]` → `"type": "number"`, `{"type": "null"}` out of `anyOf`: an
+/// absent optional field is how a model leaves a value out, and a `null` it could write instead
+/// would only be one more way to be wrong.
+fn drop_null(v: &mut Value) {
+    match v {
+        Value::Object(obj) => {
+            if let Some(Value::Array(types)) = obj.get_mut("type") {
+                types.retain(|t| t != "null");
+                if types.len() == 1 {
+                    let only = types.remove(0);
+                    obj.insert("type".into(), only);
+                }
+            }
+            if let Some(Value::Array(any)) = obj.get_mut("anyOf") {
+                any.retain(|s| s.get("type").is_none_or(|t| t != "null"));
+                if any.len() == 1 {
+                    let only = any.remove(0);
+                    obj.remove("anyOf");
+                    if let Value::Object(inner) = only {
+                        for (k, val) in inner {
+                            obj.entry(k).or_insert(val);
+                        }
+                    }
+                }
+            }
+            if obj.get("default") == Some(&Value::Null) {
+                obj.remove("default");
+            }
+            for child in obj.values_mut() {
+                drop_null(child);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(drop_null),
+        _ => {}
+    }
+}
+
+/// A [`TypedTool`] as a [`Tool`]: the spec is generated once; arguments that passed the schema
+/// are deserialised into `Args` (a mismatch the schema could not express is an
+/// `invalid_arguments` error).
+pub struct Typed<T: TypedTool> {
+    spec: ToolSpec,
+    inner: T,
+}
+
+impl<T: TypedTool> Typed<T> {
+    pub fn new(inner: T) -> Self {
+        Typed {
+            spec: ToolSpec {
+                name: T::NAME.into(),
+                description: inner.description(),
+                parameters: schema_of::<T::Args>(),
+            },
+            inner,
+        }
+    }
+
+    pub fn inner(&self) -> &T {
+        &self.inner
+    }
+}
+
+#[async_trait]
+impl<T: TypedTool> Tool for Typed<T> {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        self.inner.requirements()
+    }
+
+    fn available(&self, env: &Environment) -> bool {
+        self.inner.available(env)
+    }
+
+    async fn call(&self, ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let args: T::Args = serde_json::from_value(args)
+            .map_err(|e| ToolError::InvalidArguments(format!("{}: {e}", T::NAME)))?;
+        self.inner.run(ctx, args).await
+    }
 }

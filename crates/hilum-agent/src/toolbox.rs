@@ -69,7 +69,7 @@ pub struct PreparedCall {
 
 struct Entry {
     tool: Arc<dyn Tool>,
-    validator: Option<jsonschema::Validator>,
+    validator: Option<Arc<jsonschema::Validator>>,
 }
 
 /// The registered tools, in registration order.
@@ -97,7 +97,7 @@ impl Toolbox {
             spec.name,
             Entry {
                 tool,
-                validator: Some(validator),
+                validator: Some(Arc::new(validator)),
             },
         );
         Ok(())
@@ -124,6 +124,28 @@ impl Toolbox {
             .filter(|e| e.tool.available(env))
             .map(|e| e.tool.spec().clone())
             .collect()
+    }
+
+    /// The tools whose declared [`crate::Requirements`] hold in `env` (models installed, VLM
+    /// configured, DICOM input present, not presentation-only): the offer for a small local
+    /// model, which calls whatever it is shown.
+    pub fn runnable(&self, env: &Environment) -> Toolbox {
+        let mut kept = Toolbox::new();
+        for name in &self.order {
+            if let Some(entry) = self.tools.get(name) {
+                if entry.tool.available(env) && entry.tool.requirements().unmet(env).is_empty() {
+                    kept.order.push(name.clone());
+                    kept.tools.insert(
+                        name.clone(),
+                        Entry {
+                            tool: entry.tool.clone(),
+                            validator: entry.validator.clone(),
+                        },
+                    );
+                }
+            }
+        }
+        kept
     }
 
     /// Resolves the tool and reads and validates the arguments.

@@ -7,9 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use hilum_agent::{Agent, AgentConfig, Environment, Mode, Protocol, RunInput, Toolbox};
+use hilum_agent::{Agent, AgentConfig, Mode, Protocol, RunInput};
 use hilum_imaging::ImageStore;
-use hilum_tools::default_toolbox;
 
 use crate::config::{load_file, LlmChoice};
 use crate::render;
@@ -100,9 +99,12 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
 
     let backends = crate::config::resolve_backends(&args.backend, &file.backends)?;
     let deps = crate::config::tool_deps(store.clone(), file.vlm)?.with_backends(backends);
-    let mut toolbox = default_toolbox(&deps).map_err(anyhow::Error::msg)?;
+    let mut toolbox = crate::toolbox(&deps)?;
+    let env = hilum_tools::environment(&deps, &ids);
     if choice.is_local() {
-        toolbox = local_toolbox(toolbox, &deps, &store, &ids)?;
+        // A small local model picks worse among many tools and calls whatever it is offered:
+        // it gets only the tools whose declared requirements hold here.
+        toolbox = toolbox.runnable(&env);
     }
     let toolbox = Arc::new(toolbox);
     let a = &file.agent;
@@ -149,7 +151,7 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         },
         ..defaults
     };
-    let agent = Agent::new(llm.clone(), toolbox, Environment::default(), config);
+    let agent = Agent::new(llm.clone(), toolbox, env, config);
     if let Some(note) = &choice.note {
         eprintln!("hilum: {note}");
     }
@@ -189,73 +191,28 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
 }
 
 /// Models a tool cannot run without (any one of them suffices).
-fn tool_models(name: &str) -> &'static [&'static str] {
-    match name {
-        "classify_chest_xray" | "localize_finding" => &["densenet121-res224-all"],
-        "segment_lungs" => &["lung-unet"],
-        "segment_anatomy" => &["chestx-det-pspnet"],
-        "measure_chest" => &["chestx-det-pspnet", "lung-unet"],
-        "segment_region" => &["medsam-vit-b"],
-        "generate_report" => &["chexpert-report-findings", "chexpert-report-impression"],
-        // Model-free, or available only when configured (their `available()` decides).
-        _ => &[],
-    }
-}
-
-/// A small local model picks worse among many tools and calls whatever it is offered: it gets
-/// only the tools that can run here (their weights installed) and that inform an answer
-/// (`visualize` draws for the user; `dicom_info` only when a DICOM file was given).
-fn local_toolbox(
-    full: Toolbox,
-    deps: &hilum_tools::ToolDeps,
-    store: &ImageStore,
-    ids: &[String],
-) -> anyhow::Result<Toolbox> {
-    let registry = deps.models.registry();
-    let any_dicom = ids
-        .iter()
-        .filter_map(|id| store.get(id).ok())
-        .any(|img| img.meta.format == "dicom");
-    let mut kept = Toolbox::new();
-    for name in full.names() {
-        let needs = tool_models(&name);
-        let installed = needs.is_empty() || needs.iter().any(|m| registry.installed(m).is_ok());
-        let relevant = match name.as_str() {
-            "visualize" => false,
-            "dicom_info" => any_dicom,
-            _ => true,
-        };
-        if installed && relevant {
-            if let Some(tool) = full.get(&name) {
-                kept.register(tool).map_err(anyhow::Error::msg)?;
-            }
-        }
-    }
-    Ok(kept)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hilum_agent::{Environment, Requirements};
 
-    /// Every tool either names the models it needs (so a local model is offered it only when
-    /// they are installed) or is known to need none; a new tool must be placed in one of the two.
+    /// The local model's offer follows what each tool declares: model tools only with their
+    /// model installed, `dicom_info` only for DICOM input, `visualize` never.
     #[test]
-    fn every_tool_is_classified_for_the_local_model() {
-        const MODEL_FREE: &[&str] = &[
-            "image_info",
-            "dicom_info",
-            "visualize",
-            "ground_phrase",
-            "answer_visual_question",
-        ];
+    fn the_local_offer_follows_declared_requirements() {
         let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()));
-        let toolbox = default_toolbox(&deps).expect("toolbox");
-        for name in toolbox.names() {
-            assert!(
-                !tool_models(&name).is_empty() || MODEL_FREE.contains(&name.as_str()),
-                "`{name}` needs an entry in tool_models (or in MODEL_FREE)"
-            );
-        }
+        let toolbox = hilum_tools::default_toolbox(&deps).expect("toolbox");
+        let bare = toolbox.runnable(&Environment::default()).names();
+        assert_eq!(bare, vec!["image_info".to_string()]);
+        let env = Environment::default()
+            .with(Requirements::model_fact("lung-unet"), "installed")
+            .with(Requirements::DICOM_FACT, "yes");
+        let offered = toolbox.runnable(&env).names();
+        assert_eq!(
+            offered,
+            ["image_info", "dicom_info", "segment_lungs", "measure_chest"]
+                .map(String::from)
+                .to_vec()
+        );
     }
 }

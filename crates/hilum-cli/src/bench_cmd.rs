@@ -19,7 +19,7 @@ use hilum_imaging::ImageStore;
 use hilum_llm::script::{ScriptCall, ScriptTurn};
 use hilum_llm::ScriptLlm;
 use hilum_models::xrv::{self, Backend};
-use hilum_tools::{default_toolbox, ClassifyChestXray};
+use hilum_tools::ClassifyChestXray;
 
 use crate::tools_cmd::fill_image_args;
 
@@ -140,7 +140,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let file = crate::config::load_file(None)?;
     let deps = hilum_tools::ToolDeps::new(store.clone())
         .with_backends(crate::config::resolve_backends(&[], &file.backends)?);
-    let toolbox = Arc::new(default_toolbox(&deps).map_err(anyhow::Error::msg)?);
+    let toolbox = Arc::new(crate::toolbox(&deps)?);
     let env = Environment::default();
 
     let mut extra = std::collections::HashMap::new();

@@ -1,5 +1,9 @@
-//! Configuration: flags first, then environment (`OPENAI_API_KEY`, `OPENAI_BASE_URL`,
-//! `HILUM_*`), then a TOML file (`--config`, `HILUM_CONFIG`, or `~/.config/hilum/config.toml`).
+//! The one typed configuration: flags first, then environment (`OPENAI_API_KEY`,
+//! `OPENAI_BASE_URL`, `HILUM_*`), then a TOML file (`--config`, `HILUM_CONFIG`, or
+//! `$XDG_CONFIG_HOME/hilum/config.toml`, by default `~/.config/hilum/config.toml`).
+//!
+//! This module is the only place outside `main`s that reads the environment: library crates
+//! take their settings as values (a test in `tests/env_reads.rs` keeps it so).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -55,8 +59,8 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
         Some(p) => (p.to_path_buf(), true),
         None => match std::env::var_os("HILUM_CONFIG") {
             Some(p) => (PathBuf::from(p), true),
-            None => match std::env::var_os("HOME") {
-                Some(home) => (PathBuf::from(home).join(".config/hilum/config.toml"), false),
+            None => match default_config_path() {
+                Some(p) => (p, false),
                 None => return Ok(FileConfig::default()),
             },
         },
@@ -69,6 +73,19 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
         }
         Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
     }
+}
+
+/// `$XDG_CONFIG_HOME/hilum/config.toml` (an absolute `XDG_CONFIG_HOME` only, as the XDG spec
+/// says), else `~/.config/hilum/config.toml`.
+fn default_config_path() -> Option<PathBuf> {
+    let xdg = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute());
+    let base = match xdg {
+        Some(p) => p,
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".config"),
+    };
+    Some(base.join("hilum/config.toml"))
 }
 
 /// Where the model runs and how it is reached, after merging flags, env and file.
@@ -210,8 +227,10 @@ pub fn tool_deps(
     store: Arc<hilum_imaging::ImageStore>,
     mut vlm: hilum_tools::VlmSettings,
 ) -> anyhow::Result<hilum_tools::ToolDeps> {
-    vlm.apply_env(|k| std::env::var(k).ok())
-        .context("the [vlm] settings are not valid")?;
+    // A bad [vlm] setting is reported by each VLM tool call; the other tools keep working.
+    if let Err(e) = vlm.apply_env(|k| std::env::var(k).ok()) {
+        vlm = hilum_tools::VlmSettings::broken(format!("the [vlm] settings are not valid: {e}"));
+    }
     Ok(hilum_tools::ToolDeps::new(store).with_vlm(Arc::new(vlm)))
 }
 

@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use hilum_agent::Environment;
+use hilum_imaging::ImageStore;
 use hilum_server::{AppState, Db, LlmFactory, RateLimit, ServerConfig};
 
 use crate::config::{load_file, LlmChoice};
@@ -241,6 +242,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     cfg.llm = llm;
+    // One model pool for the whole process: every token's toolbox shares it.
+    let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm.clone())?;
+    cfg.models = Some(shared.models.clone());
+    cfg.toolbox = hilum_server::toolbox_factory(crate::registry().clone(), shared);
     let state = AppState::new(cfg).with_context(|| format!("cannot open {}", args.db))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let server = tokio::spawn(hilum_server::serve(state, shutdown_signal(), Some(tx)));
@@ -255,24 +260,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
 fn utc(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    match chrono::DateTime::from_timestamp_millis(ms) {
+        Some(t) => t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+        None => format!("{ms} ms since 1970"),
+    }
 }
 
 async fn shutdown_signal() {
@@ -281,8 +272,10 @@ async fn shutdown_signal() {
 
 pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {
     // stdout carries the protocol: nothing else may be printed there.
+    let file = crate::config::load_file(None)?;
+    let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm)?;
     hilum_server::mcp::serve_stdio(
-        &hilum_server::default_toolbox_factory(),
+        &hilum_server::toolbox_factory(crate::registry().clone(), shared),
         Environment::default(),
         Duration::from_secs(args.tool_timeout),
     )

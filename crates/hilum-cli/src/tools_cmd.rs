@@ -10,7 +10,6 @@ use serde_json::{json, Value};
 
 use hilum_agent::{Environment, ToolCall, ToolContext};
 use hilum_imaging::ImageStore;
-use hilum_tools::{default_toolbox, ToolDeps};
 
 use crate::render::write_artifacts;
 
@@ -46,14 +45,33 @@ pub enum ToolsCmd {
 
 pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
     let store = Arc::new(ImageStore::default());
-    let deps = ToolDeps::new(store.clone());
-    let toolbox = default_toolbox(&deps).map_err(anyhow::Error::msg)?;
+    let file = crate::config::load_file(None)?;
+    let deps = crate::config::tool_deps(store.clone(), file.vlm)?;
+    let toolbox = crate::toolbox(&deps)?;
     let env = Environment::default();
     match cmd {
         ToolsCmd::List { json } => {
             let specs = toolbox.specs(&env);
             if json {
-                println!("{}", serde_json::to_string_pretty(&specs)?);
+                // Each spec with what the tool declares it needs and what of that is missing here.
+                let facts = hilum_tools::environment(&deps, &[]);
+                let listed: Vec<Value> = specs
+                    .iter()
+                    .map(|s| {
+                        let req = toolbox
+                            .get(&s.name)
+                            .map(|t| t.requirements())
+                            .unwrap_or_default();
+                        json!({
+                            "name": s.name,
+                            "description": s.description,
+                            "parameters": s.parameters,
+                            "requirements": req,
+                            "unmet": req.unmet(&facts),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&listed)?);
             } else {
                 for s in specs {
                     println!("{}\n    {}\n", s.name, s.description);

@@ -39,9 +39,10 @@ pub struct DeidOptions {
 }
 
 impl Default for DeidOptions {
-    /// `HILUM_DEID_SALT` if set, else a random per-process salt; dates shifted by -100 days.
+    /// A random per-process salt (a site that links exports sets its own `salt`); dates
+    /// shifted by -100 days.
     fn default() -> Self {
-        let salt = std::env::var("HILUM_DEID_SALT").unwrap_or_else(|_| {
+        let salt = {
             let s = std::collections::hash_map::RandomState::new();
             let mut a = s.build_hasher();
             a.write_u64(std::process::id() as u64);
@@ -53,7 +54,7 @@ impl Default for DeidOptions {
             let mut b = std::collections::hash_map::RandomState::new().build_hasher();
             b.write_u64(a.finish());
             format!("{:016x}{:016x}", a.finish(), b.finish())
-        });
+        };
         DeidOptions {
             salt,
             date_shift_days: Some(-100),
@@ -149,51 +150,13 @@ fn remap_uid(salt: &str, uid: &str) -> String {
     format!("2.25.{}", u128::from_be_bytes(n))
 }
 
-/// Days since 1970-01-01 of a proleptic Gregorian date.
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146097 + doe - 719468
-}
-
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (
-        if m <= 2 {
-            yoe + era * 400 + 1
-        } else {
-            yoe + era * 400
-        },
-        m,
-        d,
-    )
-}
-
-/// Shifts `YYYYMMDD` (and the date part of a DT); `None` if it is not a date.
+/// Shifts `YYYYMMDD` (and the date part of a DT); `None` if it is not a valid date.
 fn shift_date(value: &str, days: i64) -> Option<String> {
     let v = value.trim();
-    if v.len() < 8 || !v.as_bytes()[..8].iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let y: i64 = v[0..4].parse().ok()?;
-    let m: i64 = v[4..6].parse().ok()?;
-    let d: i64 = v[6..8].parse().ok()?;
-    if !(1..=12).contains(&m) || !(1..=31).contains(&d) {
-        return None;
-    }
-    let (y, m, d) = civil_from_days(days_from_civil(y, m, d) + days);
-    Some(format!("{y:04}{m:02}{d:02}{}", &v[8..]))
+    let head = v.get(..8)?;
+    let date = chrono::NaiveDate::parse_from_str(head, "%Y%m%d").ok()?;
+    let shifted = date.checked_add_signed(chrono::TimeDelta::try_days(days)?)?;
+    Some(format!("{}{}", shifted.format("%Y%m%d"), &v[8..]))
 }
 
 /// De-identifies a dataset in place (recursing into sequences).
@@ -402,6 +365,7 @@ mod tests {
             Some("20200103123000")
         );
         assert_eq!(shift_date("garbage", 1), None);
+        assert_eq!(shift_date("20230231", 1), None);
     }
 
     #[test]

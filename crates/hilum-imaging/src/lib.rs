@@ -16,6 +16,7 @@ mod decode;
 mod deid;
 mod dicom;
 mod font;
+pub mod regions;
 mod render;
 mod store;
 mod transform;

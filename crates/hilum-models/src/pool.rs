@@ -2,7 +2,7 @@
 //! hands out per-device permits so concurrent tool calls never oversubscribe a device.
 
 use std::any::{Any, TypeId};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,8 @@ pub struct ModelPool {
     registry: Arc<ModelRegistry>,
     slots: Mutex<HashMap<Key, Slot>>,
     permits: Mutex<HashMap<Device, Arc<Semaphore>>>,
+    /// Loads done per (model id, device): the proof that one pool serves the process.
+    loads: Mutex<BTreeMap<(String, String), u64>>,
 }
 
 impl ModelPool {
@@ -34,6 +36,7 @@ impl ModelPool {
             registry,
             slots: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
+            loads: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -75,7 +78,18 @@ impl ModelPool {
         let t0 = Instant::now();
         let model = Arc::new(M::load(manifest, &installed, device)?);
         *guard = Some((model.clone(), t0.elapsed()));
+        *self
+            .loads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((id.to_string(), device.to_string()))
+            .or_default() += 1;
         Ok(model)
+    }
+
+    /// How many times each (model id, device) was loaded since the pool was made.
+    pub fn load_counts(&self) -> BTreeMap<(String, String), u64> {
+        self.loads.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// How long the warm copy took to load, if it is loaded.
@@ -181,6 +195,11 @@ mod tests {
             .map(|h| h.join().expect("thread").expect("load"))
             .collect();
         assert_eq!(LOADS.load(Ordering::SeqCst) - before, 1);
+        assert_eq!(
+            pool.load_counts()
+                .get(&("lung-unet".to_string(), "cpu".to_string())),
+            Some(&1)
+        );
         assert!(Arc::ptr_eq(&models[0], &models[3]));
         assert!(pool
             .load_time::<Counting>("lung-unet", Device::Cpu)

@@ -47,7 +47,13 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(),
+        {
+            let mut text = state.metrics.render();
+            if let Some(pool) = &state.cfg.models {
+                text.push_str(&crate::metrics::model_loads(&pool.load_counts()));
+            }
+            text
+        },
     )
         .into_response()
 }

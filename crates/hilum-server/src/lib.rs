@@ -30,7 +30,7 @@ use tokio::sync::Mutex as AsyncMutex;
 
 use hilum_agent::{AgentConfig, Environment, Llm, Toolbox};
 use hilum_imaging::ImageStore;
-use hilum_tools::{default_toolbox, ToolDeps};
+use hilum_tools::{Registry, ToolDeps};
 
 pub use auth::RateLimit;
 pub use db::{Caller, Db, DbError, TokenRow};
@@ -66,9 +66,24 @@ impl LlmFactory {
 /// Makes the toolbox for one tenant's image store.
 pub type ToolboxFactory = Arc<dyn Fn(Arc<ImageStore>) -> Result<Toolbox, String> + Send + Sync>;
 
-/// The default toolbox of `hilum-tools`.
+/// Toolboxes of `registry` that share everything in `shared` but the image store: one model
+/// pool (one copy of each model, one set of device permits) and one VLM configuration serve
+/// every tenant; a tenant owns only its images and its sessions.
+pub fn toolbox_factory(registry: Registry, shared: ToolDeps) -> ToolboxFactory {
+    Arc::new(move |images| {
+        registry.toolbox(&ToolDeps {
+            images,
+            ..shared.clone()
+        })
+    })
+}
+
+/// Hilum's own tools over one process-wide model pool read from the environment's models dir.
 pub fn default_toolbox_factory() -> ToolboxFactory {
-    Arc::new(|images| default_toolbox(&ToolDeps::new(images)))
+    toolbox_factory(
+        Registry::builtin(),
+        ToolDeps::new(Arc::new(ImageStore::default())),
+    )
 }
 
 #[derive(Clone)]
@@ -95,6 +110,8 @@ pub struct ServerConfig {
     pub agent: AgentConfig,
     pub env: Environment,
     pub toolbox: ToolboxFactory,
+    /// The process's one model pool, when the server knows it (reported in `/metrics`).
+    pub models: Option<Arc<hilum_tools::ModelPool>>,
     /// Budget of a direct tool call (`tools/{name}:call`, MCP).
     pub tool_timeout: Duration,
     /// Interval of keep-alive lines in event streams; a write to a gone client fails and
@@ -107,6 +124,7 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     pub fn new(db_url: impl Into<String>) -> Self {
+        let shared = ToolDeps::new(Arc::new(ImageStore::default()));
         ServerConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
             db_url: db_url.into(),
@@ -119,7 +137,8 @@ impl ServerConfig {
             cors_origins: Vec::new(),
             agent: AgentConfig::default(),
             env: Environment::default(),
-            toolbox: default_toolbox_factory(),
+            models: Some(shared.models.clone()),
+            toolbox: toolbox_factory(Registry::builtin(), shared),
             tool_timeout: Duration::from_secs(300),
             heartbeat: Duration::from_secs(5),
             revocation_poll: Duration::from_secs(1),

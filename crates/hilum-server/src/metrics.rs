@@ -5,6 +5,25 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
+/// `hilum_model_loads_total`: how often each model was loaded by the process's one pool.
+pub fn model_loads(loads: &BTreeMap<(String, String), u64>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP hilum_model_loads_total Model loads by the process-wide model pool."
+    );
+    let _ = writeln!(out, "# TYPE hilum_model_loads_total counter");
+    for ((model, device), n) in loads {
+        let _ = writeln!(
+            out,
+            "hilum_model_loads_total{{model=\"{}\",device=\"{}\"}} {n}",
+            esc(model),
+            esc(device)
+        );
+    }
+    out
+}
+
 /// Histogram bucket upper bounds in seconds: 1 ms … 5 min, for tools and models alike.
 const BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::ImageStore;
 
 use hilum_models::xrv::{self, Backend, LabelScore, OnnxSource};
@@ -126,10 +126,30 @@ fn score_json(s: &LabelScore) -> Value {
     })
 }
 
+impl crate::BuildTool for ClassifyChestXray {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new({
+            let tool = ClassifyChestXray::new(deps.images.clone(), deps.models.clone());
+            if deps.backends.is_empty() {
+                tool
+            } else {
+                tool.with_backends(deps.backends.clone())
+            }
+        })
+    }
+}
+
 #[async_trait]
 impl Tool for ClassifyChestXray {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["densenet121-res224-all"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

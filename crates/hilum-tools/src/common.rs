@@ -3,16 +3,54 @@ use std::sync::Arc;
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError};
 use hilum_models::{Device, InstalledModel, ModelError, ModelPool};
+use schemars::JsonSchema;
 use serde_json::{json, Value};
 use tokio::sync::OwnedSemaphorePermit;
+
+const IMAGE_ID_PATTERN: &str = "^img_[0-9a-f]{6,64}$";
+const IMAGE_ID_DESCRIPTION: &str = "Id of an image in this session, e.g. img_3fa2c1b4d5e6";
 
 /// JSON Schema of an image argument: an id from the store, never a path.
 pub fn image_arg() -> Value {
     json!({
         "type": "string",
-        "pattern": "^img_[0-9a-f]{6,64}$",
-        "description": "Id of an image in this session, e.g. img_3fa2c1b4d5e6"
+        "pattern": IMAGE_ID_PATTERN,
+        "description": IMAGE_ID_DESCRIPTION
     })
+}
+
+/// An image argument of a typed tool: an id from the store, never a path. Its schema is
+/// [`image_arg`]'s (leave the field without a doc comment so that description stays).
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(transparent)]
+pub struct ImageId(pub String);
+
+impl JsonSchema for ImageId {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ImageId".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "pattern": IMAGE_ID_PATTERN,
+            "description": IMAGE_ID_DESCRIPTION
+        })
+    }
+}
+
+/// The arguments of a tool that takes one image and nothing else.
+#[derive(serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ImageArgs {
+    pub image: ImageId,
+}
+
+impl ImageId {
+    /// Resolves the id through the store.
+    pub fn load(&self, store: &ImageStore) -> Result<Arc<CxrImage>, ToolError> {
+        resolve(store, &self.0)
+    }
 }
 
 /// Resolves the image id in `args[key]` through the store.
@@ -25,14 +63,17 @@ pub fn load_image(
         .get(key)
         .and_then(Value::as_str)
         .ok_or_else(|| ToolError::InvalidArguments(format!("`{key}` must be an image id")))?;
-    let img = store.get(id).map_err(|e| match e {
+    Ok((id.to_string(), resolve(store, id)?))
+}
+
+fn resolve(store: &ImageStore, id: &str) -> Result<Arc<CxrImage>, ToolError> {
+    store.get(id).map_err(|e| match e {
         ImagingError::UnknownId(_) => ToolError::NotFound(format!(
             "no image with id `{id}` in this session; use one of: {}",
             store.ids().join(", ")
         )),
         other => ToolError::Unprocessable(other.to_string()),
-    })?;
-    Ok((id.to_string(), img))
+    })
 }
 
 /// A model failure as a tool error; a missing model names the command that installs it
@@ -72,4 +113,23 @@ pub(crate) async fn reserve(
         .await
         .map_err(|e| ToolError::Internal(e.to_string()))?;
     Ok((installed, permit))
+}
+
+/// Smallest side, in pixels, on which a measurement means anything.
+pub const MIN_SIDE: u32 = 64;
+
+/// Binary masks at one resolution (row-major, `width * height`).
+#[derive(Clone, Debug, Default)]
+pub struct ChestMasks {
+    pub width: usize,
+    pub height: usize,
+    /// Both lung fields (one mask or the union of the left and right masks).
+    pub lungs: Vec<bool>,
+    pub heart: Option<Vec<bool>>,
+    pub mediastinum: Option<Vec<bool>>,
+}
+
+/// `v` rounded to two decimals, as tool outputs report measurements.
+pub(crate) fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
 }

@@ -3,49 +3,54 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::{read_dicom, sniff_format, ImageStore, ImagingError};
-use serde_json::{json, Value};
+use serde_json::json;
 
-use crate::common::{image_arg, load_image};
+use crate::common::ImageArgs;
 
 pub struct DicomInfo {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
 }
 
 impl DicomInfo {
-    pub fn new(store: Arc<ImageStore>) -> Self {
-        DicomInfo {
-            spec: ToolSpec {
-                name: "dicom_info".into(),
-                description: "De-identified DICOM metadata of an image: modality, SOP class, view position \
-                    (PA/AP/LL), laterality, body part, pixel spacing in mm, recommended window (centre/width) \
-                    and the window applied, bits stored, photometric interpretation, size, transfer syntax. \
-                    Use it to check the view before view-dependent measurements (e.g. cardiothoracic ratio \
-                    needs PA) or to convert pixels to millimetres. Contains no patient identifiers. \
-                    Fails for PNG/JPEG images (use image_info)."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {"image": image_arg()},
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>) -> Typed<Self> {
+        Typed::new(DicomInfo { store })
+    }
+}
+
+impl crate::BuildTool for DicomInfo {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(DicomInfo::new(deps.images.clone()))
     }
 }
 
 #[async_trait]
-impl Tool for DicomInfo {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for DicomInfo {
+    type Args = ImageArgs;
+    const NAME: &'static str = "dicom_info";
+
+    fn description(&self) -> String {
+        "De-identified DICOM metadata of an image: modality, SOP class, view position \
+         (PA/AP/LL), laterality, body part, pixel spacing in mm, recommended window (centre/width) \
+         and the window applied, bits stored, photometric interpretation, size, transfer syntax. \
+         Use it to check the view before view-dependent measurements (e.g. cardiothoracic ratio \
+         needs PA) or to convert pixels to millimetres. Contains no patient identifiers. \
+         Fails for PNG/JPEG images (use image_info)."
+            .into()
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            dicom_input: true,
+            ..Requirements::NONE
+        }
+    }
+
+    async fn run(&self, _ctx: &ToolContext, args: ImageArgs) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
         let (bytes, _) = self
             .store
             .source(&id)

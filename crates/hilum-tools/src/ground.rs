@@ -24,12 +24,16 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::ImageStore;
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::common::{image_arg, load_image};
+use crate::common::ImageId;
 use crate::vlm::{self, Family, SentImage, VlmSettings};
 
 pub const NAME: &str = "ground_phrase";
@@ -399,46 +403,52 @@ pub fn grounding_prompt(family: Family, phrase: &str) -> (Option<&'static str>, 
 }
 
 pub struct GroundPhrase {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     settings: Arc<VlmSettings>,
 }
 
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// The finding to localise, in a few words
+    #[schemars(length(min = 2, max = 300))]
+    phrase: String,
+}
+
 impl GroundPhrase {
-    pub fn new(store: Arc<ImageStore>, settings: Arc<VlmSettings>) -> Self {
-        GroundPhrase {
-            spec: ToolSpec {
-                name: NAME.into(),
-                description: "Finds where a finding described in words is on a chest radiograph \
-                    (phrase grounding with a served vision-language model such as MAIRA-2 or \
-                    Qwen2.5-VL). Give one short finding phrase, e.g. \"left pleural effusion\" or \
-                    \"right upper lobe opacity\". Returns boxes in original-image pixels (x, y, w, \
-                    h) and an image with the boxes drawn. No box means the model did not localise \
-                    it; it is not proof of absence."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "phrase": {
-                            "type": "string", "minLength": 2, "maxLength": 300,
-                            "description": "The finding to localise, in a few words"
-                        }
-                    },
-                    "required": ["image", "phrase"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-            settings,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>, settings: Arc<VlmSettings>) -> Typed<Self> {
+        Typed::new(GroundPhrase { store, settings })
+    }
+}
+
+impl crate::BuildTool for GroundPhrase {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(GroundPhrase::new(deps.images.clone(), deps.vlm.clone()))
     }
 }
 
 #[async_trait]
-impl Tool for GroundPhrase {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for GroundPhrase {
+    type Args = Args;
+    const NAME: &'static str = NAME;
+
+    fn description(&self) -> String {
+        "Finds where a finding described in words is on a chest radiograph \
+         (phrase grounding with a served vision-language model such as MAIRA-2 or \
+         Qwen2.5-VL). Give one short finding phrase, e.g. \"left pleural effusion\" or \
+         \"right upper lobe opacity\". Returns boxes in original-image pixels (x, y, w, \
+         h) and an image with the boxes drawn. No box means the model did not localise \
+         it; it is not proof of absence."
+            .into()
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            vlm: true,
+            ..Requirements::NONE
+        }
     }
 
     fn available(&self, _env: &Environment) -> bool {
@@ -449,15 +459,15 @@ impl Tool for GroundPhrase {
         )
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let phrase = args
-            .get("phrase")
-            .and_then(Value::as_str)
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .ok_or_else(|| ToolError::InvalidArguments("`phrase` must be a finding".into()))?
-            .to_string();
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
+        let phrase = args.phrase.trim().to_string();
+        if phrase.is_empty() {
+            return Err(ToolError::InvalidArguments(
+                "`phrase` must be a finding".into(),
+            ));
+        }
         if let Some(vlm::Backend::Native(n)) = self.settings.backend(NAME)? {
             return Err(ToolError::Unprocessable(format!(
                 "ground_phrase has no native backend: `{}` (LLaVA family) does not output boxes \

@@ -3,35 +3,27 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::{CxrImage, ImageStore};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image};
+use crate::common::ImageArgs;
+use crate::{BuildTool, ToolDeps};
 
 pub struct ImageInfo {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
 }
 
 impl ImageInfo {
-    pub fn new(store: Arc<ImageStore>) -> Self {
-        ImageInfo {
-            spec: ToolSpec {
-                name: "image_info".into(),
-                description: "Size, bit depth, format and intensity statistics (mean, standard deviation, \
-                    percentiles, a 16-bin histogram) of an image. Use it to check what an image is before \
-                    analysing it, e.g. whether it is 16-bit, very dark, or small."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {"image": image_arg()},
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>) -> Typed<Self> {
+        Typed::new(ImageInfo { store })
+    }
+}
+
+impl BuildTool for ImageInfo {
+    fn build(deps: &ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(ImageInfo::new(deps.images.clone()))
     }
 }
 
@@ -87,13 +79,20 @@ pub fn stats(img: &CxrImage) -> Value {
 }
 
 #[async_trait]
-impl Tool for ImageInfo {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for ImageInfo {
+    type Args = ImageArgs;
+    const NAME: &'static str = "image_info";
+
+    fn description(&self) -> String {
+        "Size, bit depth, format and intensity statistics (mean, standard deviation, \
+         percentiles, a 16-bin histogram) of an image. Use it to check what an image is before \
+         analysing it, e.g. whether it is 16-bit, very dark, or small."
+            .into()
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
+    async fn run(&self, _ctx: &ToolContext, args: ImageArgs) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
         let pixels = img.clone();
         let s = tokio::task::spawn_blocking(move || stats(&pixels))
             .await

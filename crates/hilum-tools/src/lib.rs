@@ -18,12 +18,12 @@ pub mod vqa;
 
 use std::sync::Arc;
 
-use hilum_agent::Toolbox;
+use hilum_agent::{Environment, Requirements, Tool, Toolbox};
 use hilum_imaging::ImageStore;
-use hilum_models::ModelPool;
+pub use hilum_models::ModelPool;
 
 pub use classify::{parse_backends, ClassifyChestXray};
-pub use common::image_arg;
+pub use common::{image_arg, ImageId};
 pub use dicom_info::DicomInfo;
 pub use ground::GroundPhrase;
 pub use image_info::ImageInfo;
@@ -51,11 +51,12 @@ pub struct ToolDeps {
 
 impl ToolDeps {
     /// Models come from `HILUM_MODELS_DIR` (or the user's data dir); see [`ToolDeps::with_models`].
+    /// No VLM is configured; see [`ToolDeps::with_vlm`].
     pub fn new(images: Arc<ImageStore>) -> Self {
         ToolDeps {
             images,
             models: Arc::new(ModelPool::from_env_or_empty()),
-            vlm: Arc::new(VlmSettings::from_env_and_file_or_broken()),
+            vlm: Arc::new(VlmSettings::default()),
             backends: Default::default(),
         }
     }
@@ -79,48 +80,85 @@ impl ToolDeps {
     }
 }
 
-/// All Hilum tools, registered in the order a model should consider them.
-pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
-    let mut tb = Toolbox::new();
-    tb.register(Arc::new(ImageInfo::new(deps.images.clone())))?;
-    tb.register(Arc::new(DicomInfo::new(deps.images.clone())))?;
-    let mut classify = ClassifyChestXray::new(deps.images.clone(), deps.models.clone());
-    if !deps.backends.is_empty() {
-        classify = classify.with_backends(deps.backends.clone());
+/// How a tool is made from the shared dependencies. Each tool file implements it, next to the
+/// tool; registering the tool is then one line in [`Registry::builtin`] (or in a program's own
+/// registry, see `hilum_cli::main_with`).
+pub trait BuildTool {
+    fn build(deps: &ToolDeps) -> Arc<dyn Tool>;
+}
+
+/// The tools a program offers, in the order a model should consider them.
+#[derive(Clone, Default)]
+pub struct Registry {
+    builders: Vec<fn(&ToolDeps) -> Arc<dyn Tool>>,
+}
+
+impl Registry {
+    /// No tools.
+    pub fn empty() -> Self {
+        Registry::default()
     }
-    tb.register(Arc::new(classify))?;
-    tb.register(Arc::new(SegmentLungs::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(SegmentAnatomy::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(SegmentRegion::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(MeasureChest::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(LocalizeFinding::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(GroundPhrase::new(
-        deps.images.clone(),
-        deps.vlm.clone(),
-    )))?;
-    tb.register(Arc::new(
-        AnswerVisualQuestion::new(deps.images.clone(), deps.vlm.clone())
-            .with_models(deps.models.clone()),
-    ))?;
-    tb.register(Arc::new(GenerateReport::new(
-        deps.images.clone(),
-        deps.models.clone(),
-    )))?;
-    tb.register(Arc::new(Visualize::new(deps.images.clone())))?;
-    Ok(tb)
+
+    /// All Hilum tools.
+    pub fn builtin() -> Self {
+        Registry::empty()
+            .with::<ImageInfo>()
+            .with::<DicomInfo>()
+            .with::<ClassifyChestXray>()
+            .with::<SegmentLungs>()
+            .with::<SegmentAnatomy>()
+            .with::<SegmentRegion>()
+            .with::<MeasureChest>()
+            .with::<LocalizeFinding>()
+            .with::<GroundPhrase>()
+            .with::<AnswerVisualQuestion>()
+            .with::<GenerateReport>()
+            .with::<Visualize>()
+    }
+
+    /// Adds a tool (a tool of the same name registered earlier is replaced).
+    pub fn with<T: BuildTool>(mut self) -> Self {
+        self.builders.push(T::build);
+        self
+    }
+
+    /// Builds every registered tool over `deps`.
+    pub fn toolbox(&self, deps: &ToolDeps) -> Result<Toolbox, String> {
+        let mut tb = Toolbox::new();
+        for build in &self.builders {
+            tb.register(build(deps))?;
+        }
+        Ok(tb)
+    }
+}
+
+/// All Hilum tools ([`Registry::builtin`]) over `deps`.
+pub fn default_toolbox(deps: &ToolDeps) -> Result<Toolbox, String> {
+    Registry::builtin().toolbox(deps)
+}
+
+/// The facts [`hilum_agent::Requirements`] are checked against: which models are installed,
+/// whether a VLM is configured, whether a DICOM image is among `inputs`.
+pub fn environment(deps: &ToolDeps, inputs: &[String]) -> Environment {
+    let mut env = Environment::default();
+    let registry = deps.models.registry();
+    for manifest in registry.manifests() {
+        if registry.installed(&manifest.id).is_ok() {
+            env = env.with(Requirements::model_fact(&manifest.id), "installed");
+        }
+    }
+    let vlm = [ground::NAME, vqa::NAME]
+        .iter()
+        .any(|tool| matches!(deps.vlm.backend(tool), Ok(Some(_))));
+    if vlm {
+        env = env.with(Requirements::VLM_FACT, "configured");
+    }
+    let dicom = inputs
+        .iter()
+        .filter_map(|id| deps.images.get(id).ok())
+        .any(|img| img.meta.format == "dicom");
+    if dicom {
+        env = env.with(Requirements::DICOM_FACT, "yes");
+    }
+    env
 }

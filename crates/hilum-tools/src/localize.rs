@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use candle_core::Tensor;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::densenet::DenseNet;
 use hilum_models::xrv::{self, Arch, XrvSpec};
@@ -215,15 +215,8 @@ pub fn boxes_from_map(
     threshold: f32,
     min_area: usize,
 ) -> Vec<HeatBox> {
-    let mut seen = vec![false; map.len()];
     let mut out = Vec::new();
-    let mut stack = Vec::new();
-    for start in 0..map.len() {
-        if seen[start] || map[start] < threshold {
-            continue;
-        }
-        seen[start] = true;
-        stack.push(start);
+    for pixels in hilum_imaging::regions::components(w, h, |i| map[i] >= threshold) {
         let mut b = HeatBox {
             x1: usize::MAX,
             y1: usize::MAX,
@@ -232,7 +225,7 @@ pub fn boxes_from_map(
             area: 0,
             peak: 0.0,
         };
-        while let Some(p) = stack.pop() {
+        for p in pixels {
             let (x, y) = (p % w, p / w);
             b.x1 = b.x1.min(x);
             b.y1 = b.y1.min(y);
@@ -240,24 +233,6 @@ pub fn boxes_from_map(
             b.y2 = b.y2.max(y + 1);
             b.area += 1;
             b.peak = b.peak.max(map[p]);
-            let mut visit = |q: usize| {
-                if !seen[q] && map[q] >= threshold {
-                    seen[q] = true;
-                    stack.push(q);
-                }
-            };
-            if x > 0 {
-                visit(p - 1);
-            }
-            if x + 1 < w {
-                visit(p + 1);
-            }
-            if y > 0 {
-                visit(p - w);
-            }
-            if y + 1 < h {
-                visit(p + w);
-            }
         }
         if b.area >= min_area.max(1) {
             out.push(b);
@@ -438,10 +413,26 @@ pub fn class_index(labels: &[String], finding: &str) -> Option<usize> {
         .or_else(|| labels.iter().position(|l| key(l) == f))
 }
 
+impl crate::BuildTool for LocalizeFinding {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(LocalizeFinding::new(
+            deps.images.clone(),
+            deps.models.clone(),
+        ))
+    }
+}
+
 #[async_trait]
 impl Tool for LocalizeFinding {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["densenet121-res224-all"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

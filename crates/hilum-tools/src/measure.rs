@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::unet::{self, LungUnet};
 use hilum_models::{Device, ModelPool};
@@ -14,26 +14,14 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::common::{image_arg, load_image, model_error};
+pub use crate::common::{ChestMasks, MIN_SIDE};
 use crate::segment_lungs::regions;
 
 pub const ANATOMY_MODEL_ID: &str = "chestx-det-pspnet";
 pub const LUNG_MODEL_ID: &str = "lung-unet";
-/// Smallest side, in pixels, on which a measurement means anything.
-pub const MIN_SIDE: u32 = 64;
 /// A lung region smaller than this fraction of the image is a speck, not a lung.
 const MIN_LUNG_FRACTION: f64 = 0.005;
 const OVERLAY_MAX_SIDE: u32 = 1024;
-
-/// Binary masks at one resolution (row-major, `width * height`).
-#[derive(Clone, Debug, Default)]
-pub struct ChestMasks {
-    pub width: usize,
-    pub height: usize,
-    /// Both lung fields (one mask or the union of the left and right masks).
-    pub lungs: Vec<bool>,
-    pub heart: Option<Vec<bool>>,
-    pub mediastinum: Option<Vec<bool>>,
-}
 
 /// A horizontal segment on row `y` from `x0` to `x1`, both inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -359,10 +347,23 @@ impl MeasureChest {
     }
 }
 
+impl crate::BuildTool for MeasureChest {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(MeasureChest::new(deps.images.clone(), deps.models.clone()))
+    }
+}
+
 #[async_trait]
 impl Tool for MeasureChest {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["chestx-det-pspnet", "lung-unet"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

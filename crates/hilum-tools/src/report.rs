@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{ImageStore, Preprocess};
 use hilum_models::report::ReportModel;
 use hilum_models::{Device, ModelPool};
@@ -103,10 +103,26 @@ fn int_arg(args: &Value, key: &str, default: u64, max: u64) -> Result<usize, Too
     }
 }
 
+impl crate::BuildTool for GenerateReport {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(GenerateReport::new(
+            deps.images.clone(),
+            deps.models.clone(),
+        ))
+    }
+}
+
 #[async_trait]
 impl Tool for GenerateReport {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["chexpert-report-findings", "chexpert-report-impression"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -5,14 +5,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::{self, PspNet, TARGETS};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve};
-use crate::measure::{ChestMasks, MIN_SIDE};
+use crate::common::{image_arg, load_image, model_error, reserve, round2};
+use crate::common::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
 const OVERLAY_MAX_SIDE: u32 = 1024;
@@ -124,10 +124,6 @@ pub fn anatomy_masks(
         heart: Some(mask(&maps[2])),
         mediastinum: Some(mask(&maps[3])),
     })
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
 }
 
 /// Measurements of one structure: area, centroid, bbox, size, mean intensity, confidence.
@@ -255,10 +251,26 @@ impl SegmentAnatomy {
     }
 }
 
+impl crate::BuildTool for SegmentAnatomy {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(SegmentAnatomy::new(
+            deps.images.clone(),
+            deps.models.clone(),
+        ))
+    }
+}
+
 #[async_trait]
 impl Tool for SegmentAnatomy {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["chestx-det-pspnet"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::unet::{self, LungUnet};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::common::{image_arg, load_image, model_error, reserve, round2};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
@@ -86,39 +86,8 @@ pub struct Region {
 
 /// Connected regions (4-connectivity) of a mask, largest first.
 pub fn regions(mask: &[bool], width: usize, height: usize) -> Vec<(Region, Vec<usize>)> {
-    let mut label = vec![0u32; mask.len()];
     let mut out = Vec::new();
-    let mut stack = Vec::new();
-    for start in 0..mask.len() {
-        if !mask[start] || label[start] != 0 {
-            continue;
-        }
-        let id = out.len() as u32 + 1;
-        label[start] = id;
-        stack.push(start);
-        let mut pixels = Vec::new();
-        while let Some(p) = stack.pop() {
-            pixels.push(p);
-            let (x, y) = (p % width, p / width);
-            let mut visit = |q: usize| {
-                if mask[q] && label[q] == 0 {
-                    label[q] = id;
-                    stack.push(q);
-                }
-            };
-            if x > 0 {
-                visit(p - 1);
-            }
-            if x + 1 < width {
-                visit(p + 1);
-            }
-            if y > 0 {
-                visit(p - width);
-            }
-            if y + 1 < height {
-                visit(p + width);
-            }
-        }
+    for pixels in hilum_imaging::regions::components(width, height, |i| mask[i]) {
         let xs = pixels.iter().map(|p| p % width);
         let ys = pixels.iter().map(|p| p / width);
         let r = Region {
@@ -133,10 +102,6 @@ pub fn regions(mask: &[bool], width: usize, height: usize) -> Vec<(Region, Vec<u
     }
     out.sort_by_key(|r| std::cmp::Reverse(r.0.area_px));
     out
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
 }
 
 fn lung_json(r: &Region, spacing: Option<(f64, f64)>) -> Value {
@@ -198,10 +163,23 @@ fn overlay(img: &CxrImage, right: &[usize], left: &[usize]) -> Result<Vec<u8>, T
     encode_png(out)
 }
 
+impl crate::BuildTool for SegmentLungs {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(SegmentLungs::new(deps.images.clone(), deps.models.clone()))
+    }
+}
+
 #[async_trait]
 impl Tool for SegmentLungs {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["lung-unet"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -9,14 +9,14 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use candle_core::Tensor;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::sam::{self, Prompt, Sam};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 use tokio::sync::OnceCell;
 
-use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::common::{image_arg, load_image, model_error, reserve, round2};
 
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
@@ -356,10 +356,23 @@ impl SegmentRegion {
     }
 }
 
+impl crate::BuildTool for SegmentRegion {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(SegmentRegion::new(deps.images.clone(), deps.models.clone()))
+    }
+}
+
 #[async_trait]
 impl Tool for SegmentRegion {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            models: &["medsam-vit-b"],
+            ..Requirements::NONE
+        }
     }
 
     async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -442,10 +455,6 @@ pub struct Timing {
     pub cached: bool,
     pub encode_ms: f64,
     pub decode_ms: f64,
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
 }
 
 /// Summary, data and artifacts (mask PNG at original resolution, overlay) of one region.

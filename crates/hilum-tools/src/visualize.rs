@@ -3,41 +3,54 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{Box2d, Colormap, Heatmap, ImageStore, Layer, MaskLayer, Overlay};
+use schemars::JsonSchema;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::json;
 
-use crate::common::{image_arg, load_image};
+use crate::common::ImageId;
 
 pub struct Visualize {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
 }
 
-#[derive(Deserialize)]
-struct Args {
-    image: String,
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// Layer ids (masks, heatmaps) returned by other tools; omit for all layers of the image
     #[serde(default)]
+    #[schemars(inner(pattern("^lyr_[0-9a-f]{6,64}$")))]
     layers: Option<Vec<String>>,
     #[serde(default)]
+    #[schemars(length(max = 50))]
     boxes: Vec<BoxArg>,
     #[serde(default = "yes")]
     legend: bool,
     #[serde(default = "default_side")]
+    #[schemars(range(min = 64, max = 4096))]
     max_side: u32,
     #[serde(default = "default_alpha")]
-    alpha: f32,
+    #[schemars(range(min = 0, max = 1))]
+    alpha: f64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 struct BoxArg {
     x: f64,
     y: f64,
+    #[schemars(extend("exclusiveMinimum" = 0))]
     w: f64,
+    #[schemars(extend("exclusiveMinimum" = 0))]
     h: f64,
+    #[schemars(length(max = 60))]
     label: String,
     #[serde(default)]
+    #[schemars(range(min = 0, max = 1))]
     score: Option<f64>,
 }
 
@@ -47,70 +60,47 @@ fn yes() -> bool {
 fn default_side() -> u32 {
     1024
 }
-fn default_alpha() -> f32 {
+fn default_alpha() -> f64 {
     0.35
 }
 
 impl Visualize {
-    pub fn new(store: Arc<ImageStore>) -> Self {
-        Visualize {
-            spec: ToolSpec {
-                name: "visualize".into(),
-                description: "Draws results on a chest X-ray and returns a PNG for the user: segmentation \
-                    masks and heatmaps produced by other tools (by their layer ids, `lyr_...`; omit `layers` \
-                    to draw every layer of the image) in per-structure colours, and boxes with labels given \
-                    in original-image pixels (x, y = top-left corner). Use it to show the user where a \
-                    finding is. Returns no new findings."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "layers": {
-                            "type": "array",
-                            "items": {"type": "string", "pattern": "^lyr_[0-9a-f]{6,64}$"},
-                            "description": "Layer ids (masks, heatmaps) returned by other tools; omit for all layers of the image"
-                        },
-                        "boxes": {
-                            "type": "array",
-                            "maxItems": 50,
-                            "items": {
-                                "type": "object",
-                                "properties": {
-                                    "x": {"type": "number"}, "y": {"type": "number"},
-                                    "w": {"type": "number", "exclusiveMinimum": 0},
-                                    "h": {"type": "number", "exclusiveMinimum": 0},
-                                    "label": {"type": "string", "maxLength": 60},
-                                    "score": {"type": "number", "minimum": 0, "maximum": 1}
-                                },
-                                "required": ["x", "y", "w", "h", "label"],
-                                "additionalProperties": false
-                            }
-                        },
-                        "legend": {"type": "boolean", "default": true},
-                        "max_side": {"type": "integer", "minimum": 64, "maximum": 4096, "default": 1024},
-                        "alpha": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.35}
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>) -> Typed<Self> {
+        Typed::new(Visualize { store })
+    }
+}
+
+impl crate::BuildTool for Visualize {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(Visualize::new(deps.images.clone()))
     }
 }
 
 #[async_trait]
-impl Tool for Visualize {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for Visualize {
+    type Args = Args;
+    const NAME: &'static str = "visualize";
+
+    fn description(&self) -> String {
+        "Draws results on a chest X-ray and returns a PNG for the user: segmentation \
+         masks and heatmaps produced by other tools (by their layer ids, `lyr_...`; omit `layers` \
+         to draw every layer of the image) in per-structure colours, and boxes with labels given \
+         in original-image pixels (x, y = top-left corner). Use it to show the user where a \
+         finding is. Returns no new findings."
+            .into()
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let a: Args =
-            serde_json::from_value(args).map_err(|e| ToolError::InvalidArguments(e.to_string()))?;
-        debug_assert_eq!(a.image, id);
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            presentation: true,
+            ..Requirements::NONE
+        }
+    }
+
+    async fn run(&self, _ctx: &ToolContext, a: Args) -> Result<ToolOutput, ToolError> {
+        let img = a.image.load(&self.store)?;
+        let id = a.image.0.clone();
         let layer_ids = a.layers.unwrap_or_else(|| self.store.layers_of(&id));
         let mut overlay = Overlay {
             legend: a.legend,
@@ -141,7 +131,7 @@ impl Tool for Visualize {
                     height,
                     data,
                     color: None,
-                    alpha: a.alpha,
+                    alpha: a.alpha as f32,
                 }),
                 Layer::Heatmap {
                     label,
@@ -154,7 +144,7 @@ impl Tool for Visualize {
                     height,
                     data,
                     colormap: Colormap::Jet,
-                    alpha: a.alpha.max(0.3),
+                    alpha: (a.alpha as f32).max(0.3),
                     threshold: 0.2,
                 }),
             }

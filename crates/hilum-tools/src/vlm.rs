@@ -12,7 +12,6 @@
 //! server).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use hilum_agent::ToolError;
@@ -197,41 +196,13 @@ impl VlmSettings {
         }
     }
 
-    /// The config file (`HILUM_CONFIG`, else `~/.config/hilum/config.toml` if present), then
-    /// `HILUM_VLM_*` on top.
-    pub fn from_env_and_file() -> Result<VlmSettings, VlmError> {
-        let path = match std::env::var_os("HILUM_CONFIG") {
-            Some(p) => Some((PathBuf::from(p), true)),
-            None => std::env::var_os("HOME")
-                .map(|h| (PathBuf::from(h).join(".config/hilum/config.toml"), false)),
-        };
-        let mut s = match path {
-            None => VlmSettings::default(),
-            Some((p, required)) => match std::fs::read_to_string(&p) {
-                Ok(text) => Self::from_config_text(&text)
-                    .map_err(|e| VlmError::Config(format!("{}: {e}", p.display())))?,
-                Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
-                    VlmSettings::default()
-                }
-                Err(e) => {
-                    return Err(VlmError::Config(format!(
-                        "cannot read config file {}: {e}",
-                        p.display()
-                    )))
-                }
-            },
-        };
-        s.apply_env(|k| std::env::var(k).ok())?;
-        Ok(s)
-    }
-
-    /// Like [`VlmSettings::from_env_and_file`], but a bad configuration is kept as an error
-    /// that each VLM tool call reports (the other tools keep working).
-    pub fn from_env_and_file_or_broken() -> VlmSettings {
-        Self::from_env_and_file().unwrap_or_else(|e| VlmSettings {
-            broken: Some(e.to_string()),
+    /// A configuration that could not be read, kept so that each VLM tool call reports it
+    /// (the other tools keep working).
+    pub fn broken(reason: impl Into<String>) -> VlmSettings {
+        VlmSettings {
+            broken: Some(reason.into()),
             ..VlmSettings::default()
-        })
+        }
     }
 
     /// Environment variables (read through `get`) override the file's defaults.

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::llava::NativeVlm;
 use hilum_models::ModelPool;
@@ -126,10 +126,26 @@ impl AnswerVisualQuestion {
     }
 }
 
+impl crate::BuildTool for AnswerVisualQuestion {
+    fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
+        Arc::new(
+            AnswerVisualQuestion::new(deps.images.clone(), deps.vlm.clone())
+                .with_models(deps.models.clone()),
+        )
+    }
+}
+
 #[async_trait]
 impl Tool for AnswerVisualQuestion {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    fn requirements(&self) -> Requirements {
+        Requirements {
+            vlm: true,
+            ..Requirements::NONE
+        }
     }
 
     fn available(&self, _env: &Environment) -> bool {

@@ -1,0 +1,100 @@
+//! The `hilum` command as a library: argument parsing, the one typed configuration, rendering.
+//! The logic lives in the library crates. [`main_with`] runs the command with a tool registry,
+//! so a program can offer its own tools beside Hilum's (see `tests/extra_tool`).
+
+mod analyze;
+mod bench_cmd;
+mod config;
+mod models_cmd;
+mod render;
+mod serve_cmd;
+mod tools_cmd;
+
+use std::sync::OnceLock;
+
+use clap::{Parser, Subcommand};
+use hilum_tools::{Registry, ToolDeps};
+
+#[derive(Parser)]
+#[command(
+    name = "hilum",
+    version,
+    about = "Chest X-ray analysis: CXR tools driven by a reasoning model",
+    long_about = "Hilum analyses chest radiographs (PNG, JPEG, 16-bit, DICOM) with CXR tools \
+(classification, segmentation, measurements, ...) driven by a reasoning model: GPT-4o or any \
+OpenAI-compatible server, a local model, or a scripted replay for tests.\n\n\
+Examples:\n  hilum analyze chest.png --question \"Is there cardiomegaly?\"\n  \
+hilum analyze chest.dcm --llm openai:gpt-4o --json\n  \
+hilum tools list\n  hilum tools call image_info --image chest.png"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Answer a question about one or more radiographs with the agent.
+    Analyze(analyze::AnalyzeArgs),
+    /// List the tools, or call one directly without a model.
+    Tools {
+        #[command(subcommand)]
+        cmd: tools_cmd::ToolsCmd,
+    },
+    /// List, fetch, import and verify model weights.
+    Models {
+        #[command(subcommand)]
+        cmd: models_cmd::ModelsCmd,
+    },
+    /// Per-tool latency (p50/p95/p99, images/s, model load, peak RSS) and a parallel round
+    /// against the same calls one after another.
+    Bench(bench_cmd::BenchArgs),
+    /// Run the HTTP service (API, streaming, MCP at /mcp); manage its tokens and audit log.
+    Serve(serve_cmd::ServeArgs),
+    /// Serve every tool over the Model Context Protocol on stdin/stdout.
+    Mcp(serve_cmd::McpArgs),
+}
+
+static REGISTRY: OnceLock<Registry> = OnceLock::new();
+
+/// The tools this program offers ([`Registry::builtin`] unless [`main_with`] was given others).
+pub(crate) fn registry() -> &'static Registry {
+    REGISTRY.get_or_init(Registry::builtin)
+}
+
+/// The toolbox of this program's registry over `deps`.
+pub(crate) fn toolbox(deps: &ToolDeps) -> anyhow::Result<hilum_agent::Toolbox> {
+    registry().toolbox(deps).map_err(anyhow::Error::msg)
+}
+
+/// Runs the `hilum` command line with the tools of `registry`; exits the process on error.
+pub fn main_with(registry: Registry) {
+    let _ = REGISTRY.set(registry);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Commands::Analyze(args) => analyze::run(args).await,
+        Commands::Tools { cmd } => tools_cmd::run(cmd).await,
+        Commands::Models { cmd } => models_cmd::run(cmd).await,
+        Commands::Bench(args) => bench_cmd::run(args).await,
+        Commands::Serve(args) => serve_cmd::run(args).await,
+        Commands::Mcp(args) => serve_cmd::run_mcp(args).await,
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
