@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use hilum_agent::{Tool, ToolContext, ToolError};
+use hilum_agent::{Tool, ToolContext, ToolError, Typed};
 use hilum_imaging::{ImageStore, Preprocess, StoreLimits};
 use hilum_models::report::ReportModel;
 use hilum_models::{Device, ImportOptions, ModelPool, ModelRegistry};
@@ -41,7 +41,7 @@ fn install(reg: &ModelRegistry, id: &str, fixture: &str) {
 fn setup(
     dir: &Path,
     with_models: bool,
-) -> (GenerateReport, String, Arc<ModelPool>, Arc<ImageStore>) {
+) -> (Typed<GenerateReport>, String, Arc<ModelPool>, Arc<ImageStore>) {
     let reg = ModelRegistry::new(dir).expect("registry");
     if with_models {
         install(&reg, FINDINGS_MODEL, "tiny_pad");
