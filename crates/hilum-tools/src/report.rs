@@ -12,7 +12,7 @@ use hilum_models::report::ReportModel;
 use hilum_models::{Device, ModelPool};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::common::{model_error, reserve, ImageId};
 
