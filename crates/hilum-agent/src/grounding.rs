@@ -379,7 +379,7 @@ impl SourcePool {
                     .get(k.wrapping_sub(1))
                     .filter(|p| {
                         p.unit == Unit::None
-                            && t[p.start..n.start].contains(|c| c == 'x' || c == '×')
+                            && t[p.start..n.start].contains(|c: char| c == 'x' || c == '×')
                     })
                     .map_or(n.value, |p| p.value);
                 self.spacings.push((row, n.value));
@@ -941,7 +941,7 @@ mod tests {
             Vec::<String>::new()
         );
         // A claim with nothing behind it at all.
-        let mut q = Sources::new("Which lung is larger, left or right?");
+        let q = Sources::new("Which lung is larger, left or right?");
         let none = check("The left lung is larger.", &q);
         assert!(none[0].contains("no tool result compares"), "{none:?}");
     }
