@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{event_types, run};
-use hilum::agent::{AgentConfig, Event, Message, Mode, Protocol, RunOutcome, StopReason};
+use hilum::agent::{
+    AgentConfig, Event, Message, Mode, Protocol, RunOutcome, StopReason, ToolPolicy,
+};
 use hilum::llm::ScriptLlm;
 
 fn script(json: &str) -> Arc<ScriptLlm> {
@@ -383,4 +385,45 @@ fn last_user_text(out: &RunOutcome) -> String {
         .find(|m| matches!(m, Message::User { .. }))
         .map(|m| m.text().to_string())
         .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn the_script_backend_is_held_to_the_tool_policy_and_the_grounding_check() {
+    let invented = r#"{"content": "The image shows an effusion of 240 ml with 87% certainty."}"#;
+    let llm = script(&format!("[{invented}, {invented}, {invented}]"));
+    let (out, events) = run(llm.clone(), AgentConfig::default(), "Is there an effusion?").await;
+    // Sent back for tools, then for a revision, then returned marked.
+    assert_eq!(llm.calls(), 3);
+    assert_eq!(out.grounded, Some(false));
+    assert_eq!(out.unsupported.len(), 2, "{:?}", out.unsupported);
+    assert!(
+        out.unsupported[0].starts_with("240 "),
+        "{:?}",
+        out.unsupported
+    );
+    assert!(
+        out.unsupported[1].starts_with("87%"),
+        "{:?}",
+        out.unsupported
+    );
+    let last = events
+        .iter()
+        .find_map(|e| match &e.event {
+            Event::Final { grounded, .. } => Some(*grounded),
+            _ => None,
+        })
+        .expect("final");
+    assert_eq!(last, Some(false));
+
+    // Both turned off: the first answer is taken as it comes and is not judged.
+    let llm = script(&format!("[{invented}]"));
+    let config = AgentConfig {
+        require_tools: ToolPolicy::Never,
+        grounding: false,
+        ..Default::default()
+    };
+    let (out, _) = run(llm.clone(), config, "Is there an effusion?").await;
+    assert_eq!(llm.calls(), 1);
+    assert_eq!(out.grounded, None);
+    assert!(out.answer.unwrap_or_default().contains("240 ml"));
 }

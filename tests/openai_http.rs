@@ -15,7 +15,7 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::{Json, Router};
 use common::run;
-use hilum::agent::{AgentConfig, Event, StopReason};
+use hilum::agent::{AgentConfig, Event, StopReason, ToolPolicy};
 use hilum::llm::{OpenAiConfig, OpenAiLlm};
 use serde_json::{json, Value};
 
@@ -222,7 +222,12 @@ async fn http_500_is_retried_then_succeeds() {
         answer("fine now"),
     ])
     .await;
-    let (out, _) = run(llm(&url), AgentConfig::default(), "q").await;
+    // An answer without tools is what this test needs: no "use the tools first" round.
+    let config = AgentConfig {
+        require_tools: ToolPolicy::Never,
+        ..Default::default()
+    };
+    let (out, _) = run(llm(&url), config, "q").await;
     assert_eq!(out.answer.as_deref(), Some("fine now"), "{:?}", out.error);
     assert_eq!(server.requests.lock().expect("lock").len(), 3);
 }
@@ -430,4 +435,298 @@ async fn unreachable_endpoint_says_so() {
         err.contains("could not reach") && err.contains(&port.to_string()),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grounded answers (issue 20): what a small model served without a tool-call parser writes,
+// replayed by the server. Each output becomes a call, a tool error or a revision; no final
+// answer carries a number that no tool produced without being marked `grounded: false`.
+
+/// A lung segmentation with fixed results: left 24321 px, right 32456 px, 0.2 mm pixels.
+struct Lungs {
+    spec: hilum::agent::ToolSpec,
+}
+
+#[async_trait::async_trait]
+impl hilum::agent::Tool for Lungs {
+    fn spec(&self) -> &hilum::agent::ToolSpec {
+        &self.spec
+    }
+
+    async fn call(
+        &self,
+        _ctx: &hilum::agent::ToolContext,
+        args: Value,
+    ) -> Result<hilum::agent::ToolOutput, hilum::agent::ToolError> {
+        Ok(hilum::agent::ToolOutput::new(
+            "2 lung field(s); right 13.0 cm², left 9.7 cm²",
+            json!({"image": args["image"], "right_lung": {"area_px": 32456, "area_cm2": 12.98},
+                   "left_lung": {"area_px": 24321, "area_cm2": 9.73}, "pixel_spacing_mm": [0.2, 0.2]}),
+        ))
+    }
+}
+
+const IMAGE: &str = "img_abcdef123456";
+const QUESTION: &str = "Which lung has the larger area on this radiograph, the patient's left or the patient's right? Answer 'left' or 'right' and give both areas.";
+
+fn lungs_toolbox() -> Arc<hilum::agent::Toolbox> {
+    let mut tb = hilum::agent::Toolbox::new();
+    tb.register(Arc::new(Lungs {
+        spec: hilum::agent::ToolSpec {
+            name: "segment_lungs".into(),
+            description: "Segments both lungs; areas in px and cm².".into(),
+            parameters: json!({"type": "object", "properties": {"image": {"type": "string"}},
+                               "required": ["image"], "additionalProperties": false}),
+        },
+    }))
+    .expect("schema");
+    Arc::new(tb)
+}
+
+async fn ask_lungs(
+    replies: Vec<Reply>,
+) -> (
+    Server,
+    hilum::agent::RunOutcome,
+    Vec<hilum::agent::RunEvent>,
+) {
+    let (server, url) = start(replies).await;
+    let (out, events) =
+        common::run_with(llm(&url), lungs_toolbox(), AgentConfig::default(), QUESTION).await;
+    (server, out, events)
+}
+
+fn started_tools(events: &[hilum::agent::RunEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolStarted { name, .. } => Some(name.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The final event's grounding fields.
+fn verdict(events: &[hilum::agent::RunEvent]) -> (Option<bool>, Vec<String>) {
+    events
+        .iter()
+        .find_map(|e| match &e.event {
+            Event::Final {
+                grounded,
+                unsupported,
+                ..
+            } => Some((*grounded, unsupported.clone())),
+            _ => None,
+        })
+        .expect("a final event")
+}
+
+/// Every message text of request `i` as the server received it.
+fn request_text(server: &Server, i: usize) -> String {
+    server.requests.lock().expect("lock")[i]["messages"].to_string()
+}
+
+const RIGHT_ANSWER: &str = "Right: the right lung is larger, 32,456 px (13.0 cm²) against 24,321 px (9.7 cm²) for the left.";
+
+#[tokio::test]
+async fn imagined_tools_markup_with_an_imagined_result_becomes_a_call() {
+    let imagined = format!(
+        "<tools><tool name=\"segment_lungs\" arguments='{{\"image\": \"{IMAGE}\"}}'><output>{{\"area_left\": 32456, \"area_right\": 24321}}</output></tool></tools> The left lung has an area of 32456 pixels and the right lung 24321 pixels, so the left lung is larger."
+    );
+    let (server, out, events) = ask_lungs(vec![answer(&imagined), answer(RIGHT_ANSWER)]).await;
+    assert_eq!(out.error, None);
+    assert_eq!(started_tools(&events), ["segment_lungs"]);
+    assert_eq!(out.answer.as_deref(), Some(RIGHT_ANSWER));
+    assert_eq!(verdict(&events), (Some(true), vec![]));
+    // The model is told its result was dropped; its imagined numbers and answer are gone.
+    let second = request_text(&server, 1);
+    assert!(
+        second.contains("tool result you wrote yourself"),
+        "{second}"
+    );
+    assert!(!second.contains("so the left lung is larger"), "{second}");
+    let assistant = &server.requests.lock().expect("lock")[1]["messages"][2];
+    assert_eq!(
+        assistant["tool_calls"][0]["function"]["name"],
+        "segment_lungs"
+    );
+    assert_eq!(assistant["content"], "");
+}
+
+#[tokio::test]
+async fn doubled_braces_are_a_call_and_an_unreadable_call_is_a_tool_error() {
+    let doubled = format!(
+        "<tools>{{{{\"name\": \"segment_lungs\", \"arguments\": {{{{\"image\": \"{IMAGE}\"}}}}}}}}}}\n</tools>"
+    );
+    let (_, out, events) = ask_lungs(vec![answer(&doubled), answer(RIGHT_ANSWER)]).await;
+    assert_eq!(started_tools(&events), ["segment_lungs"], "{:?}", out.error);
+    assert_eq!(verdict(&events), (Some(true), vec![]));
+
+    let broken =
+        "<tools>{{\"name\": \"segment_lungs\", \"arguments\": {{image: the image}}}}}\n</tools>";
+    let call = Reply::Stream {
+        chunks: vec![
+            tool_call_chunk(
+                0,
+                "c1",
+                "segment_lungs",
+                &format!("{{\"image\": \"{IMAGE}\"}}"),
+            ),
+            finish("tool_calls"),
+        ],
+        done: true,
+    };
+    let (server, out, events) = ask_lungs(vec![answer(broken), call, answer(RIGHT_ANSWER)]).await;
+    assert_eq!(out.answer.as_deref(), Some(RIGHT_ANSWER));
+    assert_eq!(started_tools(&events), ["segment_lungs"]);
+    // The unreadable call came back as a tool error naming the exact form to use.
+    let second = request_text(&server, 1);
+    assert!(
+        second.contains("could not be read") && second.contains("<tool_call>"),
+        "{second}"
+    );
+}
+
+#[tokio::test]
+async fn fenced_json_after_prose_is_a_call_and_converted_areas_are_grounded() {
+    let fenced = format!(
+        "I will measure both lungs first.\n```json\n{{\"name\": \"segment_lungs\", \"arguments\": {{\"image\": \"{IMAGE}\"}}}}\n```"
+    );
+    // cm² from the pixel areas and the 0.2 mm spacing: 32456 px = 12.98 cm², 24321 px = 9.73.
+    let converted = "The right lung is larger: 12.98 cm² (right) against 9.73 cm² (left); in pixels 32k and 24k.";
+    let (_, out, events) = ask_lungs(vec![answer(&fenced), answer(converted)]).await;
+    assert_eq!(started_tools(&events), ["segment_lungs"]);
+    assert_eq!(out.answer.as_deref(), Some(converted));
+    assert_eq!(verdict(&events), (Some(true), vec![]));
+}
+
+#[tokio::test]
+async fn a_call_with_a_wrong_tool_name_is_a_tool_error() {
+    let wrong = format!(
+        "Let me measure. {{\"name\": \"lung_area\", \"arguments\": {{\"image\": \"{IMAGE}\"}}}}"
+    );
+    let right =
+        format!("{{\"name\": \"segment_lungs\", \"arguments\": {{\"image\": \"{IMAGE}\"}}}}");
+    let (server, out, events) =
+        ask_lungs(vec![answer(&wrong), answer(&right), answer(RIGHT_ANSWER)]).await;
+    let failed: Vec<(String, String)> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Event::ToolFailed { name, kind, .. } => Some((name.clone(), kind.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed,
+        [("lung_area".to_string(), "unknown_tool".to_string())]
+    );
+    assert!(request_text(&server, 1).contains("segment_lungs"));
+    assert_eq!(out.answer.as_deref(), Some(RIGHT_ANSWER));
+    assert_eq!(verdict(&events), (Some(true), vec![]));
+}
+
+#[tokio::test]
+async fn invented_areas_without_tools_are_sent_back_then_marked_ungrounded() {
+    let invented = "Left lung: 21.5 cm², Right lung: 38.6 cm². The right lung is larger, as confirmed by the tool `lung_area`.";
+    let (server, out, events) =
+        ask_lungs(vec![answer(invented), answer(invented), answer(invented)]).await;
+    assert_eq!(out.error, None);
+    assert!(started_tools(&events).is_empty());
+    let requests = server.requests.lock().expect("lock").clone();
+    assert_eq!(requests.len(), 3);
+    // Round 1 answered without a tool: sent back with tool_choice "required".
+    assert!(requests[0].get("tool_choice").is_none());
+    assert_eq!(requests[1]["tool_choice"], "required");
+    assert!(requests[1]["messages"]
+        .to_string()
+        .contains("Use the tools first"));
+    // Round 2 still invented: one revision request listing what nothing supports.
+    let revision = requests[2]["messages"].to_string();
+    assert!(
+        revision.contains("21.5 cm²") && revision.contains("lung_area"),
+        "{revision}"
+    );
+    assert!(requests[2].get("tool_choice").is_none());
+    // Still invented: returned, marked.
+    let (grounded, unsupported) = verdict(&events);
+    assert_eq!(grounded, Some(false));
+    assert!(
+        unsupported.iter().any(|u| u.starts_with("21.5 cm²")),
+        "{unsupported:?}"
+    );
+    assert!(
+        unsupported.iter().any(|u| u.starts_with("38.6 cm²")),
+        "{unsupported:?}"
+    );
+    assert!(
+        unsupported
+            .iter()
+            .any(|u| u.contains("`lung_area` (no such tool)")),
+        "{unsupported:?}"
+    );
+    assert_eq!(out.grounded, Some(false));
+}
+
+#[tokio::test]
+async fn a_revision_that_uses_the_tool_is_grounded_and_a_swapped_side_is_caught() {
+    let invented = "The left lung is larger: 32,456 px against 24,321 px.";
+    let call = format!(
+        "<tool_call>\n{{\"name\": \"segment_lungs\", \"arguments\": {{\"image\": \"{IMAGE}\"}}}}\n</tool_call>"
+    );
+    // Numbers right, sides swapped: caught even though each number is in the results.
+    let swapped = "Left. The left lung is larger: left 32,456 px, right 24,321 px.";
+    let (server, out, events) = ask_lungs(vec![
+        answer(invented),
+        answer(&call),
+        answer(swapped),
+        answer(RIGHT_ANSWER),
+    ])
+    .await;
+    assert_eq!(started_tools(&events), ["segment_lungs"]);
+    let revision = request_text(&server, 3);
+    assert!(
+        revision.contains("says the left lung is larger")
+            && revision.contains("but the tool results give left"),
+        "{revision}"
+    );
+    assert_eq!(out.answer.as_deref(), Some(RIGHT_ANSWER));
+    assert_eq!(verdict(&events), (Some(true), vec![]));
+}
+
+#[tokio::test]
+async fn a_server_that_refuses_tool_choice_required_is_asked_without_it() {
+    let call = Reply::Stream {
+        chunks: vec![
+            tool_call_chunk(
+                0,
+                "c1",
+                "segment_lungs",
+                &format!("{{\"image\": \"{IMAGE}\"}}"),
+            ),
+            finish("tool_calls"),
+        ],
+        done: true,
+    };
+    let (server, out, _) = ask_lungs(vec![
+        answer("The right lung."),
+        Reply::Status(400, "tool_choice 'required' is not supported"),
+        call,
+        answer(RIGHT_ANSWER),
+    ])
+    .await;
+    assert_eq!(out.answer.as_deref(), Some(RIGHT_ANSWER), "{:?}", out.error);
+    let requests = server.requests.lock().expect("lock").clone();
+    assert_eq!(requests[1]["tool_choice"], "required");
+    assert!(requests[2].get("tool_choice").is_none());
+    assert_eq!(requests[2]["messages"], requests[1]["messages"]);
+}
+
+#[tokio::test]
+async fn an_honest_answer_without_measurements_is_grounded() {
+    let call =
+        format!("{{\"name\": \"segment_lungs\", \"arguments\": {{\"image\": \"{IMAGE}\"}}}}");
+    let honest = "No area can be given: the segmentation did not return a usable measurement for this image.";
+    let (_, out, events) = ask_lungs(vec![answer(&call), answer(honest)]).await;
+    assert_eq!(out.answer.as_deref(), Some(honest));
+    assert_eq!(verdict(&events), (Some(true), vec![]));
 }

@@ -87,7 +87,17 @@ pub async fn run(
     config: AgentConfig,
     question: &str,
 ) -> (RunOutcome, Vec<RunEvent>) {
-    let agent = Agent::new(llm, toolbox(), Environment::default(), config);
+    run_with(llm, toolbox(), config, question).await
+}
+
+/// [`run`] with a toolbox of the test's own.
+pub async fn run_with(
+    llm: Arc<dyn Llm>,
+    toolbox: Arc<Toolbox>,
+    config: AgentConfig,
+    question: &str,
+) -> (RunOutcome, Vec<RunEvent>) {
+    let agent = Agent::new(llm, toolbox, Environment::default(), config);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let outcome = agent
         .run(

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::event::{CallInfo, Event, EventSender, RunEvent};
+use crate::grounding::{self, Sources};
 use crate::protocol::{ParsedTurn, Protocol};
 use crate::tool::{Environment, ToolContext};
 use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
@@ -35,6 +36,31 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// When the loop insists on tools before it takes an answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolPolicy {
+    /// A question about an image answered in the first round without any tool call is sent
+    /// back once ("use the tools first"), with `tool_choice: "required"` where supported.
+    #[default]
+    FirstRound,
+    /// Any answer is taken as it comes.
+    Never,
+}
+
+impl std::str::FromStr for ToolPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "first_round" => Ok(ToolPolicy::FirstRound),
+            "never" => Ok(ToolPolicy::Never),
+            other => Err(format!(
+                "unknown tool policy `{other}`: use first_round or never"
+            )),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub protocol: Protocol,
@@ -54,6 +80,10 @@ pub struct AgentConfig {
     pub max_tokens: Option<u32>,
     /// Characters of a tool's JSON data shown to the model (the events keep all of it).
     pub max_observation_chars: usize,
+    pub require_tools: ToolPolicy,
+    /// Check every final answer against the tool results (see [`crate::grounding`]): one
+    /// revision request, then the answer is marked `grounded: false`.
+    pub grounding: bool,
 }
 
 pub const DEFAULT_SYSTEM_PROMPT: &str = "You are Hilum, an assistant that analyses chest X-rays with tools. \
@@ -77,6 +107,8 @@ impl Default for AgentConfig {
             temperature: None,
             max_tokens: None,
             max_observation_chars: 4000,
+            require_tools: ToolPolicy::FirstRound,
+            grounding: true,
         }
     }
 }
@@ -92,6 +124,8 @@ pub struct RunInput {
     /// Earlier messages of the session (without a system message).
     pub history: Vec<Message>,
     pub session_id: String,
+    /// What is known about the images (size, pixel spacing, view): numbers an answer may quote.
+    pub image_metadata: Vec<Value>,
 }
 
 /// Why the loop stopped.
@@ -132,6 +166,11 @@ pub struct RunOutcome {
     pub rounds: usize,
     pub tool_calls: usize,
     pub results: Vec<CallResult>,
+    /// Whether the answer passed the grounding check; `None` when the check is off or there
+    /// is no answer.
+    pub grounded: Option<bool>,
+    /// What the answer states that no tool result supports.
+    pub unsupported: Vec<String>,
 }
 
 /// The agent: a model, a toolbox and budgets.
@@ -158,6 +197,21 @@ struct RunState {
     /// The round of each entry of `results`.
     result_rounds: Vec<usize>,
     events: Option<EventSender>,
+    question: String,
+    has_images: bool,
+    image_metadata: Vec<Value>,
+    /// Earlier user messages and tool results of the session: an answer may quote them.
+    history_texts: Vec<String>,
+    /// The session already holds tool results (a follow-up may answer from them).
+    history_results: bool,
+    /// The "use the tools first" request was made.
+    tools_requested: bool,
+    /// The next turn must call a tool (where the backend can force it).
+    require_tool_next: bool,
+    /// The grounding revision request was made.
+    revision_requested: bool,
+    /// The grounding verdict on the answer: `None` unchecked, empty when grounded.
+    unsupported: Option<Vec<String>>,
 }
 
 impl RunState {
@@ -185,6 +239,17 @@ impl RunState {
 }
 
 const SYNTHESIS_GRACE: Duration = Duration::from_secs(30);
+
+const USE_TOOLS_PROMPT: &str = "Use the tools first: this question is about the image, and an answer must rest on what the tools measure or find. \
+Call the tools that answer it now; answer only after their results are in.";
+
+/// What the grounding check says about an answer.
+enum Verdict {
+    Pass,
+    /// Ask once for a revision with this message.
+    Revise(String),
+    Fail,
+}
 
 const NO_TOOLS_PROMPT: &str = "Tools are not available any more. Write your answer to the question in plain sentences now, from the tool results above; no JSON, no tool calls.";
 
@@ -232,6 +297,28 @@ impl Agent {
     }
 
     fn start(&self, input: RunInput, events: Option<EventSender>) -> RunState {
+        let history_texts = input
+            .history
+            .iter()
+            .filter_map(|m| match m {
+                Message::User { content, .. } => Some(content.clone()),
+                Message::Tool {
+                    content, is_error, ..
+                } if !is_error => Some(content.clone()),
+                _ => None,
+            })
+            .collect();
+        let history_results = input.history.iter().any(|m| {
+            matches!(
+                m,
+                Message::Tool {
+                    is_error: false,
+                    ..
+                }
+            )
+        });
+        let question = input.question.clone();
+        let has_images = !input.images.is_empty();
         let mut messages = vec![Message::system(self.config.system_prompt.clone())];
         messages.extend(
             input
@@ -260,6 +347,15 @@ impl Agent {
             results: Vec::new(),
             result_rounds: Vec::new(),
             events,
+            question,
+            has_images,
+            image_metadata: input.image_metadata,
+            history_texts,
+            history_results,
+            tools_requested: false,
+            require_tool_next: false,
+            revision_requested: false,
+            unsupported: None,
         }
     }
 
@@ -278,12 +374,90 @@ impl Agent {
                 continue;
             }
             let answer = turn.answer.unwrap_or_default();
+            if self.must_use_tools(st) {
+                st.tools_requested = true;
+                st.require_tool_next = true;
+                st.messages.push(Message::assistant(answer, vec![]));
+                st.messages.push(Message::user(USE_TOOLS_PROMPT, vec![]));
+                continue;
+            }
             if self.config.mode == Mode::Reflexion && st.critiques < self.config.reflexion_rounds {
                 self.critique(st, answer).await?;
                 continue;
             }
-            return Ok((answer, StopReason::Answered));
+            match self.ground(st, &answer, true) {
+                Verdict::Revise(request) => {
+                    st.messages.push(Message::assistant(answer, vec![]));
+                    st.messages.push(Message::user(request, vec![]));
+                    st.phase = "revise";
+                }
+                Verdict::Pass | Verdict::Fail => return Ok((answer, StopReason::Answered)),
+            }
         }
+    }
+
+    /// The tool policy: a question about an image answered before any tool ran goes back once.
+    fn must_use_tools(&self, st: &RunState) -> bool {
+        self.config.require_tools == ToolPolicy::FirstRound
+            && st.has_images
+            && !st.history_results
+            && !st.tools_requested
+            && st.rounds == 0
+            && st.results.is_empty()
+            && !self.toolbox.specs(&self.env).is_empty()
+    }
+
+    /// What an answer may draw on: the question, the session so far, the image metadata, and
+    /// every call of this run (its arguments, and its summary and data when it succeeded).
+    fn sources(&self, st: &RunState) -> Sources {
+        let mut s = Sources::new(st.question.clone());
+        for t in &st.history_texts {
+            s.add_text(t.clone());
+        }
+        for m in &st.image_metadata {
+            s.add_data(m.clone());
+        }
+        for name in self.toolbox.names() {
+            s.add_known(name);
+        }
+        for r in &st.results {
+            s.add_called(r.call.name.clone());
+            if let Some(args) = &r.arguments {
+                s.add_data(args.clone());
+            }
+            if let Ok(out) = &r.result {
+                s.add_text(out.summary.clone());
+                s.add_data(out.data.clone());
+            }
+        }
+        s
+    }
+
+    /// Checks an answer and records the verdict. The first failure asks for one revision;
+    /// after that, failures stand and mark the answer `grounded: false`.
+    fn ground(&self, st: &mut RunState, answer: &str, tools_left: bool) -> Verdict {
+        if !self.config.grounding {
+            return Verdict::Pass;
+        }
+        let unsupported = grounding::check(answer, &self.sources(st));
+        if unsupported.is_empty() {
+            st.unsupported = Some(Vec::new());
+            return Verdict::Pass;
+        }
+        if st.revision_requested {
+            st.unsupported = Some(unsupported);
+            return Verdict::Fail;
+        }
+        st.revision_requested = true;
+        let list: String = unsupported.iter().map(|u| format!("\n- {u}")).collect();
+        let how = if tools_left {
+            "Revise your answer: quote only numbers that the tool results above give (call a tool if a measurement is missing), name only tools that ran, and say plainly when a measurement is not available."
+        } else {
+            "Revise your answer without tools: quote only numbers that the tool results above give, name only tools that ran, and say plainly when a measurement is not available."
+        };
+        Verdict::Revise(format!(
+            "Your answer states things that no tool result, the question or the image metadata supports:{list}\n{how}"
+        ))
     }
 
     fn exhausted_budget(&self, st: &RunState) -> Option<StopReason> {
@@ -321,6 +495,7 @@ impl Agent {
             max_tokens: self.config.max_tokens,
             images: st.payloads.clone(),
             stop: vec![],
+            require_tool: with_tools && std::mem::take(&mut st.require_tool_next),
         });
         let started = Instant::now();
         let events = st.events.clone();
@@ -477,6 +652,9 @@ impl Agent {
                 vec![],
             ));
         }
+        for notice in &turn.notices {
+            st.messages.push(Message::user(notice.clone(), vec![]));
+        }
         st.result_rounds
             .extend(std::iter::repeat_n(round, results.len()));
         st.results.extend(results);
@@ -593,6 +771,21 @@ impl Agent {
                 reason.as_str()
             ));
         }
+        if let Verdict::Revise(request) = self.ground(st, &answer, false) {
+            st.messages.push(Message::assistant(answer.clone(), vec![]));
+            st.messages.push(Message::user(request, vec![]));
+            let budget = if reason == StopReason::Deadline {
+                SYNTHESIS_GRACE / 2
+            } else {
+                self.remaining(st)
+            };
+            let turn = self.reason(st, false, budget).await?;
+            let revised = turn.answer.unwrap_or(turn.text);
+            if !revised.trim().is_empty() {
+                answer = revised;
+            }
+            self.ground(st, &answer, false);
+        }
         Ok((answer, reason))
     }
 
@@ -602,6 +795,8 @@ impl Agent {
                 st.emit(Event::Final {
                     answer: answer.clone(),
                     reason: reason.as_str().to_string(),
+                    grounded: st.unsupported.as_ref().map(Vec::is_empty),
+                    unsupported: st.unsupported.clone().unwrap_or_default(),
                 });
                 (Some(answer), reason, None)
             }
@@ -629,6 +824,8 @@ impl Agent {
             rounds: st.rounds,
             tool_calls: st.tool_calls,
             results: st.results,
+            grounded: st.unsupported.as_ref().map(Vec::is_empty),
+            unsupported: st.unsupported.unwrap_or_default(),
         }
     }
 }

@@ -61,6 +61,13 @@ pub enum Event {
         answer: String,
         /// Why the loop stopped: `answered`, or the budget that ran out.
         reason: String,
+        /// Whether every number and named tool of the answer was found in the tool results,
+        /// the question or the image metadata; `null` when the check is turned off.
+        #[serde(default)]
+        grounded: Option<bool>,
+        /// What the answer states that nothing supports (empty when grounded).
+        #[serde(default)]
+        unsupported: Vec<String>,
     },
     Error {
         message: String,

@@ -1,16 +1,18 @@
 //! The Hilum reasoning loop: tools and the toolbox, rounds whose tool calls run concurrently
 //! (each with a timeout and panic isolation), the native and ReAct protocols, budgets,
-//! reflexion, and the event stream. It knows nothing about X-rays.
+//! reflexion, the grounding check on final answers, and the event stream. It knows nothing about
+//! X-rays.
 
 mod agent;
 mod event;
+pub mod grounding;
 pub mod protocol;
 pub mod repair;
 mod tool;
 mod toolbox;
 
 pub use agent::{
-    Agent, AgentConfig, Mode, RunInput, RunOutcome, StopReason, DEFAULT_SYSTEM_PROMPT,
+    Agent, AgentConfig, Mode, RunInput, RunOutcome, StopReason, ToolPolicy, DEFAULT_SYSTEM_PROMPT,
 };
 pub use event::{CallInfo, Event, EventSender, RunEvent};
 pub use protocol::{ParsedTurn, Protocol};

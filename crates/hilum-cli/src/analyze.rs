@@ -109,7 +109,7 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     let toolbox = Arc::new(toolbox);
     let a = &file.agent;
     let defaults = AgentConfig::default();
-    let config = AgentConfig {
+    let mut config = AgentConfig {
         protocol: match args.protocol {
             Some(p) => p,
             None => match &a.protocol {
@@ -151,6 +151,7 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         },
         ..defaults
     };
+    a.apply_grounding(&mut config)?;
     let agent = Agent::new(llm.clone(), toolbox, env, config);
     if let Some(note) = &choice.note {
         eprintln!("hilum: {note}");
@@ -170,12 +171,19 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     }
 
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    // Size, spacing and view: numbers an answer may quote besides the tool results.
+    let image_metadata = ids
+        .iter()
+        .filter_map(|id| store.get(id).ok())
+        .map(|img| serde_json::json!({"width": img.width, "height": img.height, "meta": img.meta}))
+        .collect();
     let input = RunInput {
         question: args.question.clone(),
         images: ids,
         image_payloads: payloads,
         history: vec![],
         session_id: String::new(),
+        image_metadata,
     };
     let run = tokio::spawn(async move { agent.run(input, Some(tx)).await });
     let ok = if args.json {

@@ -51,6 +51,26 @@ pub struct AgentSection {
     pub max_tool_calls: Option<usize>,
     pub deadline_secs: Option<u64>,
     pub tool_timeout_secs: Option<u64>,
+    /// `first_round` (default): a question about an image answered without any tool call is
+    /// sent back once; `never`: answers are taken as they come.
+    pub require_tools: Option<String>,
+    /// `false` turns off the grounding check of final answers.
+    pub grounding: Option<bool>,
+}
+
+impl AgentSection {
+    /// Applies the tool policy and grounding keys to an agent configuration.
+    pub fn apply_grounding(&self, config: &mut hilum_agent::AgentConfig) -> anyhow::Result<()> {
+        if let Some(p) = &self.require_tools {
+            config.require_tools = p
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("[agent] require_tools: {e}"))?;
+        }
+        if let Some(g) = self.grounding {
+            config.grounding = g;
+        }
+        Ok(())
+    }
 }
 
 /// Reads the config file: the explicit one must exist; the default one may be absent.

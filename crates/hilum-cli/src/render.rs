@@ -101,7 +101,12 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                 bars.remove(&call_id),
                 format!("✗ {name} {ms:.0} ms ({kind}): {error}"),
             ),
-            Event::Final { answer, reason } => {
+            Event::Final {
+                answer,
+                reason,
+                grounded,
+                unsupported,
+            } => {
                 let note = if reason == "answered" {
                     String::new()
                 } else {
@@ -110,6 +115,12 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                 // The answer goes to stdout, so `hilum analyze … > answer.txt` keeps it.
                 let _ = multi.clear();
                 println!("\nAnswer{note}:\n{answer}");
+                if grounded == Some(false) {
+                    println!("\nWARNING: grounded: false: this answer states what no tool result supports:");
+                    for u in unsupported {
+                        println!("  - {u}");
+                    }
+                }
             }
             Event::Error { message } => {
                 say(&multi, format!("error: {message}"));

@@ -233,6 +233,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.send_pixels = args.send_pixels || file.llm.send_pixels.unwrap_or(false);
     cfg.cors_origins = args.cors_origin.clone();
     cfg.tool_timeout = Duration::from_secs(args.tool_timeout);
+    file.agent.apply_grounding(&mut cfg.agent)?;
     if let Some(l) = &llm {
         if !l.local && !cfg.allow_remote_llm {
             eprintln!(

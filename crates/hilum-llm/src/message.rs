@@ -111,6 +111,10 @@ pub struct ChatRequest {
     pub images: Vec<ImagePayload>,
     /// Text that ends generation (used by the text protocols).
     pub stop: Vec<String>,
+    /// The model must call a tool in this turn (OpenAI `tool_choice: "required"`). A hint:
+    /// backends that cannot force a call ignore it.
+    #[serde(default)]
+    pub require_tool: bool,
 }
 
 /// Token accounting as reported by the backend.

@@ -84,6 +84,9 @@ impl OpenAiLlm {
                     .collect(),
             );
             body["parallel_tool_calls"] = json!(true);
+            if req.require_tool {
+                body["tool_choice"] = json!("required");
+            }
         }
         if let Some(t) = req.temperature {
             body["temperature"] = json!(t);
@@ -283,12 +286,25 @@ fn short(s: &str) -> String {
 #[async_trait]
 impl Llm for OpenAiLlm {
     async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
-        let body = self.body(&req);
+        let mut body = self.body(&req);
         let mut attempt = 0;
         let mut wait = self.config.backoff;
         let resp = loop {
             match self.send_once(&body).await {
                 Ok(resp) => break resp,
+                // A server that does not know `tool_choice: "required"` gets the request without it.
+                Err((
+                    LlmError::Http {
+                        status: 400 | 422,
+                        body: text,
+                    },
+                    _,
+                )) if body.get("tool_choice").is_some() => {
+                    tracing::info!("model endpoint refused tool_choice \"required\" ({text}); asking without it");
+                    if let Some(o) = body.as_object_mut() {
+                        o.remove("tool_choice");
+                    }
+                }
                 Err((err, retry_after)) => {
                     if !err.is_transient() || attempt >= self.config.max_retries {
                         return Err(err);

@@ -138,12 +138,20 @@ pub async fn ask(
     } else {
         Vec::new()
     };
+    // Size, spacing and view: numbers an answer may quote besides the tool results.
+    let image_metadata = ask
+        .images
+        .iter()
+        .filter_map(|id| space.images.get(id).ok())
+        .map(|img| json!({"width": img.width, "height": img.height, "meta": img.meta}))
+        .collect();
     let input = RunInput {
         question: ask.question,
         images: ask.images,
         image_payloads,
         history,
         session_id: session_id.clone(),
+        image_metadata,
     };
     let run = RunCtx {
         state: state.clone(),

@@ -449,6 +449,12 @@ async function onEvent(run, ev) {
       break;
     case "final":
       setAnswer(run, ev.answer);
+      if (ev.grounded === false) {
+        // The grounding check (issue 20): the answer quotes what no tool result supports.
+        run.answerEl.after(el("div", { class: "msg ungrounded", role: "alert", "data-role": "ungrounded" },
+          el("strong", { text: "Not grounded: this answer states what no tool result supports. Check it against the tool results." }),
+          el("ul", {}, ...(ev.unsupported || []).map((u) => el("li", { text: u })))));
+      }
       break;
     case "error":
       showError(explainRunError(ev.message));
