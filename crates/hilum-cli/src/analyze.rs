@@ -205,7 +205,7 @@ fn tool_models(name: &str) -> &'static [&'static str] {
 /// A small local model picks worse among many tools and calls whatever it is offered: it gets
 /// only the tools that can run here (their weights installed) and that inform an answer
 /// (`visualize` draws for the user; `dicom_info` only when a DICOM file was given).
-fn local_toolbox(
+pub(crate) fn local_toolbox(
     full: Toolbox,
     deps: &hilum_tools::ToolDeps,
     store: &ImageStore,
