@@ -176,10 +176,9 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
 }
 
 async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
-    let bench = args
-        .bench
-        .clone()
-        .context("name the question file: hilum eval BENCH.jsonl --out RUN_DIR (or hilum eval compare A B)")?;
+    let bench = args.bench.clone().context(
+        "name the question file: hilum eval BENCH.jsonl --out RUN_DIR (or hilum eval compare A B)",
+    )?;
     let out = args
         .out
         .clone()
@@ -190,15 +189,19 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
     };
     let file = load_file(args.config.as_deref())?;
     let choice = LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm)?;
-    let (kind, rest) = choice.spec.split_once(':').unwrap_or((choice.spec.as_str(), ""));
+    let (kind, rest) = choice
+        .spec
+        .split_once(':')
+        .unwrap_or((choice.spec.as_str(), ""));
     let mut seed = None;
     let llm_for: LlmFor = match (kind, question_scripts_if(kind, rest)?) {
         ("script", Some(map)) => {
             let map = Arc::new(map);
             Arc::new(move |q: &Question| {
-                let turns = map.get(&q.id).cloned().ok_or_else(|| {
-                    format!("the script has no turns for question {}", q.id)
-                })?;
+                let turns = map
+                    .get(&q.id)
+                    .cloned()
+                    .ok_or_else(|| format!("the script has no turns for question {}", q.id))?;
                 Ok(Arc::new(ScriptLlm::new(turns)) as Arc<dyn Llm>)
             })
         }
@@ -237,7 +240,9 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
                 categories: vec![],
                 line: 0,
             };
-            llm_for(&probe).map(|l| l.name()).unwrap_or(choice.spec.clone())
+            llm_for(&probe)
+                .map(|l| l.name())
+                .unwrap_or(choice.spec.clone())
         }
     };
 
@@ -272,7 +277,10 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
                 None => defaults.protocol,
             },
         },
-        max_rounds: args.max_rounds.or(a.max_rounds).unwrap_or(defaults.max_rounds),
+        max_rounds: args
+            .max_rounds
+            .or(a.max_rounds)
+            .unwrap_or(defaults.max_rounds),
         max_tool_calls: args
             .max_tool_calls
             .or(a.max_tool_calls)
@@ -300,7 +308,11 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
         strict: args.strict,
         resume: args.resume,
         limit: args.limit,
-        categories: args.categories.iter().map(|c| c.trim().to_lowercase()).collect(),
+        categories: args
+            .categories
+            .iter()
+            .map(|c| c.trim().to_lowercase())
+            .collect(),
         agent,
         model: model.clone(),
         llm_spec: choice.spec.clone(),

@@ -55,7 +55,14 @@ async fn killed_run_resumes_without_asking_finished_questions_again() {
             .arg(&bench)
             .arg("--images-dir")
             .arg(common::data_dir())
-            .args(["--llm", "openai:quiz-model", "--base-url", &url, "--quiet", "--out"])
+            .args([
+                "--llm",
+                "openai:quiz-model",
+                "--base-url",
+                &url,
+                "--quiet",
+                "--out",
+            ])
             .arg(&run);
     };
     let mut first = hilum();
@@ -136,7 +143,11 @@ async fn malformed_input_names_file_and_line_and_keeps_the_run() {
         c
     };
     let out = eval(&bench, &[]).output().await.expect("run");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let kept = std::fs::read(run.join("run.jsonl")).expect("run.jsonl");
 
     // A broken third line in the question file.
@@ -148,8 +159,14 @@ async fn malformed_input_names_file_and_line_and_keeps_the_run() {
     let out = eval(&bad, &["--resume"]).output().await.expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("bad.jsonl:3:") && err.contains("not valid JSON"), "{err}");
-    assert_eq!(std::fs::read(run.join("run.jsonl")).expect("run.jsonl"), kept);
+    assert!(
+        err.contains("bad.jsonl:3:") && err.contains("not valid JSON"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(run.join("run.jsonl")).expect("run.jsonl"),
+        kept
+    );
 
     // A damaged record in the middle of run.jsonl: named, and the file is left as it was.
     let text = String::from_utf8(kept.clone()).expect("utf8");
@@ -171,7 +188,10 @@ async fn malformed_input_names_file_and_line_and_keeps_the_run() {
     let out = eval(&bench, &[]).output().await.expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--resume"), "{err}");
-    assert_eq!(std::fs::read(run.join("run.jsonl")).expect("run.jsonl"), kept);
+    assert_eq!(
+        std::fs::read(run.join("run.jsonl")).expect("run.jsonl"),
+        kept
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,7 +232,11 @@ async fn compare_reports_mcnemar_exact_p() {
             .output()
             .await
             .expect("run");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let out = hilum()
         .args(["eval", "compare", "--json"])
@@ -221,11 +245,24 @@ async fn compare_reports_mcnemar_exact_p() {
         .output()
         .await
         .expect("compare");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let c: Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!((c["a_only"].as_u64(), c["b_only"].as_u64()), (Some(1), Some(6)));
-    assert_eq!((c["a"]["correct"].as_u64(), c["b"]["correct"].as_u64()), (Some(4), Some(9)));
-    assert!((c["p_value"].as_f64().unwrap_or(-1.0) - 0.125).abs() < 1e-12, "{c}");
+    assert_eq!(
+        (c["a_only"].as_u64(), c["b_only"].as_u64()),
+        (Some(1), Some(6))
+    );
+    assert_eq!(
+        (c["a"]["correct"].as_u64(), c["b"]["correct"].as_u64()),
+        (Some(4), Some(9))
+    );
+    assert!(
+        (c["p_value"].as_f64().unwrap_or(-1.0) - 0.125).abs() < 1e-12,
+        "{c}"
+    );
     assert!((c["difference"].as_f64().unwrap_or(0.0) - 0.5).abs() < 1e-12);
     let out = hilum()
         .args(["eval", "compare"])
@@ -235,5 +272,8 @@ async fn compare_reports_mcnemar_exact_p() {
         .await
         .expect("compare");
     let md = String::from_utf8_lossy(&out.stdout);
-    assert!(md.contains("p = 0.1250") && md.contains("| even | 5 |"), "{md}");
+    assert!(
+        md.contains("p = 0.1250") && md.contains("| even | 5 |"),
+        "{md}"
+    );
 }

@@ -18,8 +18,8 @@ type Res<T> = Result<T, String>;
 
 /// A small CSV reader (quoted fields may hold commas); enough for the data's two tables.
 fn read_csv(path: &Path) -> Res<Vec<BTreeMap<String, String>>> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let mut rows: Vec<Vec<String>> = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let (mut fields, mut cur, mut quoted) = (Vec::new(), String::new(), false);
@@ -38,7 +38,10 @@ fn read_csv(path: &Path) -> Res<Vec<BTreeMap<String, String>>> {
         fields.push(cur);
         rows.push(fields);
     }
-    let header = rows.first().ok_or(format!("{} is empty", path.display()))?.clone();
+    let header = rows
+        .first()
+        .ok_or(format!("{} is empty", path.display()))?
+        .clone();
     Ok(rows[1..]
         .iter()
         .map(|r| header.iter().cloned().zip(r.iter().cloned()).collect())
@@ -130,9 +133,11 @@ fn lungs_from_pair(dir: &Path, image: &str, source: &str) -> Res<Lungs> {
     let (l, _, _) = load_mask(&dir.join("left_lung.png"))?;
     let area = |m: &[bool]| m.iter().filter(|v| **v).count();
     let mean_x = |m: &[bool]| {
-        let (s, n) = m.iter().enumerate().filter(|(_, v)| **v).fold((0.0, 0usize), |(s, n), (i, _)| {
-            (s + (i % w) as f64, n + 1)
-        });
+        let (s, n) = m
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v)
+            .fold((0.0, 0usize), |(s, n), (i, _)| (s + (i % w) as f64, n + 1));
         s / n.max(1) as f64
     };
     if mean_x(&r) > mean_x(&l) {
@@ -219,12 +224,20 @@ fn run(data: &Path, out: &Path) -> Res<()> {
     for r in read_csv(&gt.join("lung_masks/pairs.csv"))? {
         let (img, mask) = (&r["image"], &r["mask"]);
         let image = format!("cxr/images/{img}");
-        lungs.push(lungs_from_combined(&gt.join("lung_masks").join(mask), &image, &source_of(img))?);
+        lungs.push(lungs_from_combined(
+            &gt.join("lung_masks").join(mask),
+            &image,
+            &source_of(img),
+        )?);
     }
     for i in 1..=4 {
         let image = format!("cxr/ground_truth/lung_masks_imlab/imlab_{i}.jpg");
         let mask = gt.join(format!("lung_masks_imlab/imlab_{i}.mask.png"));
-        lungs.push(lungs_from_combined(&mask, &image, "lung_masks_imlab (MIT)")?);
+        lungs.push(lungs_from_combined(
+            &mask,
+            &image,
+            "lung_masks_imlab (MIT)",
+        )?);
     }
     let mut multi: Vec<PathBuf> = std::fs::read_dir(gt.join("multiclass"))
         .map_err(|e| format!("cannot list {}: {e}", gt.join("multiclass").display()))?
@@ -232,14 +245,22 @@ fn run(data: &Path, out: &Path) -> Res<()> {
         .collect();
     multi.sort();
     for dir in multi {
-        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
         let file = images
             .iter()
             .filter_map(|r| r.get("file"))
             .find(|f| f.rsplit_once('.').map(|(s, _)| s) == Some(name.as_str()))
             .ok_or(format!("no image in images.csv for {}", dir.display()))?
             .clone();
-        lungs.push(lungs_from_pair(&dir, &format!("cxr/images/{file}"), &source_of(&file))?);
+        lungs.push(lungs_from_pair(
+            &dir,
+            &format!("cxr/images/{file}"),
+            &source_of(&file),
+        )?);
     }
 
     let mut b = Bench {
@@ -364,7 +385,11 @@ fn run(data: &Path, out: &Path) -> Res<()> {
         let bits = r["bits_per_sample"].clone();
         let depths = ["1-bit", "8-bit", "10-bit", "12-bit", "16-bit", "32-bit"];
         let right = format!("{bits}-bit");
-        let wrong: Vec<String> = depths.iter().filter(|d| **d != right).map(|d| d.to_string()).collect();
+        let wrong: Vec<String> = depths
+            .iter()
+            .filter(|d| **d != right)
+            .map(|d| d.to_string())
+            .collect();
         b.add(
             &case,
             &image,
@@ -383,7 +408,10 @@ fn run(data: &Path, out: &Path) -> Res<()> {
         let case = case_of(&image);
         let src = &r["source_repo"];
         let pick = |right: &str, all: &[&str]| -> Vec<String> {
-            all.iter().filter(|x| **x != right).map(|x| x.to_string()).collect()
+            all.iter()
+                .filter(|x| **x != right)
+                .map(|x| x.to_string())
+                .collect()
         };
         let modality = r["modality"].clone();
         b.add(
@@ -414,7 +442,17 @@ fn run(data: &Path, out: &Path) -> Res<()> {
             src,
             "What is the photometric interpretation of this DICOM image?",
             &photometric,
-            &pick(&photometric, &["MONOCHROME1", "MONOCHROME2", "RGB", "PALETTE COLOR", "YBR_FULL", "YBR_FULL_422"]),
+            &pick(
+                &photometric,
+                &[
+                    "MONOCHROME1",
+                    "MONOCHROME2",
+                    "RGB",
+                    "PALETTE COLOR",
+                    "YBR_FULL",
+                    "YBR_FULL_422",
+                ],
+            ),
             "acquisition,dicom",
             format!("dicom.csv: PhotometricInterpretation {photometric}."),
         );
@@ -425,7 +463,12 @@ fn run(data: &Path, out: &Path) -> Res<()> {
             src,
             "How many bits are stored per pixel (BitsStored) in this DICOM image?",
             &stored,
-            &pick(&stored, &["8 bits", "10 bits", "12 bits", "14 bits", "15 bits", "16 bits"]),
+            &pick(
+                &stored,
+                &[
+                    "8 bits", "10 bits", "12 bits", "14 bits", "15 bits", "16 bits",
+                ],
+            ),
             "acquisition,dicom",
             format!("dicom.csv: BitsStored {}.", r["bits_stored"]),
         );
@@ -440,7 +483,13 @@ fn run(data: &Path, out: &Path) -> Res<()> {
                 src,
                 "What is the pixel spacing of this DICOM image (row spacing, in mm)?",
                 &right,
-                &pick(&right, &["0.100 mm", "0.139 mm", "0.143 mm", "0.168 mm", "0.200 mm", "0.250 mm", "1.000 mm"]),
+                &pick(
+                    &right,
+                    &[
+                        "0.100 mm", "0.139 mm", "0.143 mm", "0.168 mm", "0.200 mm", "0.250 mm",
+                        "1.000 mm",
+                    ],
+                ),
                 "measurement,dicom",
                 format!("dicom.csv: PixelSpacing [{spacing}]."),
             );
@@ -453,7 +502,8 @@ fn run(data: &Path, out: &Path) -> Res<()> {
         text.push('\n');
     }
     if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
     std::fs::write(out, text).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     let mut cats: BTreeMap<String, usize> = BTreeMap::new();

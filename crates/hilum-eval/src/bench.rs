@@ -118,7 +118,11 @@ fn from_cab(r: CabRecord, line: usize) -> Result<Question, String> {
         kind: AnswerKind::Choice,
         tolerance: 0.0,
         images: r.images.unwrap_or_default(),
-        categories: r.categories.as_deref().map(split_categories).unwrap_or_default(),
+        categories: r
+            .categories
+            .as_deref()
+            .map(split_categories)
+            .unwrap_or_default(),
         line,
     })
 }
@@ -136,14 +140,13 @@ fn from_plain(r: PlainRecord, line: usize) -> Result<Question, String> {
         question.push_str(&format!("\n{l}) {o}"));
     }
     let answer = match (&r.answer, r.kind) {
-        (Value::String(s), AnswerKind::Choice) => {
-            letter(s).ok_or_else(|| format!("a choice `answer` must be a letter A-F, found {s:?}"))?
-        }
+        (Value::String(s), AnswerKind::Choice) => letter(s)
+            .ok_or_else(|| format!("a choice `answer` must be a letter A-F, found {s:?}"))?,
         (Value::Number(n), AnswerKind::Number) => n.to_string(),
         (Value::String(s), AnswerKind::Number) => {
-            s.trim().parse::<f64>().map_err(|_| {
-                format!("a number `answer` must be a number, found {s:?}")
-            })?;
+            s.trim()
+                .parse::<f64>()
+                .map_err(|_| format!("a number `answer` must be a number, found {s:?}"))?;
             s.trim().to_string()
         }
         (Value::String(s), AnswerKind::Text) if !s.trim().is_empty() => s.trim().to_string(),
@@ -194,8 +197,8 @@ pub fn parse_line(text: &str, line: usize) -> Result<Question, String> {
         return Err("each line must be a JSON object".into());
     }
     if v.get("question_id").is_some() {
-        let r: CabRecord = serde_json::from_value(v)
-            .map_err(|e| format!("not a ChestAgentBench record: {e}"))?;
+        let r: CabRecord =
+            serde_json::from_value(v).map_err(|e| format!("not a ChestAgentBench record: {e}"))?;
         from_cab(r, line)
     } else {
         let r: PlainRecord = serde_json::from_value(v).map_err(|e| {
@@ -295,7 +298,10 @@ mod tests {
             1,
         )
         .expect("parses");
-        assert_eq!((q.kind, q.answer.as_str(), q.tolerance), (AnswerKind::Number, "1024", 2.0));
+        assert_eq!(
+            (q.kind, q.answer.as_str(), q.tolerance),
+            (AnswerKind::Number, "1024", 2.0)
+        );
     }
 
     #[test]

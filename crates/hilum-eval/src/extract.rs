@@ -59,7 +59,9 @@ pub fn extract_number(response: &str) -> Option<f64> {
             while i < v.len() {
                 let c = v[i];
                 let grouping = c == ',' && v.get(i + 1).is_some_and(|d| d.is_ascii_digit());
-                if c.is_ascii_digit() || (c == '.' && v.get(i + 1).is_some_and(|d| d.is_ascii_digit())) {
+                if c.is_ascii_digit()
+                    || (c == '.' && v.get(i + 1).is_some_and(|d| d.is_ascii_digit()))
+                {
                     s.push(c);
                 } else if !grouping {
                     break;

@@ -17,7 +17,7 @@ pub mod score;
 pub use bench::{load_bench, AnswerKind, Question};
 pub use compare::{compare_runs, mcnemar_exact, Comparison};
 pub use extract::{extract_letter, score_response};
-pub use record::{read_run, RunHeader, RunLog, QuestionRecord, Status};
+pub use record::{read_run, QuestionRecord, RunHeader, RunLog, Status};
 pub use report::{write_reports, Report};
 pub use runner::{run_eval, EvalConfig, Memory, Progress};
 pub use score::{percentile, summarize, wilson_interval, Summary};

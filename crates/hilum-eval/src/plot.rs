@@ -168,7 +168,10 @@ fn bars_with_intervals(
         .draw_series(rows.iter().enumerate().map(|(i, r)| {
             let i = i as i32;
             let mut rect = Rectangle::new(
-                [(0.0, SegmentValue::Exact(i)), (r.1, SegmentValue::Exact(i + 1))],
+                [
+                    (0.0, SegmentValue::Exact(i)),
+                    (r.1, SegmentValue::Exact(i + 1)),
+                ],
                 bar.mix(0.8).filled(),
             );
             rect.set_margin(4, 4, 0, 0);
@@ -298,7 +301,10 @@ pub fn bench_figure(
             .draw_series(tools.iter().enumerate().map(|(i, t)| {
                 let i = i as i32;
                 let mut r = Rectangle::new(
-                    [(0.0, SegmentValue::Exact(i)), (t.1, SegmentValue::Exact(i + 1))],
+                    [
+                        (0.0, SegmentValue::Exact(i)),
+                        (t.1, SegmentValue::Exact(i + 1)),
+                    ],
                     RGBColor(70, 120, 190).mix(0.8).filled(),
                 );
                 r.set_margin(4, 4, 0, 0);
@@ -335,9 +341,10 @@ pub fn bench_figure(
                 .x_desc("ms")
                 .y_labels(3)
                 .y_label_formatter(&|v| match v {
-                    SegmentValue::CenterOf(i) => {
-                        rows.get(*i as usize).map(|r| r.0.clone()).unwrap_or_default()
-                    }
+                    SegmentValue::CenterOf(i) => rows
+                        .get(*i as usize)
+                        .map(|r| r.0.clone())
+                        .unwrap_or_default(),
                     _ => String::new(),
                 })
                 .label_style(("sans-serif", 9))
@@ -347,7 +354,10 @@ pub fn bench_figure(
                 .draw_series(rows.iter().enumerate().map(|(i, r)| {
                     let i = i as i32;
                     let mut rect = Rectangle::new(
-                        [(0.0, SegmentValue::Exact(i)), (r.1, SegmentValue::Exact(i + 1))],
+                        [
+                            (0.0, SegmentValue::Exact(i)),
+                            (r.1, SegmentValue::Exact(i + 1)),
+                        ],
                         RGBColor(200, 110, 60).mix(0.85).filled(),
                     );
                     rect.set_margin(8, 8, 0, 0);

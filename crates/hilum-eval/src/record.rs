@@ -223,10 +223,7 @@ impl RunWriter {
             source,
         };
         let text = std::fs::read(&path).map_err(write_err)?;
-        let keep = text
-            .iter()
-            .rposition(|&b| b == b'\n')
-            .map_or(0, |p| p + 1);
+        let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
         let file = std::fs::OpenOptions::new()
             .write(true)
             .open(&path)

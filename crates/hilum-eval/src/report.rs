@@ -36,8 +36,13 @@ impl Report {
             h.bench,
             h.model,
             h.memory,
-            if h.strict { "strict (lone letter only)" } else { "MedRAX cascade" },
-            h.temperature.map_or("backend default".into(), |t| t.to_string()),
+            if h.strict {
+                "strict (lone letter only)"
+            } else {
+                "MedRAX cascade"
+            },
+            h.temperature
+                .map_or("backend default".into(), |t| t.to_string()),
             h.seed.map_or("n/a".into(), |t| t.to_string()),
             h.hilum_version,
             pct(s.overall.accuracy),
@@ -85,7 +90,9 @@ impl Report {
             ));
         }
         if !s.tools.is_empty() {
-            md.push_str("\n| tool | calls | failed | p50 ms | p95 ms |\n|---|---:|---:|---:|---:|\n");
+            md.push_str(
+                "\n| tool | calls | failed | p50 ms | p95 ms |\n|---|---:|---:|---:|---:|\n",
+            );
             for (name, t) in &s.tools {
                 md.push_str(&format!(
                     "| {name} | {} | {} | {:.1} | {:.1} |\n",

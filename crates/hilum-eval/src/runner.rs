@@ -91,7 +91,11 @@ pub struct Progress<'a> {
 pub type OnProgress = Arc<dyn Fn(&Progress) + Send + Sync>;
 
 /// The questions a run covers, after `categories` and `limit`, in file order.
-pub fn select(questions: Vec<Question>, categories: &[String], limit: Option<usize>) -> Vec<Question> {
+pub fn select(
+    questions: Vec<Question>,
+    categories: &[String],
+    limit: Option<usize>,
+) -> Vec<Question> {
     questions
         .into_iter()
         .filter(|q| categories.is_empty() || q.categories.iter().any(|c| categories.contains(c)))
@@ -120,7 +124,14 @@ fn check_images(questions: &[Question], dir: &Path) -> Result<(), EvalError> {
         .iter()
         .flat_map(|q| q.images.iter().map(move |i| (q, i)))
         .filter(|(_, i)| !dir.join(i).is_file())
-        .map(|(q, i)| format!("{} (question {}, line {})", dir.join(i).display(), q.id, q.line))
+        .map(|(q, i)| {
+            format!(
+                "{} (question {}, line {})",
+                dir.join(i).display(),
+                q.id,
+                q.line
+            )
+        })
         .collect();
     if let Some(first) = missing.first() {
         return Err(EvalError::Invalid(format!(
@@ -400,7 +411,10 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
             rec.stop_reason = out.reason.as_str().into();
             rec.response = out.answer.clone();
             let timed_out = out.reason == StopReason::Deadline
-                || out.error.as_deref().is_some_and(|e| e.contains("time budget"));
+                || out
+                    .error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("time budget"));
             rec.status = if timed_out {
                 Status::Timeout
             } else if out.reason == StopReason::Error {

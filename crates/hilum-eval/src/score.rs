@@ -51,7 +51,11 @@ impl Accuracy {
         Accuracy {
             n,
             correct,
-            accuracy: if n == 0 { 0.0 } else { correct as f64 / n as f64 },
+            accuracy: if n == 0 {
+                0.0
+            } else {
+                correct as f64 / n as f64
+            },
             ci_low,
             ci_high,
         }
@@ -164,7 +168,13 @@ pub fn summarize(run: &RunLog) -> Summary {
         prompt_tokens += r.prompt_tokens;
         completion_tokens += r.completion_tokens;
     }
-    let per = |x: usize| if finished == 0 { 0.0 } else { x as f64 / finished as f64 };
+    let per = |x: usize| {
+        if finished == 0 {
+            0.0
+        } else {
+            x as f64 / finished as f64
+        }
+    };
     Summary {
         overall: Accuracy::new(correct, ids.len()),
         finished,
@@ -210,7 +220,10 @@ mod tests {
     fn wilson_matches_hand_values() {
         // 8 of 10: center (0.8 + 1.9208/10)/1.38415 = 0.71674, half 0.21233 (by hand).
         let (lo, hi) = wilson_interval(8, 10);
-        assert!((lo - 0.4902).abs() < 1e-4 && (hi - 0.9433).abs() < 1e-4, "{lo} {hi}");
+        assert!(
+            (lo - 0.4902).abs() < 1e-4 && (hi - 0.9433).abs() < 1e-4,
+            "{lo} {hi}"
+        );
         let (lo, hi) = wilson_interval(0, 5);
         assert!(lo == 0.0 && (hi - 0.4345).abs() < 1e-4, "{hi}");
         assert_eq!(wilson_interval(0, 0), (0.0, 1.0));

@@ -35,7 +35,10 @@ fn scripts() -> BTreeMap<String, Vec<ScriptTurn>> {
         .iter()
         .enumerate()
         .map(|(i, l)| {
-            let right = l["answer"].as_str().and_then(|a| a.chars().next()).expect("letter");
+            let right = l["answer"]
+                .as_str()
+                .and_then(|a| a.chars().next())
+                .expect("letter");
             let turns = if i == FAILING {
                 json!([{"error": "the scripted model failed"}])
             } else {
@@ -79,19 +82,39 @@ async fn project_benchmark_scores_exactly_per_category() {
     for strict in [false, true] {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Arc::new(ImageStore::default());
-        let mut cfg = common::config(common::cxr_bench(), common::data_dir(), dir.path().join("run"));
+        let mut cfg = common::config(
+            common::cxr_bench(),
+            common::data_dir(),
+            dir.path().join("run"),
+        );
         cfg.strict = strict;
         cfg.jobs = 3;
         let started = std::time::Instant::now();
-        let run = run_eval(cfg, store.clone(), llm_for(scripts()), common::tools(&store), common::quiet())
-            .await
-            .expect("the run finishes");
-        eprintln!("60 questions (strict={strict}) in {:.2} s", started.elapsed().as_secs_f64());
+        let run = run_eval(
+            cfg,
+            store.clone(),
+            llm_for(scripts()),
+            common::tools(&store),
+            common::quiet(),
+        )
+        .await
+        .expect("the run finishes");
+        eprintln!(
+            "60 questions (strict={strict}) in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
         let s = summarize(&run);
         // 15 questions each of i % 4 = 0, 1, 2, 3; one of the i % 4 = 1 fails.
         let (correct, unparsed) = if strict { (14, 45) } else { (29, 15) };
-        assert_eq!((s.overall.correct, s.overall.n), (correct, 60), "strict={strict}");
-        assert_eq!((s.unparsed, s.errors, s.timeouts, s.not_run), (unparsed, 1, 0, 0));
+        assert_eq!(
+            (s.overall.correct, s.overall.n),
+            (correct, 60),
+            "strict={strict}"
+        );
+        assert_eq!(
+            (s.unparsed, s.errors, s.timeouts, s.not_run),
+            (unparsed, 1, 0, 0)
+        );
         let got: BTreeMap<String, (usize, usize)> = s
             .categories
             .iter()
@@ -103,7 +126,11 @@ async fn project_benchmark_scores_exactly_per_category() {
         for r in &run.records {
             if r.id == failing_id {
                 assert_eq!(r.status, Status::Error);
-                assert!(r.error.as_deref().unwrap_or("").contains("scripted model failed"));
+                assert!(r
+                    .error
+                    .as_deref()
+                    .unwrap_or("")
+                    .contains("scripted model failed"));
                 continue;
             }
             assert_eq!(r.tool_calls.len(), 1, "{}", r.id);

@@ -36,7 +36,11 @@ fn replies(keys: &[(String, String, char)]) -> Vec<(String, String, String)> {
             } else {
                 *right
             };
-            (id.clone(), key.clone(), format!("{letter}) because of the tool result"))
+            (
+                id.clone(),
+                key.clone(),
+                format!("{letter}) because of the tool result"),
+            )
         })
         .collect()
 }
@@ -49,13 +53,22 @@ async fn served_model_runs_four_at_once_with_real_tools() {
     let store = Arc::new(ImageStore::default());
     let mut cfg = common::config(bench, common::data_dir(), dir.path().join("run"));
     cfg.jobs = 4;
-    let run = run_eval(cfg, store.clone(), openai(&url), common::tools(&store), common::quiet())
-        .await
-        .expect("run");
+    let run = run_eval(
+        cfg,
+        store.clone(),
+        openai(&url),
+        common::tools(&store),
+        common::quiet(),
+    )
+    .await
+    .expect("run");
     let s = summarize(&run);
     // Questions 0, 3, 6, 9 get a wrong letter.
     assert_eq!((s.overall.correct, s.overall.n), (8, 12));
-    assert_eq!((s.categories["even"].correct, s.categories["even"].n), (4, 6));
+    assert_eq!(
+        (s.categories["even"].correct, s.categories["even"].n),
+        (4, 6)
+    );
     assert_eq!((s.categories["odd"].correct, s.categories["odd"].n), (4, 6));
     assert_eq!(s.categories["all"].correct, 8);
     for r in &run.records {
@@ -64,11 +77,18 @@ async fn served_model_runs_four_at_once_with_real_tools() {
         assert!(r.tool_calls.iter().all(|c| c.ok && c.name == "image_info"));
         // 100 + 7 tokens per model turn; two turns when a tool ran.
         let turns = 1 + with_image as u64;
-        assert_eq!((r.prompt_tokens, r.completion_tokens), (100 * turns, 7 * turns));
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens),
+            (100 * turns, 7 * turns)
+        );
         assert!(r.latency_ms >= 20.0 * turns as f64, "{}", r.latency_ms);
     }
     let log = quiz.log.lock().expect("lock").clone();
-    assert_eq!(log.len(), 23, "one call and one answer per question, q0 answers at once");
+    assert_eq!(
+        log.len(),
+        23,
+        "one call and one answer per question, q0 answers at once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,9 +100,15 @@ async fn case_memory_keeps_one_conversation_per_case() {
     let mut cfg = common::config(bench, common::data_dir(), dir.path().join("run"));
     cfg.memory = Memory::Case;
     cfg.jobs = 2;
-    let run = run_eval(cfg, store.clone(), openai(&url), common::tools(&store), common::quiet())
-        .await
-        .expect("run");
+    let run = run_eval(
+        cfg,
+        store.clone(),
+        openai(&url),
+        common::tools(&store),
+        common::quiet(),
+    )
+    .await
+    .expect("run");
     assert_eq!(run.header.memory, "case");
     let log = quiz.log.lock().expect("lock").clone();
     let first_request = |id: &str| {
@@ -96,7 +122,11 @@ async fn case_memory_keeps_one_conversation_per_case() {
     assert_eq!(first_request("q0"), 2, "system + question");
     assert_eq!(first_request("q1"), 4);
     assert_eq!(first_request("q2"), 8);
-    assert_eq!(first_request("q3"), 2, "a new case starts a new conversation");
+    assert_eq!(
+        first_request("q3"),
+        2,
+        "a new case starts a new conversation"
+    );
     let r2 = run.record("q2").expect("q2");
     assert_eq!(r2.messages.as_ref().map(Vec::len), Some(4));
 }

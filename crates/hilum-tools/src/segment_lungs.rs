@@ -316,7 +316,12 @@ impl Tool for SegmentLungs {
         let comparison = match (right, left) {
             (Some(r), Some(l)) => format!(
                 "{}; ",
-                compare_sides(l.0.area_px as f64, r.0.area_px as f64, &area(left), &area(right))
+                compare_sides(
+                    l.0.area_px as f64,
+                    r.0.area_px as f64,
+                    &area(left),
+                    &area(right)
+                )
             ),
             _ => String::new(),
         };
@@ -363,7 +368,10 @@ pub(crate) fn compare_sides(left: f64, right: f64, left_text: &str, right_text: 
     } else {
         ("right", right, left, right_text, left_text)
     };
-    let unit_free = |t: &str| t.rsplit_once(' ').map_or(t.to_string(), |(n, _)| n.to_string());
+    let unit_free = |t: &str| {
+        t.rsplit_once(' ')
+            .map_or(t.to_string(), |(n, _)| n.to_string())
+    };
     let unit = big_text.rsplit_once(' ').map_or("", |(_, u)| u);
     format!(
         "the patient's {side} lung is larger: {} vs {} {unit}, +{:.1}%",

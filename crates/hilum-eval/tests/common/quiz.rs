@@ -58,9 +58,14 @@ async fn completions(State(q): State<Quiz>, Json(req): Json<Value>) -> Response 
         .find(|m| m["role"] == "user")
         .map(text_of)
         .unwrap_or_default();
-    let Some((id, _, reply)) = q.answers.iter().find(|(_, key, _)| last_user.contains(key.as_str()))
+    let Some((id, _, reply)) = q
+        .answers
+        .iter()
+        .find(|(_, key, _)| last_user.contains(key.as_str()))
     else {
-        return sse(vec![json!({"choices": [{"index": 0, "delta": {"content": "unknown question"}, "finish_reason": "stop"}]})]);
+        return sse(vec![
+            json!({"choices": [{"index": 0, "delta": {"content": "unknown question"}, "finish_reason": "stop"}]}),
+        ]);
     };
     let after_tool = messages.last().is_some_and(|m| m["role"] == "tool");
     let image = last_user
