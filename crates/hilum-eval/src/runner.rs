@@ -429,7 +429,17 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                 rec.correct = right && rec.status == Status::Answered;
             }
             if sh.cfg.memory == Memory::Case {
-                rec.messages = Some(out.messages.iter().skip(1 + history_len).cloned().collect());
+                let mut added: Vec<Message> =
+                    out.messages.iter().skip(1 + history_len).cloned().collect();
+                // The loop's final answer is not part of its message list; the next question of
+                // the case must see it, as in a chat.
+                if let Some(answer) = &out.answer {
+                    if !matches!(added.last(), Some(Message::Assistant { tool_calls, .. }) if tool_calls.is_empty())
+                    {
+                        added.push(Message::assistant(answer.clone(), vec![]));
+                    }
+                }
+                rec.messages = Some(added);
             }
         }
     }
