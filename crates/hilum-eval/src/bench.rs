@@ -174,7 +174,7 @@ fn from_plain(r: PlainRecord, line: usize) -> Result<Question, String> {
         }
     };
     let tolerance = r.tolerance.unwrap_or(0.0);
-    if !(tolerance >= 0.0 && tolerance.is_finite()) {
+    if !tolerance.is_finite() || tolerance < 0.0 {
         return Err("`tolerance` must be a finite number >= 0".into());
     }
     Ok(Question {
