@@ -198,7 +198,6 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Models a tool cannot run without (any one of them suffices).
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,6 +62,9 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the latencies as a PNG: per tool p50/p95, parallel round vs one by one.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 struct ToolResult {
@@ -320,6 +323,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "round": round,
         "peak_rss_mib": peak_rss_mib(),
     });
+    if let Some(path) = &args.plot {
+        let tools: Vec<(String, f64, f64)> = rows
+            .iter()
+            .filter_map(|r| {
+                let name = match r["backend"].as_str() {
+                    Some(b) => format!("{} {b}", r["tool"].as_str()?),
+                    None => r["tool"].as_str()?.to_string(),
+                };
+                Some((name, r["p50_ms"].as_f64()?, r["p95_ms"].as_f64()?))
+            })
+            .collect();
+        let round = report["round"]
+            .as_object()
+            .and_then(|r| Some((r["parallel_ms"].as_f64()?, r["serial_ms"].as_f64()?)));
+        let png = hilum_eval::plot::bench_figure(&tools, round)?;
+        std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("hilum: wrote {}", path.display());
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());

@@ -5,6 +5,7 @@
 mod analyze;
 mod bench_cmd;
 mod config;
+mod eval_cmd;
 mod models_cmd;
 mod render;
 mod serve_cmd;
@@ -49,6 +50,8 @@ enum Commands {
     /// Per-tool latency (p50/p95/p99, images/s, model load, peak RSS) and a parallel round
     /// against the same calls one after another.
     Bench(bench_cmd::BenchArgs),
+    /// Run a ChestAgentBench-format benchmark through the agent and score it; compare two runs.
+    Eval(eval_cmd::EvalArgs),
     /// Run the HTTP service (API, streaming, MCP at /mcp); manage its tokens and audit log.
     Serve(serve_cmd::ServeArgs),
     /// Serve every tool over the Model Context Protocol on stdin/stdout.
@@ -90,6 +93,7 @@ async fn run() {
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,
         Commands::Models { cmd } => models_cmd::run(cmd).await,
         Commands::Bench(args) => bench_cmd::run(args).await,
+        Commands::Eval(args) => eval_cmd::run(args).await,
         Commands::Serve(args) => serve_cmd::run(args).await,
         Commands::Mcp(args) => serve_cmd::run_mcp(args).await,
     };

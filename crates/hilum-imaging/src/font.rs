@@ -1,8 +1,8 @@
 //! A 5x7 bitmap font for labels and legends (upper case, digits, common punctuation), so
-//! rendering needs no font files.
+//! rendering needs no font files. Public so figures elsewhere (eval reports) draw the same way.
 
 /// Rows of a glyph, top to bottom; bit 4 is the leftmost column.
-pub(crate) fn glyph(c: char) -> [u8; 7] {
+pub fn glyph(c: char) -> [u8; 7] {
     match c.to_ascii_uppercase() {
         'A' => [0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11],
         'B' => [0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E],
@@ -61,6 +61,6 @@ pub(crate) fn glyph(c: char) -> [u8; 7] {
 }
 
 /// Width in pixels of `text` at `scale` (5 columns + 1 space per glyph).
-pub(crate) fn text_width(text: &str, scale: u32) -> u32 {
+pub fn text_width(text: &str, scale: u32) -> u32 {
     text.chars().count() as u32 * 6 * scale
 }

@@ -15,7 +15,7 @@
 mod decode;
 mod deid;
 mod dicom;
-mod font;
+pub mod font;
 pub mod regions;
 mod render;
 mod store;

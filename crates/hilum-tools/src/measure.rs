@@ -509,14 +509,28 @@ impl Tool for MeasureChest {
         let px =
             |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
         let summary = format!(
-            "{id}: CTR {}{}; heart {}, thorax {}, mediastinum {}; L/R lung area {}. Masks: {source}.{}",
+            "{id}: CTR {}{}; heart {}, thorax {}, mediastinum {}; lung areas: {}. Masks: {source}.{}",
             r.ctr.map_or("not measured".into(), |c| format!("{c:.2}")),
             interpretation.map_or(String::new(), |i| format!(" ({i})")),
             px(r.heart),
             px(r.thorax),
             px(r.mediastinum),
-            r.left_right_area_ratio
-                .map_or("not measured".into(), |v| format!("{v:.2}")),
+            // In the patient's terms, not as a bare ratio a small model misreads.
+            match (r.left_lung_px, r.right_lung_px, r.left_right_area_ratio) {
+                (Some(l), Some(rt), Some(ratio)) => {
+                    let t = crate::segment_lungs::thousands;
+                    format!(
+                        "{} (L/R ratio {ratio:.2})",
+                        crate::segment_lungs::compare_sides(
+                            l as f64,
+                            rt as f64,
+                            &format!("{} px", t(l)),
+                            &format!("{} px", t(rt)),
+                        )
+                    )
+                }
+                _ => "not measured".into(),
+            },
             if notes.is_empty() {
                 String::new()
             } else {

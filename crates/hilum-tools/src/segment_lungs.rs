@@ -286,11 +286,25 @@ impl Tool for SegmentLungs {
 
         let area = |v: Option<&(Region, Vec<usize>)>| match (v, spacing) {
             (Some(r), Some((a, b))) => format!("{:.1} cm²", r.0.area_px as f64 * a * b / 100.0),
-            (Some(r), None) => format!("{} px", r.0.area_px),
+            (Some(r), None) => format!("{} px", thousands(r.0.area_px)),
             (None, _) => "not found".into(),
         };
+        // The comparison comes first and in the patient's terms: a small model answers from the
+        // first words of an observation and misreads a bare ratio.
+        let comparison = match (right, left) {
+            (Some(r), Some(l)) => format!(
+                "{}; ",
+                compare_sides(
+                    l.0.area_px as f64,
+                    r.0.area_px as f64,
+                    &area(left),
+                    &area(right)
+                )
+            ),
+            _ => String::new(),
+        };
         let summary = format!(
-            "{id}: {} lung field(s); right {}, left {}{}; lungs cover {:.0}% of the image{}",
+            "{id}: {comparison}{} lung field(s); patient's right {}, left {}{}; lungs cover {:.1}% of the image{}",
             lungs.len(),
             area(right),
             area(left),
@@ -308,9 +322,62 @@ impl Tool for SegmentLungs {
     }
 }
 
+/// `686311` → `686,311`.
+pub(crate) fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// "the patient's left lung is larger: 686,311 vs 676,398 px, +1.5%" from the two areas (any
+/// unit) and their printed forms.
+pub(crate) fn compare_sides(left: f64, right: f64, left_text: &str, right_text: &str) -> String {
+    if left == right {
+        return format!("both lungs have the same area ({left_text})");
+    }
+    let (side, big, small, big_text, small_text) = if left > right {
+        ("left", left, right, left_text, right_text)
+    } else {
+        ("right", right, left, right_text, left_text)
+    };
+    let unit_free = |t: &str| {
+        t.rsplit_once(' ')
+            .map_or(t.to_string(), |(n, _)| n.to_string())
+    };
+    let unit = big_text.rsplit_once(' ').map_or("", |(_, u)| u);
+    format!(
+        "the patient's {side} lung is larger: {} vs {} {unit}, +{:.1}%",
+        unit_free(big_text),
+        unit_free(small_text),
+        (big - small) / small.max(f64::MIN_POSITIVE) * 100.0
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comparison_is_in_the_patients_terms() {
+        assert_eq!(thousands(686_311), "686,311");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(
+            compare_sides(686_311.0, 676_398.0, "686,311 px", "676,398 px"),
+            "the patient's left lung is larger: 686,311 vs 676,398 px, +1.5%"
+        );
+        assert_eq!(
+            compare_sides(90.0, 100.0, "90.0 cm²", "100.0 cm²"),
+            "the patient's right lung is larger: 100.0 vs 90.0 cm², +11.1%"
+        );
+        assert!(compare_sides(5.0, 5.0, "5 px", "5 px").starts_with("both lungs"));
+    }
 
     #[test]
     fn regions_are_separated_and_sorted() {

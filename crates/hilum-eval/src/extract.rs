@@ -1,0 +1,161 @@
+//! Taking the answer out of a response, the way MedRAX scored ChestAgentBench: a lone letter;
+//! else a letter opening the text followed by `)`, `.` or a space (`^([A-F])[).\s]`); else the
+//! first standalone A–F; else the first A–F anywhere. `strict` accepts only the lone letter.
+
+use crate::bench::{AnswerKind, Question};
+
+fn is_option(c: char) -> bool {
+    matches!(c, 'A'..='F')
+}
+
+fn is_word(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// The letter MedRAX's cascade would read from `response`, or `None`.
+pub fn extract_letter(response: &str, strict: bool) -> Option<char> {
+    let t = response.trim();
+    let mut chars = t.chars();
+    // 1. The whole answer is one letter (either case: nothing else could be meant).
+    if let (Some(c), None) = (chars.next(), chars.next()) {
+        let c = c.to_ascii_uppercase();
+        return is_option(c).then_some(c);
+    }
+    if strict {
+        return None;
+    }
+    // 2. `^([A-F])[).\s]`
+    let mut chars = t.chars();
+    if let (Some(c), Some(next)) = (chars.next(), chars.next()) {
+        if is_option(c) && (next == ')' || next == '.' || next.is_whitespace()) {
+            return Some(c);
+        }
+    }
+    // 3. The first standalone A–F (`\b[A-F]\b`).
+    let v: Vec<char> = t.chars().collect();
+    for (i, &c) in v.iter().enumerate() {
+        let before = i == 0 || !is_word(v[i - 1]);
+        let after = i + 1 == v.len() || !is_word(v[i + 1]);
+        if is_option(c) && before && after {
+            return Some(c);
+        }
+    }
+    // 4. The first A–F anywhere.
+    t.chars().find(|&c| is_option(c))
+}
+
+/// The first number in the text (`1,024` reads as 1024).
+pub fn extract_number(response: &str) -> Option<f64> {
+    let v: Vec<char> = response.chars().collect();
+    let mut i = 0;
+    while i < v.len() {
+        let neg = v[i] == '-' && v.get(i + 1).is_some_and(|c| c.is_ascii_digit());
+        if v[i].is_ascii_digit() || neg {
+            let mut s = String::new();
+            if neg {
+                s.push('-');
+                i += 1;
+            }
+            while i < v.len() {
+                let c = v[i];
+                let grouping = c == ',' && v.get(i + 1).is_some_and(|d| d.is_ascii_digit());
+                if c.is_ascii_digit()
+                    || (c == '.' && v.get(i + 1).is_some_and(|d| d.is_ascii_digit()))
+                {
+                    s.push(c);
+                } else if !grouping {
+                    break;
+                }
+                i += 1;
+            }
+            return s.parse().ok();
+        }
+        i += 1;
+    }
+    None
+}
+
+fn words(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric() && c != '.' && c != '-')
+        .map(|w| w.trim_matches(['.', '-']).to_lowercase())
+        .filter(|w| !w.is_empty())
+        .collect()
+}
+
+/// What was read from the response and whether it is right.
+pub fn score_response(q: &Question, response: &str, strict: bool) -> (Option<String>, bool) {
+    match q.kind {
+        AnswerKind::Choice => {
+            let got = extract_letter(response, strict).map(|c| c.to_string());
+            let right = got.as_deref() == Some(q.answer.as_str());
+            (got, right)
+        }
+        AnswerKind::Number => {
+            let got = extract_number(response);
+            let expected: Option<f64> = q.answer.parse().ok();
+            let right = match (got, expected) {
+                (Some(g), Some(e)) => (g - e).abs() <= q.tolerance + 1e-9 * e.abs().max(1.0),
+                _ => false,
+            };
+            (got.map(|g| g.to_string()), right)
+        }
+        AnswerKind::Text => {
+            let want = words(&q.answer);
+            let have = words(response);
+            let right = !want.is_empty() && have.windows(want.len()).any(|w| w == want.as_slice());
+            (right.then(|| q.answer.clone()), right)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cascade_order() {
+        assert_eq!(extract_letter(" c ", false), Some('C'));
+        assert_eq!(extract_letter("B) the left lung", false), Some('B'));
+        assert_eq!(extract_letter("D. because", false), Some('D'));
+        // Standalone letter wins over the capital that opens the sentence.
+        assert_eq!(extract_letter("The answer is E.", false), Some('E'));
+        assert_eq!(extract_letter("Answer: (A)", false), Some('A'));
+        // Falls through to the first A-F anywhere: the "C" of "Chest" (as MedRAX scores it).
+        assert_eq!(extract_letter("Chest looks normal", false), Some('C'));
+        assert_eq!(extract_letter("no idea", false), None);
+        assert_eq!(extract_letter("", false), None);
+        assert_eq!(extract_letter("G", false), None);
+    }
+
+    #[test]
+    fn strict_takes_only_a_lone_letter() {
+        assert_eq!(extract_letter("b", true), Some('B'));
+        assert_eq!(extract_letter("B) left", true), None);
+        assert_eq!(extract_letter("The answer is B", true), None);
+    }
+
+    #[test]
+    fn numbers_and_text() {
+        assert_eq!(extract_number("width 1,024 px"), Some(1024.0));
+        assert_eq!(extract_number("spacing is 0.168 mm."), Some(0.168));
+        assert_eq!(extract_number("-3 dB"), Some(-3.0));
+        assert_eq!(extract_number("none"), None);
+        let q = |kind, answer: &str, tolerance| Question {
+            id: "q".into(),
+            case_id: "q".into(),
+            question: String::new(),
+            answer: answer.into(),
+            kind,
+            tolerance,
+            images: vec![],
+            categories: vec![],
+            line: 1,
+        };
+        assert!(score_response(&q(AnswerKind::Number, "1024", 0.0), "It is 1,024 px", false).1);
+        assert!(!score_response(&q(AnswerKind::Number, "1024", 1.0), "1026", false).1);
+        assert!(score_response(&q(AnswerKind::Number, "1024", 2.0), "1026", false).1);
+        let t = q(AnswerKind::Text, "left lung", 0.0);
+        assert!(score_response(&t, "The Left lung is larger.", false).1);
+        assert!(!score_response(&t, "the left lungs", false).1);
+    }
+}
