@@ -3,17 +3,19 @@
 //! The model (491 MB) is not in the repository: `scripts/fetch_local_llm.sh` puts it under
 //! `$HILUM_MODELS_DIR` (default `~/.local/share/hilum/models`); `HILUM_LOCAL_LLM=path.gguf` points at
 //! another file. Without it these tests print why and pass without checking anything.
-#![cfg(feature = "local")]
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use hilum_llm::local::model::{MatmulMode, Model};
-use hilum_llm::local::{default_model_path, GgufTokenizer, LocalConfig, LocalLlm};
 use hilum_llm::{collect_turn, ChatRequest, FinishReason, Llm, Message, ToolSpec};
+use hilum_llm_local::model::{MatmulMode, Model};
+use hilum_llm_local::{GgufTokenizer, LocalLlm};
 use serde_json::{json, Value};
+
+mod common;
+use common::default_model_path;
 
 fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("HILUM_LOCAL_LLM") {
@@ -39,7 +41,7 @@ fn llm() -> Option<&'static LocalLlm> {
     static LLM: OnceLock<Option<LocalLlm>> = OnceLock::new();
     LLM.get_or_init(|| {
         let path = model_path()?;
-        let mut cfg = LocalConfig::new(path);
+        let mut cfg = common::local_config(&path);
         cfg.context = 2048;
         Some(LocalLlm::load(cfg).expect("the installed GGUF loads"))
     })
@@ -576,7 +578,7 @@ async fn a_tool_call_cut_by_max_tokens_is_a_clear_error() {
 async fn endless_repetition_is_stopped_with_a_clear_error() {
     let Some(path) = model_path() else { return };
     let _g = serial().await;
-    let mut cfg = LocalConfig::new(path);
+    let mut cfg = common::local_config(&path);
     cfg.context = 512;
     cfg.repetition_window = 12;
     let llm = LocalLlm::load(cfg).unwrap();

@@ -12,12 +12,12 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
+use hilum_llm::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
 
-use super::grammar::Constraint;
-use super::tokenizer::Utf8Stream;
-use super::toolcall::parse_call_body;
-use super::{next_call_id, Inner, LocalError};
+use crate::grammar::Constraint;
+use crate::tokenizer::Utf8Stream;
+use crate::toolcall::parse_call_body;
+use crate::{next_call_id, Inner, LocalError};
 
 /// Prompt tokens per forward pass: bounds the attention scratch (heads x chunk x context).
 const PREFILL_CHUNK: usize = 512;
@@ -508,7 +508,7 @@ fn run(
 fn decode(
     inner: &Inner,
     prep: &Prepared,
-    st: &mut super::State,
+    st: &mut crate::State,
     tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
 ) -> Result<(), LocalError> {
     let tok = &inner.tok;
