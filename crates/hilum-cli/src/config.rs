@@ -220,7 +220,18 @@ fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
                 .with_context(|| format!("CANDLE_NUM_THREADS={v} is not a number of threads"))?,
         );
     }
+    // The system prompt and tools' KV state, saved for the next `hilum analyze`.
+    cfg.prefix_cache_dir = cache_dir().map(|d| d.join("llm-prefix"));
     Ok(cfg)
+}
+
+/// `XDG_CACHE_HOME/hilum`, else `~/.cache/hilum`.
+fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("hilum"))
 }
 
 /// The classifier backends: `--backend` flags first (each `BACKEND` for every model or

@@ -308,6 +308,10 @@ impl Gemma3 {
         self.cache.len()
     }
 
+    pub(crate) fn kv(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
     /// Forgets every cached position from `len` on.
     pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
         self.cache.truncate(len);

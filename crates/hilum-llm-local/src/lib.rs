@@ -13,6 +13,7 @@ pub mod gemma3;
 mod generate;
 pub mod grammar;
 pub mod model;
+mod prefix;
 mod qmatvec;
 mod spm;
 mod template;
@@ -31,6 +32,7 @@ use thiserror::Error;
 use hilum_llm::{Capabilities, ChatRequest, DeltaStream, Llm, LlmError};
 
 pub use generate::GenStats;
+pub use prefix::PrefixSource;
 pub use qmatvec::SimdCap;
 pub use template::ChatTemplate;
 pub use tokenizer::GgufTokenizer;
@@ -105,6 +107,9 @@ pub struct LocalConfig {
     /// Threads of candle's quantized-matmul pool (process-wide, fixed by the first load); `None`:
     /// all cores on an idle machine, one on a busy one.
     pub quantized_threads: Option<usize>,
+    /// Folder where the KV state of prompt prefixes (system prompt + tool specifications) is
+    /// saved for later processes; `None`: kept in this process's memory only.
+    pub prefix_cache_dir: Option<PathBuf>,
 }
 
 impl LocalConfig {
@@ -121,6 +126,7 @@ impl LocalConfig {
             matmul: model::MatmulMode::Hybrid,
             simd: SimdCap::Auto,
             quantized_threads: None,
+            prefix_cache_dir: None,
         }
     }
 }
@@ -183,6 +189,13 @@ impl Decoder {
         }
     }
 
+    pub(crate) fn kv(&mut self) -> &mut model::KvCache {
+        match self {
+            Decoder::Llama(m) => m.kv(),
+            Decoder::Gemma3(m) => m.kv(),
+        }
+    }
+
     /// The longest conversation (in tokens) this instance accepts.
     pub fn max_positions(&self) -> usize {
         match self {
@@ -205,6 +218,7 @@ pub(crate) struct Inner {
     pub state: Mutex<State>,
     pub stats: Mutex<GenStats>,
     pub call_counter: AtomicU64,
+    pub prefixes: prefix::PrefixCache,
 }
 
 /// A GGUF model running in this process. Cloning shares the model and its KV cache.
@@ -247,8 +261,10 @@ impl LocalLlm {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or(path_s)
         );
+        let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
         Ok(LocalLlm {
             inner: Arc::new(Inner {
+                prefixes,
                 cfg,
                 tok,
                 template,
@@ -284,12 +300,14 @@ impl LocalLlm {
             .unwrap_or_default()
     }
 
-    /// Drops the KV cache (the next request processes its whole prompt).
+    /// Drops the KV cache and the prompt prefixes kept in memory (the next request processes
+    /// its whole prompt, unless the prefix cache folder holds its prefix).
     pub fn reset_cache(&self) {
         if let Ok(mut st) = self.inner.state.lock() {
             let _ = st.model.truncate_cache(0);
             st.cached.clear();
         }
+        self.inner.prefixes.forget_memory();
     }
 }
 

@@ -19,6 +19,7 @@
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 
+use crate::prefix::KvSnapshot;
 use crate::qmatvec::{self, QMat};
 
 /// How the weight matrices are multiplied (`dense|quantized|hybrid`, see [`std::str::FromStr`]).
@@ -336,6 +337,51 @@ impl KvCache {
     pub(crate) fn advance(&mut self, t: usize) {
         self.len += t;
     }
+
+    /// A copy of the first `len` positions of every layer (for the prefix cache).
+    pub(crate) fn snapshot(&self, tokens: &[u32]) -> Option<KvSnapshot> {
+        let n = tokens.len() * self.kvd;
+        if tokens.len() > self.len {
+            return None;
+        }
+        Some(KvSnapshot {
+            tokens: tokens.to_vec(),
+            kvd: self.kvd,
+            k: self.k.iter().map(|l| l[..n].to_vec()).collect(),
+            v: self.v.iter().map(|l| l[..n].to_vec()).collect(),
+        })
+    }
+
+    /// Replaces the whole cache by `snap`'s positions; refuses one of another shape.
+    pub(crate) fn restore(&mut self, snap: &KvSnapshot) -> candle_core::Result<()> {
+        let n = snap.tokens.len() * self.kvd;
+        if snap.kvd != self.kvd
+            || snap.k.len() != self.k.len()
+            || snap.v.len() != self.v.len()
+            || snap.k.iter().chain(&snap.v).any(|l| l.len() != n)
+        {
+            candle_core::bail!("a saved prompt prefix does not fit this model's KV cache");
+        }
+        for (dst, src) in self
+            .k
+            .iter_mut()
+            .zip(&snap.k)
+            .chain(self.v.iter_mut().zip(&snap.v))
+        {
+            dst.clear();
+            dst.extend_from_slice(src);
+        }
+        self.len = snap.tokens.len();
+        Ok(())
+    }
+
+    pub(crate) fn n_layer(&self) -> usize {
+        self.k.len()
+    }
+
+    pub(crate) fn kvd(&self) -> usize {
+        self.kvd
+    }
 }
 
 /// Refuses an empty run of tokens and one past the positions a decoder was loaded with.
@@ -526,6 +572,10 @@ impl Model {
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
         self.cache.len()
+    }
+
+    pub(crate) fn kv(&mut self) -> &mut KvCache {
+        &mut self.cache
     }
 
     /// Forgets every cached position from `len` on.
