@@ -18,7 +18,7 @@ REPS="${REPS:-3}"
 cd "$ROOT"
 [[ -f "$MODEL" ]] || { echo "no model at $MODEL: run scripts/fetch_local_llm.sh" >&2; exit 1; }
 
-cargo build --quiet --release -p hilum-llm --example bench_local
+cargo build --quiet --release -p hilum-llm-local --example bench_local
 PY="${LLAMA_VENV:-$ROOT/scripts/.venv-llama}/bin/python"
 if [[ "${SKIP_LLAMA:-0}" != 1 && ! -x "$PY" ]]; then
     echo "no llama-cpp-python venv: run scripts/llama_server_check.sh first (or SKIP_LLAMA=1)" >&2

@@ -1,5 +1,5 @@
 """Reference behaviour of Gemma 3 270M (base, Q4_K_M GGUF) under llama.cpp, for the local backend's
-SentencePiece tokenizer and Gemma 3 forward pass (crates/hilum-llm/tests/gemma3.rs).
+SentencePiece tokenizer and Gemma 3 forward pass (crates/hilum-llm-local/tests/gemma3.rs).
 
 Records, with llama-cpp-python (built by scripts/llama_server_check.sh into scripts/.venv-llama):
 - the tokenization of a corpus of texts (BOS added, special-token text parsed), and
@@ -10,7 +10,7 @@ Records, with llama-cpp-python (built by scripts/llama_server_check.sh into scri
     scripts/fetch_local_llm.sh --gemma3
     scripts/.venv-llama/bin/python scripts/gen_gemma3_fixture.py [MODEL.gguf]
 
-Writes crates/hilum-llm/tests/fixtures/gemma3_llamacpp.json.
+Writes crates/hilum-llm-local/tests/fixtures/gemma3_llamacpp.json.
 """
 import json
 import os
@@ -22,7 +22,7 @@ from llama_cpp import Llama
 
 MODELS = pathlib.Path(os.environ.get("HILUM_MODELS_DIR", pathlib.Path.home() / ".local/share/hilum/models"))
 MODEL = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else MODELS / "llm/gemma-3-270m-q4_k_m.gguf"
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm/tests/fixtures/gemma3_llamacpp.json"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm-local/tests/fixtures/gemma3_llamacpp.json"
 NEW_TOKENS = 24
 
 TOKENIZE = [

@@ -27,7 +27,7 @@ LLAMA_CPP = "--llama-cpp" in sys.argv[1:]
 ARGS = [a for a in sys.argv[1:] if a != "--llama-cpp"]
 MODELS = pathlib.Path(os.environ.get("HILUM_MODELS_DIR", pathlib.Path.home() / ".local/share/hilum/models"))
 MODEL = pathlib.Path(ARGS[0]) if ARGS else MODELS / "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm/tests/fixtures/local_llm"
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "crates/hilum-llm-local/tests/fixtures/local_llm"
 OUT = FIXTURES / "tokenization.json"
 
 # Qwen2's published pre-tokenizer pattern (tokenizer.json of Qwen/Qwen2.5-*).

@@ -12,11 +12,16 @@ use std::sync::{Arc, OnceLock};
 use hilum::agent::{
     Agent, AgentConfig, Environment, Message, RunInput, RunOutcome, StopReason, Toolbox,
 };
-use hilum::llm::local::{default_model_path, LocalConfig, LocalLlm};
+use hilum::llm_local::LocalLlm;
 use hilum::tools::{ImageInfo, SegmentLungs};
 use hilum_imaging::ImageStore;
 use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
 use serde_json::Value;
+
+// The models folder and the local settings from the environment, as the `hilum` binary reads them.
+#[path = "../crates/hilum-llm-local/tests/common/mod.rs"]
+mod common;
+use common::default_model_path;
 
 fn shared_data() -> PathBuf {
     let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
@@ -46,7 +51,7 @@ fn llm() -> Option<Arc<LocalLlm>> {
                 }
             },
         };
-        let mut cfg = LocalConfig::new(path);
+        let mut cfg = common::local_config(&path);
         cfg.context = 4096;
         Some(Arc::new(
             LocalLlm::load(cfg).expect("the installed GGUF loads"),

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
-use hilum_llm::{Llm, LocalConfig, LocalLlm, OpenAiConfig, OpenAiLlm, ScriptLlm};
+use hilum_llm::{Llm, OpenAiConfig, OpenAiLlm, ScriptLlm};
+use hilum_llm_local::{LocalConfig, LocalLlm};
 
 /// The `[llm]` and `[agent]` tables of the config file; every field optional.
 #[derive(Debug, Default, Deserialize)]
@@ -134,7 +135,7 @@ impl LlmChoice {
             .or_else(|| file.spec.clone())
             .or_else(|| api_key.as_ref().map(|_| "openai:gpt-4o".to_string()))
             .or_else(|| {
-                let p = hilum_llm::local::default_model_path()?;
+                let p = hilum_llm_local::default_model_path(&models_dir())?;
                 note = Some(format!(
                     "no --llm and no OPENAI_API_KEY: using the installed local model {}",
                     p.display()
@@ -186,13 +187,13 @@ impl LlmChoice {
             "script" => Ok(Arc::new(ScriptLlm::from_file(Path::new(rest))?)),
             "local" => {
                 let path = if rest.is_empty() {
-                    hilum_llm::local::default_model_path().context(
+                    hilum_llm_local::default_model_path(&models_dir()).context(
                         "the default local model is not installed: run scripts/fetch_local_llm.sh",
                     )?
                 } else {
                     PathBuf::from(rest)
                 };
-                Ok(Arc::new(LocalLlm::load(LocalConfig::new(path))?))
+                Ok(Arc::new(LocalLlm::load(local_config(path)?)?))
             }
             "openai" => {
                 let base_url = self
@@ -217,6 +218,57 @@ impl LlmChoice {
             ),
         }
     }
+}
+
+/// Where models live: `HILUM_MODELS_DIR`, else `<user data dir>/hilum/models` (`XDG_DATA_HOME`
+/// or `~/.local/share`), else `.hilum/models`.
+pub fn models_dir() -> PathBuf {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(d) = var("HILUM_MODELS_DIR") {
+        return PathBuf::from(d);
+    }
+    var("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .map_or_else(
+            || PathBuf::from(".hilum/models"),
+            |d| d.join("hilum/models"),
+        )
+}
+
+/// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
+/// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar) and `CANDLE_NUM_THREADS`.
+fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let mut cfg = LocalConfig::new(path);
+    if let Some(v) = var("HILUM_LOCAL_MATMUL") {
+        cfg.matmul = v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("HILUM_LOCAL_MATMUL: {e}"))?;
+    }
+    if let Some(v) = var("HILUM_LOCAL_SIMD") {
+        cfg.simd = v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("HILUM_LOCAL_SIMD: {e}"))?;
+    }
+    if let Some(v) = var("CANDLE_NUM_THREADS") {
+        cfg.quantized_threads = Some(
+            v.parse()
+                .with_context(|| format!("CANDLE_NUM_THREADS={v} is not a number of threads"))?,
+        );
+    }
+    // The system prompt and tools' KV state, saved for the next `hilum analyze`.
+    cfg.prefix_cache_dir = cache_dir().map(|d| d.join("llm-prefix"));
+    Ok(cfg)
+}
+
+/// `XDG_CACHE_HOME/hilum`, else `~/.cache/hilum`.
+fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("hilum"))
 }
 
 /// The classifier backends: `--backend` flags first (each `BACKEND` for every model or

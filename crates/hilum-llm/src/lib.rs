@@ -1,20 +1,17 @@
 //! Language-model backends for Hilum: the chat vocabulary shared by every backend, the [`Llm`]
-//! trait, and its implementations (OpenAI-compatible HTTP, scripted replay).
+//! trait, and its implementations (OpenAI-compatible HTTP, scripted replay). In-process GGUF
+//! models implement the trait in `hilum-llm-local`.
 //!
 //! The message types live here rather than in `hilum-agent` because every backend must speak
 //! them; the agent crate re-exports them.
 
 mod error;
-#[cfg(feature = "local")]
-pub mod local;
 mod message;
 mod openai;
 pub mod script;
 mod stream;
 
 pub use error::LlmError;
-#[cfg(feature = "local")]
-pub use local::{LocalConfig, LocalLlm};
 pub use message::{
     AssistantTurn, Capabilities, ChatDelta, ChatRequest, FinishReason, ImagePayload, Message,
     ToolCall, ToolSpec, Usage,

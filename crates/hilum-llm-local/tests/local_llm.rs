@@ -3,17 +3,19 @@
 //! The model (491 MB) is not in the repository: `scripts/fetch_local_llm.sh` puts it under
 //! `$HILUM_MODELS_DIR` (default `~/.local/share/hilum/models`); `HILUM_LOCAL_LLM=path.gguf` points at
 //! another file. Without it these tests print why and pass without checking anything.
-#![cfg(feature = "local")]
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use hilum_llm::local::model::{MatmulMode, Model};
-use hilum_llm::local::{default_model_path, GgufTokenizer, LocalConfig, LocalLlm};
 use hilum_llm::{collect_turn, ChatRequest, FinishReason, Llm, Message, ToolSpec};
+use hilum_llm_local::model::{MatmulMode, Model};
+use hilum_llm_local::{GgufTokenizer, LocalLlm, PrefixSource};
 use serde_json::{json, Value};
+
+mod common;
+use common::default_model_path;
 
 fn model_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("HILUM_LOCAL_LLM") {
@@ -39,7 +41,7 @@ fn llm() -> Option<&'static LocalLlm> {
     static LLM: OnceLock<Option<LocalLlm>> = OnceLock::new();
     LLM.get_or_init(|| {
         let path = model_path()?;
-        let mut cfg = LocalConfig::new(path);
+        let mut cfg = common::local_config(&path);
         cfg.context = 2048;
         Some(LocalLlm::load(cfg).expect("the installed GGUF loads"))
     })
@@ -576,7 +578,7 @@ async fn a_tool_call_cut_by_max_tokens_is_a_clear_error() {
 async fn endless_repetition_is_stopped_with_a_clear_error() {
     let Some(path) = model_path() else { return };
     let _g = serial().await;
-    let mut cfg = LocalConfig::new(path);
+    let mut cfg = common::local_config(&path);
     cfg.context = 512;
     cfg.repetition_window = 12;
     let llm = LocalLlm::load(cfg).unwrap();
@@ -595,4 +597,131 @@ async fn endless_repetition_is_stopped_with_a_clear_error() {
         .await
         .expect_err("a loop must be stopped");
     assert!(err.to_string().contains("repeated"), "{err}");
+}
+
+/// The agent's system prompt (shortened) and one tool: a prefix long enough for the prefix cache.
+fn prefix_request(system: &str) -> ChatRequest {
+    ChatRequest {
+        messages: vec![
+            Message::system(system),
+            Message::user(
+                "How large is this image?\n\nImages: img_aa",
+                vec!["img_aa".into()],
+            ),
+        ],
+        tools: vec![ToolSpec {
+            name: "image_info".into(),
+            description: "Size, bit depth and intensity statistics of an image.".into(),
+            parameters: json!({"type": "object", "properties": {"image": {"type": "string", "description": "image id, e.g. img_3fa2c1"}}, "required": ["image"]}),
+        }],
+        max_tokens: Some(40),
+        ..Default::default()
+    }
+}
+
+const PREFIX_SYSTEM: &str = "You are Hilum, an assistant that analyses chest X-rays with tools. \
+Images are referred to by ids such as img_3fa2c1; pass these ids to tools. \
+Base every finding on tool results and say which result supports it; never invent numbers. \
+When several tools are needed and do not depend on each other, call them all in the same turn.";
+
+/// What a turn produced, for comparing two runs token for token (greedy).
+fn turn_key(t: &hilum_llm::AssistantTurn) -> (String, Vec<(String, String)>) {
+    (
+        t.text.clone(),
+        t.tool_calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments.clone()))
+            .collect(),
+    )
+}
+
+/// In one process (`hilum serve`, `hilum eval`): a question after another system prompt gets
+/// the first system prompt's KV state back from memory, answers the same and prefills less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_system_prompt_state_is_reused_from_memory_across_questions() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    llm.reset_cache();
+    let first = collect_turn(
+        llm.chat(prefix_request(PREFIX_SYSTEM)).await.unwrap(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    let cold = llm.last_stats();
+    assert!(cold.prefix_tokens >= 64, "{cold:?}");
+    assert_eq!(cold.prefix_source, None);
+    assert_eq!(cold.reused_tokens, 0);
+
+    // Another system prompt: nothing of the first one's state is taken.
+    let other = format!("{PREFIX_SYSTEM} Answer in French.");
+    collect_turn(llm.chat(prefix_request(&other)).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    let s = llm.last_stats();
+    assert_eq!(s.prefix_source, None, "{s:?}");
+    assert!(s.reused_tokens < cold.prefix_tokens, "{s:?}");
+
+    let again = collect_turn(
+        llm.chat(prefix_request(PREFIX_SYSTEM)).await.unwrap(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    let warm = llm.last_stats();
+    assert_eq!(warm.prefix_source, Some(PrefixSource::Memory), "{warm:?}");
+    assert_eq!(warm.reused_tokens, cold.prefix_tokens);
+    assert_eq!(warm.prefill_tokens, cold.prompt_tokens - cold.prefix_tokens);
+    assert_eq!(
+        turn_key(&again),
+        turn_key(&first),
+        "a restored prefix changed the answer"
+    );
+}
+
+/// Across processes (the CLI): a new model instance with the same cache folder restores the
+/// saved prefix — same greedy answer, a fraction of the prefill time; a different system
+/// prompt finds nothing to reuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saved_prompt_prefix_is_reused_by_a_new_process_only_when_it_matches() {
+    let Some(path) = model_path() else { return };
+    let _g = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let load = || {
+        let mut cfg = common::local_config(&path);
+        cfg.context = 2048;
+        cfg.prefix_cache_dir = Some(dir.path().join("kv"));
+        LocalLlm::load(cfg).unwrap()
+    };
+    let ask = |llm: LocalLlm, system: &'static str| async move {
+        let turn = collect_turn(llm.chat(prefix_request(system)).await.unwrap(), |_| {})
+            .await
+            .unwrap();
+        (turn_key(&turn), llm.last_stats())
+    };
+    let (first, cold) = ask(load(), PREFIX_SYSTEM).await;
+    assert_eq!(cold.prefix_source, None);
+    assert!(cold.prefix_tokens >= 64, "{cold:?}");
+
+    let (again, warm) = ask(load(), PREFIX_SYSTEM).await;
+    assert_eq!(warm.prefix_source, Some(PrefixSource::Disk), "{warm:?}");
+    assert_eq!(warm.reused_tokens, cold.prefix_tokens);
+    assert_eq!(again, first, "a restored prefix changed the answer");
+    assert!(
+        warm.prefill_secs < cold.prefill_secs / 2.0,
+        "restored prefill {:.3} s vs {:.3} s computed",
+        warm.prefill_secs,
+        cold.prefill_secs
+    );
+    eprintln!(
+        "prefix of {} tokens: prefill {:.3} s computed, {:.3} s restored from disk",
+        cold.prefix_tokens, cold.prefill_secs, warm.prefill_secs
+    );
+
+    const OTHER: &str = "You are a careful assistant for chest X-rays. Use the tools; never \
+invent numbers, and name the tool result behind every statement you make. Be brief.";
+    let (_, other) = ask(load(), OTHER).await;
+    assert!(other.prefix_tokens >= 64, "{other:?}");
+    assert_eq!(other.prefix_source, None, "{other:?}");
+    assert_eq!(other.reused_tokens, 0);
 }

@@ -12,12 +12,13 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
+use hilum_llm::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
 
-use super::grammar::Constraint;
-use super::tokenizer::Utf8Stream;
-use super::toolcall::parse_call_body;
-use super::{next_call_id, Inner, LocalError};
+use crate::grammar::Constraint;
+use crate::prefix::{PrefixSource, MIN_PREFIX_TOKENS};
+use crate::tokenizer::Utf8Stream;
+use crate::toolcall::parse_call_body;
+use crate::{next_call_id, Inner, LocalError};
 
 /// Prompt tokens per forward pass: bounds the attention scratch (heads x chunk x context).
 const PREFILL_CHUNK: usize = 512;
@@ -55,6 +56,10 @@ pub struct GenStats {
     pub total_secs: f64,
     /// Tool results shortened to fit the context.
     pub shortened_tool_results: usize,
+    /// Prompt tokens that depend only on the system prompt and the tools (the prefix cache's key).
+    pub prefix_tokens: usize,
+    /// Where the prefix's KV state came from, when it was restored rather than computed.
+    pub prefix_source: Option<PrefixSource>,
 }
 
 impl GenStats {
@@ -70,6 +75,8 @@ impl GenStats {
 
 struct Prepared {
     tokens: Vec<u32>,
+    /// How many of `tokens` come from the system prompt and the tools alone.
+    prefix_len: usize,
     max_new: usize,
     sampling: Sampling,
     stop: Vec<String>,
@@ -258,6 +265,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
     };
     let want_new = req.max_tokens.unwrap_or(inner.cfg.max_tokens).max(1) as usize;
     let (tokens, shortened) = fit_context(inner, &req.messages, req, limit, want_new)?;
+    let prefix_len = fixed_prefix_len(inner, req, &tokens);
     let previous_calls = previous_calls(&req.messages);
     let repeat_prompt = if previous_calls.is_empty() || req.tools.is_empty() {
         None
@@ -302,6 +310,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
     };
     Ok(Prepared {
         tokens,
+        prefix_len,
         max_new,
         sampling,
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
@@ -314,6 +323,28 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         shortened,
         started,
     })
+}
+
+/// How many leading tokens of the prompt depend only on the leading system messages and the
+/// tools: those rendered alone, as far as they agree with the prompt token for token (0 when the
+/// template cannot render them alone).
+fn fixed_prefix_len(inner: &Inner, req: &ChatRequest, tokens: &[u32]) -> usize {
+    let head: Vec<Message> = req
+        .messages
+        .iter()
+        .take_while(|m| matches!(m, Message::System { .. }))
+        .cloned()
+        .collect();
+    if head.is_empty() && req.tools.is_empty() {
+        return 0;
+    }
+    let Ok(text) = inner.template.render(&head, &req.tools, false) else {
+        return 0;
+    };
+    let Ok(alone) = inner.tok.encode(&text) else {
+        return 0;
+    };
+    alone.iter().zip(tokens).take_while(|(a, b)| a == b).count()
 }
 
 /// Renders and tokenizes the prompt; when it leaves too little room for an answer, old tool
@@ -508,7 +539,7 @@ fn run(
 fn decode(
     inner: &Inner,
     prep: &Prepared,
-    st: &mut super::State,
+    st: &mut crate::State,
     tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
 ) -> Result<(), LocalError> {
     let tok = &inner.tok;
@@ -516,6 +547,7 @@ fn decode(
     let mut stats = GenStats {
         prompt_tokens: tokens.len(),
         shortened_tool_results: prep.shortened,
+        prefix_tokens: prep.prefix_len,
         ..GenStats::default()
     };
 
@@ -529,8 +561,22 @@ fn decode(
     common = common.min(tokens.len() - 1).min(st.model.cached_len());
     st.model.truncate_cache(common)?;
     st.cached.truncate(common);
-    stats.reused_tokens = common;
     let t_prefill = Instant::now();
+    // The system prompt and tools' state from an earlier question (this process or, with a cache
+    // folder, an earlier one) when the cache holds less of it.
+    let prefix = &tokens[..prep.prefix_len.min(tokens.len() - 1)];
+    let keep_prefix = prefix.len() >= MIN_PREFIX_TOKENS;
+    if keep_prefix && common < prefix.len() {
+        let kv = st.model.kv();
+        if let Some((snap, source)) = inner.prefixes.get(prefix, kv.n_layer(), kv.kvd()) {
+            kv.restore(&snap)?;
+            st.cached.clear();
+            st.cached.extend_from_slice(prefix);
+            common = prefix.len();
+            stats.prefix_source = Some(source);
+        }
+    }
+    stats.reused_tokens = common;
     let mut logits: Option<Tensor> = None;
     for chunk in tokens[common..].chunks(PREFILL_CHUNK) {
         logits = Some(st.model.forward(chunk)?);
@@ -540,6 +586,11 @@ fn decode(
         }
     }
     stats.prefill_tokens = tokens.len() - common;
+    if keep_prefix && stats.prefix_source.is_none() && !inner.prefixes.holds(prefix) {
+        if let Some(snap) = st.model.kv().snapshot(prefix) {
+            inner.prefixes.put(snap);
+        }
+    }
     stats.prefill_secs = t_prefill.elapsed().as_secs_f64();
     let mut logits =
         logits.ok_or_else(|| LocalError::Inference("the prompt produced no tokens".into()))?;

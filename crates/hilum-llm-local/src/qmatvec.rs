@@ -241,10 +241,49 @@ enum Simd {
     None,
 }
 
+/// The widest SIMD the block kernels may use; they take the best the CPU has up to it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SimdCap {
+    #[default]
+    Auto,
+    /// AVX2 at most (to compare with builds without AVX-512).
+    Avx2,
+    /// No SIMD (the reference kernels).
+    Scalar,
+}
+
+impl std::str::FromStr for SimdCap {
+    type Err = String;
+
+    /// `auto` (or empty), `avx2` or `scalar`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "auto" => Ok(SimdCap::Auto),
+            "avx2" => Ok(SimdCap::Avx2),
+            "scalar" => Ok(SimdCap::Scalar),
+            other => Err(format!(
+                "SIMD cap `{other}` is not one of auto, avx2, scalar"
+            )),
+        }
+    }
+}
+
+/// The process-wide cap (0 auto, 1 avx2, 2 scalar), set by every model load.
+static SIMD_CAP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+pub(crate) fn cap_simd(cap: SimdCap) {
+    let v = match cap {
+        SimdCap::Auto => 0,
+        SimdCap::Avx2 => 1,
+        SimdCap::Scalar => 2,
+    };
+    SIMD_CAP.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg(target_arch = "x86_64")]
 fn simd_level() -> Simd {
-    static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
-    *LEVEL.get_or_init(|| {
+    static DETECTED: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+    let detected = *DETECTED.get_or_init(|| {
         let avx2 = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
@@ -252,14 +291,20 @@ fn simd_level() -> Simd {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni");
-        match std::env::var("HILUM_LOCAL_SIMD").ok().as_deref() {
-            Some("scalar") => Simd::None,
-            Some("avx2") if avx2 => Simd::Avx2,
-            _ if avx2 && avx512 => Simd::Avx512,
-            _ if avx2 => Simd::Avx2,
+        match (avx2, avx512) {
+            (true, true) => Simd::Avx512,
+            (true, false) => Simd::Avx2,
             _ => Simd::None,
         }
-    })
+    });
+    match (
+        SIMD_CAP.load(std::sync::atomic::Ordering::Relaxed),
+        detected,
+    ) {
+        (2, _) => Simd::None,
+        (1, Simd::Avx512) => Simd::Avx2,
+        (_, level) => level,
+    }
 }
 
 /// The little-endian IEEE half at byte `at` (a block's scale) as f32.

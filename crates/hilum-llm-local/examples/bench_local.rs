@@ -1,6 +1,6 @@
 //! Prompt and generation speed of the local backend on an agent-shaped request.
 //!
-//!     cargo run --release -p hilum-llm --example bench_local -- [MODEL.gguf] [THREADS]
+//!     cargo run --release -p hilum-llm-local --example bench_local -- [MODEL.gguf] [THREADS]
 //!
 //! Round 1: a ~260-token prompt (system prompt, one tool, a question) from an empty cache, up to
 //! the first tool call. Round 2: the same conversation plus the tool result, reusing the cache.
@@ -10,7 +10,10 @@
 
 use std::time::Instant;
 
-use hilum_llm::local::{default_model_path, LocalConfig, LocalLlm};
+use hilum_llm_local::LocalLlm;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 use hilum_llm::{collect_turn, ChatRequest, Llm, Message, ToolSpec};
 use serde_json::json;
 
@@ -29,12 +32,12 @@ const GEN_TOKENS: u32 = 128;
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let path = match args.get(1) {
+    let path: std::path::PathBuf = match args.get(1) {
         Some(p) => p.into(),
-        None => default_model_path().ok_or("no model: run scripts/fetch_local_llm.sh")?,
+        None => common::default_model_path().ok_or("no model: run scripts/fetch_local_llm.sh")?,
     };
     let t = Instant::now();
-    let llm = LocalLlm::load(LocalConfig::new(path))?;
+    let llm = LocalLlm::load(common::local_config(&path))?;
     eprintln!("loaded in {:.2} s", t.elapsed().as_secs_f64());
     let tool = ToolSpec {
         name: "image_info".into(),

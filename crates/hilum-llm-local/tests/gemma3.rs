@@ -7,18 +7,20 @@
 //! `$HILUM_MODELS_DIR/llm/gemma-3-270m-q4_k_m.gguf` (default models dir
 //! `~/.local/share/hilum/models`); `HILUM_GEMMA3_GGUF=path.gguf` points at another file. Without it
 //! these tests print why and pass without checking anything.
-#![cfg(feature = "local")]
 
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use hilum_llm::local::gemma3::Gemma3;
-use hilum_llm::local::model::{argmax, MatmulMode};
-use hilum_llm::local::{models_dir, GgufTokenizer, LocalConfig, LocalLlm};
 use hilum_llm::{collect_turn, ChatRequest, Llm, Message};
+use hilum_llm_local::gemma3::Gemma3;
+use hilum_llm_local::model::{argmax, MatmulMode};
+use hilum_llm_local::{GgufTokenizer, LocalLlm};
 use serde_json::Value;
+
+mod common;
+use common::models_dir;
 
 const MODEL_FILE: &str = "llm/gemma-3-270m-q4_k_m.gguf";
 
@@ -393,7 +395,7 @@ fn chunked_prefill_and_truncated_cache_give_the_same_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loads_as_a_local_llm_with_the_gemma_turn_format() {
     let Some(path) = model_path() else { return };
-    let mut cfg = LocalConfig::new(path);
+    let mut cfg = common::local_config(&path);
     cfg.context = 1024;
     let llm = LocalLlm::load(cfg).expect("loads");
     // No <tool_call> tokens in Gemma's vocabulary: tools go through the ReAct text protocol.

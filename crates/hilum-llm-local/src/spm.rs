@@ -11,7 +11,7 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
-use super::LocalError;
+use crate::LocalError;
 
 // GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 pub(crate) const TYPE_NORMAL: i64 = 1;

@@ -17,11 +17,11 @@ use std::borrow::Cow;
 use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
-use super::model::{
+use crate::model::{
     attend, attention_mask, blocks, check_span, gated_ffn, linear_weights, logits_one, md,
     one_token_ready, rope_halves, rotary_tables, KvCache, Linear, MatmulMode, RmsNorm,
 };
-use super::qmatvec;
+use crate::qmatvec;
 
 /// Layers per local/global cycle when the GGUF does not say (llama.cpp's value for Gemma 3).
 const DEFAULT_SWA_PATTERN: u32 = 6;
@@ -306,6 +306,10 @@ impl Gemma3 {
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
         self.cache.len()
+    }
+
+    pub(crate) fn kv(&mut self) -> &mut KvCache {
+        &mut self.cache
     }
 
     /// Forgets every cached position from `len` on.

@@ -9,8 +9,8 @@ use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
-use super::spm::{self, SpmVocab, TYPE_CONTROL, TYPE_UNKNOWN, TYPE_UNUSED, TYPE_USER_DEFINED};
-use super::LocalError;
+use crate::spm::{self, SpmVocab, TYPE_CONTROL, TYPE_UNKNOWN, TYPE_UNUSED, TYPE_USER_DEFINED};
+use crate::LocalError;
 
 /// How text becomes ids: a byte-level BPE (`gpt2`-type vocabularies: Qwen, Llama 3) or a
 /// SentencePiece vocabulary (`llama`-type: Gemma).

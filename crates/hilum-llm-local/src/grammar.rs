@@ -8,10 +8,10 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 
-use crate::ToolSpec;
+use hilum_llm::ToolSpec;
 
-use super::tokenizer::GgufTokenizer;
-use super::LocalError;
+use crate::tokenizer::GgufTokenizer;
+use crate::LocalError;
 
 /// Argument names whose values are image ids.
 const IMAGE_KEYS: [&str; 3] = ["image", "image_id", "images"];

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use hilum_llm::local::{LocalConfig, LocalLlm};
+//! use hilum_llm_local::{LocalConfig, LocalLlm};
 //! let llm = LocalLlm::load(LocalConfig::new("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))?;
 //! # Ok(()) }
 //! ```
@@ -13,6 +13,7 @@ pub mod gemma3;
 mod generate;
 pub mod grammar;
 pub mod model;
+mod prefix;
 mod qmatvec;
 mod spm;
 mod template;
@@ -28,34 +29,21 @@ use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use thiserror::Error;
 
-use crate::{Capabilities, ChatRequest, DeltaStream, Llm, LlmError};
+use hilum_llm::{Capabilities, ChatRequest, DeltaStream, Llm, LlmError};
 
 pub use generate::GenStats;
+pub use prefix::PrefixSource;
+pub use qmatvec::SimdCap;
 pub use template::ChatTemplate;
 pub use tokenizer::GgufTokenizer;
 
 /// File name of the default local model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M) under the models dir.
 pub const DEFAULT_MODEL_FILE: &str = "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
-/// Where Hilum keeps models: `$HILUM_MODELS_DIR`, else `<user data dir>/hilum/models`
-/// (`$XDG_DATA_HOME` or `~/.local/share`), the same folder as the model registry's.
-pub fn models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("HILUM_MODELS_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    let data = std::env::var_os("XDG_DATA_HOME")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
-    match data {
-        Some(d) => d.join("hilum/models"),
-        None => PathBuf::from(".hilum/models"),
-    }
-}
-
-/// The installed default local model, if `scripts/fetch_local_llm.sh` has put it in place.
-pub fn default_model_path() -> Option<PathBuf> {
-    let p = models_dir().join(DEFAULT_MODEL_FILE);
+/// The installed default local model under `models_dir` (the folder the caller resolved, e.g.
+/// `~/.local/share/hilum/models`), if `scripts/fetch_local_llm.sh` has put it in place.
+pub fn default_model_path(models_dir: &Path) -> Option<PathBuf> {
+    let p = models_dir.join(DEFAULT_MODEL_FILE);
     p.is_file().then_some(p)
 }
 
@@ -112,8 +100,16 @@ pub struct LocalConfig {
     pub constrain_tool_calls: bool,
     /// Stop when the last `repetition_window` tokens repeat a period of at most 32 tokens.
     pub repetition_window: usize,
-    /// f32 gemm and/or quantized dot products (default: `HILUM_LOCAL_MATMUL`, else hybrid).
+    /// f32 gemm and/or quantized dot products (default hybrid).
     pub matmul: model::MatmulMode,
+    /// The widest SIMD the block kernels may use (process-wide; default: what the CPU has).
+    pub simd: SimdCap,
+    /// Threads of candle's quantized-matmul pool (process-wide, fixed by the first load); `None`:
+    /// all cores on an idle machine, one on a busy one.
+    pub quantized_threads: Option<usize>,
+    /// Folder where the KV state of prompt prefixes (system prompt + tool specifications) is
+    /// saved for later processes; `None`: kept in this process's memory only.
+    pub prefix_cache_dir: Option<PathBuf>,
 }
 
 impl LocalConfig {
@@ -127,10 +123,10 @@ impl LocalConfig {
             seed: 299_792_458,
             constrain_tool_calls: true,
             repetition_window: 96,
-            matmul: model::MatmulMode::from_env().unwrap_or_else(|e| {
-                tracing::warn!("{e}; using hybrid");
-                model::MatmulMode::Hybrid
-            }),
+            matmul: model::MatmulMode::Hybrid,
+            simd: SimdCap::Auto,
+            quantized_threads: None,
+            prefix_cache_dir: None,
         }
     }
 }
@@ -193,6 +189,13 @@ impl Decoder {
         }
     }
 
+    pub(crate) fn kv(&mut self) -> &mut model::KvCache {
+        match self {
+            Decoder::Llama(m) => m.kv(),
+            Decoder::Gemma3(m) => m.kv(),
+        }
+    }
+
     /// The longest conversation (in tokens) this instance accepts.
     pub fn max_positions(&self) -> usize {
         match self {
@@ -215,6 +218,7 @@ pub(crate) struct Inner {
     pub state: Mutex<State>,
     pub stats: Mutex<GenStats>,
     pub call_counter: AtomicU64,
+    pub prefixes: prefix::PrefixCache,
 }
 
 /// A GGUF model running in this process. Cloning shares the model and its KV cache.
@@ -245,8 +249,9 @@ impl LocalLlm {
                 .cloned(),
             &tok,
         )?;
+        qmatvec::cap_simd(cfg.simd);
         if cfg.matmul != model::MatmulMode::Dense {
-            size_quantized_matmul_pool();
+            size_quantized_matmul_pool(cfg.quantized_threads);
         }
         let model = Decoder::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
         let name = format!(
@@ -256,8 +261,10 @@ impl LocalLlm {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or(path_s)
         );
+        let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
         Ok(LocalLlm {
             inner: Arc::new(Inner {
+                prefixes,
                 cfg,
                 tok,
                 template,
@@ -293,12 +300,14 @@ impl LocalLlm {
             .unwrap_or_default()
     }
 
-    /// Drops the KV cache (the next request processes its whole prompt).
+    /// Drops the KV cache and the prompt prefixes kept in memory (the next request processes
+    /// its whole prompt, unless the prefix cache folder holds its prefix).
     pub fn reset_cache(&self) {
         if let Ok(mut st) = self.inner.state.lock() {
             let _ = st.model.truncate_cache(0);
             st.cached.clear();
         }
+        self.inner.prefixes.forget_memory();
     }
 }
 
@@ -328,13 +337,15 @@ impl Llm for LocalLlm {
 /// candle runs quantized matmuls on a pool of spinning threads sized by `CANDLE_NUM_THREADS`
 /// (default: all cores), created on first use. On an idle machine that pool is the fastest
 /// decode (2 cores: 51 tokens/s vs 32 on one thread); on a busy one the spinning threads wait on
-/// each other and decode drops to 3-7 tokens/s, while one thread keeps 25-33. Unless the user
+/// each other and decode drops to 3-7 tokens/s, while one thread keeps 25-33. Unless the caller
 /// chose a value, the pool gets all cores when the 1-minute load average is below the core
-/// count, else none besides the calling thread. Done once, before candle reads the variable.
-fn size_quantized_matmul_pool() {
+/// count, else none besides the calling thread. Done once, before candle reads the variable
+/// (candle takes its size from there only).
+fn size_quantized_matmul_pool(chosen: Option<usize>) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        if std::env::var_os("CANDLE_NUM_THREADS").is_some() {
+        if let Some(n) = chosen {
+            std::env::set_var("CANDLE_NUM_THREADS", n.max(1).to_string());
             return;
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

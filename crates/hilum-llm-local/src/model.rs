@@ -13,15 +13,16 @@
 //!   Q5_0 — most of Qwen2.5-0.5B, for which candle has no SIMD dot product — Q8_0, and candle's
 //!   K-quant dot products), q/k/v and gate/up each in one parallel product, and the new key and
 //!   value appended in place, instead of ~30 tensor operations per layer and a copy of the cache.
-//!   Elsewhere (a GPU, `HILUM_LOCAL_MATMUL=quantized` prompt chunks) candle's `QMatMul` runs, and
+//!   Elsewhere (a GPU, `MatmulMode::Quantized` prompt chunks) candle's `QMatMul` runs, and
 //!   types without a SIMD dot product there (Q5_0, Q4_1, Q5_1) are re-quantized to Q8_0 at load.
 
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 
-use super::qmatvec::{self, QMat};
+use crate::prefix::KvSnapshot;
+use crate::qmatvec::{self, QMat};
 
-/// How the weight matrices are multiplied (`HILUM_LOCAL_MATMUL=dense|quantized|hybrid`).
+/// How the weight matrices are multiplied (`dense|quantized|hybrid`, see [`std::str::FromStr`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulMode {
     /// f32 weights and `gemm` everywhere (≈ 4 bytes per weight in memory).
@@ -32,15 +33,17 @@ pub enum MatmulMode {
     Hybrid,
 }
 
-impl MatmulMode {
-    /// The mode named by `HILUM_LOCAL_MATMUL`, else `Hybrid`.
-    pub fn from_env() -> Result<Self, String> {
-        match std::env::var("HILUM_LOCAL_MATMUL").ok().as_deref() {
-            None | Some("") | Some("hybrid") => Ok(MatmulMode::Hybrid),
-            Some("dense") => Ok(MatmulMode::Dense),
-            Some("quantized") => Ok(MatmulMode::Quantized),
-            Some(other) => Err(format!(
-                "HILUM_LOCAL_MATMUL={other} is not one of dense, quantized, hybrid"
+impl std::str::FromStr for MatmulMode {
+    type Err = String;
+
+    /// `dense`, `quantized` or `hybrid` (empty: hybrid).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" | "hybrid" => Ok(MatmulMode::Hybrid),
+            "dense" => Ok(MatmulMode::Dense),
+            "quantized" => Ok(MatmulMode::Quantized),
+            other => Err(format!(
+                "local matmul mode `{other}` is not one of dense, quantized, hybrid"
             )),
         }
     }
@@ -334,6 +337,51 @@ impl KvCache {
     pub(crate) fn advance(&mut self, t: usize) {
         self.len += t;
     }
+
+    /// A copy of the first `len` positions of every layer (for the prefix cache).
+    pub(crate) fn snapshot(&self, tokens: &[u32]) -> Option<KvSnapshot> {
+        let n = tokens.len() * self.kvd;
+        if tokens.len() > self.len {
+            return None;
+        }
+        Some(KvSnapshot {
+            tokens: tokens.to_vec(),
+            kvd: self.kvd,
+            k: self.k.iter().map(|l| l[..n].to_vec()).collect(),
+            v: self.v.iter().map(|l| l[..n].to_vec()).collect(),
+        })
+    }
+
+    /// Replaces the whole cache by `snap`'s positions; refuses one of another shape.
+    pub(crate) fn restore(&mut self, snap: &KvSnapshot) -> candle_core::Result<()> {
+        let n = snap.tokens.len() * self.kvd;
+        if snap.kvd != self.kvd
+            || snap.k.len() != self.k.len()
+            || snap.v.len() != self.v.len()
+            || snap.k.iter().chain(&snap.v).any(|l| l.len() != n)
+        {
+            candle_core::bail!("a saved prompt prefix does not fit this model's KV cache");
+        }
+        for (dst, src) in self
+            .k
+            .iter_mut()
+            .zip(&snap.k)
+            .chain(self.v.iter_mut().zip(&snap.v))
+        {
+            dst.clear();
+            dst.extend_from_slice(src);
+        }
+        self.len = snap.tokens.len();
+        Ok(())
+    }
+
+    pub(crate) fn n_layer(&self) -> usize {
+        self.k.len()
+    }
+
+    pub(crate) fn kvd(&self) -> usize {
+        self.kvd
+    }
 }
 
 /// Refuses an empty run of tokens and one past the positions a decoder was loaded with.
@@ -524,6 +572,10 @@ impl Model {
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
         self.cache.len()
+    }
+
+    pub(crate) fn kv(&mut self) -> &mut KvCache {
+        &mut self.cache
     }
 
     /// Forgets every cached position from `len` on.

@@ -4,9 +4,9 @@
 use minijinja::{Environment, Error, ErrorKind, Value as JValue};
 use serde_json::{json, Value};
 
-use crate::{Message, ToolSpec};
+use hilum_llm::{Message, ToolSpec};
 
-use super::{GgufTokenizer, LocalError};
+use crate::{GgufTokenizer, LocalError};
 
 /// ChatML, for GGUFs that carry no template but have its turn tokens.
 const CHATML: &str = "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -191,7 +191,7 @@ pub fn python_json(v: &Value, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ToolCall;
+    use hilum_llm::ToolCall;
 
     #[test]
     fn python_json_uses_spaced_separators() {

@@ -1,7 +1,7 @@
 //! Decode speed of the Gemma 3 decoder: the one-token path against the tensor path on the same
 //! weights, alternated, greedy over `STEPS` tokens after a short prompt.
 //!
-//!     cargo run --release -p hilum-llm --example bench_gemma3 -- [MODEL.gguf] [REPS]
+//!     cargo run --release -p hilum-llm-local --example bench_gemma3 -- [MODEL.gguf] [REPS]
 //!
 //! scripts/bench_llm.sh's llama.cpp side is for chat models; compare Gemma with llama.cpp by
 //! `llama_cpp.Llama(MODEL, n_threads=2).create_completion(PROMPT, max_tokens=128)` and its perf
@@ -11,9 +11,12 @@ use std::time::Instant;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-use hilum_llm::local::gemma3::Gemma3;
-use hilum_llm::local::model::{argmax, MatmulMode};
-use hilum_llm::local::{models_dir, GgufTokenizer};
+use hilum_llm_local::gemma3::Gemma3;
+use hilum_llm_local::model::{argmax, MatmulMode};
+use hilum_llm_local::GgufTokenizer;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 const PROMPT: &str = "A chest X-ray report lists its findings one per line:\n1.";
 const STEPS: usize = 128;
@@ -22,7 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let path = match args.get(1) {
         Some(p) => p.into(),
-        None => models_dir().join("llm/gemma-3-270m-q4_k_m.gguf"),
+        None => common::models_dir().join("llm/gemma-3-270m-q4_k_m.gguf"),
     };
     let reps: usize = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(3);
     let tok = GgufTokenizer::from_file(&path)?;
