@@ -18,7 +18,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+use hilum_models::xrv::{self, Classifier, XrvSpec};
+use hilum_models::Backend;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -130,7 +131,11 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
     hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())?;
     let pool = ModelPool::new(std::sync::Arc::new(reg));
-    let m = pool.get_or_load::<LungUnet>("lung-unet", hilum_models::Device::Cpu)?;
+    let m = pool.get_or_load::<LungUnet>(
+        "lung-unet",
+        hilum_models::Device::Cpu,
+        hilum_models::Backend::Native,
+    )?;
     let threads = hilum_models::cpu::default_threads();
     let s = m.config().input_size;
     // A real radiograph through the model's own preprocessing.
@@ -154,9 +159,9 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     // `HILUM_PROFILE_CANDLE=0` leaves candle out (as for pspnet).
     let with_candle = std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0");
     // Warm-up (builds the native plan, ORT's arena).
-    m.predict_with(unet::Backend::Native, &xs)?;
+    m.predict_with(hilum_models::Backend::Native, &xs)?;
     if with_candle {
-        m.predict_with(unet::Backend::Candle, &xs)?;
+        m.predict_with(hilum_models::Backend::Candle, &xs)?;
     }
     #[cfg(feature = "onnx")]
     if let Some(o) = &ort {
@@ -173,7 +178,9 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     let pause = || std::thread::sleep(std::time::Duration::from_millis(pause_ms));
     for i in 0..iters {
         pause();
-        nat.push(ms(|| Ok(m.predict_with(unet::Backend::Native, &xs)?))?);
+        nat.push(ms(|| {
+            Ok(m.predict_with(hilum_models::Backend::Native, &xs)?)
+        })?);
         #[cfg(feature = "onnx")]
         if let Some(o) = &ort {
             pause();
@@ -182,7 +189,9 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         // candle is ~10x slower: one run in four.
         if i % 4 == 0 && with_candle {
             pause();
-            can.push(ms(|| Ok(m.predict_with(unet::Backend::Candle, &xs)?))?);
+            can.push(ms(|| {
+                Ok(m.predict_with(hilum_models::Backend::Candle, &xs)?)
+            })?);
         }
     }
     let _ = &flat;
@@ -202,7 +211,7 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         println!("  ONNX Runtime {o:>8.2} ms  (native / ORT = {:.2})", n / o);
     }
     std::env::set_var("HILUM_CPU_PROFILE", "1");
-    m.predict_with(unet::Backend::Native, &xs)?;
+    m.predict_with(hilum_models::Backend::Native, &xs)?;
     Ok(())
 }
 
@@ -215,11 +224,11 @@ fn pspnet(iters: usize) -> Res<()> {
     let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
     let t = ms(|| Ok(model.native()?.threads()))?;
     println!("PSPNet native plan built (BN folded) in {t:.0} ms");
-    model.probabilities_with(pspnet::Backend::Native, &x)?;
+    model.probabilities_with(hilum_models::Backend::Native, &x)?;
     let mut nat = Vec::new();
     for _ in 0..iters.max(1) {
         nat.push(ms(|| {
-            Ok(model.probabilities_with(pspnet::Backend::Native, &x)?)
+            Ok(model.probabilities_with(hilum_models::Backend::Native, &x)?)
         })?);
     }
     let n = median(nat);
@@ -230,10 +239,10 @@ fn pspnet(iters: usize) -> Res<()> {
         iters.max(1)
     );
     if std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0") {
-        let c = ms(|| Ok(model.probabilities_with(pspnet::Backend::Candle, &x)?))?;
+        let c = ms(|| Ok(model.probabilities_with(hilum_models::Backend::Candle, &x)?))?;
         println!("  candle {c:.0} ms ({:.1}x native)", c / n);
     }
     std::env::set_var("HILUM_CPU_PROFILE", "1");
-    model.probabilities_with(pspnet::Backend::Native, &x)?;
+    model.probabilities_with(hilum_models::Backend::Native, &x)?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! (manifests in `models/`, weights under a models directory), a pool that loads models lazily
 //! and keeps them warm, and fetch/import/verify of weights.
 
+mod backend;
 pub mod cpu;
 pub mod densenet;
 mod device;
@@ -21,6 +22,7 @@ pub mod unet;
 pub mod weights;
 pub mod xrv;
 
+pub use backend::Backend;
 pub use device::Device;
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 pub use import::{import, python, ImportOptions};
@@ -73,6 +75,12 @@ pub enum ModelError {
     Compute(String),
     #[error("ONNX Runtime: {0}")]
     Onnx(String),
+    #[error("{what} does not run on the {backend} backend: use {supported}")]
+    Backend {
+        what: String,
+        backend: Backend,
+        supported: String,
+    },
 }
 
 impl From<candle_core::Error> for ModelError {

@@ -12,7 +12,7 @@ use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::registry::{InstalledModel, Manifest};
-use crate::{Device, ModelError};
+use crate::{Backend, Device, ModelError};
 
 /// The 14 ChestX-Det structures, in output-channel order.
 pub const TARGETS: [&str; 14] = [
@@ -169,16 +169,6 @@ impl Module for Bottleneck {
         };
         (conv + residual)?.relu()
     }
-}
-
-/// Which implementation runs the PSPNet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu::NativePspNet`]): the default on the CPU.
-    Native,
-    /// candle (CUDA, Metal; on the CPU the reference, ~10x slower).
-    Candle,
 }
 
 /// The PSPNet. On the CPU [`PspNet::probabilities`] runs Hilum's own kernels
@@ -352,6 +342,11 @@ impl PspNet {
                 };
                 run().map_err(|e| ModelError::Compute(e.to_string()))
             }
+            Backend::Onnx => Err(ModelError::Backend {
+                what: "chestx-det-pspnet".into(),
+                backend,
+                supported: "native, candle".into(),
+            }),
         }
     }
 }
@@ -398,7 +393,9 @@ impl crate::Model for PspNet {
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[Backend::Native, Backend::Candle], &manifest.id)?;
         let mut cfg = Config::chestx_det();
         if let Some(s) = manifest
             .config

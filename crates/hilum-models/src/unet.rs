@@ -14,7 +14,7 @@ use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::{Device, InstalledModel, Manifest, ModelError};
+use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
 /// Keras' default batch-norm epsilon, used by every BN layer of the checkpoint.
 const BN_EPS: f64 = 1e-3;
@@ -384,11 +384,14 @@ impl LungUnet {
 }
 
 impl crate::Model for LungUnet {
+    /// The native or candle backend (ONNX Runtime is [`LungUnetOnnx`]).
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[Backend::Native, Backend::Candle], "LungUnet")?;
         let mut config = Config::lung_seg_valiou_088();
         if let Some(s) = manifest
             .config
@@ -405,52 +408,24 @@ impl crate::Model for LungUnet {
     }
 }
 
-/// Which implementation runs the lung U-Net.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu::NativeUnet`]), from the converted safetensors.
-    Native,
-    /// candle, from the converted safetensors (CPU, CUDA, Metal).
-    Candle,
-    /// ONNX Runtime, from the model's imported `model.onnx`.
-    Onnx,
-}
-
-impl Backend {
-    /// On the CPU: the native kernels where their direct (AVX2/AVX-512) engine runs — 0.4x
-    /// ONNX Runtime's time on this small-channel network (`examples/xrv_profile.rs unet`);
-    /// elsewhere ONNX Runtime when its graph is installed and the runtime loads (the native
-    /// im2col + gemm plan measured 2-3x slower than it), else the native kernels (still 4-8x
-    /// faster than candle's CPU convolutions). candle on GPUs.
-    pub fn auto(installed: &InstalledModel, device: Device) -> Backend {
-        if device.is_gpu() {
-            return Backend::Candle;
-        }
-        if crate::cpu::unet_direct_engine() {
-            return Backend::Native;
-        }
-        #[cfg(feature = "onnx")]
-        if installed.onnx.is_some() && crate::onnx::available() {
-            return Backend::Onnx;
-        }
-        let _ = installed;
-        Backend::Native
+/// The backend the lung U-Net runs on by default. On the CPU: the native kernels where their
+/// direct (AVX2/AVX-512) engine runs — 0.4x ONNX Runtime's time on this small-channel network (`examples/xrv_profile.rs unet`);
+/// elsewhere ONNX Runtime when its graph is installed and the runtime loads (the native
+/// im2col + gemm plan measured 2-3x slower than it), else the native kernels (still 4-8x
+/// faster than candle's CPU convolutions). candle on GPUs.
+pub fn auto_backend(installed: &InstalledModel, device: Device) -> Backend {
+    if device.is_gpu() {
+        return Backend::Candle;
     }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ModelError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "native" => Ok(Backend::Native),
-            "candle" => Ok(Backend::Candle),
-            "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
-            other => Err(ModelError::Compute(format!(
-                "unknown backend `{other}`: use native, candle or onnx"
-            ))),
-        }
+    if crate::cpu::unet_direct_engine() {
+        return Backend::Native;
     }
+    #[cfg(feature = "onnx")]
+    if installed.onnx.is_some() && crate::onnx::available() {
+        return Backend::Onnx;
+    }
+    let _ = installed;
+    Backend::Native
 }
 
 /// The lung U-Net on ONNX Runtime (same input and output as [`LungUnet`]).
@@ -499,7 +474,9 @@ impl crate::Model for LungUnetOnnx {
         manifest: &Manifest,
         installed: &InstalledModel,
         _device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[Backend::Onnx], "LungUnetOnnx")?;
         let path = installed.onnx.as_ref().ok_or_else(|| {
             ModelError::Onnx(format!(
                 "no ONNX graph installed for `{}`: run `hilum models import {} {}`",

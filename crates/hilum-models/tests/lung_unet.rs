@@ -8,7 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use hilum_models::unet::{self, Backend, LungUnet};
+use hilum_models::unet::{self, LungUnet};
+use hilum_models::Backend;
 use hilum_models::{Device, ImportOptions, ModelError, ModelPool, ModelRegistry};
 
 fn repo() -> PathBuf {
@@ -57,7 +58,7 @@ fn pool() -> &'static Arc<ModelPool> {
 
 fn model() -> Arc<LungUnet> {
     pool()
-        .get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+        .get_or_load::<LungUnet>("lung-unet", Device::Cpu, hilum_models::Backend::Native)
         .expect("load lung-unet")
 }
 
@@ -306,7 +307,7 @@ fn dice_on_imlab_masks_is_reported() {
 fn missing_weights_error_names_the_commands() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = ModelPool::new(Arc::new(ModelRegistry::new(dir.path()).expect("registry")));
-    match pool.get_or_load::<LungUnet>("lung-unet", Device::Cpu) {
+    match pool.get_or_load::<LungUnet>("lung-unet", Device::Cpu, hilum_models::Backend::Native) {
         Err(e @ ModelError::NotInstalled { .. }) => {
             let s = e.to_string();
             assert!(s.contains("hilum models import lung-unet"), "{s}");

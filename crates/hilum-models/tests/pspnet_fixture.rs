@@ -82,7 +82,7 @@ fn small_pspnet_native_matches_reference_logits() {
     println!("native: max abs diff {diff:e}");
     assert!(diff < 1e-4, "native max abs diff {diff}");
 
-    assert_eq!(model.default_backend(), pspnet::Backend::Native);
+    assert_eq!(model.default_backend(), hilum_models::Backend::Native);
     let probs = model.probabilities(&input).expect("probabilities");
     let hw = cfg.input_size * cfg.input_size;
     assert_eq!(probs.len(), cfg.n_classes);
@@ -158,14 +158,14 @@ fn full_size_forward_time() {
     for _ in 0..2 {
         let t = std::time::Instant::now();
         let p = model
-            .probabilities_with(pspnet::Backend::Native, &x)
+            .probabilities_with(hilum_models::Backend::Native, &x)
             .expect("native forward");
         native_s = native_s.min(t.elapsed().as_secs_f64());
         assert_eq!(p.len(), 14);
     }
     let t = std::time::Instant::now();
     let p = model
-        .probabilities_with(pspnet::Backend::Candle, &x)
+        .probabilities_with(hilum_models::Backend::Candle, &x)
         .expect("forward");
     let candle_s = t.elapsed().as_secs_f64();
     println!(

@@ -232,7 +232,11 @@ fn lung_unet_mask(
     image: &CxrImage,
 ) -> Result<Vec<bool>, ToolError> {
     let model = models
-        .get_or_load::<LungUnet>(LUNG_MODEL_ID, device)
+        .get_or_load::<LungUnet>(
+            LUNG_MODEL_ID,
+            device,
+            hilum_models::Backend::default_for(device),
+        )
         .map_err(|e| model_error(models, e))?;
     let (w, h) = (image.width as usize, image.height as usize);
     let scale = 255.0 / image.max_value().max(1.0);

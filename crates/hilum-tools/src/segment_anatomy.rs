@@ -101,7 +101,7 @@ pub fn anatomy_masks(
     img: &CxrImage,
 ) -> Result<ChestMasks, ToolError> {
     let model = models
-        .get_or_load::<PspNet>(MODEL_ID, device)
+        .get_or_load::<PspNet>(MODEL_ID, device, hilum_models::Backend::default_for(device))
         .map_err(|e| model_error(models, e))?;
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
@@ -275,7 +275,7 @@ impl Tool for SegmentAnatomy {
         let t0 = Instant::now();
         let maps = tokio::task::spawn_blocking(move || {
             let model = models
-                .get_or_load::<PspNet>(MODEL_ID, device)
+                .get_or_load::<PspNet>(MODEL_ID, device, hilum_models::Backend::default_for(device))
                 .map_err(|e| model_error(&models, e))?;
             run(&model, &image, &which)
         })

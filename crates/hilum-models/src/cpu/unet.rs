@@ -1181,7 +1181,8 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::unet::{Backend, Config};
+    use crate::unet::Config;
+    use crate::Backend;
     use candle_core::{DType, Device, Tensor};
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
