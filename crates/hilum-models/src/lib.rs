@@ -1,14 +1,15 @@
 //! Hilum's neural networks and the machinery to run them: devices, the model registry
 //! (manifests in `models/`, weights under a models directory), a pool that loads models lazily
-//! and keeps them warm, and fetch/import/verify of weights.
+//! and keeps them warm, and fetch/import/verify of weights. On the CPU the CNNs run on
+//! `hilum-kernels`, built from weights that [`native`] reads from the checkpoints.
 
 mod backend;
-pub mod cpu;
 pub mod densenet;
 mod device;
 mod fetch;
 mod import;
 pub mod llava;
+pub mod native;
 #[cfg(feature = "onnx")]
 pub mod onnx;
 pub mod onnx_graph;
@@ -25,6 +26,8 @@ pub mod xrv;
 pub use backend::Backend;
 pub use device::Device;
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
+/// The CPU engines the CNNs run on (their settings are part of the models' settings).
+pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
 pub use pool::{Model, ModelPool};
 pub use registry::{

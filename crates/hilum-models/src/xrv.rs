@@ -11,8 +11,8 @@ use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{CpuError, NativeDenseNet, NativeResNet};
-use crate::{densenet, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
+use crate::{densenet, native, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
+use hilum_kernels::{CpuError, NativeDenseNet, NativeResNet};
 
 /// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
 pub const LABELS: [&str; 18] = [
@@ -355,13 +355,14 @@ impl Classifier {
                 Net::CandleDense(densenet::DenseNet::load(vb, c)?)
             }
             (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
+            // The native plans are built from the checkpoint's weights, not from candle modules.
             (Arch::DenseNet(c), _) => {
-                let net = densenet::DenseNet::load(vb, c)?;
-                Net::NativeDense(NativeDenseNet::new(&net, size, threads).map_err(cpu_err)?)
+                let w = native::densenet(vb, c)?;
+                Net::NativeDense(NativeDenseNet::new(&w, size, threads).map_err(cpu_err)?)
             }
             (Arch::ResNet(c), _) => {
-                let net = resnet::ResNet::load(vb, c)?;
-                Net::NativeRes(NativeResNet::new(&net, size, threads).map_err(cpu_err)?)
+                let w = native::resnet(vb, c)?;
+                Net::NativeRes(NativeResNet::new(&w, size, threads).map_err(cpu_err)?)
             }
         };
         Ok(Self::with_net(spec, backend, device, net))

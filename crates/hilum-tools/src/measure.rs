@@ -8,7 +8,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -232,7 +232,7 @@ fn lung_unet_mask(
     image: &CxrImage,
 ) -> Result<Vec<bool>, ToolError> {
     let model = models
-        .get_or_load::<LungUnet>(
+        .get_or_load::<LungSegmenter>(
             LUNG_MODEL_ID,
             device,
             hilum_models::Backend::default_for(device),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
@@ -226,16 +226,10 @@ impl Tool for SegmentLungs {
             let load = |e| model_error(&models, e);
             let t = Instant::now();
             let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-            let probs = match backend {
-                hilum_models::Backend::Native | hilum_models::Backend::Candle => models
-                    .get_or_load::<LungUnet>(MODEL_ID, device, backend)
-                    .map_err(load)?
-                    .predict_with(backend, &x),
-                hilum_models::Backend::Onnx => models
-                    .get_or_load::<unet::LungUnetOnnx>(MODEL_ID, device, backend)
-                    .map_err(load)?
-                    .predict(&x),
-            };
+            let probs = models
+                .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)
+                .map_err(load)?
+                .predict(&x);
             let prob = probs
                 .map_err(|e| ToolError::Internal(e.to_string()))?
                 .remove(0);

@@ -200,7 +200,7 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
         .await;
     // With the graph installed, the CPU default is still the native kernels where their direct
     // engine runs (faster than ONNX Runtime), ONNX Runtime elsewhere.
-    let want = if hilum_models::cpu::unet_direct_engine() {
+    let want = if hilum_models::kernels::unet_direct_engine() {
         "native"
     } else {
         "onnx"
