@@ -56,6 +56,8 @@ fn bench(c: &mut Criterion) {
         &dir.join("pspnet_small.safetensors"),
         &cfg,
         hilum_models::Device::Cpu,
+        hilum_models::Backend::Native,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
     )
     .expect("weights");
     let id = store

@@ -10,7 +10,8 @@
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+use hilum_models::xrv::{self, Classifier, XrvSpec};
+use hilum_models::Backend;
 
 fn input(batch: usize, size: usize) -> Vec<f32> {
     (0..batch * size * size)

@@ -18,7 +18,8 @@ use hilum_agent::{
 use hilum_imaging::ImageStore;
 use hilum_llm::script::{ScriptCall, ScriptTurn};
 use hilum_llm::ScriptLlm;
-use hilum_models::xrv::{self, Backend};
+use hilum_models::xrv;
+use hilum_models::Backend;
 use hilum_tools::ClassifyChestXray;
 
 use crate::tools_cmd::fill_image_args;

@@ -277,7 +277,7 @@ fn cache_dir() -> Option<PathBuf> {
 pub fn resolve_backends(
     flags: &[String],
     file: &std::collections::BTreeMap<String, String>,
-) -> anyhow::Result<std::collections::BTreeMap<String, hilum_models::xrv::Backend>> {
+) -> anyhow::Result<std::collections::BTreeMap<String, hilum_models::Backend>> {
     let parse = |spec: &str, from: &str| {
         hilum_tools::parse_backends(spec).map_err(|e| anyhow::anyhow!("{from}: {e}"))
     };
@@ -309,7 +309,7 @@ pub fn tool_deps(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hilum_models::xrv::Backend;
+    use hilum_models::Backend;
 
     #[test]
     fn backends_table_parses_and_flags_win() {

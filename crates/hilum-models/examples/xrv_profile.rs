@@ -18,7 +18,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+use hilum_models::xrv::{self, Classifier, XrvSpec};
+use hilum_models::Backend;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -53,7 +54,7 @@ fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
     std::env::remove_var("HILUM_CPU_PROFILE");
     let w = xrv::synthetic_weights(&spec.arch, 7)?;
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
-    let threads = hilum_models::cpu::default_threads();
+    let threads = hilum_kernels::default_threads();
     let m = Classifier::new(vb.clone(), spec.clone(), Backend::Native, threads)?;
     // ONNX Runtime on a graph built from the same weights, when its library is available.
     let ort = if cfg!(feature = "onnx") && std::env::var_os("ORT_DYLIB_PATH").is_some() {
@@ -123,15 +124,18 @@ fn shared_data() -> std::path::PathBuf {
 }
 
 fn unet(batch: usize, iters: usize) -> Res<()> {
-    use hilum_models::unet::{self, LungUnet};
+    use hilum_models::unet::{self, LungSegmenter};
     use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
     let dir = tempfile::tempdir()?;
     let reg = ModelRegistry::new(dir.path())?;
     let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
     hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())?;
     let pool = ModelPool::new(std::sync::Arc::new(reg));
-    let m = pool.get_or_load::<LungUnet>("lung-unet", hilum_models::Device::Cpu)?;
-    let threads = hilum_models::cpu::default_threads();
+    let on = |backend| {
+        pool.get_or_load::<LungSegmenter>("lung-unet", hilum_models::Device::Cpu, backend)
+    };
+    let m = on(Backend::Native)?;
+    let threads = hilum_kernels::default_threads();
     let s = m.config().input_size;
     // A real radiograph through the model's own preprocessing.
     let img =
@@ -153,10 +157,15 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     let flat: Vec<f32> = xs.concat();
     // `HILUM_PROFILE_CANDLE=0` leaves candle out (as for pspnet).
     let with_candle = std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0");
-    // Warm-up (builds the native plan, ORT's arena).
-    m.predict_with(unet::Backend::Native, &xs)?;
-    if with_candle {
-        m.predict_with(unet::Backend::Candle, &xs)?;
+    let candle = if with_candle {
+        Some(on(Backend::Candle)?)
+    } else {
+        None
+    };
+    // Warm-up (ORT's arena, the native workspace).
+    m.predict(&xs)?;
+    if let Some(c) = &candle {
+        c.predict(&xs)?;
     }
     #[cfg(feature = "onnx")]
     if let Some(o) = &ort {
@@ -173,16 +182,16 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
     let pause = || std::thread::sleep(std::time::Duration::from_millis(pause_ms));
     for i in 0..iters {
         pause();
-        nat.push(ms(|| Ok(m.predict_with(unet::Backend::Native, &xs)?))?);
+        nat.push(ms(|| Ok(m.predict(&xs)?))?);
         #[cfg(feature = "onnx")]
         if let Some(o) = &ort {
             pause();
             onx.push(ms(|| Ok(o.run(&[batch, s, s, 3], &flat)?))?);
         }
         // candle is ~10x slower: one run in four.
-        if i % 4 == 0 && with_candle {
+        if let (0, Some(c)) = (i % 4, &candle) {
             pause();
-            can.push(ms(|| Ok(m.predict_with(unet::Backend::Candle, &xs)?))?);
+            can.push(ms(|| Ok(c.predict(&xs)?))?);
         }
     }
     let _ = &flat;
@@ -202,38 +211,43 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         println!("  ONNX Runtime {o:>8.2} ms  (native / ORT = {:.2})", n / o);
     }
     std::env::set_var("HILUM_CPU_PROFILE", "1");
-    m.predict_with(unet::Backend::Native, &xs)?;
+    m.predict(&xs)?;
     Ok(())
 }
 
 fn pspnet(iters: usize) -> Res<()> {
-    use hilum_models::pspnet::{self, Config, PspNet};
+    use hilum_models::pspnet::{AnatomySegmenter, Config};
     let cfg = Config::chestx_det();
     let map = candle_nn::VarMap::new();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-    let model = PspNet::load(vb, &cfg)?;
-    let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
-    let t = ms(|| Ok(model.native()?.threads()))?;
+    let threads = hilum_kernels::default_threads();
+    let t0 = std::time::Instant::now();
+    let model = AnatomySegmenter::new(vb.clone(), &cfg, Backend::Native, threads)?;
+    let t = t0.elapsed().as_secs_f64() * 1e3;
     println!("PSPNet native plan built (BN folded) in {t:.0} ms");
-    model.probabilities_with(pspnet::Backend::Native, &x)?;
+    let x = x_of(&cfg);
+    model.probabilities(&x)?;
     let mut nat = Vec::new();
     for _ in 0..iters.max(1) {
-        nat.push(ms(|| {
-            Ok(model.probabilities_with(pspnet::Backend::Native, &x)?)
-        })?);
+        nat.push(ms(|| Ok(model.probabilities(&x)?))?);
     }
     let n = median(nat);
-    let threads = model.native()?.threads();
     println!(
         "PSPNet {0}x{0}, batch 1, {threads} threads: native {n:.0} ms (median of {1})",
         cfg.input_size,
         iters.max(1)
     );
     if std::env::var("HILUM_PROFILE_CANDLE").as_deref() != Ok("0") {
-        let c = ms(|| Ok(model.probabilities_with(pspnet::Backend::Candle, &x)?))?;
+        let candle = AnatomySegmenter::new(vb, &cfg, Backend::Candle, threads)?;
+        let c = ms(|| Ok(candle.probabilities(&x)?))?;
         println!("  candle {c:.0} ms ({:.1}x native)", c / n);
     }
     std::env::set_var("HILUM_CPU_PROFILE", "1");
-    model.probabilities_with(pspnet::Backend::Native, &x)?;
+    model.probabilities(&x)?;
     Ok(())
+}
+
+/// A constant PSPNet input (only the time matters).
+fn x_of(cfg: &hilum_models::pspnet::Config) -> Vec<f32> {
+    vec![0.1f32; 3 * cfg.input_size * cfg.input_size]
 }

@@ -4,8 +4,8 @@
 //! `features.denseblock1.denselayer1.norm1.running_mean`, ..., `classifier.bias`), so converted
 //! weights load unchanged.
 //!
-//! This is the candle path (GPUs, reference); on CPU [`crate::cpu::NativeDenseNet`] runs the same
-//! weights with Hilum's own kernels.
+//! This is the candle path (GPUs, reference); on the CPU `hilum-kernels` runs the same weights
+//! (read by [`crate::native::densenet`]).
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{

@@ -1,13 +1,15 @@
 //! Hilum's neural networks and the machinery to run them: devices, the model registry
 //! (manifests in `models/`, weights under a models directory), a pool that loads models lazily
-//! and keeps them warm, and fetch/import/verify of weights.
+//! and keeps them warm, and fetch/import/verify of weights. On the CPU the CNNs run on
+//! `hilum-kernels`, built from weights that [`native`] reads from the checkpoints.
 
-pub mod cpu;
+mod backend;
 pub mod densenet;
 mod device;
 mod fetch;
 mod import;
 pub mod llava;
+pub mod native;
 #[cfg(feature = "onnx")]
 pub mod onnx;
 pub mod onnx_graph;
@@ -21,8 +23,11 @@ pub mod unet;
 pub mod weights;
 pub mod xrv;
 
+pub use backend::Backend;
 pub use device::Device;
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
+/// The CPU engines the CNNs run on (their settings are part of the models' settings).
+pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
 pub use pool::{Model, ModelPool};
 pub use registry::{
@@ -73,6 +78,12 @@ pub enum ModelError {
     Compute(String),
     #[error("ONNX Runtime: {0}")]
     Onnx(String),
+    #[error("{what} does not run on the {backend} backend: use {supported}")]
+    Backend {
+        what: String,
+        backend: Backend,
+        supported: String,
+    },
 }
 
 impl From<candle_core::Error> for ModelError {

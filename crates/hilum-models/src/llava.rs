@@ -1467,7 +1467,9 @@ impl crate::Model for NativeVlm {
         manifest: &crate::Manifest,
         installed: &crate::InstalledModel,
         device: crate::Device,
+        backend: crate::Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         NativeVlm::load_installed(manifest, &installed.weights, device)
     }
 }

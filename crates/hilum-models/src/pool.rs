@@ -1,5 +1,5 @@
-//! The model pool: loads each (model, device, type) once, on first use, keeps it warm, and
-//! hands out per-device permits so concurrent tool calls never oversubscribe a device.
+//! The model pool: loads each (model, device, backend, type) once, on first use, keeps it warm,
+//! and hands out per-device permits so concurrent tool calls never oversubscribe a device.
 
 use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, HashMap};
@@ -8,18 +8,20 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::{Device, InstalledModel, Manifest, ModelError, ModelRegistry};
+use crate::{Backend, Device, InstalledModel, Manifest, ModelError, ModelRegistry};
 
-/// A network the pool can load from an installed model.
+/// A network the pool can load from an installed model, on a device and a backend (a type
+/// that supports only some backends says so with [`Backend::expect`]).
 pub trait Model: Send + Sync + Sized + 'static {
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError>;
 }
 
-type Key = (String, Device, TypeId);
+type Key = (String, Device, Backend, TypeId);
 type Slot = Arc<Mutex<Option<(Arc<dyn Any + Send + Sync>, Duration)>>>;
 
 pub struct ModelPool {
@@ -59,11 +61,16 @@ impl ModelPool {
 
     /// The warm model, loading it first if needed. Blocking (reads and maps weights): call it
     /// from `spawn_blocking`. Concurrent callers of the same model wait for one load.
-    pub fn get_or_load<M: Model>(&self, id: &str, device: Device) -> Result<Arc<M>, ModelError> {
+    pub fn get_or_load<M: Model>(
+        &self,
+        id: &str,
+        device: Device,
+        backend: Backend,
+    ) -> Result<Arc<M>, ModelError> {
         let slot = {
             let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots
-                .entry((id.to_string(), device, TypeId::of::<M>()))
+                .entry((id.to_string(), device, backend, TypeId::of::<M>()))
                 .or_default()
                 .clone()
         };
@@ -76,7 +83,7 @@ impl ModelPool {
         let manifest = self.registry.manifest(id)?;
         let installed = self.registry.installed(id)?;
         let t0 = Instant::now();
-        let model = Arc::new(M::load(manifest, &installed, device)?);
+        let model = Arc::new(M::load(manifest, &installed, device, backend)?);
         *guard = Some((model.clone(), t0.elapsed()));
         *self
             .loads
@@ -92,11 +99,27 @@ impl ModelPool {
         self.loads.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// How many times `id` was actually loaded (any device, backend or type): a second caller
+    /// of a warm model does not count, a load after [`ModelPool::evict`] does.
+    pub fn load_count(&self, id: &str) -> usize {
+        let loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+        loads
+            .iter()
+            .filter(|((m, _), _)| m == id)
+            .map(|(_, n)| *n as usize)
+            .sum()
+    }
+
     /// How long the warm copy took to load, if it is loaded.
-    pub fn load_time<M: Model>(&self, id: &str, device: Device) -> Option<Duration> {
+    pub fn load_time<M: Model>(
+        &self,
+        id: &str,
+        device: Device,
+        backend: Backend,
+    ) -> Option<Duration> {
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let slot = slots
-            .get(&(id.to_string(), device, TypeId::of::<M>()))?
+            .get(&(id.to_string(), device, backend, TypeId::of::<M>()))?
             .clone();
         drop(slots);
         let g = slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -106,7 +129,7 @@ impl ModelPool {
     /// Drops every warm copy of `id` (e.g. after a re-import).
     pub fn evict(&self, id: &str) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots.retain(|(k, _, _), _| k != id);
+        slots.retain(|(k, _, _, _), _| k != id);
     }
 
     /// A permit to run work on `device`; hold it for the duration of the forward pass.
@@ -143,14 +166,14 @@ impl ModelPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    static LOADS: AtomicUsize = AtomicUsize::new(0);
-
     struct Counting;
     impl Model for Counting {
-        fn load(_: &Manifest, _: &InstalledModel, _: Device) -> Result<Self, ModelError> {
-            LOADS.fetch_add(1, Ordering::SeqCst);
+        fn load(
+            _: &Manifest,
+            _: &InstalledModel,
+            _: Device,
+            _: Backend,
+        ) -> Result<Self, ModelError> {
             std::thread::sleep(Duration::from_millis(20));
             Ok(Counting)
         }
@@ -183,18 +206,19 @@ mod tests {
         let reg = ModelRegistry::new(dir.path()).expect("registry");
         fake_install(&reg);
         let pool = Arc::new(ModelPool::new(Arc::new(reg)));
-        let before = LOADS.load(Ordering::SeqCst);
         let handles: Vec<_> = (0..4)
             .map(|_| {
                 let pool = pool.clone();
-                std::thread::spawn(move || pool.get_or_load::<Counting>("lung-unet", Device::Cpu))
+                std::thread::spawn(move || {
+                    pool.get_or_load::<Counting>("lung-unet", Device::Cpu, Backend::Native)
+                })
             })
             .collect();
         let models: Vec<_> = handles
             .into_iter()
             .map(|h| h.join().expect("thread").expect("load"))
             .collect();
-        assert_eq!(LOADS.load(Ordering::SeqCst) - before, 1);
+        assert_eq!(pool.load_count("lung-unet"), 1);
         assert_eq!(
             pool.load_counts()
                 .get(&("lung-unet".to_string(), "cpu".to_string())),
@@ -202,23 +226,44 @@ mod tests {
         );
         assert!(Arc::ptr_eq(&models[0], &models[3]));
         assert!(pool
-            .load_time::<Counting>("lung-unet", Device::Cpu)
+            .load_time::<Counting>("lung-unet", Device::Cpu, Backend::Native)
             .is_some());
         pool.evict("lung-unet");
         assert!(pool
-            .load_time::<Counting>("lung-unet", Device::Cpu)
+            .load_time::<Counting>("lung-unet", Device::Cpu, Backend::Native)
             .is_none());
+        pool.get_or_load::<Counting>("lung-unet", Device::Cpu, Backend::Native)
+            .expect("reload");
+        assert_eq!(pool.load_count("lung-unet"), 2);
+    }
+
+    #[test]
+    fn each_backend_is_its_own_warm_copy() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reg = ModelRegistry::new(dir.path()).expect("registry");
+        fake_install(&reg);
+        let pool = ModelPool::new(Arc::new(reg));
+        let get = |b| pool.get_or_load::<Counting>("lung-unet", Device::Cpu, b);
+        let native = get(Backend::Native).expect("native");
+        let onnx = get(Backend::Onnx).expect("onnx");
+        assert!(!Arc::ptr_eq(&native, &onnx));
+        assert!(Arc::ptr_eq(&native, &get(Backend::Native).expect("again")));
+        assert_eq!(pool.load_count("lung-unet"), 2);
+        assert_eq!(pool.load_count("chestx-det-pspnet"), 0);
     }
 
     #[test]
     fn absent_model_is_an_error_not_a_load() {
         let dir = tempfile::tempdir().expect("tempdir");
         let pool = ModelPool::new(Arc::new(ModelRegistry::new(dir.path()).expect("registry")));
-        let err = pool.get_or_load::<Counting>("lung-unet", Device::Cpu).err();
+        let err = pool
+            .get_or_load::<Counting>("lung-unet", Device::Cpu, Backend::Native)
+            .err();
         assert!(
             matches!(err, Some(ModelError::NotInstalled { .. })),
             "{err:?}"
         );
+        assert_eq!(pool.load_count("lung-unet"), 0);
     }
 
     #[tokio::test]

@@ -3,6 +3,8 @@
 //! ResNet-101 style encoder, pyramid pooling (6, 3, 2, 1) and a 1x1 classifier, upsampled to
 //! the input. Parameter names match `pspnet_chestxray_best_model_4.pth` once `module.` is
 //! stripped. The auxiliary head (`convbnrelu4_aux`, `aux_cls`) is training-only and not loaded.
+//! [`AnatomySegmenter`] runs it on `hilum-kernels`' native engine (from weights read by
+//! [`crate::native::pspnet`]) or on candle.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,8 +13,16 @@ use candle_core::{Module, Tensor};
 use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use hilum_kernels::NativePspNet;
+
 use crate::registry::{InstalledModel, Manifest};
-use crate::{Device, ModelError};
+use crate::{Backend, Device, ModelError};
+
+/// ptsemseg's BatchNorm2d epsilon (PyTorch's default).
+pub(crate) const BN_EPS: f64 = 1e-5;
+
+/// (stride, dilation) of `res_block2..5`: output stride 8, then dilation 2 and 4.
+pub(crate) const STAGE_STRIDE_DILATION: [(usize, usize); 4] = [(1, 1), (2, 1), (1, 2), (1, 4)];
 
 /// The 14 ChestX-Det structures, in output-channel order.
 pub const TARGETS: [&str; 14] = [
@@ -64,10 +74,10 @@ impl Config {
 
 /// conv (no bias) + batch norm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
 #[derive(Clone, Debug)]
-pub(crate) struct ConvBn {
-    pub(crate) conv: Conv2d,
-    pub(crate) bn: BatchNorm,
-    pub(crate) relu: bool,
+struct ConvBn {
+    conv: Conv2d,
+    bn: BatchNorm,
+    relu: bool,
 }
 
 impl ConvBn {
@@ -92,7 +102,7 @@ impl ConvBn {
         let vb = vb.pp(unit);
         Ok(ConvBn {
             conv: candle_nn::conv2d_no_bias(cin, cout, k, cfg, vb.pp("0"))?,
-            bn: candle_nn::batch_norm(cout, 1e-5, vb.pp("1"))?,
+            bn: candle_nn::batch_norm(cout, BN_EPS, vb.pp("1"))?,
             relu,
         })
     }
@@ -127,11 +137,11 @@ impl Module for ConvBn {
 
 /// `bottleNeckPSP` (with the projection `cb4`) or `bottleNeckIdentifyPSP` (without).
 #[derive(Clone, Debug)]
-pub(crate) struct Bottleneck {
-    pub(crate) cbr1: ConvBn,
-    pub(crate) cbr2: ConvBn,
-    pub(crate) cb3: ConvBn,
-    pub(crate) cb4: Option<ConvBn>,
+struct Bottleneck {
+    cbr1: ConvBn,
+    cbr2: ConvBn,
+    cb3: ConvBn,
+    cb4: Option<ConvBn>,
 }
 
 impl Bottleneck {
@@ -171,28 +181,15 @@ impl Module for Bottleneck {
     }
 }
 
-/// Which implementation runs the PSPNet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu::NativePspNet`]): the default on the CPU.
-    Native,
-    /// candle (CUDA, Metal; on the CPU the reference, ~10x slower).
-    Candle,
-}
-
-/// The PSPNet. On the CPU [`PspNet::probabilities`] runs Hilum's own kernels
-/// ([`crate::cpu::NativePspNet`], compiled from these weights on first use); candle elsewhere.
+/// The PSPNet: logits `(b, n_classes, h, w)` for a normalised input `(b, 3, h, w)`.
 #[derive(Clone, Debug)]
 pub struct PspNet {
     config: Config,
-    pub(crate) stem: [ConvBn; 3],
-    pub(crate) blocks: Vec<Bottleneck>,
-    pub(crate) pyramid: Vec<ConvBn>,
-    pub(crate) cbr_final: ConvBn,
-    pub(crate) classification: Conv2d,
-    device: candle_core::Device,
-    native: std::sync::OnceLock<Result<std::sync::Arc<crate::cpu::NativePspNet>, String>>,
+    stem: [ConvBn; 3],
+    blocks: Vec<Bottleneck>,
+    pyramid: Vec<ConvBn>,
+    cbr_final: ConvBn,
+    classification: Conv2d,
 }
 
 impl PspNet {
@@ -203,15 +200,13 @@ impl PspNet {
             ConvBn::cbr(vb.pp("convbnrelu1_2"), s1, s2, 3, 1, 1, 1)?,
             ConvBn::cbr(vb.pp("convbnrelu1_3"), s2, s3, 3, 1, 1, 1)?,
         ];
-        // (stride, dilation) of res_block2..5: output stride 8, then dilation 2 and 4.
-        let plan = [(1, 1), (2, 1), (1, 2), (1, 4)];
         let mut blocks = Vec::new();
         let mut cin = s3;
         for (i, ((&[mid, cout], &n), (stride, dil))) in cfg
             .stages
             .iter()
             .zip(&cfg.block_config)
-            .zip(plan)
+            .zip(STAGE_STRIDE_DILATION)
             .enumerate()
         {
             let vb = vb.pp(format!("res_block{}", i + 2)).pp("layers");
@@ -252,17 +247,17 @@ impl PspNet {
             pyramid,
             cbr_final,
             classification,
-            device: vb.device().clone(),
-            native: std::sync::OnceLock::new(),
         })
     }
 
     pub fn config(&self) -> &Config {
         &self.config
     }
+}
 
+impl Module for PspNet {
     /// Logits `(b, n_classes, h, w)` for a normalised input `(b, 3, h, w)`.
-    pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let (_, _, h, w) = xs.dims4()?;
         let mut x = xs.clone();
         for s in &self.stem {
@@ -287,70 +282,111 @@ impl PspNet {
             .apply(&self.classification)?
             .upsample_bilinear2d(h, w, false)
     }
+}
 
-    /// The backend [`PspNet::probabilities`] uses: native kernels on the CPU, candle on GPUs.
-    pub fn default_backend(&self) -> Backend {
-        if self.device.is_cpu() {
-            Backend::Native
-        } else {
-            Backend::Candle
+/// The PSPNet ready to run on one backend: native kernels (the default on the CPU) or candle.
+pub struct AnatomySegmenter {
+    config: Config,
+    net: AnatomyNet,
+}
+
+enum AnatomyNet {
+    Native(Box<NativePspNet>),
+    Candle(Box<PspNet>, candle_core::Device),
+}
+
+impl AnatomySegmenter {
+    /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers)
+    /// or `Candle` (the device of `vb`).
+    pub fn new(
+        vb: VarBuilder,
+        config: &Config,
+        backend: Backend,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let net = match backend {
+            Backend::Native => {
+                if !vb.device().is_cpu() {
+                    return Err(ModelError::Device {
+                        device: format!("{:?}", vb.device()),
+                        reason: "the native backend runs on the CPU only: use the candle backend"
+                            .into(),
+                    });
+                }
+                let weights = crate::native::pspnet(vb, config)?;
+                AnatomyNet::Native(Box::new(
+                    NativePspNet::new(&weights, config.input_size, threads)
+                        .map_err(|e| ModelError::Compute(e.to_string()))?,
+                ))
+            }
+            Backend::Candle => {
+                let device = vb.device().clone();
+                AnatomyNet::Candle(Box::new(PspNet::load(vb, config)?), device)
+            }
+            Backend::Onnx => {
+                return Err(ModelError::Backend {
+                    what: "the anatomy PSPNet".into(),
+                    backend,
+                    supported: "native, candle".into(),
+                })
+            }
+        };
+        Ok(AnatomySegmenter {
+            config: config.clone(),
+            net,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self.net {
+            AnatomyNet::Native(_) => Backend::Native,
+            AnatomyNet::Candle(..) => Backend::Candle,
         }
     }
 
-    /// The native CPU network, compiled from these weights on first use.
-    pub fn native(&self) -> Result<&crate::cpu::NativePspNet, ModelError> {
-        self.native
-            .get_or_init(|| {
-                crate::cpu::NativePspNet::new(self, crate::cpu::default_threads())
-                    .map(std::sync::Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .as_ref()
-            .map(|n| n.as_ref())
-            .map_err(|e| ModelError::Compute(e.clone()))
+    /// The native engine, when this runs on it (for benchmarks and batch use).
+    pub fn native(&self) -> Option<&NativePspNet> {
+        match &self.net {
+            AnatomyNet::Native(n) => Some(n),
+            AnatomyNet::Candle(..) => None,
+        }
     }
 
     /// Per-structure probabilities (sigmoid of the logits) for one prepared image
     /// (`3 * input_size²` values from [`preprocess`]); returns `n_classes` maps of `input_size²`.
     pub fn probabilities(&self, input: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.probabilities_with(self.default_backend(), input)
-    }
-
-    /// [`PspNet::probabilities`] on a chosen backend (`Native` runs on the CPU only).
-    pub fn probabilities_with(
-        &self,
-        backend: Backend,
-        input: &[f32],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let s = self.config.input_size;
-        match backend {
-            Backend::Native => {
-                if !self.device.is_cpu() {
-                    return Err(ModelError::Compute(
-                        "the native backend runs on the CPU only: use the candle backend".into(),
-                    ));
-                }
-                let nhwc = self
-                    .native()?
+        if input.len() != 3 * s * s {
+            return Err(ModelError::Compute(format!(
+                "input has {} values, expected 3x{s}x{s}",
+                input.len()
+            )));
+        }
+        match &self.net {
+            AnatomyNet::Native(n) => {
+                let nhwc = n
                     .forward_nhwc(input, 1)
                     .map_err(|e| ModelError::Compute(e.to_string()))?;
                 let c = self.config.n_classes;
                 let mut maps = vec![Vec::with_capacity(s * s); c];
                 for px in nhwc.chunks_exact(c) {
                     for (m, &v) in maps.iter_mut().zip(px) {
-                        m.push(crate::cpu::sigmoid(v));
+                        m.push(hilum_kernels::sigmoid(v));
                     }
                 }
                 Ok(maps)
             }
-            Backend::Candle => {
-                let run = || -> candle_core::Result<Vec<Vec<f32>>> {
-                    let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
-                    let y = candle_nn::ops::sigmoid(&self.forward(&x)?)?.squeeze(0)?;
-                    y.to_vec3::<f32>()
-                        .map(|c| c.into_iter().map(|m| m.concat()).collect())
-                };
-                run().map_err(|e| ModelError::Compute(e.to_string()))
+            AnatomyNet::Candle(m, device) => {
+                let x = Tensor::from_slice(input, (1, 3, s, s), device)?;
+                let y = candle_nn::ops::sigmoid(&m.forward(&x)?)?.squeeze(0)?;
+                Ok(y.to_vec3::<f32>()?
+                    .into_iter()
+                    .map(|m| m.concat())
+                    .collect())
             }
         }
     }
@@ -384,20 +420,35 @@ pub fn expected_params(cfg: &Config) -> Result<BTreeMap<String, Vec<usize>>, Mod
     crate::weights::recorded_params(|vb| PspNet::load(vb, cfg))
 }
 
-/// Loads a safetensors file with [`Config::chestx_det`] (or `cfg`).
-pub fn load_file(path: &Path, cfg: &Config, device: Device) -> Result<PspNet, ModelError> {
+/// Loads a safetensors file with [`Config::chestx_det`] (or `cfg`) on `backend`.
+pub fn load_file(
+    path: &Path,
+    cfg: &Config,
+    device: Device,
+    backend: Backend,
+    threads: usize,
+) -> Result<AnatomySegmenter, ModelError> {
     let vb = crate::weights::var_builder(path, device)?;
-    PspNet::load(vb, cfg).map_err(|e| ModelError::Corrupt {
-        id: "chestx-det-pspnet".into(),
-        reason: e.to_string(),
-    })
+    AnatomySegmenter::new(vb, cfg, backend, threads).map_err(|e| corrupt("chestx-det-pspnet", e))
 }
 
-impl crate::Model for PspNet {
+/// A computation error while reading weights means the weights are unusable.
+fn corrupt(id: &str, e: ModelError) -> ModelError {
+    match e {
+        ModelError::Compute(reason) => ModelError::Corrupt {
+            id: id.to_string(),
+            reason,
+        },
+        other => other,
+    }
+}
+
+impl crate::Model for AnatomySegmenter {
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
         let mut cfg = Config::chestx_det();
         if let Some(s) = manifest
@@ -408,9 +459,7 @@ impl crate::Model for PspNet {
             cfg.input_size = s.max(64) as usize;
         }
         let vb = crate::weights::var_builder(&installed.weights, device)?;
-        PspNet::load(vb, &cfg).map_err(|e| ModelError::Corrupt {
-            id: manifest.id.clone(),
-            reason: e.to_string(),
-        })
+        AnatomySegmenter::new(vb, &cfg, backend, hilum_kernels::default_threads())
+            .map_err(|e| corrupt(&manifest.id, e))
     }
 }

@@ -4,7 +4,8 @@
 //! Parameter names match the published state dict (`conv1.weight`, `layer1.0.conv2.weight`,
 //! `layer2.0.downsample.0.weight`, `fc.bias`).
 //!
-//! This is the candle path; on CPU [`crate::cpu::NativeResNet`] runs the same weights.
+//! This is the candle path; on the CPU `hilum-kernels` runs the same weights (read by
+//! [`crate::native::resnet`]).
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{
@@ -38,6 +39,16 @@ impl Config {
             expansion: 4,
             num_classes: 18,
             in_channels: 1,
+        }
+    }
+
+    /// The stride of block `block` of stage `stage`: the first block of every stage but the
+    /// first halves the resolution.
+    pub fn block_stride(&self, stage: usize, block: usize) -> usize {
+        if stage > 0 && block == 0 {
+            2
+        } else {
+            1
         }
     }
 
@@ -145,8 +156,7 @@ impl ResNet {
             let svb = vb.pp(format!("layer{}", i + 1));
             let mut blocks = Vec::with_capacity(n);
             for j in 0..n {
-                // The first block of every stage but the first halves the resolution.
-                let stride = if i > 0 && j == 0 { 2 } else { 1 };
+                let stride = cfg.block_stride(i, j);
                 blocks.push(Bottleneck::load(svb.pp(j), c_in, planes, stride, cfg)?);
                 c_in = planes * cfg.expansion;
             }

@@ -1217,7 +1217,9 @@ impl crate::Model for Sam {
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: crate::Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         let cfg = Config::from_manifest(manifest)?;
         let vb = crate::weights::var_builder(&installed.weights, device)?;
         Sam::load(vb, &cfg).map_err(|e| ModelError::Corrupt {

@@ -6,18 +6,24 @@
 //! Parameter names are the Keras layer and weight names (`conv1.kernel`, `bn1.moving_mean`,
 //! `conv2d_17.bias`) with Keras shapes (kernels HWIO), so the converted checkpoint is a plain
 //! renaming of the published one. Preprocessing and postprocessing (resize, threshold,
-//! upsampling to the original size) live here, beside the network.
+//! upsampling to the original size) live here, beside the network, and so does
+//! [`LungSegmenter`], which runs it on one backend: `hilum-kernels`' native engine (from
+//! weights read by [`crate::native::lung_unet`]), candle, or ONNX Runtime.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::{Device, InstalledModel, Manifest, ModelError};
+use hilum_kernels::unet::same_padding;
+use hilum_kernels::NativeUnet;
+
+use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
 /// Keras' default batch-norm epsilon, used by every BN layer of the checkpoint.
-const BN_EPS: f64 = 1e-3;
+pub(crate) const BN_EPS: f64 = 1e-3;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
@@ -56,7 +62,7 @@ impl Config {
 }
 
 /// Keras names its unnamed 1x1 convs `conv2d`, `conv2d_1`, ... in creation order.
-fn conv2d_name(n: usize) -> String {
+pub(crate) fn conv2d_name(n: usize) -> String {
     if n == 0 {
         "conv2d".to_string()
     } else {
@@ -66,17 +72,17 @@ fn conv2d_name(n: usize) -> String {
 
 /// One stage: a 3x3 conv + BN + swish, an optional residual add + BN + swish (encoder stages
 /// that keep their width), squeeze-excitation, and a 1x1 conv + swish.
-pub(crate) struct Block {
-    pub(crate) conv: Conv2d,
-    pub(crate) stride: usize,
-    pub(crate) residual_bn: Option<Affine>,
-    pub(crate) se_reduce: Conv2d,
-    pub(crate) se_expand: Conv2d,
-    pub(crate) project: Conv2d,
+struct Block {
+    conv: Conv2d,
+    stride: usize,
+    residual_bn: Option<Affine>,
+    se_reduce: Conv2d,
+    se_expand: Conv2d,
+    project: Conv2d,
 }
 
 /// A per-channel `x * scale + shift` (an inference-mode batch norm), shapes (1, c, 1, 1).
-pub(crate) struct Affine {
+struct Affine {
     scale: Tensor,
     shift: Tensor,
 }
@@ -93,16 +99,6 @@ impl Affine {
             scale: scale.reshape((1, c, 1, 1))?,
             shift: shift.reshape((1, c, 1, 1))?,
         })
-    }
-}
-
-impl Affine {
-    /// (scale, shift) per channel.
-    pub(crate) fn to_vecs(&self) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
-        Ok((
-            self.scale.flatten_all()?.to_vec1::<f32>()?,
-            self.shift.flatten_all()?.to_vec1::<f32>()?,
-        ))
     }
 }
 
@@ -143,13 +139,6 @@ fn conv(
         ..Default::default()
     };
     Ok(Conv2d::new(w.contiguous()?, Some(b), cfg))
-}
-
-/// TensorFlow `same` padding along one axis: (before, after).
-pub(crate) fn same_padding(size: usize, k: usize, stride: usize) -> (usize, usize) {
-    let out = size.div_ceil(stride);
-    let total = ((out - 1) * stride + k).saturating_sub(size);
-    (total / 2, total - total / 2)
 }
 
 impl Block {
@@ -202,19 +191,16 @@ impl Module for Block {
 }
 
 /// The lung U-Net. Input (b, 256, 256, 3) NHWC raw 0..255 RGB; output (b, 256, 256, 1) lung
-/// probability, as in Keras. On the CPU [`LungUnet::predict`] runs Hilum's own kernels
-/// ([`crate::cpu::NativeUnet`], compiled from these weights on first use); candle elsewhere.
+/// probability, as in Keras.
 pub struct LungUnet {
     config: Config,
-    pub(crate) encoder: Vec<Block>,
-    pub(crate) decoder: Vec<Block>,
-    pub(crate) head: Conv2d,
-    device: candle_core::Device,
-    native: std::sync::OnceLock<Result<crate::cpu::NativeUnet, String>>,
+    encoder: Vec<Block>,
+    decoder: Vec<Block>,
+    head: Conv2d,
 }
 
 impl LungUnet {
-    pub fn load(vb: VarBuilder, config: &Config) -> Result<Self, ModelError> {
+    pub fn load(vb: VarBuilder, config: &Config) -> candle_core::Result<Self> {
         let mut se = 0;
         let mut encoder = Vec::new();
         let mut c_in = config.in_channels;
@@ -270,21 +256,17 @@ impl LungUnet {
             encoder,
             decoder,
             head,
-            device: vb.device().clone(),
-            native: std::sync::OnceLock::new(),
         })
     }
 
     pub fn config(&self) -> &Config {
         &self.config
     }
+}
 
-    pub fn device(&self) -> &candle_core::Device {
-        &self.device
-    }
-
+impl Module for LungUnet {
     /// (b, s, s, 3) NHWC → (b, s, s, 1) probabilities.
-    pub fn forward_nhwc(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let xs = xs.permute((0, 3, 1, 2))?.contiguous()?; // (b, 3, 256, 256)
         let mut skips = Vec::with_capacity(self.encoder.len());
         let mut h = xs;
@@ -307,39 +289,117 @@ impl LungUnet {
         let out = candle_nn::ops::sigmoid(&padded.apply(&self.head)?)?; // (b, 1, 256, 256)
         out.permute((0, 2, 3, 1))?.contiguous()
     }
+}
 
-    /// The backend [`LungUnet::predict`] uses: native kernels on the CPU, candle on GPUs.
-    pub fn default_backend(&self) -> Backend {
-        if self.device.is_cpu() {
-            Backend::Native
-        } else {
-            Backend::Candle
-        }
+/// The backend the lung U-Net runs on by default. On the CPU: the native kernels where their
+/// direct (AVX2/AVX-512) engine runs — 0.4x ONNX Runtime's time on this small-channel network
+/// (`examples/xrv_profile.rs unet`); elsewhere ONNX Runtime when its graph is installed and the runtime loads (the native
+/// im2col + gemm plan measured 2-3x slower than it), else the native kernels (still 4-8x
+/// faster than candle's CPU convolutions). candle on GPUs.
+pub fn auto_backend(installed: &InstalledModel, device: Device) -> Backend {
+    if device.is_gpu() {
+        return Backend::Candle;
+    }
+    if hilum_kernels::unet_direct_engine() {
+        return Backend::Native;
+    }
+    #[cfg(feature = "onnx")]
+    if installed.onnx.is_some() && crate::onnx::available() {
+        return Backend::Onnx;
+    }
+    let _ = installed;
+    Backend::Native
+}
+
+/// The lung U-Net ready to run on one backend; the same input and output whichever runs it.
+pub struct LungSegmenter {
+    config: Config,
+    net: LungNet,
+}
+
+enum LungNet {
+    Native(NativeUnet),
+    Candle(LungUnet, candle_core::Device),
+    #[cfg(feature = "onnx")]
+    Onnx(crate::onnx::OnnxModel),
+}
+
+impl LungSegmenter {
+    /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers)
+    /// or `Candle` (the device of `vb`). ONNX Runtime needs the graph: [`LungSegmenter::onnx`].
+    pub fn new(
+        vb: VarBuilder,
+        config: &Config,
+        backend: Backend,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let net = match backend {
+            Backend::Native => {
+                if !vb.device().is_cpu() {
+                    return Err(ModelError::Device {
+                        device: format!("{:?}", vb.device()),
+                        reason: "the native backend runs on the CPU only: load the model on the \
+                                 CPU or use the candle backend"
+                            .into(),
+                    });
+                }
+                let weights = crate::native::lung_unet(vb, config)?;
+                LungNet::Native(
+                    NativeUnet::new(&weights, config.input_size, threads)
+                        .map_err(|e| ModelError::Compute(e.to_string()))?,
+                )
+            }
+            Backend::Candle => {
+                let device = vb.device().clone();
+                LungNet::Candle(LungUnet::load(vb, config)?, device)
+            }
+            Backend::Onnx => {
+                return Err(ModelError::Backend {
+                    what: "a lung U-Net built from safetensors".into(),
+                    backend,
+                    supported: "native, candle (ONNX Runtime loads the imported model.onnx)".into(),
+                })
+            }
+        };
+        Ok(LungSegmenter {
+            config: config.clone(),
+            net,
+        })
     }
 
-    /// The native CPU network, compiled from these weights on first use.
-    pub fn native(&self) -> Result<&crate::cpu::NativeUnet, ModelError> {
-        self.native
-            .get_or_init(|| {
-                crate::cpu::NativeUnet::new(self, crate::cpu::default_threads())
-                    .map_err(|e| e.to_string())
+    /// The imported ONNX graph `path` on ONNX Runtime's CPU provider, `threads` intra-op
+    /// threads.
+    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
+    pub fn onnx(path: &Path, config: &Config, threads: usize) -> Result<Self, ModelError> {
+        #[cfg(feature = "onnx")]
+        {
+            Ok(LungSegmenter {
+                config: config.clone(),
+                net: LungNet::Onnx(crate::onnx::OnnxModel::load(path, threads)?),
             })
-            .as_ref()
-            .map_err(|e| ModelError::Compute(e.clone()))
+        }
+        #[cfg(not(feature = "onnx"))]
+        Err(ModelError::Onnx(
+            "this hilum was built without the `onnx` feature; use the native backend".into(),
+        ))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self.net {
+            LungNet::Native(_) => Backend::Native,
+            LungNet::Candle(..) => Backend::Candle,
+            #[cfg(feature = "onnx")]
+            LungNet::Onnx(_) => Backend::Onnx,
+        }
     }
 
     /// Lung probability maps at the model's resolution for a batch of preprocessed inputs
     /// (each `s*s*3` values, NHWC, from [`preprocess_rgb`] / [`preprocess_gray`]).
     pub fn predict(&self, inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.predict_with(self.default_backend(), inputs)
-    }
-
-    /// [`LungUnet::predict`] on a chosen backend: `Native` (CPU only) or `Candle`.
-    pub fn predict_with(
-        &self,
-        backend: Backend,
-        inputs: &[Vec<f32>],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let s = self.config.input_size;
         if inputs.is_empty() {
             return Ok(Vec::new());
@@ -354,40 +414,40 @@ impl LungUnet {
             }
             flat.extend_from_slice(x);
         }
-        let ys = match backend {
-            Backend::Native => {
-                if !self.device.is_cpu() {
-                    return Err(ModelError::Compute(
-                        "the native backend runs on the CPU only: load the model on the CPU or \
-                         use the candle backend"
-                            .into(),
-                    ));
-                }
-                self.native()?
-                    .forward(&flat, inputs.len())
-                    .map_err(|e| ModelError::Compute(e.to_string()))?
+        let ys = match &self.net {
+            LungNet::Native(n) => n
+                .forward(&flat, inputs.len())
+                .map_err(|e| ModelError::Compute(e.to_string()))?,
+            LungNet::Candle(m, device) => {
+                let xs = Tensor::from_vec(flat, (inputs.len(), s, s, 3), device)?;
+                m.forward(&xs)?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
             }
-            Backend::Candle => {
-                let xs = Tensor::from_vec(flat, (inputs.len(), s, s, 3), &self.device)?;
-                let ys = self.forward_nhwc(&xs)?.to_dtype(DType::F32)?;
-                ys.flatten_all()?.to_vec1::<f32>()?
-            }
-            Backend::Onnx => {
-                return Err(ModelError::Compute(
-                    "LungUnet runs the native or candle backend; ONNX Runtime is LungUnetOnnx"
-                        .into(),
-                ))
-            }
+            #[cfg(feature = "onnx")]
+            LungNet::Onnx(g) => g.run(&[inputs.len(), s, s, 3], &flat)?.1,
         };
+        if ys.len() != inputs.len() * s * s {
+            return Err(ModelError::Compute(format!(
+                "the {} backend returned {} values for {} images of {s}x{s}",
+                self.backend(),
+                ys.len(),
+                inputs.len()
+            )));
+        }
         Ok(ys.chunks(s * s).map(<[f32]>::to_vec).collect())
     }
 }
 
-impl crate::Model for LungUnet {
+impl crate::Model for LungSegmenter {
+    /// Native and candle from the installed safetensors, ONNX Runtime from the imported
+    /// `model.onnx`.
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
         let mut config = Config::lung_seg_valiou_088();
         if let Some(s) = manifest
@@ -397,121 +457,25 @@ impl crate::Model for LungUnet {
         {
             config.input_size = s.max(1) as usize;
         }
+        let threads = hilum_kernels::default_threads();
+        if backend == Backend::Onnx {
+            let path = installed.onnx.as_ref().ok_or_else(|| {
+                ModelError::Onnx(format!(
+                    "no ONNX graph installed for `{}`: run `hilum models import {} {}`",
+                    manifest.id,
+                    manifest.id,
+                    manifest.source.onnx_file.as_deref().unwrap_or("MODEL.onnx")
+                ))
+            })?;
+            return Self::onnx(path, &config, threads);
+        }
         let vb = crate::weights::var_builder(&installed.weights, device)?;
-        LungUnet::load(vb, &config).map_err(|e| ModelError::Corrupt {
-            id: manifest.id.clone(),
-            reason: e.to_string(),
-        })
-    }
-}
-
-/// Which implementation runs the lung U-Net.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu::NativeUnet`]), from the converted safetensors.
-    Native,
-    /// candle, from the converted safetensors (CPU, CUDA, Metal).
-    Candle,
-    /// ONNX Runtime, from the model's imported `model.onnx`.
-    Onnx,
-}
-
-impl Backend {
-    /// On the CPU: the native kernels where their direct (AVX2/AVX-512) engine runs — 0.4x
-    /// ONNX Runtime's time on this small-channel network (`examples/xrv_profile.rs unet`);
-    /// elsewhere ONNX Runtime when its graph is installed and the runtime loads (the native
-    /// im2col + gemm plan measured 2-3x slower than it), else the native kernels (still 4-8x
-    /// faster than candle's CPU convolutions). candle on GPUs.
-    pub fn auto(installed: &InstalledModel, device: Device) -> Backend {
-        if device.is_gpu() {
-            return Backend::Candle;
-        }
-        if crate::cpu::unet_direct_engine() {
-            return Backend::Native;
-        }
-        #[cfg(feature = "onnx")]
-        if installed.onnx.is_some() && crate::onnx::available() {
-            return Backend::Onnx;
-        }
-        let _ = installed;
-        Backend::Native
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ModelError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "native" => Ok(Backend::Native),
-            "candle" => Ok(Backend::Candle),
-            "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
-            other => Err(ModelError::Compute(format!(
-                "unknown backend `{other}`: use native, candle or onnx"
-            ))),
-        }
-    }
-}
-
-/// The lung U-Net on ONNX Runtime (same input and output as [`LungUnet`]).
-#[cfg(feature = "onnx")]
-pub struct LungUnetOnnx {
-    config: Config,
-    graph: crate::onnx::OnnxModel,
-}
-
-#[cfg(feature = "onnx")]
-impl LungUnetOnnx {
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
-    pub fn predict(&self, inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let s = self.config.input_size;
-        let mut flat = Vec::with_capacity(inputs.len() * s * s * 3);
-        for x in inputs {
-            if x.len() != s * s * 3 {
-                return Err(ModelError::Compute(format!(
-                    "input has {} values, expected {s}x{s}x3",
-                    x.len()
-                )));
-            }
-            flat.extend_from_slice(x);
-        }
-        if inputs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (_, out) = self.graph.run(&[inputs.len(), s, s, 3], &flat)?;
-        if out.len() != inputs.len() * s * s {
-            return Err(ModelError::Onnx(format!(
-                "graph returned {} values for {} images of {s}x{s}",
-                out.len(),
-                inputs.len()
-            )));
-        }
-        Ok(out.chunks(s * s).map(<[f32]>::to_vec).collect())
-    }
-}
-
-#[cfg(feature = "onnx")]
-impl crate::Model for LungUnetOnnx {
-    fn load(
-        manifest: &Manifest,
-        installed: &InstalledModel,
-        _device: Device,
-    ) -> Result<Self, ModelError> {
-        let path = installed.onnx.as_ref().ok_or_else(|| {
-            ModelError::Onnx(format!(
-                "no ONNX graph installed for `{}`: run `hilum models import {} {}`",
-                manifest.id,
-                manifest.id,
-                manifest.source.onnx_file.as_deref().unwrap_or("MODEL.onnx")
-            ))
-        })?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Ok(LungUnetOnnx {
-            config: Config::lung_seg_valiou_088(),
-            graph: crate::onnx::OnnxModel::load(path, threads)?,
+        Self::new(vb, &config, backend, threads).map_err(|e| match e {
+            ModelError::Compute(reason) => ModelError::Corrupt {
+                id: manifest.id.clone(),
+                reason,
+            },
+            other => other,
         })
     }
 }
@@ -701,14 +665,6 @@ pub fn mask_at(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn same_padding_matches_tensorflow() {
-        assert_eq!(same_padding(256, 3, 2), (0, 1));
-        assert_eq!(same_padding(255, 3, 2), (1, 1));
-        assert_eq!(same_padding(64, 3, 1), (1, 1));
-        assert_eq!(same_padding(8, 1, 1), (0, 0));
-    }
 
     #[test]
     fn expected_params_count_matches_published_174k() {

@@ -11,8 +11,8 @@ use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{CpuError, NativeDenseNet, NativeResNet};
-use crate::{densenet, resnet, Device, InstalledModel, Manifest, ModelError};
+use crate::{densenet, native, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
+use hilum_kernels::{CpuError, NativeDenseNet, NativeResNet};
 
 /// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
 pub const LABELS: [&str; 18] = [
@@ -265,63 +265,6 @@ fn resample_weights(n: usize, m: usize) -> Vec<Vec<(usize, f32)>> {
         .collect()
 }
 
-/// Which implementation runs the network (`--backend native|candle|onnx`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Hilum's own CPU kernels ([`crate::cpu`]): the default on CPU, where it is as fast as
-    /// ONNX Runtime and needs no runtime library.
-    Native,
-    /// candle tensors: the default on CUDA and Metal; on CPU the (slow) reference path.
-    Candle,
-    /// ONNX Runtime (`ort`, loaded from `ORT_DYLIB_PATH`), on a graph built from the same
-    /// safetensors ([`crate::onnx_graph`]) or an imported `model.onnx`; CPU, or TensorRT/CUDA
-    /// with the `onnx-gpu` feature.
-    Onnx,
-}
-
-impl Backend {
-    pub const ALL: [Backend; 3] = [Backend::Native, Backend::Candle, Backend::Onnx];
-
-    /// Native on the CPU (measured as fast as ONNX Runtime there, with nothing to install),
-    /// candle on GPUs; ONNX Runtime only when asked for.
-    pub fn default_for(device: Device) -> Backend {
-        if device.is_gpu() {
-            Backend::Candle
-        } else {
-            Backend::Native
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Native => "native",
-            Backend::Candle => "candle",
-            Backend::Onnx => "onnx",
-        }
-    }
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = ModelError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "native" => Ok(Backend::Native),
-            "candle" => Ok(Backend::Candle),
-            "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
-            other => Err(ModelError::Compute(format!(
-                "unknown backend `{other}`: use native, candle or onnx"
-            ))),
-        }
-    }
-}
-
 /// Where the ONNX Runtime backend's graph came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnnxSource {
@@ -412,13 +355,14 @@ impl Classifier {
                 Net::CandleDense(densenet::DenseNet::load(vb, c)?)
             }
             (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
+            // The native plans are built from the checkpoint's weights, not from candle modules.
             (Arch::DenseNet(c), _) => {
-                let net = densenet::DenseNet::load(vb, c)?;
-                Net::NativeDense(NativeDenseNet::new(&net, size, threads).map_err(cpu_err)?)
+                let w = native::densenet(vb, c)?;
+                Net::NativeDense(NativeDenseNet::new(&w, size, threads).map_err(cpu_err)?)
             }
             (Arch::ResNet(c), _) => {
-                let net = resnet::ResNet::load(vb, c)?;
-                Net::NativeRes(NativeResNet::new(&net, size, threads).map_err(cpu_err)?)
+                let w = native::resnet(vb, c)?;
+                Net::NativeRes(NativeResNet::new(&w, size, threads).map_err(cpu_err)?)
             }
         };
         Ok(Self::with_net(spec, backend, device, net))
@@ -629,28 +573,13 @@ impl Classifier {
 }
 
 impl crate::Model for Classifier {
-    /// On the device's default backend ([`Backend::default_for`]).
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: Backend,
     ) -> Result<Self, ModelError> {
-        Self::load_installed(manifest, installed, device, Backend::default_for(device))
-    }
-}
-
-/// The pool keeps one warm copy per (model, device, type): one wrapper type per backend
-/// (`B` indexes [`Backend::ALL`]) keeps one warm classifier per backend.
-struct OnBackend<const B: usize>(Arc<Classifier>);
-
-impl<const B: usize> crate::Model for OnBackend<B> {
-    fn load(
-        manifest: &Manifest,
-        installed: &InstalledModel,
-        device: Device,
-    ) -> Result<Self, ModelError> {
-        let c = Classifier::load_installed(manifest, installed, device, Backend::ALL[B])?;
-        Ok(OnBackend(Arc::new(c)))
+        Self::load_installed(manifest, installed, device, backend)
     }
 }
 
@@ -662,11 +591,7 @@ pub fn pooled(
     device: Device,
     backend: Option<Backend>,
 ) -> Result<Arc<Classifier>, ModelError> {
-    Ok(match backend.unwrap_or(Backend::default_for(device)) {
-        Backend::Native => pool.get_or_load::<OnBackend<0>>(id, device)?.0.clone(),
-        Backend::Candle => pool.get_or_load::<OnBackend<1>>(id, device)?.0.clone(),
-        Backend::Onnx => pool.get_or_load::<OnBackend<2>>(id, device)?.0.clone(),
-    })
+    pool.get_or_load::<Classifier>(id, device, backend.unwrap_or(Backend::default_for(device)))
 }
 
 /// Parameter names and shapes the network reads, in checkpoint naming. Checkpoints from

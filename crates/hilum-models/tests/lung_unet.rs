@@ -8,7 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use hilum_models::unet::{self, Backend, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
+use hilum_models::Backend;
 use hilum_models::{Device, ImportOptions, ModelError, ModelPool, ModelRegistry};
 
 fn repo() -> PathBuf {
@@ -55,10 +56,15 @@ fn pool() -> &'static Arc<ModelPool> {
         .1
 }
 
-fn model() -> Arc<LungUnet> {
+/// The warm lung U-Net on `backend` (the CPU default of the tools is the native engine).
+fn model_on(backend: Backend) -> Arc<LungSegmenter> {
     pool()
-        .get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+        .get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, backend)
         .expect("load lung-unet")
+}
+
+fn model() -> Arc<LungSegmenter> {
+    model_on(Backend::default_for(Device::Cpu))
 }
 
 /// Reads a little-endian float32 .npy file: (shape, values).
@@ -204,11 +210,10 @@ fn output_matches_keras_reference_to_1e4() {
     let (shape, input) = reference("input");
     assert_eq!(shape, vec![1, 256, 256, 3]);
     let (_, expected) = reference("output");
-    let m = model();
     let mut outs = Vec::new();
     for backend in [Backend::Native, Backend::Candle] {
-        let got = m
-            .predict_with(backend, std::slice::from_ref(&input))
+        let got = model_on(backend)
+            .predict(std::slice::from_ref(&input))
             .expect("predict")
             .remove(0);
         let max = max_diff(&got, &expected);
@@ -219,8 +224,9 @@ fn output_matches_keras_reference_to_1e4() {
     let max = max_diff(&outs[0], &outs[1]);
     eprintln!("lung-unet native vs candle: max abs diff {max:.2e}");
     assert!(max <= 1e-4, "native vs candle: {max}");
-    // On the CPU `predict` runs the native kernels.
-    assert_eq!(m.default_backend(), Backend::Native);
+    // On the CPU the default runs the native kernels.
+    let m = model();
+    assert_eq!(m.backend(), Backend::Native);
     assert_eq!(m.predict(&[input]).expect("predict").remove(0), outs[0]);
 }
 
@@ -228,17 +234,15 @@ fn output_matches_keras_reference_to_1e4() {
 fn batched_forward_equals_single() {
     let (_, input) = reference("input");
     let flipped: Vec<f32> = input.iter().rev().copied().collect();
-    let m = model();
     for backend in [Backend::Native, Backend::Candle] {
-        let both = m
-            .predict_with(backend, &[input.clone(), flipped.clone()])
-            .expect("batch");
+        let m = model_on(backend);
+        let both = m.predict(&[input.clone(), flipped.clone()]).expect("batch");
         let one = m
-            .predict_with(backend, std::slice::from_ref(&input))
+            .predict(std::slice::from_ref(&input))
             .expect("single")
             .remove(0);
         let two = m
-            .predict_with(backend, std::slice::from_ref(&flipped))
+            .predict(std::slice::from_ref(&flipped))
             .expect("single")
             .remove(0);
         let max = max_diff(&both[0], &one).max(max_diff(&both[1], &two));
@@ -306,7 +310,7 @@ fn dice_on_imlab_masks_is_reported() {
 fn missing_weights_error_names_the_commands() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pool = ModelPool::new(Arc::new(ModelRegistry::new(dir.path()).expect("registry")));
-    match pool.get_or_load::<LungUnet>("lung-unet", Device::Cpu) {
+    match pool.get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, Backend::Native) {
         Err(e @ ModelError::NotInstalled { .. }) => {
             let s = e.to_string();
             assert!(s.contains("hilum models import lung-unet"), "{s}");

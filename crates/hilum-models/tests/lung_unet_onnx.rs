@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use hilum_models::onnx::OnnxModel;
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ImportOptions, ModelPool, ModelRegistry};
 
 fn data() -> PathBuf {
@@ -42,7 +42,7 @@ fn import_opts() -> ImportOptions {
     }
 }
 
-fn candle_model(dir: &Path) -> std::sync::Arc<LungUnet> {
+fn candle_model(dir: &Path) -> std::sync::Arc<LungSegmenter> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
     let python = std::env::var_os("HILUM_PYTHON")
         .map(PathBuf::from)
@@ -55,7 +55,7 @@ fn candle_model(dir: &Path) -> std::sync::Arc<LungUnet> {
     };
     hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
     let pool = ModelPool::new(std::sync::Arc::new(reg));
-    pool.get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+    pool.get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, hilum_models::Backend::Native)
         .expect("load")
 }
 
@@ -127,27 +127,27 @@ fn imported_graph_runs_through_the_pool_and_auto_picks_onnx() {
     let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
     let inst = hilum_models::import(&reg, "lung-unet", &h5, &import_opts()).expect("h5");
     assert_eq!(
-        unet::Backend::auto(&inst, Device::Cpu),
-        unet::Backend::Native
+        unet::auto_backend(&inst, Device::Cpu),
+        hilum_models::Backend::Native
     );
     let inst = hilum_models::import(&reg, "lung-unet", &graph, &import_opts()).expect("onnx");
     assert!(inst.onnx.is_some());
     // With the graph installed, ONNX Runtime is the default only where the native direct
     // kernels do not run (they are faster than it).
-    let want = if hilum_models::cpu::unet_direct_engine() {
-        unet::Backend::Native
+    let want = if hilum_kernels::unet_direct_engine() {
+        hilum_models::Backend::Native
     } else {
-        unet::Backend::Onnx
+        hilum_models::Backend::Onnx
     };
-    assert_eq!(unet::Backend::auto(&inst, Device::Cpu), want);
+    assert_eq!(unet::auto_backend(&inst, Device::Cpu), want);
     assert!(reg.verify("lung-unet").expect("verify").ok);
 
     let pool = ModelPool::new(std::sync::Arc::new(reg));
     let ort = pool
-        .get_or_load::<unet::LungUnetOnnx>("lung-unet", Device::Cpu)
+        .get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, hilum_models::Backend::Onnx)
         .expect("onnx model");
     let candle = pool
-        .get_or_load::<LungUnet>("lung-unet", Device::Cpu)
+        .get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, hilum_models::Backend::Native)
         .expect("candle model");
     // A batch of two real radiographs (out-of-distribution noise amplifies float differences).
     let batch: Vec<Vec<f32>> = ["nih_00000100_000_effusion_multi.png", "covid_0a7faa2a.jpg"]

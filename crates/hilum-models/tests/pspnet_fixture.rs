@@ -5,8 +5,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
-use candle_core::Device;
-use hilum_models::pspnet::{self, Config};
+use candle_core::{Device, Module};
+use hilum_models::pspnet::{self, AnatomySegmenter, Config};
+use hilum_models::Backend;
 
 fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/anatomy");
@@ -18,27 +19,39 @@ fn fixtures() -> PathBuf {
     p
 }
 
-/// The small seeded PSPNet, its configuration and its reference input/logits.
-fn small_model_and_io() -> (pspnet::PspNet, Config, HashMap<String, candle_core::Tensor>) {
+/// The small seeded PSPNet's configuration and its reference input/logits.
+fn small_config_and_io() -> (Config, HashMap<String, candle_core::Tensor>) {
     let dir = fixtures();
     let cfg: Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("pspnet_small_config.json")).expect("config"),
     )
     .expect("config parses");
-    let model = pspnet::load_file(
-        &dir.join("pspnet_small.safetensors"),
-        &cfg,
-        hilum_models::Device::Cpu,
-    )
-    .expect("small weights load");
     let io = candle_core::safetensors::load(dir.join("pspnet_small_io.safetensors"), &Device::Cpu)
         .expect("io fixture");
-    (model, cfg, io)
+    (cfg, io)
+}
+
+/// The small seeded PSPNet on `backend`, 2 native threads.
+fn small_model(cfg: &Config, backend: Backend) -> AnatomySegmenter {
+    pspnet::load_file(
+        &fixtures().join("pspnet_small.safetensors"),
+        cfg,
+        hilum_models::Device::Cpu,
+        backend,
+        2,
+    )
+    .expect("small weights load")
 }
 
 #[test]
 fn small_pspnet_matches_reference_logits() {
-    let (model, _, io) = small_model_and_io();
+    let (cfg, io) = small_config_and_io();
+    let vb = hilum_models::weights::var_builder(
+        &fixtures().join("pspnet_small.safetensors"),
+        hilum_models::Device::Cpu,
+    )
+    .expect("weights");
+    let model = pspnet::PspNet::load(vb, &cfg).expect("small weights load");
     let y = model.forward(&io["input"]).expect("forward");
     assert_eq!(y.dims(), io["logits"].dims());
     let diff: f32 = (y - &io["logits"])
@@ -64,14 +77,17 @@ fn small_pspnet_matches_reference_logits() {
 /// fixture, and the default `probabilities` path, which runs them on the CPU.
 #[test]
 fn small_pspnet_native_matches_reference_logits() {
-    let (model, cfg, io) = small_model_and_io();
+    let (cfg, io) = small_config_and_io();
+    let model = small_model(&cfg, Backend::default_for(hilum_models::Device::Cpu));
     let input = io["input"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let want = io["logits"]
         .flatten_all()
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
-    let native = model.native().expect("native plan");
+    let native = model
+        .native()
+        .expect("the CPU default runs the native plan");
     let got = native.forward(&input, 1).expect("native forward");
     assert_eq!(got.len(), want.len());
     let diff = got
@@ -82,7 +98,7 @@ fn small_pspnet_native_matches_reference_logits() {
     println!("native: max abs diff {diff:e}");
     assert!(diff < 1e-4, "native max abs diff {diff}");
 
-    assert_eq!(model.default_backend(), pspnet::Backend::Native);
+    assert_eq!(model.backend(), Backend::Native);
     let probs = model.probabilities(&input).expect("probabilities");
     let hw = cfg.input_size * cfg.input_size;
     assert_eq!(probs.len(), cfg.n_classes);
@@ -146,10 +162,14 @@ fn full_size_forward_time() {
     let cfg = Config::chestx_det();
     let map = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&map, candle_core::DType::F32, &Device::Cpu);
-    let model = pspnet::PspNet::load(vb, &cfg).expect("full-size model");
+    let threads = std::env::var("HILUM_CPU_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let x = vec![0.1f32; 3 * cfg.input_size * cfg.input_size];
     let t = std::time::Instant::now();
-    model.native().expect("native plan");
+    let native =
+        AnatomySegmenter::new(vb.clone(), &cfg, Backend::Native, threads).expect("native plan");
     println!(
         "PSPNet native plan (fold weights): {:.1} s",
         t.elapsed().as_secs_f64()
@@ -157,16 +177,14 @@ fn full_size_forward_time() {
     let mut native_s = f64::MAX;
     for _ in 0..2 {
         let t = std::time::Instant::now();
-        let p = model
-            .probabilities_with(pspnet::Backend::Native, &x)
-            .expect("native forward");
+        let p = native.probabilities(&x).expect("native forward");
         native_s = native_s.min(t.elapsed().as_secs_f64());
         assert_eq!(p.len(), 14);
     }
+    let candle =
+        AnatomySegmenter::new(vb, &cfg, Backend::Candle, threads).expect("full-size model");
     let t = std::time::Instant::now();
-    let p = model
-        .probabilities_with(pspnet::Backend::Candle, &x)
-        .expect("forward");
+    let p = candle.probabilities(&x).expect("forward");
     let candle_s = t.elapsed().as_secs_f64();
     println!(
         "PSPNet 512 px forward on CPU: native {native_s:.2} s (best of 2), candle {candle_s:.1} s, \

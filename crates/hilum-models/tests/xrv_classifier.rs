@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Arch, Backend, Classifier, XrvSpec};
+use hilum_models::xrv::{self, Arch, Classifier, XrvSpec};
+use hilum_models::Backend;
 use hilum_models::{densenet, resnet};
 
 fn fixtures() -> PathBuf {

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Arch, Backend, Classifier, OnnxSource, XrvSpec};
+use hilum_models::xrv::{self, Arch, Classifier, OnnxSource, XrvSpec};
+use hilum_models::Backend;
 use hilum_models::{densenet, resnet, ModelRegistry};
 
 /// Whether ONNX Runtime loads; prints why a test is skipped when it does not.

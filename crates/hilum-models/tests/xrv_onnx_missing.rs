@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Backend, Classifier, XrvSpec};
+use hilum_models::xrv::{self, Classifier, XrvSpec};
+use hilum_models::Backend;
 
 #[test]
 fn onnx_backend_without_onnx_runtime_names_the_setup_script() {

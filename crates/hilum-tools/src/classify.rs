@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::ImageStore;
 
-use hilum_models::xrv::{self, Backend, LabelScore, OnnxSource};
+use hilum_models::xrv::{self, LabelScore, OnnxSource};
+use hilum_models::Backend;
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 

@@ -46,7 +46,7 @@ pub struct ToolDeps {
     pub vlm: Arc<VlmSettings>,
     /// Classifier backend per model id (`*`: every model); empty: `HILUM_BACKEND`, else the
     /// device's default.
-    pub backends: std::collections::BTreeMap<String, hilum_models::xrv::Backend>,
+    pub backends: std::collections::BTreeMap<String, hilum_models::Backend>,
 }
 
 impl ToolDeps {
@@ -63,7 +63,7 @@ impl ToolDeps {
 
     pub fn with_backends(
         mut self,
-        backends: std::collections::BTreeMap<String, hilum_models::xrv::Backend>,
+        backends: std::collections::BTreeMap<String, hilum_models::Backend>,
     ) -> Self {
         self.backends = backends;
         self

@@ -141,7 +141,9 @@ impl hilum_models::Model for CamNet {
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: hilum_models::Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[hilum_models::Backend::Candle], &manifest.id)?;
         let spec = XrvSpec::from_manifest(manifest)?;
         let Arch::DenseNet(cfg) = &spec.arch else {
             return Err(ModelError::Manifest {
@@ -453,7 +455,7 @@ impl Tool for LocalizeFinding {
         let t0 = Instant::now();
         let (loc, label) = tokio::task::spawn_blocking(move || {
             let net = models
-                .get_or_load::<CamNet>(MODEL_ID, device)
+                .get_or_load::<CamNet>(MODEL_ID, device, hilum_models::Backend::Candle)
                 .map_err(|e| model_error(&models, e))?;
             let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
                 ToolError::InvalidArguments(format!(

@@ -8,7 +8,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -220,7 +220,11 @@ fn lung_unet_mask(
     image: &CxrImage,
 ) -> Result<Vec<bool>, ToolError> {
     let model = models
-        .get_or_load::<LungUnet>(LUNG_MODEL_ID, device)
+        .get_or_load::<LungSegmenter>(
+            LUNG_MODEL_ID,
+            device,
+            hilum_models::Backend::default_for(device),
+        )
         .map_err(|e| model_error(models, e))?;
     let (w, h) = (image.width as usize, image.height as usize);
     let scale = 255.0 / image.max_value().max(1.0);

@@ -158,7 +158,7 @@ impl TypedTool for GenerateReport {
             let section = tokio::task::spawn_blocking(move || {
                 let t_load = Instant::now();
                 let model = models
-                    .get_or_load::<ReportModel>(model_id, device)
+                    .get_or_load::<ReportModel>(model_id, device, hilum_models::Backend::Candle)
                     .map_err(|e| model_error(&models, e))?;
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
                 let size = model.input_size as u32;

@@ -7,7 +7,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
-use hilum_models::pspnet::{self, PspNet, TARGETS};
+use hilum_models::pspnet::{self, AnatomySegmenter, TARGETS};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
@@ -69,7 +69,7 @@ pub fn parse_structures(args: &Value) -> Result<Vec<usize>, ToolError> {
 
 /// Runs the network on the whole image and brings the chosen maps back to its resolution.
 pub fn run(
-    model: &PspNet,
+    model: &AnatomySegmenter,
     img: &CxrImage,
     which: &[usize],
 ) -> Result<Vec<StructureMap>, ToolError> {
@@ -101,7 +101,11 @@ pub fn anatomy_masks(
     img: &CxrImage,
 ) -> Result<ChestMasks, ToolError> {
     let model = models
-        .get_or_load::<PspNet>(MODEL_ID, device)
+        .get_or_load::<AnatomySegmenter>(
+            MODEL_ID,
+            device,
+            hilum_models::Backend::default_for(device),
+        )
         .map_err(|e| model_error(models, e))?;
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
@@ -287,7 +291,11 @@ impl Tool for SegmentAnatomy {
         let t0 = Instant::now();
         let maps = tokio::task::spawn_blocking(move || {
             let model = models
-                .get_or_load::<PspNet>(MODEL_ID, device)
+                .get_or_load::<AnatomySegmenter>(
+                    MODEL_ID,
+                    device,
+                    hilum_models::Backend::default_for(device),
+                )
                 .map_err(|e| model_error(&models, e))?;
             run(&model, &image, &which)
         })

@@ -7,7 +7,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
-use hilum_models::unet::{self, LungUnet};
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
 use serde_json::{json, Value};
 
@@ -22,9 +22,9 @@ pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
-    /// `None`: [`unet::Backend::auto`] — the native CPU kernels where their AVX2/AVX-512 engine
+    /// `None`: [`unet::auto_backend`] — the native CPU kernels where their AVX2/AVX-512 engine
     /// runs, else ONNX Runtime when installed, else the native kernels (candle on GPUs).
-    backend: Option<unet::Backend>,
+    backend: Option<hilum_models::Backend>,
 }
 
 impl SegmentLungs {
@@ -62,7 +62,7 @@ impl SegmentLungs {
         }
     }
 
-    pub fn with_backend(mut self, backend: unet::Backend) -> Self {
+    pub fn with_backend(mut self, backend: hilum_models::Backend) -> Self {
         self.backend = Some(backend);
         self
     }
@@ -193,7 +193,7 @@ impl Tool for SegmentLungs {
         let (installed, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
         let backend = self
             .backend
-            .unwrap_or_else(|| unet::Backend::auto(&installed, self.device));
+            .unwrap_or_else(|| unet::auto_backend(&installed, self.device));
         let (models, device, image) = (self.models.clone(), self.device, img.clone());
         let t0 = Instant::now();
         let (mask, infer_ms) = tokio::task::spawn_blocking(move || {
@@ -204,16 +204,10 @@ impl Tool for SegmentLungs {
             let load = |e| model_error(&models, e);
             let t = Instant::now();
             let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-            let probs = match backend {
-                unet::Backend::Native | unet::Backend::Candle => models
-                    .get_or_load::<LungUnet>(MODEL_ID, device)
-                    .map_err(load)?
-                    .predict_with(backend, &x),
-                unet::Backend::Onnx => models
-                    .get_or_load::<unet::LungUnetOnnx>(MODEL_ID, device)
-                    .map_err(load)?
-                    .predict(&x),
-            };
+            let probs = models
+                .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)
+                .map_err(load)?
+                .predict(&x);
             let prob = probs
                 .map_err(|e| ToolError::Internal(e.to_string()))?
                 .remove(0);

@@ -397,7 +397,7 @@ impl Tool for SegmentRegion {
                 let (_, permit) = reserve(models, MODEL_ID, *device).await?;
                 let (m, d) = (models.clone(), *device);
                 let model = tokio::task::spawn_blocking(move || {
-                    m.get_or_load::<Sam>(MODEL_ID, d)
+                    m.get_or_load::<Sam>(MODEL_ID, d, hilum_models::Backend::Candle)
                         .map_err(|e| model_error(&m, e))
                 })
                 .await

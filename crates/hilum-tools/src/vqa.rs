@@ -91,7 +91,7 @@ impl AnswerVisualQuestion {
             let _permit = permit;
             let t0 = std::time::Instant::now();
             let m = models
-                .get_or_load::<NativeVlm>(&spec.model, spec.device)
+                .get_or_load::<NativeVlm>(&spec.model, spec.device, hilum_models::Backend::Candle)
                 .map_err(|e| model_error(&models, e))?;
             let load_ms = t0.elapsed().as_secs_f64() * 1e3;
             let gray = vlm::to_gray8(&img)?;

@@ -26,7 +26,7 @@ fn real_image(name: &str) -> PathBuf {
     p
 }
 
-fn small_model() -> pspnet::PspNet {
+fn small_model() -> pspnet::AnatomySegmenter {
     let dir = root().join("tests/fixtures/anatomy");
     let cfg: Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("pspnet_small_config.json"))
@@ -37,6 +37,8 @@ fn small_model() -> pspnet::PspNet {
         &dir.join("pspnet_small.safetensors"),
         &cfg,
         hilum_models::Device::Cpu,
+        hilum_models::Backend::Native,
+        2,
     )
     .expect("small weights")
 }

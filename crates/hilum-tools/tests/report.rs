@@ -103,7 +103,7 @@ async fn writes_both_sections_as_the_models_decode_them() {
         ("impression", IMPRESSION_MODEL),
     ] {
         let model = pool
-            .get_or_load::<ReportModel>(model_id, Device::Cpu)
+            .get_or_load::<ReportModel>(model_id, Device::Cpu, hilum_models::Backend::Candle)
             .expect("warm model");
         let px = store
             .prepared(&id, &Preprocess::imagenet(model.input_size as u32))
@@ -147,7 +147,7 @@ async fn max_length_past_the_position_table_is_capped_not_an_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (tool, id, pool, _) = setup(dir.path(), true);
     let limit = pool
-        .get_or_load::<ReportModel>(FINDINGS_MODEL, Device::Cpu)
+        .get_or_load::<ReportModel>(FINDINGS_MODEL, Device::Cpu, hilum_models::Backend::Candle)
         .expect("warm model")
         .max_length_limit();
     // The default max_length (128) is longer than the tiny models' position tables.

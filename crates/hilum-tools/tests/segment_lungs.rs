@@ -190,15 +190,17 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
         }
     };
     let auto = run(SegmentLungs::new(store.clone(), pool.clone())).await;
-    let ort = run(SegmentLungs::new(store.clone(), pool.clone())
-        .with_backend(hilum_models::unet::Backend::Onnx))
-    .await;
-    let candle = run(SegmentLungs::new(store.clone(), pool.clone())
-        .with_backend(hilum_models::unet::Backend::Candle))
-    .await;
+    let ort =
+        run(SegmentLungs::new(store.clone(), pool.clone())
+            .with_backend(hilum_models::Backend::Onnx))
+        .await;
+    let candle =
+        run(SegmentLungs::new(store.clone(), pool.clone())
+            .with_backend(hilum_models::Backend::Candle))
+        .await;
     // With the graph installed, the CPU default is still the native kernels where their direct
     // engine runs (faster than ONNX Runtime), ONNX Runtime elsewhere.
-    let want = if hilum_models::cpu::unet_direct_engine() {
+    let want = if hilum_models::kernels::unet_direct_engine() {
         "native"
     } else {
         "onnx"

@@ -7,7 +7,8 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use hilum_imaging::ImageStore;
-use hilum_models::xrv::{self, Backend};
+use hilum_models::xrv;
+use hilum_models::Backend;
 use hilum_models::{Device, ModelPool};
 
 use super::{finite, percentile};

@@ -544,7 +544,9 @@ impl crate::Model for ReportModel {
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
+        backend: crate::Backend,
     ) -> Result<Self, ModelError> {
+        backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         let fallback = if manifest.config.is_empty() {
             None
         } else {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::cpu::CpuError;
+use crate::CpuError;
 
 /// A job as the workers see it: the caller's closure with its lifetime erased. It is only
 /// called between `run` publishing it and `run` seeing `active == 0` after withdrawing it.

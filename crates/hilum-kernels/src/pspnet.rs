@@ -1,10 +1,44 @@
-//! The ChestX-Det PSPNet ([`crate::pspnet::PspNet`]) on the native CPU kernels: the dilated
-//! ResNet encoder as folded conv ops (dilation read while gathering), the pyramid pooling as
+//! The ChestX-Det PSPNet (ptsemseg's `pspnet`) on the native CPU kernels: the dilated ResNet
+//! encoder as folded conv ops (dilation read while gathering), the pyramid pooling as
 //! average pools + 1x1 convs + bilinear resizes written straight into the concatenation buffer,
 //! whose first channels the last bottleneck also writes in place.
 
-use super::{validate, Act, ConvOp, CpuError, Executor, Op, Output, Plan, View};
-use crate::pspnet::{ConvBn, PspNet};
+use super::{validate, Act, BatchNorm, Conv, ConvOp, CpuError, Executor, Op, Output, Plan, View};
+
+/// conv (no bias) + BatchNorm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
+#[derive(Clone, Debug)]
+pub struct ConvBn {
+    pub conv: Conv,
+    pub bn: BatchNorm,
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+    pub relu: bool,
+}
+
+/// `bottleNeckPSP` (with the projection `cb4`) or `bottleNeckIdentifyPSP` (without):
+/// cbr1 → cbr2 → cb3, plus the shortcut, ReLU.
+#[derive(Clone, Debug)]
+pub struct Bottleneck {
+    pub cbr1: ConvBn,
+    pub cbr2: ConvBn,
+    pub cb3: ConvBn,
+    pub cb4: Option<ConvBn>,
+}
+
+/// A PSPNet's weights: the stem units then a 3x3 max pool (stride 2, padding 1), the
+/// bottlenecks in order, one pyramid path (average pool to `pool_sizes[i]`, 1x1 unit, bilinear
+/// resize) per pool size concatenated after the features, `cbr_final` and the 1x1
+/// `classification` conv; logits are resized to the input.
+#[derive(Clone, Debug)]
+pub struct PspNetWeights {
+    pub stem: Vec<ConvBn>,
+    pub blocks: Vec<Bottleneck>,
+    pub pool_sizes: Vec<usize>,
+    pub pyramid: Vec<ConvBn>,
+    pub cbr_final: ConvBn,
+    pub classification: Conv,
+}
 
 /// A PSPNet compiled for its input size. Returns logits NHWC at the input resolution.
 pub struct NativePspNet {
@@ -49,14 +83,13 @@ fn unit(
     src: View,
     dst: impl FnOnce(usize, usize, usize) -> View,
 ) -> Result<ConvOp, CpuError> {
-    let w = u.conv.weight();
-    let (c_out, _, k, _) = w.dims4()?;
-    let cfg = u.conv.config();
-    let (s, p, d) = (cfg.stride, cfg.padding, cfg.dilation);
-    if cfg.groups != 1 {
-        return Err(CpuError::Weights(
-            "grouped convolutions are not supported".into(),
-        ));
+    let (c_out, k) = (u.conv.c_out, u.conv.k);
+    let (s, p, d) = (u.stride, u.padding, u.dilation);
+    if s == 0 || d == 0 || src.h + 2 * p < d * (k - 1) + 1 || src.w + 2 * p < d * (k - 1) + 1 {
+        return Err(CpuError::Weights(format!(
+            "a {k}x{k} conv (stride {s}, padding {p}, dilation {d}) on a {}x{} map",
+            src.h, src.w
+        )));
     }
     let dst = dst(
         conv_out(src.h, k, s, p, d),
@@ -71,9 +104,15 @@ fn unit(
 }
 
 impl NativePspNet {
-    pub fn new(net: &PspNet, threads: usize) -> Result<Self, CpuError> {
-        let cfg = net.config();
-        let size = cfg.input_size;
+    /// `size`: the square input side (512 for ChestX-Det).
+    pub fn new(net: &PspNetWeights, size: usize, threads: usize) -> Result<Self, CpuError> {
+        if net.pyramid.len() != net.pool_sizes.len() || net.pool_sizes.contains(&0) {
+            return Err(CpuError::Weights(format!(
+                "{} pyramid paths for pool sizes {:?}",
+                net.pyramid.len(),
+                net.pool_sizes
+            )));
+        }
         let mut ops = Vec::new();
         let mut x = View::whole(INPUT, size, size, 3);
         for (i, u) in net.stem.iter().enumerate() {
@@ -96,13 +135,8 @@ impl NativePspNet {
             pad: 1,
         });
         x = pooled;
-        let feat_c = net
-            .blocks
-            .last()
-            .map(|b| b.cb3.conv.weight().dim(0))
-            .transpose()?
-            .unwrap_or(x.c);
-        let paths = cfg.pool_sizes.len();
+        let feat_c = net.blocks.last().map_or(x.c, |b| b.cb3.conv.c_out);
+        let paths = net.pool_sizes.len();
         let path_c = feat_c / paths.max(1);
         let cat_c = feat_c + path_c * paths;
         let n_blocks = net.blocks.len();
@@ -141,7 +175,7 @@ impl NativePspNet {
             return Err(CpuError::Weights("PSPNet without bottlenecks".into()));
         }
         let (fh, fw) = (x.h, x.w);
-        for (i, (path, &p)) in net.pyramid.iter().zip(&cfg.pool_sizes).enumerate() {
+        for (i, (path, &p)) in net.pyramid.iter().zip(&net.pool_sizes).enumerate() {
             // ptsemseg: kernel = stride = floor(size / pool_size), no padding.
             let k = ((fh / p.max(1)).max(1), (fw / p.max(1)).max(1));
             let pooled = View::whole(POOLED, fh / k.0, fw / k.1, feat_c);
@@ -162,7 +196,7 @@ impl NativePspNet {
         let fin = unit(&net.cbr_final, cat, |h, w, c| View::whole(FINAL, h, w, c))?;
         let fin_v = fin.dst;
         ops.push(Op::Conv(fin));
-        let classes = net.classification.weight().dim(0)?;
+        let classes = net.classification.c_out;
         let logits = View::whole(LOGITS, fin_v.h, fin_v.w, classes);
         ops.push(Op::Conv(ConvOp::new(
             fin_v,

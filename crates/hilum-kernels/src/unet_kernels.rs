@@ -5,7 +5,7 @@
 //! the epilogue (bias, activation, residual, affine, squeeze-excitation sums) runs on the
 //! accumulators before they are stored. A portable scalar version serves other CPUs.
 
-use crate::cpu::exp_approx;
+use crate::exp_approx;
 
 /// Activation applied in an epilogue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,7 +93,7 @@ fn isa_cap() -> u8 {
 /// Whether this CPU runs the AVX-512 kernels (the shared kernels' detection, under the
 /// `HILUM_UNET_ISA` cap).
 pub(super) fn has_avx512() -> bool {
-    isa_cap() >= 2 && crate::cpu::has_avx512()
+    isa_cap() >= 2 && crate::has_avx512()
 }
 
 /// Whether this CPU runs the AVX2 kernels.
@@ -294,7 +294,7 @@ mod v4 {
     use super::{cpad, Act, HeadRow, Row};
     use std::arch::x86_64::*;
 
-    /// `exp` as [`crate::cpu::exp_approx`]: the same range reduction and polynomial, with
+    /// `exp` as [`crate::exp_approx`]: the same range reduction and polynomial, with
     /// `scalef` for the power of two.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
@@ -465,7 +465,7 @@ mod v3 {
     use super::{cpad, Act, HeadRow, Row};
     use std::arch::x86_64::*;
 
-    /// `exp` as [`crate::cpu::exp_approx`], the power of two built in the exponent bits.
+    /// `exp` as [`crate::exp_approx`], the power of two built in the exponent bits.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn exp(x: __m256) -> __m256 {

@@ -1,6 +1,9 @@
-//! Hilum's own CPU convolution kernels. candle's CPU `conv2d` spends most of its time outside
-//! the matrix product (FACTS.md: ~10x slower than ONNX Runtime on DenseNet-121), so on CPU the
-//! classifiers run here instead:
+//! Hilum's own CPU convolution engines. candle's CPU `conv2d` spends most of its time outside
+//! the matrix product (FACTS.md: ~10x slower than ONNX Runtime on DenseNet-121), so on the CPU
+//! Hilum's CNNs run here instead. This crate knows nothing of checkpoints or tensors: a network
+//! is built from plain weights ([`Conv`], [`BatchNorm`], [`Linear`] and the per-network structs
+//! such as [`densenet::DenseNetWeights`]) that the caller reads from wherever they live.
+//!
 //! - activations are NHWC `f32`, a layer's output is a channel slice of a (possibly wider) buffer,
 //!   so DenseNet's concatenation is written in place;
 //! - a 1x1 convolution is one strided gemm over pixels; a kxk one gathers tiles of pixels
@@ -19,10 +22,10 @@
 //!   swish/sigmoid with a vectorisable `exp`, pooling and bilinear resizing between NHWC views.
 
 mod dense_gemm;
-mod densenet;
-mod pspnet;
-mod resnet;
-mod unet;
+pub mod densenet;
+pub mod pspnet;
+pub mod resnet;
+pub mod unet;
 
 pub use densenet::NativeDenseNet;
 pub use pspnet::NativePspNet;
@@ -31,8 +34,6 @@ pub use unet::{direct_engine as unet_direct_engine, NativeUnet};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-
-use candle_nn::{BatchNorm, Conv2d, Linear};
 
 /// Errors of the native path; they only arise from malformed weights or inputs.
 #[derive(Debug, thiserror::Error)]
@@ -50,10 +51,52 @@ pub enum CpuError {
     Threads(String),
 }
 
-impl From<candle_core::Error> for CpuError {
-    fn from(e: candle_core::Error) -> Self {
-        CpuError::Weights(e.to_string())
+/// A convolution's weights as PyTorch lays them out: `weight` is (c_out, c_in, k, k)
+/// row-major, square kernels only. Stride, padding and dilation belong to the network.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conv {
+    pub c_out: usize,
+    pub c_in: usize,
+    pub k: usize,
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Conv {
+    fn check(&self) -> Result<(), CpuError> {
+        let n = self.c_out * self.c_in * self.k * self.k;
+        if self.weight.len() != n || self.bias.as_ref().is_some_and(|b| b.len() != self.c_out) {
+            return Err(CpuError::Weights(format!(
+                "a {k}x{k} conv {} -> {} needs {n} weights and {} biases, got {} and {}",
+                self.c_in,
+                self.c_out,
+                self.c_out,
+                self.weight.len(),
+                self.bias.as_ref().map_or(0, Vec::len),
+                k = self.k,
+            )));
+        }
+        Ok(())
     }
+}
+
+/// An inference BatchNorm, per channel: `(x - mean) / sqrt(var + eps) * gamma + beta`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchNorm {
+    pub gamma: Vec<f32>,
+    pub beta: Vec<f32>,
+    pub mean: Vec<f32>,
+    pub var: Vec<f32>,
+    pub eps: f32,
+}
+
+/// A fully connected layer: `weight` is (out_features, in_features) row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Linear {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
 }
 
 /// A channel slice `[ch_off, ch_off + c)` of an NHWC buffer whose pixels are `pitch` apart.
@@ -95,22 +138,25 @@ pub(crate) struct Affine {
 }
 
 pub(crate) fn bn_affine(bn: &BatchNorm) -> Result<Affine, CpuError> {
-    let (w, b) = bn
-        .weight_and_bias()
-        .ok_or_else(|| CpuError::Weights("BatchNorm without affine parameters".into()))?;
-    let mean = bn.running_mean().to_vec1::<f32>()?;
-    let var = bn.running_var().to_vec1::<f32>()?;
-    let w = w.to_vec1::<f32>()?;
-    let b = b.to_vec1::<f32>()?;
-    let eps = bn.eps() as f32;
-    let scale: Vec<f32> = w
+    let c = bn.gamma.len();
+    if [bn.beta.len(), bn.mean.len(), bn.var.len()] != [c; 3] {
+        return Err(CpuError::Weights(format!(
+            "BatchNorm parameters of unequal lengths: {c}, {}, {}, {}",
+            bn.beta.len(),
+            bn.mean.len(),
+            bn.var.len()
+        )));
+    }
+    let scale: Vec<f32> = bn
+        .gamma
         .iter()
-        .zip(&var)
-        .map(|(w, v)| w / (v + eps).sqrt())
+        .zip(&bn.var)
+        .map(|(w, v)| w / (v + bn.eps).sqrt())
         .collect();
-    let shift = b
+    let shift = bn
+        .beta
         .iter()
-        .zip(&mean)
+        .zip(&bn.mean)
         .zip(&scale)
         .map(|((b, m), s)| b - m * s)
         .collect();
@@ -275,29 +321,31 @@ impl ConvOp {
     }
 
     /// Conv (c_out, c_in, k, k) followed by an optional BatchNorm, as gemm weights and a bias.
-    pub fn fold(conv: &Conv2d, bn: Option<&BatchNorm>) -> Result<Folded, CpuError> {
-        let w = conv.weight();
-        let (c_out, c_in, kh, kw) = w.dims4()?;
-        if kh != kw {
-            return Err(CpuError::Weights(format!("non-square kernel {kh}x{kw}")));
-        }
-        let wv = w.flatten_all()?.to_vec1::<f32>()?;
+    pub fn fold(conv: &Conv, bn: Option<&BatchNorm>) -> Result<Folded, CpuError> {
+        conv.check()?;
+        let (c_out, c_in, k) = (conv.c_out, conv.c_in, conv.k);
         let aff = bn.map(bn_affine).transpose()?;
+        if aff.as_ref().is_some_and(|a| a.scale.len() != c_out) {
+            return Err(CpuError::Weights(format!(
+                "a BatchNorm of {} channels after a conv with {c_out} outputs",
+                aff.as_ref().map_or(0, |a| a.scale.len())
+            )));
+        }
+        let wv = &conv.weight;
         let mut out = vec![0f32; wv.len()];
         for co in 0..c_out {
             let s = aff.as_ref().map_or(1.0, |a| a.scale[co]);
             for ci in 0..c_in {
-                for ky in 0..kh {
-                    for kx in 0..kw {
-                        let src = ((co * c_in + ci) * kh + ky) * kw + kx;
-                        let dst = ((ky * kw + kx) * c_in + ci) * c_out + co;
+                for ky in 0..k {
+                    for kx in 0..k {
+                        let src = ((co * c_in + ci) * k + ky) * k + kx;
+                        let dst = ((ky * k + kx) * c_in + ci) * c_out + co;
                         out[dst] = wv[src] * s;
                     }
                 }
             }
         }
-        let conv_bias = conv.bias().map(|b| b.to_vec1::<f32>()).transpose()?;
-        let bias = match (aff, conv_bias) {
+        let bias = match (aff, conv.bias.clone()) {
             (None, b) => b,
             (Some(a), None) => Some(a.shift),
             (Some(a), Some(b)) => Some(
@@ -422,17 +470,23 @@ pub(crate) struct Head {
 
 impl Head {
     pub fn new(src: View, pre: Option<Affine>, fc: &Linear) -> Result<Self, CpuError> {
-        let w = fc.weight();
-        let classes = w.dim(0)?;
-        let bias = match fc.bias() {
-            Some(b) => b.to_vec1::<f32>()?,
-            None => vec![0.0; classes],
-        };
+        let classes = fc.out_features;
+        if fc.weight.len() != classes * fc.in_features
+            || fc.in_features != src.c
+            || fc.bias.as_ref().is_some_and(|b| b.len() != classes)
+        {
+            return Err(CpuError::Weights(format!(
+                "a linear layer {} -> {classes} with {} weights after {} channels",
+                fc.in_features,
+                fc.weight.len(),
+                src.c
+            )));
+        }
         Ok(Head {
             src,
             pre,
-            weight: w.flatten_all()?.to_vec1::<f32>()?,
-            bias,
+            weight: fc.weight.clone(),
+            bias: fc.bias.clone().unwrap_or_else(|| vec![0.0; classes]),
             classes,
         })
     }

@@ -1,5 +1,5 @@
-//! The lung U-Net ([`crate::unet::LungUnet`]) on the native CPU, built from the candle model's
-//! (already BN-folded) weights. NHWC input as Keras takes it.
+//! The lung-field U-Net of vk1996/Lung-Segmentation-TF on the native CPU, NHWC input as Keras
+//! takes it.
 //!
 //! The network has 1-64 channels per layer, too few for packed gemms to pay off, so by default
 //! it runs on its own direct kernels ([`kernels`]) and executor:
@@ -33,10 +33,52 @@ use std::sync::Mutex;
 use self::kernels::{cpad, Act, Epi, Grid, HeadRow, Row};
 use self::pool::Pool;
 use super::{
-    validate, Act as GemmAct, Affine, ConvOp, CpuError, Executor, Folded, Op, Output, Plan, SeOp,
-    View,
+    bn_affine, validate, Act as GemmAct, BatchNorm, ConvOp, CpuError, Executor, Folded, Op, Output,
+    Plan, SeOp, View,
 };
-use crate::unet::{same_padding, Block, LungUnet};
+
+/// One stage of the U-Net: a 3x3 conv (Keras `same` padding, `stride`) + `bn` + swish, for
+/// encoder stages that keep their width `+ input`, `residual_bn` and swish, then
+/// squeeze-excitation (channel means → `se_reduce` 1x1 + swish → `se_expand` 1x1 + sigmoid,
+/// scaling the channels) and the 1x1 `project` + swish. Decoder stages upsample 2x (nearest)
+/// first.
+#[derive(Clone, Debug)]
+pub struct UnetBlock {
+    pub conv: crate::Conv,
+    pub bn: BatchNorm,
+    pub stride: usize,
+    pub residual_bn: Option<BatchNorm>,
+    pub se_reduce: crate::Conv,
+    pub se_expand: crate::Conv,
+    pub project: crate::Conv,
+}
+
+/// The U-Net's weights: encoder stages (every stage after the first max-pools 2x first), decoder
+/// stages (each adds the matching encoder output after its projection) and the head, a 3x3
+/// conv + `head_bn` + sigmoid to one channel.
+#[derive(Clone, Debug)]
+pub struct UnetWeights {
+    pub encoder: Vec<UnetBlock>,
+    pub decoder: Vec<UnetBlock>,
+    pub head: crate::Conv,
+    pub head_bn: BatchNorm,
+}
+
+impl UnetWeights {
+    fn in_channels(&self) -> Result<usize, CpuError> {
+        self.encoder
+            .first()
+            .map(|b| b.conv.c_in)
+            .ok_or_else(|| CpuError::Weights("a U-Net without encoder stages".into()))
+    }
+}
+
+/// TensorFlow `same` padding along one axis: (before, after).
+pub fn same_padding(size: usize, k: usize, stride: usize) -> (usize, usize) {
+    let out = size.div_ceil(stride.max(1));
+    let total = (out.saturating_sub(1) * stride + k).saturating_sub(size);
+    (total / 2, total - total / 2)
+}
 
 /// A lung U-Net compiled for its input size.
 pub struct NativeUnet {
@@ -77,16 +119,16 @@ pub fn direct_engine() -> bool {
 }
 
 impl NativeUnet {
-    pub fn new(net: &LungUnet, threads: usize) -> Result<Self, CpuError> {
+    /// `size`: the square input side (256 for `lung_seg_valiou_088.h5`).
+    pub fn new(net: &UnetWeights, size: usize, threads: usize) -> Result<Self, CpuError> {
         let threads = threads.max(1);
-        let size = net.config().input_size;
         // The direct kernels are vectorised for x86-64 (AVX-512, AVX2); elsewhere the gemm
         // crate's kernels are faster than their scalar fallback.
         let direct = direct_engine();
         let engine = if direct {
-            Engine::Direct(Box::new(Direct::new(net, threads)?))
+            Engine::Direct(Box::new(Direct::new(net, size, threads)?))
         } else {
-            Engine::Gemm(Box::new(gemm_plan(net, threads)?))
+            Engine::Gemm(Box::new(gemm_plan(net, size, threads)?))
         };
         Ok(NativeUnet {
             engine,
@@ -252,13 +294,15 @@ impl Builder {
         m
     }
 
-    /// Folded 3x3 weights of `conv` for `cin` inputs: (weights, bias padded, cout).
+    /// 3x3 weights of `conv` with `bn` folded in, for `cin` inputs: (weights, bias padded,
+    /// cout).
     fn fold3(
-        conv: &candle_nn::Conv2d,
+        conv: &crate::Conv,
+        bn: &BatchNorm,
         cin: usize,
     ) -> Result<(Vec<f32>, Vec<f32>, usize), CpuError> {
-        let cout = conv.weight().dim(0)?;
-        let (w, b) = ConvOp::fold(conv, None)?;
+        let cout = conv.c_out;
+        let (w, b) = ConvOp::fold(conv, Some(bn))?;
         if w.len() != 9 * cin * cout {
             return Err(CpuError::Weights(format!(
                 "expected a 3x3 conv from {cin} channels, got {} weights for {cout} outputs",
@@ -271,9 +315,15 @@ impl Builder {
 
     /// A block's 3x3 conv (+ folded BN, swish [, + input, BN, swish]), accumulating the
     /// squeeze-excitation sums; on a 2x upsampling of `src` when `up2`.
-    fn conv3(&mut self, src: Map, blk: &Block, up2: bool, name: String) -> Result<Map, CpuError> {
+    fn conv3(
+        &mut self,
+        src: Map,
+        blk: &UnetBlock,
+        up2: bool,
+        name: String,
+    ) -> Result<Map, CpuError> {
         let cin = src.c;
-        let (w, bias, cout) = Self::fold3(&blk.conv, cin)?;
+        let (w, bias, cout) = Self::fold3(&blk.conv, &blk.bn, cin)?;
         let tap = |ky: usize, kx: usize| &w[(ky * 3 + kx) * cin * cout..][..cin * cout];
         let slot = self.slots;
         self.slots += 1;
@@ -392,7 +442,8 @@ impl Builder {
                             "residual block changes its size or width".into(),
                         ));
                     }
-                    let (scale, shift) = bn.to_vecs()?;
+                    let a = bn_affine(bn)?;
+                    let (scale, shift) = (a.scale, a.shift);
                     (
                         Some((src.buf, src.interior())),
                         Some((padded(&scale, cout), padded(&shift, cout))),
@@ -449,12 +500,12 @@ impl Builder {
     fn project(
         &mut self,
         t: Map,
-        blk: &Block,
+        blk: &UnetBlock,
         skip: Option<Map>,
         name: String,
     ) -> Result<Map, CpuError> {
         let cin = t.c;
-        let cout = blk.project.weight().dim(0)?;
+        let cout = blk.project.c_out;
         let (w, b) = ConvOp::fold(&blk.project, None)?;
         if w.len() != cin * cout {
             return Err(CpuError::Weights(format!(
@@ -604,9 +655,8 @@ fn op_work(op: &UOp) -> (usize, usize) {
 const CHUNK_WORK: usize = 1 << 14;
 
 impl Direct {
-    fn new(net: &LungUnet, threads: usize) -> Result<Self, CpuError> {
-        let cfg = net.config();
-        let size = cfg.input_size;
+    fn new(net: &UnetWeights, size: usize, threads: usize) -> Result<Self, CpuError> {
+        let in_channels = net.in_channels()?;
         let mut b = Builder {
             bufs: Vec::new(),
             ops: Vec::new(),
@@ -614,7 +664,7 @@ impl Direct {
             last_fold: 1,
             pair: kernels::has_avx512(),
         };
-        let input = b.map(size, size, cfg.in_channels);
+        let input = b.map(size, size, in_channels);
         b.ops.push(UOp::Input(input));
         let mut x = input;
         let mut skips = Vec::new();
@@ -644,7 +694,7 @@ impl Direct {
             x = b.project(t, blk, skip, name)?;
         }
         let cin = x.c;
-        let (w, bias, cout) = Builder::fold3(&net.head, cin)?;
+        let (w, bias, cout) = Builder::fold3(&net.head, &net.head_bn, cin)?;
         if cout != 1 || x.h != size || x.w != size {
             return Err(CpuError::Weights(format!(
                 "head gives {cout} channels at {}x{}, expected 1 at {size}x{size}",
@@ -693,7 +743,7 @@ impl Direct {
             slots: b.slots,
             cmax,
             size,
-            in_channels: cfg.in_channels,
+            in_channels,
             pool: Pool::new(threads)?,
             threads,
             ws: Mutex::new(None),
@@ -1060,7 +1110,7 @@ struct Bufs {
 /// conv 3x3 (+ folded BN, swish [, + input, BN, swish]) → squeeze-excitation → gated 1x1 conv
 /// + swish [+ skip], written to `out`.
 fn block_ops(
-    blk: &Block,
+    blk: &UnetBlock,
     src: View,
     up2: bool,
     out_buf: usize,
@@ -1068,7 +1118,7 @@ fn block_ops(
     b: &Bufs,
     ops: &mut Vec<Op>,
 ) -> Result<View, CpuError> {
-    let c = blk.conv.weight().dim(0)?;
+    let c = blk.conv.c_out;
     let (ih, iw) = if up2 {
         (src.h * 2, src.w * 2)
     } else {
@@ -1083,11 +1133,7 @@ fn block_ops(
         )));
     }
     let t = View::whole(b.tmp, ih.div_ceil(s), iw.div_ceil(s), c);
-    let post = blk
-        .residual_bn
-        .as_ref()
-        .map(|a| a.to_vecs().map(|(scale, shift)| Affine { scale, shift }))
-        .transpose()?;
+    let post = blk.residual_bn.as_ref().map(bn_affine).transpose()?;
     ops.push(Op::Conv(ConvOp {
         up2,
         act: GemmAct::Swish,
@@ -1099,7 +1145,7 @@ fn block_ops(
         },
         post,
         se_sums: true,
-        ..ConvOp::new(src, t, 3, s, pad, ConvOp::fold(&blk.conv, None)?)
+        ..ConvOp::new(src, t, 3, s, pad, ConvOp::fold(&blk.conv, Some(&blk.bn))?)
     }));
     let gate = View::whole(b.gate, 1, 1, c);
     ops.push(Op::Se(SeOp {
@@ -1121,9 +1167,8 @@ fn block_ops(
 /// The same network as a plan for the shared im2col + gemm executor: the decoder's upsampling
 /// is read on the fly by each decoder conv, the squeeze-excitation gate folded into the 1x1
 /// projection's weights per image, the skip add fused into that projection.
-fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
-    let cfg = net.config();
-    let size = cfg.input_size;
+fn gemm_plan(net: &UnetWeights, size: usize, threads: usize) -> Result<Executor, CpuError> {
+    let in_channels = net.in_channels()?;
     let n_enc = net.encoder.len();
     let b = Bufs {
         pool: n_enc + 1,
@@ -1134,7 +1179,7 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
         out: n_enc + 6,
     };
     let mut ops = Vec::new();
-    let mut x = View::whole(INPUT, size, size, cfg.in_channels);
+    let mut x = View::whole(INPUT, size, size, in_channels);
     let mut skips = Vec::new();
     for (i, blk) in net.encoder.iter().enumerate() {
         if i > 0 {
@@ -1161,13 +1206,20 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
     let out = View::whole(b.out, x.h, x.w, 1);
     ops.push(Op::Conv(ConvOp {
         act: GemmAct::Sigmoid,
-        ..ConvOp::new(x, out, 3, 1, 1, ConvOp::fold(&net.head, None)?)
+        ..ConvOp::new(
+            x,
+            out,
+            3,
+            1,
+            1,
+            ConvOp::fold(&net.head, Some(&net.head_bn))?,
+        )
     }));
     let mut buf_sizes = vec![0usize; b.out + 1];
-    buf_sizes[INPUT] = size * size * cfg.in_channels;
+    buf_sizes[INPUT] = size * size * in_channels;
     super::grow_buffers(&ops, &mut buf_sizes);
     let plan = Plan {
-        in_channels: cfg.in_channels,
+        in_channels,
         size,
         input_nhwc: true,
         buf_sizes,
@@ -1181,8 +1233,6 @@ fn gemm_plan(net: &LungUnet, threads: usize) -> Result<Executor, CpuError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::unet::{Backend, Config};
-    use candle_core::{DType, Device, Tensor};
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         a.iter()
@@ -1191,8 +1241,9 @@ mod tests {
             .fold(0f32, f32::max)
     }
 
-    /// The lung U-Net at 64 px with seeded weights (fan-in scaled so activations stay in range).
-    fn small_net() -> LungUnet {
+    /// The lung U-Net's shape (`lung_seg_valiou_088.h5`) with seeded weights, fan-in scaled so
+    /// activations stay in range.
+    fn small_weights() -> UnetWeights {
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut unit = move || {
             state ^= state << 13;
@@ -1200,62 +1251,82 @@ mod tests {
             state ^= state << 17;
             (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         };
-        let mut ts = std::collections::HashMap::new();
-        for (name, shape) in crate::unet::expected_params() {
-            let n: usize = shape.iter().product();
-            let fan_in = if shape.len() == 4 {
-                shape[0] * shape[1] * shape[2]
-            } else {
-                1
-            };
-            let vals: Vec<f32> = (0..n)
-                .map(|_| {
-                    let u = unit();
-                    if name.ends_with("moving_variance") {
-                        0.5 + u.abs()
-                    } else {
-                        3.0 * u / (fan_in as f32).sqrt()
-                    }
-                })
-                .collect();
-            let t = Tensor::from_vec(vals, shape, &Device::Cpu).expect("tensor");
-            ts.insert(name, t);
-        }
-        let vb = candle_nn::VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
-        let cfg = Config {
-            input_size: 64,
-            ..Config::lung_seg_valiou_088()
+        let mut conv = |c_in: usize, c_out: usize, k: usize| {
+            let scale = 3.0 / ((k * k * c_in) as f32).sqrt();
+            crate::Conv {
+                c_out,
+                c_in,
+                k,
+                weight: (0..c_out * c_in * k * k).map(|_| scale * unit()).collect(),
+                bias: Some((0..c_out).map(|_| 0.3 * unit()).collect()),
+            }
         };
-        LungUnet::load(vb, &cfg).expect("load")
+        let bn = |c: usize, v: f32| BatchNorm {
+            gamma: (0..c).map(|i| 1.0 + 0.1 * ((i % 5) as f32 - 2.0)).collect(),
+            beta: (0..c).map(|i| 0.05 * ((i % 3) as f32 - 1.0)).collect(),
+            mean: (0..c).map(|i| 0.1 * ((i % 4) as f32 - 1.5)).collect(),
+            var: vec![v; c],
+            eps: 1e-3,
+        };
+        let mut block = |c_in: usize, c_out: usize, stride: usize, residual: bool| UnetBlock {
+            conv: conv(c_in, c_out, 3),
+            bn: bn(c_out, 0.8),
+            stride,
+            residual_bn: residual.then(|| bn(c_out, 1.2)),
+            se_reduce: conv(c_out, c_out / 4, 1),
+            se_expand: conv(c_out / 4, c_out, 1),
+            project: conv(c_out, c_out, 1),
+        };
+        let (mut encoder, mut decoder, mut c_in) = (Vec::new(), Vec::new(), 3);
+        for (i, c) in [16, 16, 32, 32, 64, 64].into_iter().enumerate() {
+            let stride = if i == 0 { 2 } else { 1 };
+            encoder.push(block(c_in, c, stride, i > 0 && c == c_in));
+            c_in = c;
+        }
+        for c in [64, 32, 32, 16, 16, 8] {
+            decoder.push(block(c_in, c, 1, false));
+            c_in = c;
+        }
+        let head = conv(c_in, 1, 3);
+        UnetWeights {
+            encoder,
+            decoder,
+            head,
+            head_bn: bn(1, 1.0),
+        }
     }
 
-    /// The direct kernels against candle, and bit for bit the same whatever the thread count
-    /// (the squeeze-excitation sums are kept per chunk, not per thread).
     #[test]
-    fn direct_engine_matches_candle_for_any_thread_count() {
-        let net = small_net();
+    fn same_padding_matches_tensorflow() {
+        assert_eq!(same_padding(256, 3, 2), (0, 1));
+        assert_eq!(same_padding(255, 3, 2), (1, 1));
+        assert_eq!(same_padding(64, 3, 1), (1, 1));
+        assert_eq!(same_padding(8, 1, 1), (0, 0));
+    }
+
+    /// The direct kernels against the im2col + gemm plan (two independent implementations; the
+    /// candle reference is checked in hilum-models), and bit for bit the same whatever the
+    /// thread count (the squeeze-excitation sums are kept per chunk, not per thread).
+    #[test]
+    fn direct_engine_matches_gemm_plan_for_any_thread_count() {
+        let net = small_weights();
         let mut state = 99u32;
-        let inputs: Vec<Vec<f32>> = (0..2)
+        let flat: Vec<f32> = (0..2 * 64 * 64 * 3)
             .map(|_| {
-                (0..64 * 64 * 3)
-                    .map(|_| {
-                        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                        (state >> 24) as f32
-                    })
-                    .collect()
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 24) as f32
             })
             .collect();
-        let flat = inputs.concat();
-        let expected = net
-            .predict_with(Backend::Candle, &inputs)
-            .expect("candle")
-            .concat();
-        let one = Direct::new(&net, 1)
+        let expected = gemm_plan(&net, 64, 2)
+            .expect("plan")
+            .forward(&flat, 2)
+            .expect("gemm");
+        let one = Direct::new(&net, 64, 1)
             .expect("plan")
             .forward(&flat, 2)
             .expect("forward");
         let max = max_diff(&one, &expected);
-        assert!(max < 1e-4, "direct vs candle: max abs diff {max}");
+        assert!(max < 1e-4, "direct vs gemm plan: max abs diff {max}");
         let spread = expected
             .iter()
             .fold((1f32, 0f32), |(lo, hi), &v| (lo.min(v), hi.max(v)));
@@ -1264,7 +1335,7 @@ mod tests {
             "degenerate test output {spread:?}"
         );
         for threads in [2, 3] {
-            let d = Direct::new(&net, threads).expect("plan");
+            let d = Direct::new(&net, 64, threads).expect("plan");
             for _ in 0..3 {
                 assert!(
                     d.forward(&flat, 2).expect("forward") == one,
@@ -1272,11 +1343,16 @@ mod tests {
                 );
             }
         }
-        let gemm = gemm_plan(&net, 2)
-            .expect("plan")
-            .forward(&flat, 2)
-            .expect("gemm");
-        let max = max_diff(&gemm, &one);
-        assert!(max < 1e-4, "direct vs gemm plan: max abs diff {max}");
+    }
+
+    #[test]
+    fn mismatched_weights_are_an_error_not_a_panic() {
+        let mut net = small_weights();
+        net.decoder[2].project.weight.pop();
+        assert!(Direct::new(&net, 64, 1).is_err());
+        assert!(gemm_plan(&net, 64, 1).is_err());
+        let mut net = small_weights();
+        net.encoder[1].bn.var.pop();
+        assert!(NativeUnet::new(&net, 64, 1).is_err());
     }
 }

@@ -1,9 +1,34 @@
-//! Bottleneck ResNet on the native CPU kernels, built from the candle model's weights.
+//! Bottleneck ResNet (torchvision's layout, as torchxrayvision uses it) on the native CPU
+//! kernels.
 
 use super::{
-    out_dim, validate, Act, ConvOp, CpuError, Executor, Folded, Head, Op, Output, Plan, View,
+    out_dim, validate, Act, BatchNorm, Conv, ConvOp, CpuError, Executor, Folded, Head, Linear, Op,
+    Output, Plan, View,
 };
-use crate::resnet::ResNet;
+
+/// conv1 (1x1) + bn1 + relu → conv2 (3x3, `stride`, padding 1) + bn2 + relu → conv3 (1x1) +
+/// bn3, plus the shortcut (`downsample`: a strided 1x1 conv + BN, else the input), relu.
+#[derive(Clone, Debug)]
+pub struct Bottleneck {
+    pub conv1: Conv,
+    pub bn1: BatchNorm,
+    pub conv2: Conv,
+    pub bn2: BatchNorm,
+    pub conv3: Conv,
+    pub bn3: BatchNorm,
+    pub downsample: Option<(Conv, BatchNorm)>,
+    pub stride: usize,
+}
+
+/// A ResNet's weights: conv1 (7x7, stride 2, padding 3) + bn1 + relu + 3x3 max pool (stride 2,
+/// padding 1), the bottlenecks in order, global average pool and fc.
+#[derive(Clone, Debug)]
+pub struct ResNetWeights {
+    pub conv1: Conv,
+    pub bn1: BatchNorm,
+    pub blocks: Vec<Bottleneck>,
+    pub fc: Linear,
+}
 
 /// A ResNet compiled for one input size into NHWC ops with BatchNorm folded.
 pub struct NativeResNet {
@@ -45,18 +70,18 @@ fn conv(
 
 impl NativeResNet {
     /// `size`: the square input size (512 for `resnet50-res512-all`).
-    pub fn new(net: &ResNet, size: usize, threads: usize) -> Result<Self, CpuError> {
-        let cfg = &net.cfg;
+    pub fn new(net: &ResNetWeights, size: usize, threads: usize) -> Result<Self, CpuError> {
+        let (in_channels, stem_channels) = (net.conv1.c_in, net.conv1.c_out);
         let mut buf_sizes = vec![0usize; 7];
         let mut need =
             |buf: usize, v: &View| buf_sizes[buf] = buf_sizes[buf].max(v.h * v.w * v.pitch);
-        let input = View::whole(INPUT, size, size, cfg.in_channels);
+        let input = View::whole(INPUT, size, size, in_channels);
         need(INPUT, &input);
         let h1 = out_dim(size, 7, 2, 3);
-        let stem = View::whole(STEM, h1, h1, cfg.stem_channels);
+        let stem = View::whole(STEM, h1, h1, stem_channels);
         need(STEM, &stem);
         let h2 = out_dim(h1, 3, 2, 1);
-        let mut x = View::whole(PING, h2, h2, cfg.stem_channels);
+        let mut x = View::whole(PING, h2, h2, stem_channels);
         need(PING, &x);
         let mut ops = vec![
             conv(
@@ -77,10 +102,10 @@ impl NativeResNet {
                 pad: 1,
             },
         ];
-        for block in net.stages.iter().flatten() {
+        for block in &net.blocks {
             let s = block.stride;
-            let planes = block.conv1.weight().dim(0)?;
-            let c_out = block.conv3.weight().dim(0)?;
+            let planes = block.conv1.c_out;
+            let c_out = block.conv3.c_out;
             let h = out_dim(x.h, 3, s, 1);
             let t1 = View::whole(T1, x.h, x.w, planes);
             let t2 = View::whole(T2, h, h, planes);
@@ -140,7 +165,7 @@ impl NativeResNet {
         }
         let head = Head::new(x, None, &net.fc)?;
         let plan = Plan {
-            in_channels: cfg.in_channels,
+            in_channels,
             size,
             input_nhwc: false,
             buf_sizes,
@@ -150,7 +175,7 @@ impl NativeResNet {
         validate(&plan)?;
         Ok(NativeResNet {
             exec: Executor::new(plan, threads)?,
-            classes: cfg.num_classes,
+            classes: net.fc.out_features,
         })
     }
 
