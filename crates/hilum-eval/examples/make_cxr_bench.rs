@@ -85,7 +85,7 @@ fn regions(mask: &[bool], w: usize, h: usize) -> Vec<(usize, f64)> {
         }
         out.push((area, sx / area as f64));
     }
-    out.sort_by(|a, b| b.0.cmp(&a.0));
+    out.sort_by_key(|r| std::cmp::Reverse(r.0));
     out
 }
 
