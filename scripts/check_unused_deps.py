@@ -27,8 +27,28 @@ def sources(pkg: pathlib.Path, dirs):
                 # Nested packages (the umbrella's crates/) are checked on their own.
                 if pkg == ROOT and f.is_relative_to(ROOT / "crates"):
                     continue
-                text.append(f.read_text(errors="replace"))
+                text.append(read_with_path_modules(f))
     return "\n".join(text)
+
+
+def read_with_path_modules(f: pathlib.Path, seen=None) -> str:
+    """A file's text plus the modules it pulls in with `#[path = "..."]` (shared test code)."""
+    seen = seen or set()
+    if f in seen or not f.is_file():
+        return ""
+    seen.add(f)
+    text = f.read_text(errors="replace")
+    parts = [text]
+    for rel in re.findall(r'#\[path\s*=\s*"([^"]+)"\]', text):
+        target = (f.parent / rel).resolve()
+        if target.is_dir():
+            target = target / "mod.rs"
+        parts.append(read_with_path_modules(target, seen))
+        # A `mod.rs` reached by path brings its sibling modules along.
+        if target.name == "mod.rs":
+            for sib in target.parent.glob("*.rs"):
+                parts.append(read_with_path_modules(sib, seen))
+    return "\n".join(parts)
 
 
 def named(ident: str, code: str) -> bool:

@@ -377,10 +377,7 @@ impl SourcePool {
             if n.unit == Unit::Mm && after.trim_start().starts_with("/px") {
                 let row = nums
                     .get(k.wrapping_sub(1))
-                    .filter(|p| {
-                        p.unit == Unit::None
-                            && t[p.start..n.start].contains(|c: char| c == 'x' || c == '×')
-                    })
+                    .filter(|p| p.unit == Unit::None && t[p.start..n.start].contains(['x', '×']))
                     .map_or(n.value, |p| p.value);
                 self.spacings.push((row, n.value));
             }

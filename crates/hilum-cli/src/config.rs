@@ -238,7 +238,7 @@ pub fn models_dir() -> PathBuf {
 
 /// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
 /// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar) and `CANDLE_NUM_THREADS`.
-fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
+pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut cfg = LocalConfig::new(path);
     if let Some(v) = var("HILUM_LOCAL_MATMUL") {

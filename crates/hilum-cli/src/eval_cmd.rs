@@ -10,12 +10,13 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use hilum_agent::{AgentConfig, Llm, Protocol, Toolbox};
+use hilum_agent::{AgentConfig, Llm, Protocol};
 use hilum_eval::runner::{LlmFor, OnProgress, ToolboxFor, CHOICE_INSTRUCTION};
 use hilum_eval::{compare_runs, read_run, run_eval, write_reports, EvalConfig, Memory, Question};
 use hilum_imaging::ImageStore;
 use hilum_llm::script::ScriptTurn;
-use hilum_llm::{LocalConfig, LocalLlm, ScriptLlm};
+use hilum_llm::ScriptLlm;
+use hilum_llm_local::LocalLlm;
 
 use crate::config::{load_file, LlmChoice};
 
@@ -206,13 +207,13 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
         }
         ("local", _) => {
             let path = if rest.is_empty() {
-                hilum_llm::local::default_model_path().context(
+                hilum_llm_local::default_model_path(&crate::config::models_dir()).context(
                     "the default local model is not installed: run scripts/fetch_local_llm.sh",
                 )?
             } else {
                 PathBuf::from(rest)
             };
-            let mut cfg = LocalConfig::new(path);
+            let mut cfg = crate::config::local_config(path)?;
             if let Some(s) = args.seed {
                 cfg.seed = s;
             }
@@ -254,7 +255,9 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
         // As `hilum analyze` does for a model on this machine: only the tools whose declared
         // requirements hold for this question's images.
         let (deps, full) = (deps.clone(), full.clone());
-        Arc::new(move |ids: &[String]| Arc::new(full.runnable(&hilum_tools::environment(&deps, ids))))
+        Arc::new(move |ids: &[String]| {
+            Arc::new(full.runnable(&hilum_tools::environment(&deps, ids)))
+        })
     } else {
         let full = full.clone();
         Arc::new(move |_: &[String]| full.clone())

@@ -372,12 +372,19 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
     rec.tools_offered = toolbox.names();
     let agent = Agent::new(llm, toolbox, Environment::default(), sh.cfg.agent.clone());
     let history_len = history.len();
+    // Size, spacing and view: numbers an answer may quote besides the tool results.
+    let image_metadata = ids
+        .iter()
+        .filter_map(|id| sh.store.get(id).ok())
+        .map(|img| serde_json::json!({"width": img.width, "height": img.height, "meta": img.meta}))
+        .collect();
     let input = RunInput {
         question: prompt(q, &sh.cfg.choice_instruction),
         images: ids,
         image_payloads: vec![],
         history,
         session_id: q.id.clone(),
+        image_metadata,
     };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     // The agent keeps its own deadline and a grace period for the final answer; this bound only

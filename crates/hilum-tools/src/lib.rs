@@ -87,10 +87,13 @@ pub trait BuildTool {
     fn build(deps: &ToolDeps) -> Arc<dyn Tool>;
 }
 
+/// Makes one tool over the shared dependencies ([`BuildTool::build`]).
+type Builder = fn(&ToolDeps) -> Arc<dyn Tool>;
+
 /// The tools a program offers, in the order a model should consider them.
 #[derive(Clone, Default)]
 pub struct Registry {
-    builders: Vec<fn(&ToolDeps) -> Arc<dyn Tool>>,
+    builders: Vec<Builder>,
 }
 
 impl Registry {

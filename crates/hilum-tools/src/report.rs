@@ -69,7 +69,11 @@ impl GenerateReport {
         Self::on_device(store, models, Device::Cpu)
     }
 
-    pub fn on_device(store: Arc<ImageStore>, models: Arc<ModelPool>, device: Device) -> Typed<Self> {
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+    ) -> Typed<Self> {
         Typed::new(GenerateReport {
             store,
             models,
@@ -92,7 +96,10 @@ struct Section {
 
 impl crate::BuildTool for GenerateReport {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(GenerateReport::new(deps.images.clone(), deps.models.clone()))
+        Arc::new(GenerateReport::new(
+            deps.images.clone(),
+            deps.models.clone(),
+        ))
     }
 }
 

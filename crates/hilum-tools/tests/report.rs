@@ -41,7 +41,12 @@ fn install(reg: &ModelRegistry, id: &str, fixture: &str) {
 fn setup(
     dir: &Path,
     with_models: bool,
-) -> (Typed<GenerateReport>, String, Arc<ModelPool>, Arc<ImageStore>) {
+) -> (
+    Typed<GenerateReport>,
+    String,
+    Arc<ModelPool>,
+    Arc<ImageStore>,
+) {
     let reg = ModelRegistry::new(dir).expect("registry");
     if with_models {
         install(&reg, FINDINGS_MODEL, "tiny_pad");
