@@ -265,7 +265,7 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
 
     let a = &file.agent;
     let defaults = AgentConfig::default();
-    let agent = AgentConfig {
+    let mut agent = AgentConfig {
         protocol: match args.protocol {
             Some(p) => p,
             None => match &a.protocol {
@@ -295,6 +295,8 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
         },
         ..defaults
     };
+    // The tool policy and the grounding check as `hilum analyze` applies them ([agent]).
+    a.apply_grounding(&mut agent)?;
     let cfg = EvalConfig {
         bench,
         images_dir,

@@ -216,10 +216,19 @@ async fn compare_reports_mcnemar_exact_p() {
         ("a", script(&|i| i == 0 || i >= 7)),
         ("b", script(&|i| i >= 1)),
     ];
+    // The scripts answer with a letter and call no tool: the tool policy (which would send a
+    // tool-less first answer back once) and the grounding check are turned off for them.
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[agent]\nrequire_tools = \"never\"\ngrounding = false\n",
+    )
+    .expect("config");
     for (name, s) in &runs {
         let path = dir.path().join(format!("{name}.json"));
         std::fs::write(&path, s).expect("script");
         let out = hilum()
+            .env("HILUM_CONFIG", &config)
             .arg("eval")
             .arg(&bench)
             .arg("--images-dir")

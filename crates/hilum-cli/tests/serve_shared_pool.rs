@@ -59,7 +59,7 @@ async fn two_tokens_share_one_model_pool() {
     let mut tokens = Vec::new();
     for name in ["ws-1", "ws-2"] {
         let out = hilum(&models)
-            .args(["serve", "--db", &db, "token", "create", name])
+            .args(["serve", "token", "create", "--name", name, "--db", &db])
             .output()
             .expect("token create");
         assert!(
