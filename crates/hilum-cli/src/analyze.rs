@@ -2,12 +2,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 
-use hilum_agent::{Agent, AgentConfig, Mode, Protocol, RunInput};
+use hilum_agent::{Agent, Mode, Protocol, RunInput};
 use hilum_imaging::ImageStore;
 
 use crate::config::{load_file, LlmChoice};
@@ -107,51 +106,15 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         toolbox = toolbox.runnable(&env);
     }
     let toolbox = Arc::new(toolbox);
-    let a = &file.agent;
-    let defaults = AgentConfig::default();
-    let mut config = AgentConfig {
-        protocol: match args.protocol {
-            Some(p) => p,
-            None => match &a.protocol {
-                Some(p) => p.parse().map_err(anyhow::Error::msg)?,
-                None => defaults.protocol,
-            },
-        },
-        mode: match args.mode {
-            Some(m) => m,
-            None => match &a.mode {
-                Some(m) => m.parse().map_err(anyhow::Error::msg)?,
-                None => defaults.mode,
-            },
-        },
-        max_rounds: args
-            .max_rounds
-            .or(a.max_rounds)
-            .unwrap_or(defaults.max_rounds),
-        max_tool_calls: args
-            .max_tool_calls
-            .or(a.max_tool_calls)
-            .unwrap_or(defaults.max_tool_calls),
-        deadline: args
-            .deadline
-            .or(a.deadline_secs)
-            .map(Duration::from_secs)
-            .unwrap_or(defaults.deadline),
-        tool_timeout: args
-            .tool_timeout
-            .or(a.tool_timeout_secs)
-            .map(Duration::from_secs)
-            .unwrap_or(defaults.tool_timeout),
-        // A small local model quotes a short observation (summary line + the start of the
-        // data) and gets lost in a long one.
-        max_observation_chars: if choice.is_local() {
-            600
-        } else {
-            defaults.max_observation_chars
-        },
-        ..defaults
+    let flags = crate::config::AgentFlags {
+        protocol: args.protocol,
+        mode: args.mode,
+        max_rounds: args.max_rounds,
+        max_tool_calls: args.max_tool_calls,
+        deadline_secs: args.deadline,
+        tool_timeout_secs: args.tool_timeout,
     };
-    a.apply_grounding(&mut config)?;
+    let config = file.agent.resolve(flags, choice.is_local())?;
     let agent = Agent::new(llm.clone(), toolbox, env, config);
     if let Some(note) = &choice.note {
         eprintln!("hilum: {note}");

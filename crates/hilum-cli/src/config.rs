@@ -59,7 +59,73 @@ pub struct AgentSection {
     pub grounding: Option<bool>,
 }
 
+/// The agent settings given as flags; each wins over the config file's `[agent]` table.
+#[derive(Default)]
+pub struct AgentFlags {
+    pub protocol: Option<hilum_agent::Protocol>,
+    pub mode: Option<hilum_agent::Mode>,
+    pub max_rounds: Option<usize>,
+    pub max_tool_calls: Option<usize>,
+    pub deadline_secs: Option<u64>,
+    pub tool_timeout_secs: Option<u64>,
+}
+
 impl AgentSection {
+    /// The agent's configuration: flags, then this table, then the defaults; a local model gets
+    /// short observations; the tool policy and the grounding check as configured.
+    pub fn resolve(
+        &self,
+        flags: AgentFlags,
+        local: bool,
+    ) -> anyhow::Result<hilum_agent::AgentConfig> {
+        let defaults = hilum_agent::AgentConfig::default();
+        let secs = std::time::Duration::from_secs;
+        let mut config = hilum_agent::AgentConfig {
+            protocol: match flags.protocol {
+                Some(p) => p,
+                None => match &self.protocol {
+                    Some(p) => p.parse().map_err(anyhow::Error::msg)?,
+                    None => defaults.protocol,
+                },
+            },
+            mode: match flags.mode {
+                Some(m) => m,
+                None => match &self.mode {
+                    Some(m) => m.parse().map_err(anyhow::Error::msg)?,
+                    None => defaults.mode,
+                },
+            },
+            max_rounds: flags
+                .max_rounds
+                .or(self.max_rounds)
+                .unwrap_or(defaults.max_rounds),
+            max_tool_calls: flags
+                .max_tool_calls
+                .or(self.max_tool_calls)
+                .unwrap_or(defaults.max_tool_calls),
+            deadline: flags
+                .deadline_secs
+                .or(self.deadline_secs)
+                .map(secs)
+                .unwrap_or(defaults.deadline),
+            tool_timeout: flags
+                .tool_timeout_secs
+                .or(self.tool_timeout_secs)
+                .map(secs)
+                .unwrap_or(defaults.tool_timeout),
+            // A small local model quotes a short observation (summary line + the start of the
+            // data) and gets lost in a long one.
+            max_observation_chars: if local {
+                600
+            } else {
+                defaults.max_observation_chars
+            },
+            ..defaults
+        };
+        self.apply_grounding(&mut config)?;
+        Ok(config)
+    }
+
     /// Applies the tool policy and grounding keys to an agent configuration.
     pub fn apply_grounding(&self, config: &mut hilum_agent::AgentConfig) -> anyhow::Result<()> {
         if let Some(p) = &self.require_tools {

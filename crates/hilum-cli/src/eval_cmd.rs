@@ -4,13 +4,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use hilum_agent::{AgentConfig, Llm, Protocol};
+use hilum_agent::{Llm, Protocol};
 use hilum_eval::runner::{LlmFor, OnProgress, ToolboxFor, CHOICE_INSTRUCTION};
 use hilum_eval::{compare_runs, read_run, run_eval, write_reports, EvalConfig, Memory, Question};
 use hilum_imaging::ImageStore;
@@ -263,40 +262,17 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
         Arc::new(move |_: &[String]| full.clone())
     };
 
-    let a = &file.agent;
-    let defaults = AgentConfig::default();
-    let mut agent = AgentConfig {
-        protocol: match args.protocol {
-            Some(p) => p,
-            None => match &a.protocol {
-                Some(p) => p.parse().map_err(anyhow::Error::msg)?,
-                None => defaults.protocol,
-            },
-        },
-        max_rounds: args
-            .max_rounds
-            .or(a.max_rounds)
-            .unwrap_or(defaults.max_rounds),
-        max_tool_calls: args
-            .max_tool_calls
-            .or(a.max_tool_calls)
-            .unwrap_or(defaults.max_tool_calls),
-        deadline: Duration::from_secs(args.deadline),
-        tool_timeout: args
-            .tool_timeout
-            .or(a.tool_timeout_secs)
-            .map(Duration::from_secs)
-            .unwrap_or(defaults.tool_timeout),
-        temperature: args.temperature,
-        max_observation_chars: if choice.is_local() {
-            600
-        } else {
-            defaults.max_observation_chars
-        },
-        ..defaults
+    // `--deadline` is per question and always set: it wins over the file's deadline.
+    let flags = crate::config::AgentFlags {
+        protocol: args.protocol,
+        max_rounds: args.max_rounds,
+        max_tool_calls: args.max_tool_calls,
+        deadline_secs: Some(args.deadline),
+        tool_timeout_secs: args.tool_timeout,
+        ..Default::default()
     };
-    // The tool policy and the grounding check as `hilum analyze` applies them ([agent]).
-    a.apply_grounding(&mut agent)?;
+    let mut agent = file.agent.resolve(flags, choice.is_local())?;
+    agent.temperature = args.temperature;
     let cfg = EvalConfig {
         bench,
         images_dir,
