@@ -163,6 +163,8 @@ fn tools_list_json_has_schemas() {
 
 #[test]
 fn bench_reports_percentiles_and_the_parallel_round() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plot = dir.path().join("bench.png");
     let out = hilum()
         .args([
             "bench",
@@ -180,6 +182,8 @@ fn bench_reports_percentiles_and_the_parallel_round() {
             "--image",
         ])
         .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+        .arg("--plot")
+        .arg(&plot)
         .output()
         .expect("run hilum");
     assert_succeeded(&out);
@@ -199,6 +203,15 @@ fn bench_reports_percentiles_and_the_parallel_round() {
     assert_eq!(v["round"]["calls"], 2);
     assert!(v["round"]["parallel_ms"].as_f64().unwrap_or(0.0) > 0.0);
     assert!(v["peak_rss_mib"].as_f64().unwrap_or(0.0) > 1.0);
+
+    // The figure: per-tool bars and the parallel-vs-serial panel, drawn (not a blank canvas).
+    let png = image::open(&plot).expect("bench --plot wrote a PNG").to_rgb8();
+    assert_eq!(png.dimensions(), (1200, 520));
+    let ink = png.pixels().filter(|p| p.0 != [255, 255, 255]).count();
+    assert!(
+        ink > 5_000,
+        "the figure is almost empty: {ink} non-white pixels"
+    );
 }
 
 #[test]
