@@ -258,27 +258,41 @@ fn drop_null(v: &mut Value) {
     }
 }
 
-/// A [`TypedTool`] as a [`Tool`]: the spec is generated once; arguments that passed the schema
-/// are deserialised into `Args` (a mismatch the schema could not express is an
-/// `invalid_arguments` error).
+/// A [`TypedTool`] as a [`Tool`]: the spec is generated once; arguments are checked against it
+/// and deserialised into `Args` (a mismatch is an `invalid_arguments` error).
 pub struct Typed<T: TypedTool> {
     spec: ToolSpec,
+    /// The spec's schema, compiled. The toolbox checks calls the model makes; this checks the
+    /// ones a program makes directly, so the bounds in `Args` are the only ones a tool needs.
+    validator: Option<jsonschema::Validator>,
     inner: T,
 }
 
 impl<T: TypedTool> Typed<T> {
     pub fn new(inner: T) -> Self {
+        let parameters = schema_of::<T::Args>();
+        // A schema that does not compile is reported by `Toolbox::register`.
+        let validator = jsonschema::validator_for(&parameters).ok();
         Typed {
             spec: ToolSpec {
                 name: T::NAME.into(),
                 description: inner.description(),
-                parameters: schema_of::<T::Args>(),
+                parameters,
             },
+            validator,
             inner,
         }
     }
 
     pub fn inner(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: TypedTool> std::ops::Deref for Typed<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
         &self.inner
     }
 }
@@ -298,6 +312,26 @@ impl<T: TypedTool> Tool for Typed<T> {
     }
 
     async fn call(&self, ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        if let Some(validator) = &self.validator {
+            let problems: Vec<String> = validator
+                .iter_errors(&args)
+                .map(|e| {
+                    let path = e.instance_path.to_string();
+                    if path.is_empty() {
+                        e.to_string()
+                    } else {
+                        format!("{path}: {e}")
+                    }
+                })
+                .collect();
+            if !problems.is_empty() {
+                return Err(ToolError::InvalidArguments(format!(
+                    "{}: {}",
+                    T::NAME,
+                    problems.join("; ")
+                )));
+            }
+        }
         let args: T::Args = serde_json::from_value(args)
             .map_err(|e| ToolError::InvalidArguments(format!("{}: {e}", T::NAME)))?;
         self.inner.run(ctx, args).await
