@@ -87,8 +87,9 @@ pub struct RegionPrompt {
     pub caveats: Vec<String>,
 }
 
-/// The prompt arguments as the model sends them: lengths and labels are checked here, against
-/// the image, so a wrong prompt gets an answer that says what to send instead.
+// The prompt arguments as the model sends them: lengths and labels are checked by
+// `parse_prompt`, against the image, so a wrong prompt gets an answer that says what to send
+// instead. (A plain comment: a doc comment would become the description of the whole schema.)
 #[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
 pub struct PromptArgs {
     /// [x0, y0, x1, y1] around the region, original-image pixels
