@@ -221,9 +221,9 @@ pub fn schema_of<T: JsonSchema>() -> Value {
     value
 }
 
-/// `"type": ["number", "null"]` → `"type": "number"`, `{"type": "null"}` out of `anyOf`: an
-/// absent optional field is how a model leaves a value out, and a `null` it could write instead
-/// would only be one more way to be wrong.
+/// `"type": ["number", "null"]` → `"type": "number"`, `{"type": "null"}` out of `anyOf`, `null`
+/// out of `enum`: an absent optional field is how a model leaves a value out, and a `null` it
+/// could write instead would only be one more way to be wrong.
 fn drop_null(v: &mut Value) {
     match v {
         Value::Object(obj) => {
@@ -233,6 +233,9 @@ fn drop_null(v: &mut Value) {
                     let only = types.remove(0);
                     obj.insert("type".into(), only);
                 }
+            }
+            if let Some(Value::Array(values)) = obj.get_mut("enum") {
+                values.retain(|v| !v.is_null());
             }
             if let Some(Value::Array(any)) = obj.get_mut("anyOf") {
                 any.retain(|s| s.get("type").is_none_or(|t| t != "null"));
@@ -258,27 +261,41 @@ fn drop_null(v: &mut Value) {
     }
 }
 
-/// A [`TypedTool`] as a [`Tool`]: the spec is generated once; arguments that passed the schema
-/// are deserialised into `Args` (a mismatch the schema could not express is an
-/// `invalid_arguments` error).
+/// A [`TypedTool`] as a [`Tool`]: the spec is generated once; arguments are checked against it
+/// and deserialised into `Args` (a mismatch is an `invalid_arguments` error).
 pub struct Typed<T: TypedTool> {
     spec: ToolSpec,
+    /// The spec's schema, compiled. The toolbox checks calls the model makes; this checks the
+    /// ones a program makes directly, so the bounds in `Args` are the only ones a tool needs.
+    validator: Option<jsonschema::Validator>,
     inner: T,
 }
 
 impl<T: TypedTool> Typed<T> {
     pub fn new(inner: T) -> Self {
+        let parameters = schema_of::<T::Args>();
+        // A schema that does not compile is reported by `Toolbox::register`.
+        let validator = jsonschema::validator_for(&parameters).ok();
         Typed {
             spec: ToolSpec {
                 name: T::NAME.into(),
                 description: inner.description(),
-                parameters: schema_of::<T::Args>(),
+                parameters,
             },
+            validator,
             inner,
         }
     }
 
     pub fn inner(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: TypedTool> std::ops::Deref for Typed<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
         &self.inner
     }
 }
@@ -298,8 +315,103 @@ impl<T: TypedTool> Tool for Typed<T> {
     }
 
     async fn call(&self, ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
+        if let Some(validator) = &self.validator {
+            let problems: Vec<String> = validator
+                .iter_errors(&args)
+                .map(|e| {
+                    let path = e.instance_path.to_string();
+                    if path.is_empty() {
+                        e.to_string()
+                    } else {
+                        format!("{path}: {e}")
+                    }
+                })
+                .collect();
+            if !problems.is_empty() {
+                return Err(ToolError::InvalidArguments(format!(
+                    "{}: {}",
+                    T::NAME,
+                    problems.join("; ")
+                )));
+            }
+        }
         let args: T::Args = serde_json::from_value(args)
             .map_err(|e| ToolError::InvalidArguments(format!("{}: {e}", T::NAME)))?;
         self.inner.run(ctx, args).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[derive(Deserialize, JsonSchema)]
+    #[serde(rename_all = "lowercase")]
+    enum Side {
+        Left,
+        Right,
+    }
+
+    #[derive(Deserialize, JsonSchema)]
+    #[serde(deny_unknown_fields)]
+    struct Args {
+        /// Which side
+        #[serde(default)]
+        side: Option<Side>,
+        #[schemars(range(min = 1, max = 3))]
+        count: u32,
+    }
+
+    struct Count;
+
+    #[async_trait]
+    impl TypedTool for Count {
+        type Args = Args;
+        const NAME: &'static str = "count";
+
+        fn description(&self) -> String {
+            "counts".into()
+        }
+
+        async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+            let side = match args.side {
+                Some(Side::Left) => "left",
+                Some(Side::Right) => "right",
+                None => "none",
+            };
+            Ok(ToolOutput::new(
+                format!("{} {side}", args.count),
+                Value::Null,
+            ))
+        }
+    }
+
+    #[test]
+    fn an_optional_enum_offers_no_null() {
+        let s = schema_of::<Args>();
+        assert_eq!(s["properties"]["side"]["enum"], json!(["left", "right"]));
+        assert_eq!(s["properties"]["side"]["type"], "string");
+        assert_eq!(s["required"], json!(["count"]));
+    }
+
+    /// A program calling the tool directly gets the bounds the agent enforces.
+    #[tokio::test]
+    async fn direct_calls_are_checked_against_the_schema() {
+        let tool = Typed::new(Count);
+        let ctx = ToolContext::default();
+        let out = tool.call(&ctx, json!({"count": 2, "side": "left"})).await;
+        assert_eq!(out.map(|o| o.summary), Ok("2 left".to_string()));
+        for bad in [
+            json!({"count": 9}),
+            json!({"count": 1, "side": "up"}),
+            json!({}),
+        ] {
+            let e = tool.call(&ctx, bad.clone()).await.expect_err("refused");
+            assert!(
+                matches!(&e, ToolError::InvalidArguments(m) if m.starts_with("count: ")),
+                "{bad}: {e}"
+            );
+        }
     }
 }

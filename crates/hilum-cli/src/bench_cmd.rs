@@ -143,6 +143,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // [backends]); `--backend` below times the classifier on each backend it lists.
     let file = crate::config::load_file(None)?;
     let deps = hilum_tools::ToolDeps::new(store.clone())
+        .with_settings(crate::config::tool_settings())
         .with_backends(crate::config::resolve_backends(&[], &file.backends)?);
     let toolbox = Arc::new(crate::toolbox(&deps)?);
     let env = Environment::default();
@@ -183,8 +184,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     for name in &names {
         if name == CLASSIFY && !backends.is_empty() {
             for &b in &backends {
-                let tool =
-                    ClassifyChestXray::new(store.clone(), deps.models.clone()).with_backend(b);
+                let tool = ClassifyChestXray::with_backend(store.clone(), deps.models.clone(), b);
                 let tb = Toolbox::new()
                     .with(Arc::new(tool))
                     .map_err(anyhow::Error::msg)?;

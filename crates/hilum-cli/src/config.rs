@@ -369,7 +369,31 @@ pub fn tool_deps(
     if let Err(e) = vlm.apply_env(|k| std::env::var(k).ok()) {
         vlm = hilum_tools::VlmSettings::broken(format!("the [vlm] settings are not valid: {e}"));
     }
-    Ok(hilum_tools::ToolDeps::new(store).with_vlm(Arc::new(vlm)))
+    Ok(hilum_tools::ToolDeps::new(store)
+        .with_vlm(Arc::new(vlm))
+        .with_settings(tool_settings()))
+}
+
+/// The tools' backend choices from the environment (read through `var`):
+/// `HILUM_LUNG_UNET_BACKEND=native|candle|onnx` (anything else: chosen per machine) and
+/// `HILUM_BACKEND` (see [`resolve_backends`]; a bad value is reported by each classifier call,
+/// the other tools keep working). `--backend` and `[backends]` are applied on top by the
+/// commands that take them.
+pub fn tool_settings() -> hilum_tools::ToolSettings {
+    tool_settings_from(|k| std::env::var(k).ok())
+}
+
+fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::ToolSettings {
+    let var = |k: &str| var(k).filter(|v| !v.is_empty());
+    hilum_tools::ToolSettings {
+        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND").and_then(|b| b.parse().ok()),
+        classifier_backends: match var("HILUM_BACKEND") {
+            Some(spec) => {
+                hilum_tools::parse_backends(&spec).map_err(|e| format!("HILUM_BACKEND: {e}"))
+            }
+            None => Ok(Default::default()),
+        },
+    }
 }
 
 #[cfg(test)]
@@ -400,5 +424,30 @@ mod tests {
             err.contains("--backend") && err.contains("native, candle or onnx"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn tool_settings_come_from_the_documented_variables() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let s = tool_settings_from(env(&[
+            ("HILUM_LUNG_UNET_BACKEND", "onnx"),
+            ("HILUM_BACKEND", "resnet50-res512-all=native"),
+        ]));
+        assert_eq!(s.lung_unet_backend, Some(Backend::Onnx));
+        let b = s.classifier_backends.expect("parses");
+        assert_eq!(b.get("resnet50-res512-all"), Some(&Backend::Native));
+        let s = tool_settings_from(env(&[]));
+        assert_eq!(s.lung_unet_backend, None);
+        assert_eq!(s.classifier_backends, Ok(Default::default()));
+        let s = tool_settings_from(env(&[("HILUM_BACKEND", "tensorflow")]));
+        let e = s.classifier_backends.expect_err("bad backend");
+        assert!(e.starts_with("HILUM_BACKEND:"), "{e}");
     }
 }

@@ -16,7 +16,7 @@ pub use message::{
     AssistantTurn, Capabilities, ChatDelta, ChatRequest, FinishReason, ImagePayload, Message,
     ToolCall, ToolSpec, Usage,
 };
-pub use openai::{base64_encode, is_loopback_url, OpenAiConfig, OpenAiLlm};
+pub use openai::{base64_encode, is_loopback_url, Completion, OpenAiConfig, OpenAiLlm};
 pub use script::ScriptLlm;
 pub use stream::{collect_turn, DeltaStream};
 

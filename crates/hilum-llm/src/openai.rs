@@ -48,6 +48,15 @@ pub struct OpenAiLlm {
     http: reqwest::Client,
 }
 
+/// A whole answer, not streamed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    pub text: String,
+    /// The model the server says answered (the configured one when it does not say).
+    pub model: String,
+    pub usage: Option<Usage>,
+}
+
 impl OpenAiLlm {
     pub fn new(config: OpenAiConfig) -> Result<Self, LlmError> {
         let http = reqwest::Client::builder()
@@ -98,6 +107,77 @@ impl OpenAiLlm {
             body["stop"] = json!(req.stop);
         }
         body
+    }
+
+    /// One question about one image, answered whole (a vision-language model reading a
+    /// radiograph): the image comes before the question, where vision chat templates put it;
+    /// no tools, no streaming.
+    pub async fn ask_image(
+        &self,
+        system: Option<&str>,
+        image_data_url: &str,
+        prompt: &str,
+        max_tokens: u32,
+        temperature: f32,
+    ) -> Result<Completion, LlmError> {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url}},
+                {"type": "text", "text": prompt}
+            ]
+        }));
+        let mut body = json!({
+            "model": self.config.model,
+            "messages": messages,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "stream": false
+        });
+        let resp = self.send(&mut body).await?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| LlmError::StreamCut(root_cause(&e)))?;
+        parse_completion(&text, &self.config.model)
+    }
+
+    /// Sends `body`, retrying what may succeed on a retry (see [`OpenAiConfig::max_retries`]).
+    async fn send(&self, body: &mut Value) -> Result<reqwest::Response, LlmError> {
+        let mut attempt = 0;
+        let mut wait = self.config.backoff;
+        loop {
+            match self.send_once(body).await {
+                Ok(resp) => return Ok(resp),
+                // A server that does not know `tool_choice: "required"` gets the request without it.
+                Err((
+                    LlmError::Http {
+                        status: 400 | 422,
+                        body: text,
+                    },
+                    _,
+                )) if body.get("tool_choice").is_some() => {
+                    tracing::info!("model endpoint refused tool_choice \"required\" ({text}); asking without it");
+                    if let Some(o) = body.as_object_mut() {
+                        o.remove("tool_choice");
+                    }
+                }
+                Err((err, retry_after)) => {
+                    if !err.is_transient() || attempt >= self.config.max_retries {
+                        return Err(err);
+                    }
+                    attempt += 1;
+                    let pause = retry_after.unwrap_or(wait);
+                    tracing::warn!(attempt, ?pause, "model endpoint: {err}; retrying");
+                    tokio::time::sleep(pause).await;
+                    wait *= 2;
+                }
+            }
+        }
     }
 
     async fn send_once(
@@ -279,6 +359,29 @@ fn parse_chunk(
     Ok(false)
 }
 
+/// A non-streamed chat completion: its first choice's text, the model and the usage.
+fn parse_completion(text: &str, configured_model: &str) -> Result<Completion, LlmError> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| LlmError::BadResponse(format!("not JSON ({e})")))?;
+    let content = v
+        .pointer("/choices/0/message/content")
+        .and_then(Value::as_str)
+        .ok_or_else(|| LlmError::BadResponse("no choices[0].message.content".into()))?;
+    let usage = v.get("usage").filter(|u| u.is_object()).map(|u| Usage {
+        prompt_tokens: u["prompt_tokens"].as_u64().unwrap_or(0) as u32,
+        completion_tokens: u["completion_tokens"].as_u64().unwrap_or(0) as u32,
+    });
+    Ok(Completion {
+        text: content.to_string(),
+        model: v
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or(configured_model)
+            .to_string(),
+        usage,
+    })
+}
+
 fn short(s: &str) -> String {
     s.chars().take(200).collect()
 }
@@ -287,36 +390,7 @@ fn short(s: &str) -> String {
 impl Llm for OpenAiLlm {
     async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
         let mut body = self.body(&req);
-        let mut attempt = 0;
-        let mut wait = self.config.backoff;
-        let resp = loop {
-            match self.send_once(&body).await {
-                Ok(resp) => break resp,
-                // A server that does not know `tool_choice: "required"` gets the request without it.
-                Err((
-                    LlmError::Http {
-                        status: 400 | 422,
-                        body: text,
-                    },
-                    _,
-                )) if body.get("tool_choice").is_some() => {
-                    tracing::info!("model endpoint refused tool_choice \"required\" ({text}); asking without it");
-                    if let Some(o) = body.as_object_mut() {
-                        o.remove("tool_choice");
-                    }
-                }
-                Err((err, retry_after)) => {
-                    if !err.is_transient() || attempt >= self.config.max_retries {
-                        return Err(err);
-                    }
-                    attempt += 1;
-                    let pause = retry_after.unwrap_or(wait);
-                    tracing::warn!(attempt, ?pause, "model endpoint: {err}; retrying");
-                    tokio::time::sleep(pause).await;
-                    wait *= 2;
-                }
-            }
-        };
+        let resp = self.send(&mut body).await?;
         let is_json = resp
             .headers()
             .get("content-type")
@@ -469,5 +543,23 @@ mod tests {
         );
         assert!(parse_chunk("[DONE]", &mut out, &mut f, &mut u).unwrap());
         assert!(parse_chunk("{not json", &mut out, &mut f, &mut u).is_err());
+    }
+
+    #[test]
+    fn a_whole_completion_is_read_or_refused_with_the_reason() {
+        let c = parse_completion(
+            r#"{"model":"served","choices":[{"message":{"content":"Yes."}}],"usage":{"prompt_tokens":9,"completion_tokens":2}}"#,
+            "configured",
+        )
+        .expect("completion");
+        assert_eq!((c.text.as_str(), c.model.as_str()), ("Yes.", "served"));
+        assert_eq!(c.usage.map(|u| u.completion_tokens), Some(2));
+        let c = parse_completion(r#"{"choices":[{"message":{"content":""}}]}"#, "configured")
+            .expect("completion");
+        assert_eq!((c.model.as_str(), c.usage), ("configured", None));
+        let e = parse_completion("<html>", "m").expect_err("not JSON");
+        assert!(e.to_string().contains("not JSON"), "{e}");
+        let e = parse_completion(r#"{"choices":[]}"#, "m").expect_err("no choice");
+        assert!(e.to_string().contains("choices[0].message.content"), "{e}");
     }
 }

@@ -7,26 +7,56 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::ImageStore;
 
 use hilum_models::xrv::{self, LabelScore, OnnxSource};
 use hilum_models::Backend;
 use hilum_models::{Device, ModelPool};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::common::{model_error, run_model, ImageId};
 
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
 
 pub struct ClassifyChestXray {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
-    /// Backend per model id (`*`: every model); absent: the device's default.
+    /// Backend per model id (`*`: every model); absent: the device's default. An `Err` is a
+    /// setting that did not parse, reported by each call.
     backends: Result<BTreeMap<String, Backend>, String>,
+}
+
+/// The torchxrayvision classifiers this tool runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+pub enum Classifier {
+    #[default]
+    #[serde(rename = "densenet121-res224-all")]
+    DenseNet121,
+    #[serde(rename = "resnet50-res512-all")]
+    ResNet50,
+}
+
+impl Classifier {
+    pub fn id(self) -> &'static str {
+        match self {
+            Classifier::DenseNet121 => DEFAULT_MODEL,
+            Classifier::ResNet50 => MODELS[1],
+        }
+    }
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// densenet121-res224-all (default, 224 px) or resnet50-res512-all (512 px)
+    #[serde(default)]
+    model: Classifier,
 }
 
 /// Parses backend choices: `onnx` (every model) or `MODEL=BACKEND` pairs, comma-separated
@@ -49,57 +79,34 @@ pub fn parse_backends(spec: &str) -> Result<BTreeMap<String, Backend>, String> {
 }
 
 impl ClassifyChestXray {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        ClassifyChestXray {
-            spec: ToolSpec {
-                name: "classify_chest_xray".into(),
-                description: "Scores 18 findings on a frontal chest radiograph with a torchxrayvision \
-                    classifier: Atelectasis, Consolidation, Infiltration, Pneumothorax, Edema, Emphysema, \
-                    Fibrosis, Effusion, Pneumonia, Pleural_Thickening, Cardiomegaly, Nodule, Mass, Hernia, \
-                    Lung Lesion, Fracture, Lung Opacity, Enlarged Cardiomediastinum. Scores are calibrated \
-                    so that 0.5 is the model's published operating point; `findings` lists the labels at or \
-                    above it, highest first. A screening aid trained on public datasets, not a diagnosis; \
-                    unreliable on lateral and pediatric images."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "model": {
-                            "type": "string",
-                            "enum": MODELS,
-                            "default": DEFAULT_MODEL,
-                            "description": "densenet121-res224-all (default, 224 px) or resnet50-res512-all (512 px)"
-                        }
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
+    /// The tool on the CPU with each model on the device's default backend.
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu, Ok(BTreeMap::new()))
+    }
+
+    /// Every model on `backend`.
+    pub fn with_backend(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        backend: Backend,
+    ) -> Typed<Self> {
+        let all = [("*".to_string(), backend)].into_iter().collect();
+        Self::on_device(store, models, Device::Cpu, Ok(all))
+    }
+
+    /// Backends per model id (`*`: every model); see [`crate::ToolSettings`].
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+        backends: Result<BTreeMap<String, Backend>, String>,
+    ) -> Typed<Self> {
+        Typed::new(ClassifyChestXray {
             store,
             models,
-            device: Device::Cpu,
-            // HILUM_BACKEND=onnx or MODEL=BACKEND,... (see `parse_backends`).
-            backends: std::env::var("HILUM_BACKEND")
-                .map(|v| parse_backends(&v).map_err(|e| format!("HILUM_BACKEND: {e}")))
-                .unwrap_or_else(|_| Ok(BTreeMap::new())),
-        }
-    }
-
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
-    }
-
-    /// Runs every model on `backend`.
-    pub fn with_backend(self, backend: Backend) -> Self {
-        self.with_backends([("*".to_string(), backend)].into_iter().collect())
-    }
-
-    /// Backend per model id (`*`: every model), replacing `HILUM_BACKEND`.
-    pub fn with_backends(mut self, backends: BTreeMap<String, Backend>) -> Self {
-        self.backends = Ok(backends);
-        self
+            device,
+            backends,
+        })
     }
 
     /// The configured backend of `model`, if any.
@@ -129,21 +136,29 @@ fn score_json(s: &LabelScore) -> Value {
 
 impl crate::BuildTool for ClassifyChestXray {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new({
-            let tool = ClassifyChestXray::new(deps.images.clone(), deps.models.clone());
-            if deps.backends.is_empty() {
-                tool
-            } else {
-                tool.with_backends(deps.backends.clone())
-            }
-        })
+        Arc::new(ClassifyChestXray::on_device(
+            deps.images.clone(),
+            deps.models.clone(),
+            Device::Cpu,
+            deps.settings.classifier_backends.clone(),
+        ))
     }
 }
 
 #[async_trait]
-impl Tool for ClassifyChestXray {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for ClassifyChestXray {
+    type Args = Args;
+    const NAME: &'static str = "classify_chest_xray";
+
+    fn description(&self) -> String {
+        "Scores 18 findings on a frontal chest radiograph with a torchxrayvision \
+         classifier: Atelectasis, Consolidation, Infiltration, Pneumothorax, Edema, Emphysema, \
+         Fibrosis, Effusion, Pneumonia, Pleural_Thickening, Cardiomegaly, Nodule, Mass, Hernia, \
+         Lung Lesion, Fracture, Lung Opacity, Enlarged Cardiomediastinum. Scores are calibrated \
+         so that 0.5 is the model's published operating point; `findings` lists the labels at or \
+         above it, highest first. A screening aid trained on public datasets, not a diagnosis; \
+         unreliable on lateral and pediatric images."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -153,44 +168,31 @@ impl Tool for ClassifyChestXray {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (image_id, img) = load_image(&self.store, &args, "image")?;
-        let model_id = args
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or(DEFAULT_MODEL)
-            .to_string();
-        if !MODELS.contains(&model_id.as_str()) {
-            return Err(ToolError::InvalidArguments(format!(
-                "unknown model `{model_id}`; use one of {}",
-                MODELS.join(", ")
-            )));
-        }
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let image_id = args.image.0;
+        let model_id = args.model.id().to_string();
         let backend = self.backend_for(&model_id)?;
-        // Fail fast, before taking a device permit, when the weights are absent.
-        let (_, _permit) = reserve(&self.models, &model_id, self.device).await?;
-        let (models, device, mid) = (self.models.clone(), self.device, model_id.clone());
-        let image = img.clone();
-        let (scores, custom, model, infer_ms, load_ms) = tokio::task::spawn_blocking(move || {
-            let t_load = Instant::now();
-            let model =
-                xrv::pooled(&models, &mid, device, backend).map_err(|e| model_error(&models, e))?;
-            let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-            let t = Instant::now();
-            let scores = model
-                .classify(
-                    &image.pixels,
-                    image.width as usize,
-                    image.height as usize,
-                    image.max_value(),
-                )
-                .map_err(|e| ToolError::Internal(e.to_string()))?;
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            Ok::<_, ToolError>((scores, model.custom, model, ms, load_ms))
-        })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
+        let (device, mid) = (self.device, model_id.clone());
+        let (scores, custom, model, infer_ms, load_ms) =
+            run_model(&self.models, &model_id, device, move |models, _| {
+                let t_load = Instant::now();
+                let model = xrv::pooled(models, &mid, device, backend)
+                    .map_err(|e| model_error(models, e))?;
+                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+                let t = Instant::now();
+                let scores = model
+                    .classify(
+                        &img.pixels,
+                        img.width as usize,
+                        img.height as usize,
+                        img.max_value(),
+                    )
+                    .map_err(|e| ToolError::Internal(e.to_string()))?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                Ok((scores, model.custom, model, ms, load_ms))
+            })
+            .await?;
 
         let mut findings: Vec<&LabelScore> = scores.iter().filter(|s| s.positive()).collect();
         findings.sort_by(|a, b| b.score.unwrap_or(0.0).total_cmp(&a.score.unwrap_or(0.0)));
@@ -309,7 +311,7 @@ mod tests {
     async fn custom_checkpoint_scores_a_real_radiograph_and_is_flagged() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (store, pool, id) = custom_install(dir.path());
-        let tool = ClassifyChestXray::new(store, pool).with_backend(Backend::Native);
+        let tool = ClassifyChestXray::with_backend(store, pool, Backend::Native);
         let out = tool
             .call(&ToolContext::default(), json!({"image": id}))
             .await
@@ -393,7 +395,7 @@ mod tests {
         let (store, pool, id) = custom_install(dir.path());
         let mut data = Vec::new();
         for backend in [Backend::Onnx, Backend::Native] {
-            let tool = ClassifyChestXray::new(store.clone(), pool.clone()).with_backend(backend);
+            let tool = ClassifyChestXray::with_backend(store.clone(), pool.clone(), backend);
             let out = tool
                 .call(&ToolContext::default(), json!({"image": id}))
                 .await

@@ -5,7 +5,6 @@ use hilum_imaging::{CxrImage, ImageStore, ImagingError};
 use hilum_models::{Device, InstalledModel, ModelError, ModelPool};
 use schemars::JsonSchema;
 use serde_json::{json, Value};
-use tokio::sync::OwnedSemaphorePermit;
 
 const IMAGE_ID_PATTERN: &str = "^img_[0-9a-f]{6,64}$";
 const IMAGE_ID_DESCRIPTION: &str = "Id of an image in this session, e.g. img_3fa2c1b4d5e6";
@@ -53,19 +52,6 @@ impl ImageId {
     }
 }
 
-/// Resolves the image id in `args[key]` through the store.
-pub fn load_image(
-    store: &ImageStore,
-    args: &Value,
-    key: &str,
-) -> Result<(String, Arc<CxrImage>), ToolError> {
-    let id = args
-        .get(key)
-        .and_then(Value::as_str)
-        .ok_or_else(|| ToolError::InvalidArguments(format!("`{key}` must be an image id")))?;
-    Ok((id.to_string(), resolve(store, id)?))
-}
-
 fn resolve(store: &ImageStore, id: &str) -> Result<Arc<CxrImage>, ToolError> {
     store.get(id).map_err(|e| match e {
         ImagingError::UnknownId(_) => ToolError::NotFound(format!(
@@ -97,22 +83,54 @@ pub(crate) fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
     }
 }
 
-/// Checks that `id` is installed (failing fast, before waiting for the device) and then takes
-/// a work permit on `device`, so parallel calls never oversubscribe it.
-pub(crate) async fn reserve(
-    models: &ModelPool,
+/// The way every tool runs a model: check that `id` is installed (failing fast, naming the
+/// install command, before waiting for the device), take a work permit on `device` so parallel
+/// calls never oversubscribe it, and run `work` (weights load, forward pass) on a blocking
+/// thread with the pool and the installed model.
+pub(crate) async fn run_model<R, F>(
+    models: &Arc<ModelPool>,
     id: &str,
     device: Device,
-) -> Result<(InstalledModel, OwnedSemaphorePermit), ToolError> {
+    work: F,
+) -> Result<R, ToolError>
+where
+    R: Send + 'static,
+    F: FnOnce(&ModelPool, InstalledModel) -> Result<R, ToolError> + Send + 'static,
+{
     let installed = models
         .registry()
         .installed(id)
         .map_err(|e| model_error(models, e))?;
-    let permit = models
-        .acquire(device)
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))?;
-    Ok((installed, permit))
+    let pool = models.clone();
+    run_blocking(Some((models, device)), move || work(&pool, installed)).await
+}
+
+/// Runs `work` on a blocking thread, holding a work permit on the device when one is given.
+/// The permit moves into the thread: a call that times out stops waiting, but the device stays
+/// taken until the work it started has finished.
+pub(crate) async fn run_blocking<R, F>(
+    device: Option<(&ModelPool, Device)>,
+    work: F,
+) -> Result<R, ToolError>
+where
+    R: Send + 'static,
+    F: FnOnce() -> Result<R, ToolError> + Send + 'static,
+{
+    let permit = match device {
+        Some((models, device)) => Some(
+            models
+                .acquire(device)
+                .await
+                .map_err(|e| ToolError::Internal(e.to_string()))?,
+        ),
+        None => None,
+    };
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work()
+    })
+    .await
+    .map_err(|e| ToolError::Internal(e.to_string()))?
 }
 
 /// Smallest side, in pixels, on which a measurement means anything.

@@ -7,7 +7,7 @@ use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed,
 use hilum_imaging::{read_dicom, sniff_format, ImageStore, ImagingError};
 use serde_json::json;
 
-use crate::common::ImageArgs;
+use crate::common::{run_blocking, ImageArgs};
 
 pub struct DicomInfo {
     store: Arc<ImageStore>,
@@ -62,10 +62,11 @@ impl TypedTool for DicomInfo {
             )));
         }
         // The file name is the user's; the model sees only the id.
-        let s = tokio::task::spawn_blocking(move || read_dicom(&bytes, "image"))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?
-            .map_err(|e: ImagingError| ToolError::Unprocessable(e.to_string()))?;
+        let s = run_blocking(None, move || {
+            read_dicom(&bytes, "image")
+                .map_err(|e: ImagingError| ToolError::Unprocessable(e.to_string()))
+        })
+        .await?;
         let m = &img.meta;
         let data = json!({
             "image": id,

@@ -7,7 +7,7 @@ use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::{CxrImage, ImageStore};
 use serde_json::{json, Value};
 
-use crate::common::ImageArgs;
+use crate::common::{run_blocking, ImageArgs};
 use crate::{BuildTool, ToolDeps};
 
 pub struct ImageInfo {
@@ -94,9 +94,7 @@ impl TypedTool for ImageInfo {
         let img = args.image.load(&self.store)?;
         let id = args.image.0;
         let pixels = img.clone();
-        let s = tokio::task::spawn_blocking(move || stats(&pixels))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        let s = run_blocking(None, move || Ok(stats(&pixels))).await?;
         let m = &img.meta;
         let data = json!({
             "image": id,

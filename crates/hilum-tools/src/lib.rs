@@ -1,5 +1,6 @@
-//! The chest X-ray tools of Hilum. Each tool is one file: a spec (name, description written
-//! for a model, JSON Schema) and one async function. [`default_toolbox`] registers them all.
+//! The chest X-ray tools of Hilum. Each tool is one file: a [`hilum_agent::TypedTool`] (name,
+//! description written for a model, typed arguments whose JSON Schema is generated, declared
+//! requirements) and one async function. [`default_toolbox`] registers them all.
 
 mod classify;
 mod common;
@@ -16,6 +17,7 @@ mod visualize;
 pub mod vlm;
 pub mod vqa;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use hilum_agent::{Environment, Requirements, Tool, Toolbox};
@@ -37,16 +39,35 @@ pub use visualize::Visualize;
 pub use vlm::VlmSettings;
 pub use vqa::AnswerVisualQuestion;
 
-/// Everything the tools share: the image store and the model pool.
+/// Everything the tools share: the image store, the model pool and their settings.
 #[derive(Clone)]
 pub struct ToolDeps {
     pub images: Arc<ImageStore>,
     pub models: Arc<ModelPool>,
     /// Served VLM endpoints (`[vlm]` table, `HILUM_VLM_*`).
     pub vlm: Arc<VlmSettings>,
-    /// Classifier backend per model id (`*`: every model); empty: `HILUM_BACKEND`, else the
-    /// device's default.
-    pub backends: std::collections::BTreeMap<String, hilum_models::Backend>,
+    pub settings: ToolSettings,
+}
+
+/// Backend choices of the model tools, filled by the program (the CLI reads
+/// `HILUM_BACKEND`, `HILUM_LUNG_UNET_BACKEND`, `--backend` and the config file).
+#[derive(Clone, Debug)]
+pub struct ToolSettings {
+    /// `segment_lungs`' U-Net backend; `None`: chosen per machine (`unet::auto_backend`).
+    pub lung_unet_backend: Option<hilum_models::Backend>,
+    /// `classify_chest_xray`'s backend per model id (`*`: every model); empty: the device's
+    /// default. An `Err` is a setting that did not parse: each classifier call reports it and
+    /// the other tools keep working.
+    pub classifier_backends: Result<BTreeMap<String, hilum_models::Backend>, String>,
+}
+
+impl Default for ToolSettings {
+    fn default() -> Self {
+        ToolSettings {
+            lung_unet_backend: None,
+            classifier_backends: Ok(BTreeMap::new()),
+        }
+    }
 }
 
 impl ToolDeps {
@@ -57,15 +78,18 @@ impl ToolDeps {
             images,
             models: Arc::new(ModelPool::from_env_or_empty()),
             vlm: Arc::new(VlmSettings::default()),
-            backends: Default::default(),
+            settings: ToolSettings::default(),
         }
     }
 
-    pub fn with_backends(
-        mut self,
-        backends: std::collections::BTreeMap<String, hilum_models::Backend>,
-    ) -> Self {
-        self.backends = backends;
+    /// Classifier backends per model id (`*`: every model), replacing the settings' ones.
+    pub fn with_backends(mut self, backends: BTreeMap<String, hilum_models::Backend>) -> Self {
+        self.settings.classifier_backends = Ok(backends);
+        self
+    }
+
+    pub fn with_settings(mut self, settings: ToolSettings) -> Self {
+        self.settings = settings;
         self
     }
 

@@ -13,15 +13,19 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use candle_core::Tensor;
-use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::densenet::DenseNet;
 use hilum_models::xrv::{self, Arch, XrvSpec};
 use hilum_models::{Device, ModelError, ModelPool};
 use hilum_models::{InstalledModel, Manifest};
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::common::{model_error, run_model, ImageId};
 use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
 
 pub const NAME: &str = "localize_finding";
@@ -351,52 +355,49 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
 }
 
 pub struct LocalizeFinding {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
 }
 
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// The pathology, as the classifier names it
+    #[schemars(schema_with = "label")]
+    finding: String,
+    /// Fraction of the map's peak above which a pixel is inside a box
+    #[serde(default = "half")]
+    #[schemars(range(min = 0.1, max = 0.95))]
+    threshold: f32,
+}
+
+/// One of the classifier's 18 labels (the names live in `xrv::LABELS`).
+fn label(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "string", "enum": xrv::LABELS})
+}
+
+fn half() -> f32 {
+    0.5
+}
+
 impl LocalizeFinding {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        LocalizeFinding {
-            spec: ToolSpec {
-                name: NAME.into(),
-                description:
-                    "Shows where the chest X-ray classifier (torchxrayvision DenseNet-121) \
-                    finds evidence for one of its 18 pathologies: a class activation map over the \
-                    image, thresholded into boxes (original-image pixels) and drawn as a heatmap \
-                    overlay. It explains the classifier's score; it is coarse (32-pixel grid at \
-                    224 px) and not a segmentation. Use it to answer \"where?\" when no grounding \
-                    model is available."
-                        .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "finding": {
-                            "type": "string",
-                            "enum": xrv::LABELS,
-                            "description": "The pathology, as the classifier names it"
-                        },
-                        "threshold": {
-                            "type": "number", "minimum": 0.1, "maximum": 0.95, "default": 0.5,
-                            "description": "Fraction of the map's peak above which a pixel is inside a box"
-                        }
-                    },
-                    "required": ["image", "finding"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-            models,
-            device: Device::Cpu,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu)
     }
 
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+    ) -> Typed<Self> {
+        Typed::new(LocalizeFinding {
+            store,
+            models,
+            device,
+        })
     }
 }
 
@@ -425,9 +426,18 @@ impl crate::BuildTool for LocalizeFinding {
 }
 
 #[async_trait]
-impl Tool for LocalizeFinding {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for LocalizeFinding {
+    type Args = Args;
+    const NAME: &'static str = NAME;
+
+    fn description(&self) -> String {
+        "Shows where the chest X-ray classifier (torchxrayvision DenseNet-121) \
+         finds evidence for one of its 18 pathologies: a class activation map over the \
+         image, thresholded into boxes (original-image pixels) and drawn as a heatmap \
+         overlay. It explains the classifier's score; it is coarse (32-pixel grid at \
+         224 px) and not a segmentation. Use it to answer \"where?\" when no grounding \
+         model is available."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -437,39 +447,28 @@ impl Tool for LocalizeFinding {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let finding = args
-            .get("finding")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ToolError::InvalidArguments("`finding` must be a label".into()))?
-            .to_string();
-        let threshold = args.get("threshold").and_then(Value::as_f64).unwrap_or(0.5) as f32;
-        if !(0.1..=0.95).contains(&threshold) {
-            return Err(ToolError::InvalidArguments(
-                "threshold must be between 0.1 and 0.95".into(),
-            ));
-        }
-        let (installed, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
-        let (models, device, image) = (self.models.clone(), self.device, img.clone());
-        let t0 = Instant::now();
-        let (loc, label) = tokio::task::spawn_blocking(move || {
-            let net = models
-                .get_or_load::<CamNet>(MODEL_ID, device, hilum_models::Backend::Candle)
-                .map_err(|e| model_error(&models, e))?;
-            let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
-                ToolError::InvalidArguments(format!(
-                    "`{finding}` is not one of the model's labels: {}",
-                    net.spec.labels.join(", ")
-                ))
-            })?;
-            let loc = localize(&net, &image, class, threshold)
-                .map_err(|e| ToolError::Internal(e.to_string()))?;
-            Ok::<_, ToolError>((loc, net.spec.labels[class].clone()))
-        })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
+        let (finding, threshold) = (args.finding, args.threshold);
+        let (device, image) = (self.device, img.clone());
+        let (loc, label, installed, t0) =
+            run_model(&self.models, MODEL_ID, device, move |models, installed| {
+                let t0 = Instant::now();
+                let net = models
+                    .get_or_load::<CamNet>(MODEL_ID, device, hilum_models::Backend::Candle)
+                    .map_err(|e| model_error(models, e))?;
+                let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
+                    ToolError::InvalidArguments(format!(
+                        "`{finding}` is not one of the model's labels: {}",
+                        net.spec.labels.join(", ")
+                    ))
+                })?;
+                let loc = localize(&net, &image, class, threshold)
+                    .map_err(|e| ToolError::Internal(e.to_string()))?;
+                Ok((loc, net.spec.labels[class].clone(), installed, t0))
+            })
+            .await?;
         let png = overlay_png(&img, &loc)?;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let boxes: Vec<Value> = loc

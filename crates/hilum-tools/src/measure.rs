@@ -6,14 +6,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
-use serde::Serialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error};
+use crate::common::{model_error, run_blocking, ImageId};
 pub use crate::common::{ChestMasks, MIN_SIDE};
 use crate::segment_lungs::regions;
 
@@ -303,51 +306,50 @@ fn mask_png(m: &[bool], w: usize, h: usize) -> Result<Vec<u8>, ToolError> {
 }
 
 pub struct MeasureChest {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
 }
 
+/// The projection as the model may state it.
+#[derive(Clone, Copy, Debug, Deserialize, JsonSchema)]
+pub enum ViewArg {
+    #[serde(rename = "PA")]
+    Pa,
+    #[serde(rename = "AP")]
+    Ap,
+    #[serde(rename = "lateral")]
+    Lateral,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// Projection, when known and not in the DICOM header
+    #[serde(default)]
+    view: Option<ViewArg>,
+    /// True for a child: adult CTR thresholds do not apply
+    #[serde(default)]
+    pediatric: bool,
+}
+
 impl MeasureChest {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        MeasureChest {
-            spec: ToolSpec {
-                name: "measure_chest".into(),
-                description: "Measures a frontal chest radiograph: cardiothoracic ratio (widest \
-                    heart width / widest internal thoracic width between the lungs' outer edges; \
-                    > 0.50 on a PA view suggests cardiomegaly), superior mediastinal width and the \
-                    left/right lung area ratio, with the measured lines drawn on an overlay. Use it \
-                    for 'is the heart enlarged?', 'is the mediastinum widened?'. Says which masks it \
-                    used and what it could not measure; on AP views the CTR overestimates the heart, \
-                    lateral views are refused."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "view": {
-                            "type": "string", "enum": ["PA", "AP", "lateral"],
-                            "description": "Projection, when known and not in the DICOM header"
-                        },
-                        "pediatric": {
-                            "type": "boolean", "default": false,
-                            "description": "True for a child: adult CTR thresholds do not apply"
-                        }
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-            models,
-            device: Device::Cpu,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu)
     }
 
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+    ) -> Typed<Self> {
+        Typed::new(MeasureChest {
+            store,
+            models,
+            device,
+        })
     }
 }
 
@@ -358,9 +360,19 @@ impl crate::BuildTool for MeasureChest {
 }
 
 #[async_trait]
-impl Tool for MeasureChest {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for MeasureChest {
+    type Args = Args;
+    const NAME: &'static str = "measure_chest";
+
+    fn description(&self) -> String {
+        "Measures a frontal chest radiograph: cardiothoracic ratio (widest \
+         heart width / widest internal thoracic width between the lungs' outer edges; \
+         > 0.50 on a PA view suggests cardiomegaly), superior mediastinal width and the \
+         left/right lung area ratio, with the measured lines drawn on an overlay. Use it \
+         for 'is the heart enlarged?', 'is the mediastinum widened?'. Says which masks it \
+         used and what it could not measure; on AP views the CTR overestimates the heart, \
+         lateral views are refused."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -370,16 +382,19 @@ impl Tool for MeasureChest {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
                 "{id} is {}x{} px: chest measurements need at least {MIN_SIDE} px per side",
                 img.width, img.height
             )));
         }
-        let view = match args.get("view").and_then(Value::as_str) {
-            Some(v) => parse_view(v),
+        let view = match args.view {
+            Some(ViewArg::Pa) => View::Pa,
+            Some(ViewArg::Ap) => View::Ap,
+            Some(ViewArg::Lateral) => View::Lateral,
             None => img
                 .meta
                 .view_position
@@ -392,10 +407,7 @@ impl Tool for MeasureChest {
                  frontal (PA/AP) views only"
             )));
         }
-        let pediatric = args
-            .get("pediatric")
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+        let pediatric = args.pediatric;
 
         // Masks: anatomy model first (heart, lungs, mediastinum), else lung U-Net (lungs only).
         let reg = self.models.registry();
@@ -409,18 +421,14 @@ impl Tool for MeasureChest {
                 ),
             });
         }
-        let _permit = self
-            .models
-            .acquire(self.device)
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?;
         let (models, device, image) = (self.models.clone(), self.device, img.clone());
-        let t0 = Instant::now();
-        let (masks, source) = tokio::task::spawn_blocking(move || {
+        // The models were checked above: the either-or install is this tool's own.
+        let (masks, source, t0) = run_blocking(Some((&self.models, device)), move || {
+            let t0 = Instant::now();
             let (w, h) = (image.width as usize, image.height as usize);
             if anatomy {
                 let a = crate::segment_anatomy::anatomy_masks(&models, device, &image)?;
-                Ok::<_, ToolError>((a, format!("anatomy model {ANATOMY_MODEL_ID}")))
+                Ok((a, format!("anatomy model {ANATOMY_MODEL_ID}"), t0))
             } else {
                 let lungs = lung_unet_mask(&models, device, &image)?;
                 let m = ChestMasks {
@@ -430,12 +438,10 @@ impl Tool for MeasureChest {
                     heart: None,
                     mediastinum: None,
                 };
-                Ok::<_, ToolError>((m, format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)")))
+                Ok((m, format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"), t0))
             }
         })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
+        .await?;
 
         let r = measure(&masks);
         let spacing = img.meta.pixel_spacing_mm;

@@ -14,7 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::common::{model_error, reserve, ImageId};
+use crate::common::{model_error, run_model, ImageId};
 
 pub const FINDINGS_MODEL: &str = "chexpert-report-findings";
 pub const IMPRESSION_MODEL: &str = "chexpert-report-impression";
@@ -137,14 +137,8 @@ impl TypedTool for GenerateReport {
             Sections::Findings => vec![("findings", FINDINGS_MODEL)],
             Sections::Impression => vec![("impression", IMPRESSION_MODEL)],
         };
-        // Direct calls skip the schema: the bounds hold here too.
         let num_beams = args.num_beams as usize;
         let max_length = args.max_length as usize;
-        if !(1..=8).contains(&num_beams) || !(2..=512).contains(&max_length) {
-            return Err(ToolError::InvalidArguments(
-                "`num_beams` must be 1 to 8 and `max_length` 8 to 512".into(),
-            ));
-        }
         // Fail fast, naming the install command, before any work.
         for (_, model) in &wanted {
             self.models
@@ -155,18 +149,12 @@ impl TypedTool for GenerateReport {
 
         let mut done = Vec::new();
         for (name, model_id) in wanted {
-            let (_, permit) = reserve(&self.models, model_id, self.device).await?;
-            let (models, store, device, image) = (
-                self.models.clone(),
-                self.store.clone(),
-                self.device,
-                image_id.clone(),
-            );
-            let section = tokio::task::spawn_blocking(move || {
+            let (store, device, image) = (self.store.clone(), self.device, image_id.clone());
+            let section = run_model(&self.models, model_id, device, move |models, _| {
                 let t_load = Instant::now();
                 let model = models
                     .get_or_load::<ReportModel>(model_id, device, hilum_models::Backend::Candle)
-                    .map_err(|e| model_error(&models, e))?;
+                    .map_err(|e| model_error(models, e))?;
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
                 let size = model.input_size as u32;
                 let prepared = store
@@ -182,7 +170,7 @@ impl TypedTool for GenerateReport {
                 let text = model
                     .decode(&gen.ids)
                     .map_err(|e| ToolError::Internal(e.to_string()))?;
-                Ok::<_, ToolError>(Section {
+                Ok(Section {
                     name,
                     model: model_id,
                     text,
@@ -193,9 +181,7 @@ impl TypedTool for GenerateReport {
                     capped_at,
                 })
             })
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))??;
-            drop(permit);
+            .await?;
             done.push(section);
         }
 

@@ -5,13 +5,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::{self, AnatomySegmenter, TARGETS};
 use hilum_models::{Device, ModelPool};
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve, round2};
+use crate::common::{model_error, round2, run_model, ImageId};
 use crate::common::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
@@ -37,17 +41,14 @@ pub fn structure_index(name: &str) -> Option<usize> {
     TARGETS.iter().position(|t| norm(t) == n)
 }
 
-/// Parses the optional `structures` argument; unknown names fail listing the valid ones.
-pub fn parse_structures(args: &Value) -> Result<Vec<usize>, ToolError> {
-    let Some(list) = args.get("structures") else {
+/// Output indices of the `structures` argument (all 14 when absent); unknown names fail
+/// listing the valid ones.
+pub fn parse_structures(names: Option<&[String]>) -> Result<Vec<usize>, ToolError> {
+    let Some(list) = names else {
         return Ok((0..TARGETS.len()).collect());
     };
-    let list = list.as_array().ok_or_else(|| {
-        ToolError::InvalidArguments("`structures` must be a list of structure names".into())
-    })?;
     let mut out = Vec::new();
-    for v in list {
-        let name = v.as_str().unwrap_or_default();
+    for name in list {
         let i = structure_index(name).ok_or_else(|| {
             ToolError::InvalidArguments(format!(
                 "unknown structure `{name}`; valid structures: {}",
@@ -208,50 +209,42 @@ pub fn mask_png(m: &StructureMap, w: u32, h: u32) -> Result<Vec<u8>, ToolError> 
 }
 
 pub struct SegmentAnatomy {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
 }
 
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// Subset of structures (default: all 14)
+    #[serde(default)]
+    #[schemars(schema_with = "structure_names")]
+    structures: Option<Vec<String>>,
+}
+
+/// A list of the model's structure names (the names live in `pspnet::TARGETS`).
+fn structure_names(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "array", "items": {"type": "string", "enum": TARGETS}})
+}
+
 impl SegmentAnatomy {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        SegmentAnatomy {
-            spec: ToolSpec {
-                name: "segment_anatomy".into(),
-                description: format!(
-                    "Segments anatomical structures on a frontal chest radiograph with the \
-                     ChestX-Det PSPNet: {}. Per structure: mask at the original resolution, area \
-                     (px, and cm² when the pixel spacing is known), centroid, bounding box, \
-                     width/height, mean intensity and a confidence (mean probability inside the \
-                     mask); plus one overlay with a legend. Use it to locate a finding relative \
-                     to anatomy or before measuring; for the cardiothoracic ratio use \
-                     measure_chest. Left/Right are the patient's.",
-                    TARGETS.join(", ")
-                ),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "structures": {
-                            "type": "array",
-                            "items": {"type": "string", "enum": TARGETS},
-                            "description": "Subset of structures (default: all 14)"
-                        }
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
-            store,
-            models,
-            device: Device::Cpu,
-        }
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu)
     }
 
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+    ) -> Typed<Self> {
+        Typed::new(SegmentAnatomy {
+            store,
+            models,
+            device,
+        })
     }
 }
 
@@ -265,9 +258,21 @@ impl crate::BuildTool for SegmentAnatomy {
 }
 
 #[async_trait]
-impl Tool for SegmentAnatomy {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for SegmentAnatomy {
+    type Args = Args;
+    const NAME: &'static str = "segment_anatomy";
+
+    fn description(&self) -> String {
+        format!(
+            "Segments anatomical structures on a frontal chest radiograph with the \
+             ChestX-Det PSPNet: {}. Per structure: mask at the original resolution, area \
+             (px, and cm² when the pixel spacing is known), centroid, bounding box, \
+             width/height, mean intensity and a confidence (mean probability inside the \
+             mask); plus one overlay with a legend. Use it to locate a finding relative \
+             to anatomy or before measuring; for the cardiothoracic ratio use \
+             measure_chest. Left/Right are the patient's.",
+            TARGETS.join(", ")
+        )
     }
 
     fn requirements(&self) -> Requirements {
@@ -277,31 +282,29 @@ impl Tool for SegmentAnatomy {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let which = parse_structures(&args)?;
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
+        let which = parse_structures(args.structures.as_deref())?;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
                 "{id} is {}x{} px: anatomy segmentation needs at least {MIN_SIDE} px per side",
                 img.width, img.height
             )));
         }
-        let (_, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
-        let (models, device, image) = (self.models.clone(), self.device, img.clone());
-        let t0 = Instant::now();
-        let maps = tokio::task::spawn_blocking(move || {
+        let (device, image) = (self.device, img.clone());
+        let (maps, t0) = run_model(&self.models, MODEL_ID, device, move |models, _| {
+            let t0 = Instant::now();
             let model = models
                 .get_or_load::<AnatomySegmenter>(
                     MODEL_ID,
                     device,
                     hilum_models::Backend::default_for(device),
                 )
-                .map_err(|e| model_error(&models, e))?;
-            run(&model, &image, &which)
+                .map_err(|e| model_error(models, e))?;
+            Ok((run(&model, &image, &which)?, t0))
         })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
+        .await?;
         let latency = t0.elapsed().as_secs_f64() * 1e3;
         let out = assemble(&id, &img, &maps, latency)?;
         Ok(out)
@@ -404,15 +407,16 @@ mod tests {
         assert_eq!(structure_index("heart"), Some(8));
         assert_eq!(structure_index("left_lung"), Some(4));
         assert_eq!(structure_index("Right Hilus Pulmonis"), Some(7));
-        let ok = parse_structures(&json!({"structures": ["Heart", "heart", "spine"]})).unwrap();
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ok = parse_structures(Some(&names(&["Heart", "heart", "spine"]))).unwrap();
         assert_eq!(ok, vec![8, 13]);
-        let e = parse_structures(&json!({"structures": ["liver"]})).unwrap_err();
+        let e = parse_structures(Some(&names(&["liver"]))).unwrap_err();
         let msg = e.to_string();
         assert!(
             msg.contains("liver") && msg.contains("Facies Diaphragmatica"),
             "{msg}"
         );
-        assert!(parse_structures(&json!({"structures": []})).is_err());
-        assert_eq!(parse_structures(&json!({})).unwrap().len(), 14);
+        assert!(parse_structures(Some(&[])).is_err());
+        assert_eq!(parse_structures(None).unwrap().len(), 14);
     }
 }

@@ -5,20 +5,23 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool};
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve, round2};
+use crate::common::{model_error, round2, run_model, ImageId};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
 const OVERLAY_MAX_SIDE: u32 = 1024;
 
 pub struct SegmentLungs {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
     device: Device,
@@ -27,49 +30,47 @@ pub struct SegmentLungs {
     backend: Option<hilum_models::Backend>,
 }
 
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// Probability above which a pixel is lung (default 0.5)
+    #[serde(default = "half")]
+    #[schemars(range(min = 0.05, max = 0.95))]
+    threshold: f32,
+}
+
+fn half() -> f32 {
+    0.5
+}
+
 impl SegmentLungs {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        SegmentLungs {
-            spec: ToolSpec {
-                name: "segment_lungs".into(),
-                description: "Segments both lung fields on a frontal (PA/AP) chest radiograph with a \
-                    trained U-Net. Returns per-lung area (pixels, and cm² when the pixel spacing is \
-                    known), lung heights and widths, the left/right area ratio and the lung fraction of \
-                    the image, plus a mask and an overlay. Right/left follow the radiological \
-                    convention: the patient's right lung is on the image's left. Not meaningful on \
-                    lateral views."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "threshold": {
-                            "type": "number", "minimum": 0.05, "maximum": 0.95, "default": 0.5,
-                            "description": "Probability above which a pixel is lung (default 0.5)"
-                        }
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
+    /// The tool on the CPU, its backend chosen per machine.
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu, None)
+    }
+
+    /// The tool with its U-Net on `backend`.
+    pub fn with_backend(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        backend: hilum_models::Backend,
+    ) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu, Some(backend))
+    }
+
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+        backend: Option<hilum_models::Backend>,
+    ) -> Typed<Self> {
+        Typed::new(SegmentLungs {
             store,
             models,
-            device: Device::Cpu,
-            // HILUM_LUNG_UNET_BACKEND=native|candle|onnx overrides the automatic choice.
-            backend: std::env::var("HILUM_LUNG_UNET_BACKEND")
-                .ok()
-                .and_then(|b| b.parse().ok()),
-        }
-    }
-
-    pub fn with_backend(mut self, backend: hilum_models::Backend) -> Self {
-        self.backend = Some(backend);
-        self
-    }
-
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
+            device,
+            backend,
+        })
     }
 }
 
@@ -165,14 +166,28 @@ fn overlay(img: &CxrImage, right: &[usize], left: &[usize]) -> Result<Vec<u8>, T
 
 impl crate::BuildTool for SegmentLungs {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(SegmentLungs::new(deps.images.clone(), deps.models.clone()))
+        Arc::new(SegmentLungs::on_device(
+            deps.images.clone(),
+            deps.models.clone(),
+            Device::Cpu,
+            deps.settings.lung_unet_backend,
+        ))
     }
 }
 
 #[async_trait]
-impl Tool for SegmentLungs {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for SegmentLungs {
+    type Args = Args;
+    const NAME: &'static str = "segment_lungs";
+
+    fn description(&self) -> String {
+        "Segments both lung fields on a frontal (PA/AP) chest radiograph with a \
+         trained U-Net. Returns per-lung area (pixels, and cm² when the pixel spacing is \
+         known), lung heights and widths, the left/right area ratio and the lung fraction of \
+         the image, plus a mask and an overlay. Right/left follow the radiological \
+         convention: the patient's right lung is on the image's left. Not meaningful on \
+         lateral views."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -182,41 +197,35 @@ impl Tool for SegmentLungs {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let threshold = args.get("threshold").and_then(Value::as_f64).unwrap_or(0.5) as f32;
-        if !(0.05..=0.95).contains(&threshold) {
-            return Err(ToolError::InvalidArguments(
-                "threshold must be between 0.05 and 0.95".into(),
-            ));
-        }
-        let (installed, _permit) = reserve(&self.models, MODEL_ID, self.device).await?;
-        let backend = self
-            .backend
-            .unwrap_or_else(|| unet::auto_backend(&installed, self.device));
-        let (models, device, image) = (self.models.clone(), self.device, img.clone());
-        let t0 = Instant::now();
-        let (mask, infer_ms) = tokio::task::spawn_blocking(move || {
-            let (w, h) = (image.width as usize, image.height as usize);
-            let scale = 255.0 / image.max_value().max(1.0);
-            let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
-            let size = unet::Config::lung_seg_valiou_088().input_size;
-            let load = |e| model_error(&models, e);
-            let t = Instant::now();
-            let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-            let probs = models
-                .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)
-                .map_err(load)?
-                .predict(&x);
-            let prob = probs
-                .map_err(|e| ToolError::Internal(e.to_string()))?
-                .remove(0);
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            Ok::<_, ToolError>((unet::mask_at(&prob, size, w, h, threshold), ms))
-        })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
+        let threshold = args.threshold;
+        let (device, chosen, image) = (self.device, self.backend, img.clone());
+        let (mask, infer_ms, installed, backend, t0) =
+            run_model(&self.models, MODEL_ID, device, move |models, installed| {
+                // Latency counts from when the device was ours, not from the queue.
+                let t0 = Instant::now();
+                let backend = chosen.unwrap_or_else(|| unet::auto_backend(&installed, device));
+                let (w, h) = (image.width as usize, image.height as usize);
+                let scale = 255.0 / image.max_value().max(1.0);
+                let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
+                let size = unet::Config::lung_seg_valiou_088().input_size;
+                let load = |e| model_error(models, e);
+                let t = Instant::now();
+                let x = vec![unet::preprocess_gray(&gray, w, h, size)];
+                let probs = models
+                    .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)
+                    .map_err(load)?
+                    .predict(&x);
+                let prob = probs
+                    .map_err(|e| ToolError::Internal(e.to_string()))?
+                    .remove(0);
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                let mask = unet::mask_at(&prob, size, w, h, threshold);
+                Ok((mask, ms, installed, backend, t0))
+            })
+            .await?;
 
         let (w, h) = (img.width as usize, img.height as usize);
         let regs = regions(&mask, w, h);

@@ -9,14 +9,17 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use candle_core::Tensor;
-use hilum_agent::{Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::sam::{self, Prompt, Sam};
 use hilum_models::{Device, ModelPool};
-use serde_json::{json, Value};
-use tokio::sync::OnceCell;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
 
-use crate::common::{image_arg, load_image, model_error, reserve, round2};
+use crate::common::{model_error, round2, run_blocking, run_model, ImageId};
 
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
@@ -29,8 +32,8 @@ const THRESHOLD: f32 = 0.5;
 const OVERLAY_MAX_SIDE: u32 = 1024;
 
 /// One cached embedding per (image id, loaded model copy); concurrent first calls share one
-/// encoder pass through the cell.
-type Slot = Arc<OnceCell<Tensor>>;
+/// encoder pass: the first holds the lock while it encodes, the others wait for its result.
+type Slot = Arc<Mutex<Option<Tensor>>>;
 
 /// A bounded, least-recently-used map from (image id, model instance) to its image embedding.
 pub struct EmbeddingCache {
@@ -84,29 +87,39 @@ pub struct RegionPrompt {
     pub caveats: Vec<String>,
 }
 
-fn numbers(v: &Value, what: &str) -> Result<Vec<f64>, ToolError> {
-    let arr = v.as_array().ok_or_else(|| {
-        ToolError::InvalidArguments(format!("`{what}` must be a list of numbers"))
-    })?;
-    arr.iter()
-        .map(|x| {
-            x.as_f64().filter(|f| f.is_finite()).ok_or_else(|| {
-                ToolError::InvalidArguments(format!("`{what}` must hold finite numbers, got {x}"))
-            })
-        })
-        .collect()
+// The prompt arguments as the model sends them: lengths and labels are checked by
+// `parse_prompt`, against the image, so a wrong prompt gets an answer that says what to send
+// instead. (A plain comment: a doc comment would become the description of the whole schema.)
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+pub struct PromptArgs {
+    /// [x0, y0, x1, y1] around the region, original-image pixels
+    #[serde(default, rename = "box")]
+    #[schemars(length(min = 4, max = 4))]
+    pub bbox: Option<Vec<f64>>,
+    /// [[x, y], ...] in original-image pixels (optional, with or instead of the box)
+    #[serde(default)]
+    #[schemars(inner(length(min = 2, max = 2)))]
+    pub points: Option<Vec<Vec<f64>>>,
+    /// Per point: 1 inside the region, 0 outside (default all 1)
+    #[serde(default)]
+    #[schemars(schema_with = "point_labels")]
+    pub point_labels: Option<Vec<f64>>,
 }
 
-/// Parses `box` / `points` / `point_labels` against an image of `w` x `h` pixels: a box
+/// Labels are 0 or 1; read as numbers so that a `1.0` is a label too.
+fn point_labels(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "array", "items": {"type": "integer", "enum": [0, 1]}})
+}
+
+/// Checks `box` / `points` / `point_labels` against an image of `w` x `h` pixels: a box
 /// partly outside is clipped (with a caveat); a box outside the image, empty or inverted, and
 /// points outside the image are errors that say what to send instead.
-pub fn parse_prompt(args: &Value, w: u32, h: u32) -> Result<RegionPrompt, ToolError> {
+pub fn parse_prompt(args: &PromptArgs, w: u32, h: u32) -> Result<RegionPrompt, ToolError> {
     let (wf, hf) = (w as f64, h as f64);
     let mut caveats = Vec::new();
-    let bbox = match args.get("box") {
-        None | Some(Value::Null) => None,
-        Some(v) => {
-            let b = numbers(v, "box")?;
+    let bbox = match &args.bbox {
+        None => None,
+        Some(b) => {
             let [x0, y0, x1, y1] = b[..] else {
                 return Err(ToolError::InvalidArguments(format!(
                     "`box` must be [x0, y0, x1, y1] in image pixels, got {} numbers",
@@ -144,12 +157,9 @@ pub fn parse_prompt(args: &Value, w: u32, h: u32) -> Result<RegionPrompt, ToolEr
         }
     };
     let mut points = Vec::new();
-    if let Some(v) = args.get("points").filter(|v| !v.is_null()) {
-        let list = v.as_array().ok_or_else(|| {
-            ToolError::InvalidArguments("`points` must be a list of [x, y] pairs".into())
-        })?;
-        let labels = match args.get("point_labels").filter(|v| !v.is_null()) {
-            Some(l) => numbers(l, "point_labels")?,
+    if let Some(list) = &args.points {
+        let labels = match &args.point_labels {
+            Some(l) => l.clone(),
             None => vec![1.0; list.len()],
         };
         if labels.len() != list.len() {
@@ -160,8 +170,7 @@ pub fn parse_prompt(args: &Value, w: u32, h: u32) -> Result<RegionPrompt, ToolEr
             )));
         }
         for (p, &l) in list.iter().zip(&labels) {
-            let xy = numbers(p, "points")?;
-            let [x, y] = xy[..] else {
+            let [x, y] = p[..] else {
                 return Err(ToolError::InvalidArguments(
                     "each point must be [x, y] in image pixels".into(),
                 ));
@@ -271,88 +280,52 @@ enum Source {
 }
 
 pub struct SegmentRegion {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     source: Source,
-    cache: EmbeddingCache,
+    cache: Arc<EmbeddingCache>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    #[serde(flatten)]
+    prompt: PromptArgs,
+    /// What the region is, for the overlay legend (e.g. "opacity")
+    #[serde(default)]
+    #[schemars(length(max = 60))]
+    label: Option<String>,
 }
 
 impl SegmentRegion {
-    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
-        Self::build(
-            store,
-            Source::Pool {
-                models,
-                device: Device::Cpu,
-            },
-        )
+    /// The tool, ready to register (its schema generated from its arguments' type).
+    pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
+        Self::on_device(store, models, Device::Cpu)
+    }
+
+    pub fn on_device(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        device: Device,
+    ) -> Typed<Self> {
+        Self::build(store, Source::Pool { models, device })
     }
 
     /// The tool over an already loaded network instead of the registry's `medsam-vit-b`.
-    pub fn with_model(store: Arc<ImageStore>, model: Arc<Sam>) -> Self {
+    pub fn with_model(store: Arc<ImageStore>, model: Arc<Sam>) -> Typed<Self> {
         Self::build(store, Source::Fixed(model))
-    }
-
-    pub fn on_device(mut self, device: Device) -> Self {
-        if let Source::Pool { device: d, .. } = &mut self.source {
-            *d = device;
-        }
-        self
     }
 
     pub fn cache(&self) -> &EmbeddingCache {
         &self.cache
     }
 
-    fn build(store: Arc<ImageStore>, source: Source) -> Self {
-        SegmentRegion {
-            spec: ToolSpec {
-                name: "segment_region".into(),
-                description: "Segments one region you point at with a box (or points) on a chest \
-                    radiograph, with MedSAM (Segment Anything ViT-B fine-tuned on medical images). \
-                    Use it to outline a finding whose location you already have — a box from \
-                    localize_finding or ground_phrase, or a region you chose — to get its exact \
-                    mask, area (px, and cm² when the pixel spacing is known), bounding box and \
-                    centroid, plus an overlay. Coordinates are original-image pixels, box = \
-                    [x0, y0, x1, y1]; draw the box snugly around the whole region. Several calls \
-                    on the same image are cheap after the first (the image encoding is cached). \
-                    For named anatomy use segment_anatomy or segment_lungs instead."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "box": {
-                            "type": "array",
-                            "items": {"type": "number"},
-                            "minItems": 4,
-                            "maxItems": 4,
-                            "description": "[x0, y0, x1, y1] around the region, original-image pixels"
-                        },
-                        "points": {
-                            "type": "array",
-                            "items": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
-                            "description": "[[x, y], ...] in original-image pixels (optional, with or instead of the box)"
-                        },
-                        "point_labels": {
-                            "type": "array",
-                            "items": {"type": "integer", "enum": [0, 1]},
-                            "description": "Per point: 1 inside the region, 0 outside (default all 1)"
-                        },
-                        "label": {
-                            "type": "string",
-                            "maxLength": 60,
-                            "description": "What the region is, for the overlay legend (e.g. \"opacity\")"
-                        }
-                    },
-                    "required": ["image"],
-                    "additionalProperties": false
-                }),
-            },
+    fn build(store: Arc<ImageStore>, source: Source) -> Typed<Self> {
+        Typed::new(SegmentRegion {
             store,
             source,
-            cache: EmbeddingCache::new(CACHE_CAPACITY),
-        }
+            cache: Arc::new(EmbeddingCache::new(CACHE_CAPACITY)),
+        })
     }
 }
 
@@ -362,10 +335,42 @@ impl crate::BuildTool for SegmentRegion {
     }
 }
 
+/// The embedding of `img` from the cache, or encoded now (blocking); and whether it was cached.
+fn embedding(
+    cache: &EmbeddingCache,
+    model: &Sam,
+    id: &str,
+    img: &CxrImage,
+) -> Result<(Tensor, bool), ToolError> {
+    let slot = cache.slot(id, model.instance());
+    let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(e) = held.as_ref() {
+        return Ok((e.clone(), true));
+    }
+    let x = prepare(model, img);
+    let e = model
+        .embed_prepared(&x)
+        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    *held = Some(e.clone());
+    Ok((e, false))
+}
+
 #[async_trait]
-impl Tool for SegmentRegion {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for SegmentRegion {
+    type Args = Args;
+    const NAME: &'static str = "segment_region";
+
+    fn description(&self) -> String {
+        "Segments one region you point at with a box (or points) on a chest \
+         radiograph, with MedSAM (Segment Anything ViT-B fine-tuned on medical images). \
+         Use it to outline a finding whose location you already have — a box from \
+         localize_finding or ground_phrase, or a region you chose — to get its exact \
+         mask, area (px, and cm² when the pixel spacing is known), bounding box and \
+         centroid, plus an overlay. Coordinates are original-image pixels, box = \
+         [x0, y0, x1, y1]; draw the box snugly around the whole region. Several calls \
+         on the same image are cheap after the first (the image encoding is cached). \
+         For named anatomy use segment_anatomy or segment_lungs instead."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -375,77 +380,54 @@ impl Tool for SegmentRegion {
         }
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
                 "{id} is {}x{} px: region segmentation needs at least {MIN_SIDE} px per side",
                 img.width, img.height
             )));
         }
-        let prompt = parse_prompt(&args, img.width, img.height)?;
+        let prompt = parse_prompt(&args.prompt, img.width, img.height)?;
         let label = args
-            .get("label")
-            .and_then(Value::as_str)
+            .label
             .filter(|s| !s.trim().is_empty())
-            .unwrap_or("region")
-            .to_string();
+            .unwrap_or_else(|| "region".into());
 
+        // Encoder (when the image is not cached) and decoder, on the device, in one go.
         let t0 = Instant::now();
-        let (model, _permit) = match &self.source {
-            Source::Pool { models, device } => {
-                let (_, permit) = reserve(models, MODEL_ID, *device).await?;
-                let (m, d) = (models.clone(), *device);
-                let model = tokio::task::spawn_blocking(move || {
-                    m.get_or_load::<Sam>(MODEL_ID, d, hilum_models::Backend::Candle)
-                        .map_err(|e| model_error(&m, e))
-                })
-                .await
-                .map_err(|e| ToolError::Internal(e.to_string()))??;
-                (model, Some(permit))
-            }
-            Source::Fixed(m) => (m.clone(), None),
-        };
-
-        let slot = self.cache.slot(&id, model.instance());
-        let mut encoded_here = false;
-        let embedding = slot
-            .get_or_try_init(|| {
-                encoded_here = true;
-                let (m, image) = (model.clone(), img.clone());
-                async move {
-                    tokio::task::spawn_blocking(move || {
-                        let x = prepare(&m, &image);
-                        m.embed_prepared(&x)
-                    })
-                    .await
-                    .map_err(|e| ToolError::Internal(e.to_string()))?
-                    .map_err(|e| ToolError::Internal(e.to_string()))
-                }
-            })
-            .await?
-            .clone();
-        let encode_ms = t0.elapsed().as_secs_f64() * 1e3;
-
-        let t1 = Instant::now();
-        let (m, image, p) = (model.clone(), img.clone(), prompt.clone());
-        let map = tokio::task::spawn_blocking(move || decode(&m, &embedding, &image, &p))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))??;
-        drop(_permit);
-        let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-        assemble(
-            &id,
-            &img,
-            &prompt,
-            &map,
-            &label,
-            Timing {
-                cached: !encoded_here,
+        let (cache, image, p, image_id) =
+            (self.cache.clone(), img.clone(), prompt.clone(), id.clone());
+        let work = move |model: &Sam| -> Result<(RegionMap, Timing), ToolError> {
+            let (embedding, cached) = embedding(&cache, model, &image_id, &image)?;
+            let encode_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let t1 = Instant::now();
+            let map = decode(model, &embedding, &image, &p)?;
+            let timing = Timing {
+                cached,
                 encode_ms,
-                decode_ms,
-            },
-        )
+                decode_ms: t1.elapsed().as_secs_f64() * 1e3,
+            };
+            Ok((map, timing))
+        };
+        let (map, timing) = match &self.source {
+            Source::Pool { models, device } => {
+                let device = *device;
+                run_model(models, MODEL_ID, device, move |models, _| {
+                    let model = models
+                        .get_or_load::<Sam>(MODEL_ID, device, hilum_models::Backend::Candle)
+                        .map_err(|e| model_error(models, e))?;
+                    work(&model)
+                })
+                .await?
+            }
+            Source::Fixed(m) => {
+                let model = m.clone();
+                run_blocking(None, move || work(&model)).await?
+            }
+        };
+        assemble(&id, &img, &prompt, &map, &label, timing)
     }
 }
 
@@ -635,9 +617,18 @@ pub fn assemble(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
+
+    /// The prompt arguments of `v` checked against a 100x80 image; a type error is refused by
+    /// deserialisation (the schema, for the model), the rest by `parse_prompt`.
+    fn prompt(v: &Value, w: u32, h: u32) -> Result<RegionPrompt, String> {
+        let args: PromptArgs = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        parse_prompt(&args, w, h).map_err(|e| e.to_string())
+    }
 
     #[test]
     fn boxes_are_clipped_or_refused_with_reasons() {
+        let parse_prompt = prompt;
         let p = parse_prompt(&json!({"box": [10, 20, 50, 60]}), 100, 80).unwrap();
         assert_eq!(p.bbox, Some([10.0, 20.0, 50.0, 60.0]));
         assert!(p.caveats.is_empty());
@@ -651,7 +642,7 @@ mod tests {
             (json!({"box": [-50, -50, -10, -10]}), "outside"),
             (json!({"box": [99.5, 10, 120, 60]}), "smaller than"),
             (json!({"box": [1, 2, 3]}), "[x0, y0, x1, y1]"),
-            (json!({"box": [1, 2, "a", 4]}), "finite"),
+            (json!({"box": [1, 2, "a", 4]}), "invalid type"),
             (json!({}), "give a `box`"),
             (json!({"points": [[500, 5]]}), "outside"),
             (
@@ -660,7 +651,7 @@ mod tests {
             ),
             (json!({"points": [[5, 5]], "point_labels": [3]}), "not 1"),
         ] {
-            let e = parse_prompt(&bad, 100, 80).unwrap_err().to_string();
+            let e = parse_prompt(&bad, 100, 80).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
         let p = parse_prompt(
@@ -676,7 +667,7 @@ mod tests {
     #[test]
     fn prompt_is_scaled_like_medsam() {
         // box_1024 = box / [W, H, W, H] * 1024
-        let p = parse_prompt(&json!({"box": [100, 50, 300, 150]}), 400, 200).unwrap();
+        let p = prompt(&json!({"box": [100, 50, 300, 150]}), 400, 200).unwrap();
         let m = p.to_model(400, 200, 1024);
         assert_eq!(m.bbox, Some([256.0, 256.0, 768.0, 768.0]));
     }

@@ -11,7 +11,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::common::ImageId;
+use crate::common::{run_blocking, ImageId};
 
 pub struct Visualize {
     store: Arc<ImageStore>,
@@ -170,10 +170,12 @@ impl TypedTool for Visualize {
         let n_masks = overlay.masks.len();
         let n_heat = overlay.heatmaps.len();
         let n_boxes = overlay.boxes.len();
-        let png = tokio::task::spawn_blocking(move || overlay.render_png(&img))
-            .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?
-            .map_err(|e| ToolError::Unprocessable(e.to_string()))?;
+        let png = run_blocking(None, move || {
+            overlay
+                .render_png(&img)
+                .map_err(|e| ToolError::Unprocessable(e.to_string()))
+        })
+        .await?;
         let summary = format!(
             "rendered {id} with {n_masks} mask(s), {n_heat} heatmap(s) and {n_boxes} box(es) as visualization.png"
         );

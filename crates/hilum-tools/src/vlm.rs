@@ -1,6 +1,6 @@
 //! The VLM layer used by `answer_visual_question` and `ground_phrase`, one backend per tool:
 //! - served: an OpenAI-compatible multimodal chat endpoint (vLLM, SGLang, llama.cpp server, …),
-//!   reached with the image as a PNG data URL;
+//!   reached through `hilum_llm`'s OpenAI-compatible client with the image as a PNG data URL;
 //! - native (`backend = "native"`): a LLaVA-family model from the model registry
 //!   (`model = "llava-med-v1.5"`) run in-process by `hilum_models::llava`; pixels never leave
 //!   the process.
@@ -17,7 +17,7 @@ use std::time::Duration;
 use hilum_agent::ToolError;
 use hilum_imaging::CxrImage;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use thiserror::Error;
 
 /// Which model family sits behind the endpoint: decides the prompt and how boxes are read.
@@ -353,10 +353,7 @@ pub async fn prepare_image_blocking(
     img: std::sync::Arc<CxrImage>,
     ep: Endpoint,
 ) -> Result<SentImage, ToolError> {
-    let sent = tokio::task::spawn_blocking(move || prepare_image(&img, &ep))
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
-    Ok(sent)
+    crate::common::run_blocking(None, move || Ok(prepare_image(&img, &ep)?)).await
 }
 
 /// Resizes the radiograph for `ep` and encodes it as PNG. For Qwen2.5-VL the size sent is
@@ -395,11 +392,20 @@ pub fn prepare_image(img: &CxrImage, ep: &Endpoint) -> Result<SentImage, VlmErro
     })
 }
 
-/// A client for one endpoint. Construction enforces the pixel policy.
-#[derive(Clone, Debug)]
+/// A client for one endpoint, over Hilum's one OpenAI-compatible client. Construction
+/// enforces the pixel policy.
 pub struct VlmClient {
     pub endpoint: Endpoint,
-    http: reqwest::Client,
+    llm: hilum_llm::OpenAiLlm,
+}
+
+impl std::fmt::Debug for VlmClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VlmClient")
+            .field("endpoint", &self.endpoint.base_url)
+            .field("model", &self.endpoint.model)
+            .finish()
+    }
 }
 
 /// What the endpoint answered.
@@ -418,11 +424,18 @@ impl VlmClient {
                 url: endpoint.base_url.clone(),
             });
         }
-        let http = reqwest::Client::builder()
-            .timeout(endpoint.timeout)
-            .build()
-            .map_err(|e| VlmError::Config(format!("HTTP client: {e}")))?;
-        Ok(VlmClient { endpoint, http })
+        let llm = hilum_llm::OpenAiLlm::new(hilum_llm::OpenAiConfig {
+            base_url: endpoint.base_url.clone(),
+            model: endpoint.model.clone(),
+            api_key: endpoint.api_key.clone(),
+            timeout: endpoint.timeout,
+            // One request: a VLM that failed (out of memory, bad image) fails the same way again.
+            max_retries: 0,
+            backoff: Duration::ZERO,
+            multimodal: true,
+        })
+        .map_err(|e| VlmError::Config(e.to_string()))?;
+        Ok(VlmClient { endpoint, llm })
     }
 
     /// One non-streaming chat completion: the image, then the prompt, greedy decoding.
@@ -433,69 +446,57 @@ impl VlmClient {
         prompt: &str,
     ) -> Result<VlmAnswer, VlmError> {
         let ep = &self.endpoint;
-        let url = format!("{}/chat/completions", ep.base_url);
-        let mut messages = Vec::new();
-        if let Some(s) = system {
-            messages.push(json!({"role": "system", "content": s}));
-        }
-        messages.push(json!({
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": image.data_url()}},
-                {"type": "text", "text": prompt}
-            ]
-        }));
-        let body = json!({
-            "model": ep.model,
-            "messages": messages,
-            "temperature": 0.0,
-            "max_tokens": ep.max_tokens,
-            "stream": false
-        });
-        let mut req = self.http.post(&url).json(&body);
-        if let Some(key) = &ep.api_key {
-            req = req.bearer_auth(key);
-        }
         let t0 = std::time::Instant::now();
-        let resp = req.send().await.map_err(|e| VlmError::Unreachable {
-            url: url.clone(),
-            reason: e.to_string(),
-        })?;
-        let status = resp.status();
-        let text = resp.text().await.map_err(|e| VlmError::Unreachable {
-            url: url.clone(),
-            reason: e.to_string(),
-        })?;
-        if !status.is_success() {
-            return Err(VlmError::Status {
-                url,
-                status: status.as_u16(),
-                body: text.chars().take(400).collect(),
-            });
-        }
-        let v: Value = serde_json::from_str(&text).map_err(|e| VlmError::BadResponse {
-            url: url.clone(),
-            reason: format!("not JSON ({e})"),
-        })?;
-        let content = v
-            .pointer("/choices/0/message/content")
-            .and_then(Value::as_str)
-            .ok_or_else(|| VlmError::BadResponse {
-                url: url.clone(),
-                reason: "no choices[0].message.content".into(),
-            })?;
+        let answer = self
+            .llm
+            .ask_image(system, &image.data_url(), prompt, ep.max_tokens, 0.0)
+            .await
+            .map_err(|e| self.error(e))?;
         Ok(VlmAnswer {
-            text: content.to_string(),
-            model: v
-                .get("model")
-                .and_then(Value::as_str)
-                .unwrap_or(&ep.model)
-                .to_string(),
-            completion_tokens: v
-                .pointer("/usage/completion_tokens")
-                .and_then(Value::as_u64),
+            text: answer.text,
+            model: answer.model,
+            completion_tokens: answer.usage.map(|u| u64::from(u.completion_tokens)),
             latency_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
+    }
+
+    /// The client's error in the VLM's terms (which settings to check).
+    fn error(&self, e: hilum_llm::LlmError) -> VlmError {
+        use hilum_llm::LlmError;
+        let url = format!("{}/chat/completions", self.endpoint.base_url);
+        let status = |status: u16, body: String| VlmError::Status {
+            url: url.clone(),
+            status,
+            body: body.chars().take(400).collect(),
+        };
+        match e {
+            LlmError::Unreachable { reason, .. } | LlmError::StreamCut(reason) => {
+                VlmError::Unreachable { url, reason }
+            }
+            LlmError::Timeout { secs } => VlmError::Unreachable {
+                reason: format!(
+                    "no answer within {secs} s (timeout_secs in the [vlm] table raises it)"
+                ),
+                url,
+            },
+            LlmError::Http { status: code, body } => status(code, body),
+            LlmError::RateLimited(body) => status(429, body),
+            LlmError::Unauthorized => status(
+                401,
+                "the credentials were rejected: check api_key in the [vlm] table or \
+                 HILUM_VLM_API_KEY"
+                    .into(),
+            ),
+            LlmError::NotFound { model, .. } => status(
+                404,
+                format!("check base_url and the model name `{model}` in the [vlm] table"),
+            ),
+            LlmError::BadResponse(reason) => VlmError::BadResponse { url, reason },
+            other => VlmError::BadResponse {
+                url,
+                reason: other.to_string(),
+            },
+        }
     }
 }
 

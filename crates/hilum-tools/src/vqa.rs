@@ -6,13 +6,17 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hilum_agent::{Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::{
+    Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::llava::NativeVlm;
 use hilum_models::ModelPool;
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{image_arg, load_image, model_error, reserve};
+use crate::common::{model_error, run_model, ImageId};
 use crate::vlm::{self, Backend, NativeModel, VlmSettings};
 
 pub const NAME: &str = "answer_visual_question";
@@ -22,47 +26,43 @@ const SYSTEM: &str = "You are an expert radiology assistant. Answer the question
     answer.";
 
 pub struct AnswerVisualQuestion {
-    spec: ToolSpec,
     store: Arc<ImageStore>,
     settings: Arc<VlmSettings>,
-    models: Arc<ModelPool>,
+    /// Where a native VLM is loaded from; `None`: served endpoints only.
+    models: Option<Arc<ModelPool>>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Args {
+    image: ImageId,
+    /// One question about this image
+    #[schemars(length(min = 3, max = 1000))]
+    question: String,
 }
 
 impl AnswerVisualQuestion {
-    pub fn new(store: Arc<ImageStore>, settings: Arc<VlmSettings>) -> Self {
-        AnswerVisualQuestion {
-            spec: ToolSpec {
-                name: NAME.into(),
-                description: "Asks a vision-language model that looks at the chest radiograph \
-                    itself a question about it, e.g. \"Is there a pleural effusion?\", \"Where is \
-                    the tip of the endotracheal tube?\", \"Describe the cardiac silhouette.\" \
-                    Returns its free-text answer. The answer is a model's reading, less reliable \
-                    than the dedicated classifiers and measurements: prefer those for what they \
-                    cover and use this for everything else."
-                    .into(),
-                parameters: json!({
-                    "type": "object",
-                    "properties": {
-                        "image": image_arg(),
-                        "question": {
-                            "type": "string", "minLength": 3, "maxLength": 1000,
-                            "description": "One question about this image"
-                        }
-                    },
-                    "required": ["image", "question"],
-                    "additionalProperties": false
-                }),
-            },
+    /// The tool over served endpoints (see [`AnswerVisualQuestion::with_models`] for native).
+    pub fn new(store: Arc<ImageStore>, settings: Arc<VlmSettings>) -> Typed<Self> {
+        Typed::new(AnswerVisualQuestion {
             store,
             settings,
-            models: Arc::new(ModelPool::from_env_or_empty()),
-        }
+            models: None,
+        })
     }
 
-    /// The pool native models are loaded from (share the toolbox's, so a model loads once).
-    pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
-        self.models = models;
-        self
+    /// The tool with the pool native models are loaded from (the toolbox's, so a model loads
+    /// once).
+    pub fn with_models(
+        store: Arc<ImageStore>,
+        settings: Arc<VlmSettings>,
+        models: Arc<ModelPool>,
+    ) -> Typed<Self> {
+        Typed::new(AnswerVisualQuestion {
+            store,
+            settings,
+            models: Some(models),
+        })
     }
 
     async fn ask_native(
@@ -71,43 +71,50 @@ impl AnswerVisualQuestion {
         img: Arc<CxrImage>,
         question: &str,
     ) -> Result<(String, Value), ToolError> {
-        // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
-        let (_installed, permit) = reserve(&self.models, &native.model, native.device)
+        let models = self.models.as_ref().ok_or_else(|| {
+            ToolError::Internal(format!(
+                "the native VLM `{}` needs the model pool: build the tool with \
+                 AnswerVisualQuestion::with_models",
+                native.model
+            ))
+        })?;
+        let spec = native.clone();
+        let q = question.to_string();
+        let (answer, load_ms) =
+            run_model(models, &native.model, native.device, move |models, _| {
+                let t0 = std::time::Instant::now();
+                let m = models
+                    .get_or_load::<NativeVlm>(
+                        &spec.model,
+                        spec.device,
+                        hilum_models::Backend::Candle,
+                    )
+                    .map_err(|e| model_error(models, e))?;
+                let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let gray = vlm::to_gray8(&img)?;
+                let a = m
+                    .answer(
+                        gray.as_raw(),
+                        img.width as usize,
+                        img.height as usize,
+                        &q,
+                        Some(spec.max_tokens as usize),
+                    )
+                    .map_err(|e| ToolError::Internal(e.to_string()))?;
+                Ok((a, load_ms))
+            })
             .await
+            // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
             .map_err(|e| match e {
                 ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
                     fix: format!(
                         "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
-                         import {model} OUT_DIR/model.safetensors"
+                     import {model} OUT_DIR/model.safetensors"
                     ),
                     model,
                 },
                 other => other,
             })?;
-        let models = self.models.clone();
-        let spec = native.clone();
-        let q = question.to_string();
-        let (answer, load_ms) = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let t0 = std::time::Instant::now();
-            let m = models
-                .get_or_load::<NativeVlm>(&spec.model, spec.device, hilum_models::Backend::Candle)
-                .map_err(|e| model_error(&models, e))?;
-            let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-            let gray = vlm::to_gray8(&img)?;
-            let a = m
-                .answer(
-                    gray.as_raw(),
-                    img.width as usize,
-                    img.height as usize,
-                    &q,
-                    Some(spec.max_tokens as usize),
-                )
-                .map_err(|e| ToolError::Internal(e.to_string()))?;
-            Ok::<_, ToolError>((a, load_ms))
-        })
-        .await
-        .map_err(|e| ToolError::Internal(e.to_string()))??;
         let g = &answer.generation;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let data = json!({
@@ -128,17 +135,27 @@ impl AnswerVisualQuestion {
 
 impl crate::BuildTool for AnswerVisualQuestion {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(
-            AnswerVisualQuestion::new(deps.images.clone(), deps.vlm.clone())
-                .with_models(deps.models.clone()),
-        )
+        Arc::new(AnswerVisualQuestion::with_models(
+            deps.images.clone(),
+            deps.vlm.clone(),
+            deps.models.clone(),
+        ))
     }
 }
 
 #[async_trait]
-impl Tool for AnswerVisualQuestion {
-    fn spec(&self) -> &ToolSpec {
-        &self.spec
+impl TypedTool for AnswerVisualQuestion {
+    type Args = Args;
+    const NAME: &'static str = NAME;
+
+    fn description(&self) -> String {
+        "Asks a vision-language model that looks at the chest radiograph \
+         itself a question about it, e.g. \"Is there a pleural effusion?\", \"Where is \
+         the tip of the endotracheal tube?\", \"Describe the cardiac silhouette.\" \
+         Returns its free-text answer. The answer is a model's reading, less reliable \
+         than the dedicated classifiers and measurements: prefer those for what they \
+         cover and use this for everything else."
+            .into()
     }
 
     fn requirements(&self) -> Requirements {
@@ -153,15 +170,15 @@ impl Tool for AnswerVisualQuestion {
         !matches!(self.settings.backend(NAME), Ok(None))
     }
 
-    async fn call(&self, _ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let (id, img) = load_image(&self.store, &args, "image")?;
-        let question = args
-            .get("question")
-            .and_then(Value::as_str)
-            .map(str::trim)
-            .filter(|q| !q.is_empty())
-            .ok_or_else(|| ToolError::InvalidArguments("`question` must be a question".into()))?
-            .to_string();
+    async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
+        let img = args.image.load(&self.store)?;
+        let id = args.image.0;
+        let question = args.question.trim().to_string();
+        if question.is_empty() {
+            return Err(ToolError::InvalidArguments(
+                "`question` must be a question".into(),
+            ));
+        }
         if let Some(Backend::Native(native)) = self.settings.backend(NAME)? {
             let (text, mut data) = self.ask_native(&native, img, &question).await?;
             if text.is_empty() {

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput};
+use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, Typed};
 use hilum_imaging::ImageStore;
 use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
 use hilum_tools::SegmentLungs;
@@ -181,7 +181,7 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
     let id = store
         .ingest_file(&data().join("cxr/images/covid_00870a9c.jpg"))
         .expect("ingest");
-    let run = |tool: SegmentLungs| {
+    let run = |tool: Typed<SegmentLungs>| {
         let id = id.clone();
         async move {
             tool.call(&ToolContext::default(), json!({ "image": id }))
@@ -190,14 +190,18 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
         }
     };
     let auto = run(SegmentLungs::new(store.clone(), pool.clone())).await;
-    let ort =
-        run(SegmentLungs::new(store.clone(), pool.clone())
-            .with_backend(hilum_models::Backend::Onnx))
-        .await;
-    let candle =
-        run(SegmentLungs::new(store.clone(), pool.clone())
-            .with_backend(hilum_models::Backend::Candle))
-        .await;
+    let ort = run(SegmentLungs::with_backend(
+        store.clone(),
+        pool.clone(),
+        hilum_models::Backend::Onnx,
+    ))
+    .await;
+    let candle = run(SegmentLungs::with_backend(
+        store.clone(),
+        pool.clone(),
+        hilum_models::Backend::Candle,
+    ))
+    .await;
     // With the graph installed, the CPU default is still the native kernels where their direct
     // engine runs (faster than ONNX Runtime), ONNX Runtime elsewhere.
     let want = if hilum_models::kernels::unet_direct_engine() {

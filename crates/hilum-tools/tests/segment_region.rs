@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use hilum_agent::{Tool, ToolContext, ToolError};
+use hilum_agent::{Tool, ToolContext, ToolError, Typed};
 use hilum_imaging::{ImageStore, StoreLimits};
 use hilum_models::sam::{self, Config, Sam};
 use hilum_models::{ModelPool, ModelRegistry};
@@ -49,7 +49,10 @@ fn png_size(bytes: &[u8]) -> (u32, u32) {
     (img.width(), img.height())
 }
 
-async fn call(tool: &SegmentRegion, args: Value) -> Result<hilum_agent::ToolOutput, ToolError> {
+async fn call(
+    tool: &Typed<SegmentRegion>,
+    args: Value,
+) -> Result<hilum_agent::ToolOutput, ToolError> {
     tool.call(&ToolContext::default(), args).await
 }
 

@@ -101,7 +101,7 @@ async fn native_answer_is_the_transformers_greedy_decode() {
     let r = reference();
     let max_tokens = r["greedy_ids"].as_array().expect("ids").len() as u32;
     let (store, id) = store_with_reference_image();
-    let tool = AnswerVisualQuestion::new(store, native_settings(max_tokens)).with_models(pool);
+    let tool = AnswerVisualQuestion::with_models(store, native_settings(max_tokens), pool);
     assert!(tool.available(&Environment::default()));
     let out = tool
         .call(
@@ -128,7 +128,7 @@ async fn missing_native_weights_name_the_install_command() {
         ModelRegistry::new(dir.path()).expect("registry"),
     )));
     let (store, id) = store_with_reference_image();
-    let tool = AnswerVisualQuestion::new(store, native_settings(8)).with_models(pool);
+    let tool = AnswerVisualQuestion::with_models(store, native_settings(8), pool);
     let err = tool
         .call(
             &ToolContext::default(),
