@@ -55,7 +55,7 @@ impl AnswerVisualQuestion {
             },
             store,
             settings,
-            models: Arc::new(ModelPool::from_env_or_empty()),
+            models: Arc::new(ModelPool::from_settings(Default::default())),
         }
     }
 
