@@ -58,9 +58,9 @@ impl ModelSettings {
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
         let number = |k: &str| set(k).and_then(|v| v.parse::<usize>().ok());
-        let defaults = ModelSettings::default();
         ModelSettings {
-            models_dir: set("HILUM_MODELS_DIR").map_or(defaults.models_dir, PathBuf::from),
+            models_dir: set("HILUM_MODELS_DIR")
+                .map_or_else(ModelRegistry::default_dir, PathBuf::from),
             cpu: hilum_kernels::CpuSettings::from_vars(&var),
             cpu_concurrency: number("HILUM_CPU_CONCURRENCY"),
             gpu_concurrency: number("HILUM_GPU_CONCURRENCY"),
