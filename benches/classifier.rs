@@ -11,7 +11,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use hilum_models::xrv::{self, Classifier, XrvSpec};
-use hilum_models::Backend;
+use hilum_models::{Backend, ModelSettings};
 
 fn input(batch: usize, size: usize) -> Vec<f32> {
     (0..batch * size * size)
@@ -19,14 +19,17 @@ fn input(batch: usize, size: usize) -> Vec<f32> {
         .collect()
 }
 
-fn model(spec: &XrvSpec, backend: Backend) -> Classifier {
+fn model(spec: &XrvSpec, backend: Backend, threads: usize) -> Classifier {
     let w = xrv::synthetic_weights(&spec.arch, 7).expect("weights");
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
-    Classifier::new(vb, spec.clone(), backend, xrv::default_threads()).expect("model")
+    Classifier::new(vb, spec.clone(), backend, threads).expect("model")
 }
 
 fn bench(c: &mut Criterion) {
-    let threads = xrv::default_threads();
+    // The same variables as `hilum` (HILUM_CPU_*, ORT_DYLIB_PATH).
+    let settings = ModelSettings::from_vars(|k| std::env::var(k).ok());
+    settings.apply_process_wide();
+    let threads = settings.cpu.threads();
     for (spec, batches) in [
         (XrvSpec::densenet121_res224_all(), vec![1, 16]),
         (XrvSpec::resnet50_res512_all(), vec![1]),
@@ -38,7 +41,7 @@ fn bench(c: &mut Criterion) {
                 eprintln!("onnx: skipped, ONNX Runtime not loadable (set ORT_DYLIB_PATH)");
                 continue;
             }
-            let m = model(&spec, backend);
+            let m = model(&spec, backend, threads);
             for &b in &batches {
                 // candle's CPU conv is ~10x slower: batch 1 is enough to show it.
                 if backend == Backend::Candle && b > 1 {

@@ -6,23 +6,6 @@ use std::path::{Path, PathBuf};
 /// The one module allowed to read the environment.
 const CONFIG_MODULE: &str = "crates/hilum-cli/src/config.rs";
 
-/// Reads not yet moved into settings values (issue 14, item 6): the CPU kernels' tuning knobs,
-/// the models dir, ONNX Runtime's library and the pool's concurrency. Each entry is the most
-/// reads the file may keep; the list only shrinks — a new file, or one more read in a listed
-/// file, fails the test.
-const NOT_YET_MOVED: &[(&str, usize)] = &[
-    ("crates/hilum-kernels/src/densenet.rs", 1),
-    ("crates/hilum-kernels/src/unet.rs", 2),
-    ("crates/hilum-kernels/src/unet_kernels.rs", 1),
-    ("crates/hilum-kernels/src/lib.rs", 4),
-    ("crates/hilum-models/src/llava.rs", 1),
-    ("crates/hilum-models/src/xrv.rs", 1),
-    ("crates/hilum-models/src/pool.rs", 1),
-    ("crates/hilum-models/src/registry.rs", 1),
-    ("crates/hilum-models/src/onnx.rs", 1),
-    ("crates/hilum-models/src/import.rs", 1),
-];
-
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -76,15 +59,8 @@ fn library_crates_read_no_environment_variables() {
             continue;
         }
         let text = std::fs::read_to_string(&file).expect("read source");
-        let hits = env_reads(&text);
-        let allowed = NOT_YET_MOVED
-            .iter()
-            .find(|(f, _)| rel == Path::new(f))
-            .map_or(0, |(_, n)| *n);
-        if hits.len() > allowed {
-            for hit in hits {
-                offenders.push(format!("{}:{hit}", rel.display()));
-            }
+        for hit in env_reads(&text) {
+            offenders.push(format!("{}:{hit}", rel.display()));
         }
     }
     assert!(

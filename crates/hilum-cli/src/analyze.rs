@@ -170,7 +170,8 @@ mod tests {
     /// model installed, `dicom_info` only for DICOM input, `visualize` never.
     #[test]
     fn the_local_offer_follows_declared_requirements() {
-        let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()));
+        let models = Arc::new(hilum_models::ModelPool::from_settings(Default::default()));
+        let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()), models);
         let toolbox = hilum_tools::default_toolbox(&deps).expect("toolbox");
         let bare = toolbox.runnable(&Environment::default()).names();
         assert_eq!(bare, vec!["image_info".to_string()]);

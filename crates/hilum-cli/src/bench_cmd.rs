@@ -142,7 +142,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Tools run with the configured classifier backends (HILUM_BACKEND, the config file's
     // [backends]); `--backend` below times the classifier on each backend it lists.
     let file = crate::config::load_file(None)?;
-    let deps = hilum_tools::ToolDeps::new(store.clone())
+    let deps = hilum_tools::ToolDeps::new(store.clone(), crate::model_pool())
         .with_settings(crate::config::tool_settings())
         .with_backends(crate::config::resolve_backends(&[], &file.backends)?);
     let toolbox = Arc::new(crate::toolbox(&deps)?);
@@ -318,7 +318,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let report = json!({
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "images": ids,
-        "cpu_threads": xrv::default_threads(),
+        "cpu_threads": crate::model_settings().cpu.threads(),
         "tools": rows,
         "batched": batched,
         "round": round,
@@ -380,7 +380,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             note
         );
     }
-    batch::print(&batched, xrv::default_threads());
+    batch::print(&batched, crate::model_settings().cpu.threads());
     if let Some(r) = &report["round"].as_object() {
         println!(
             "\nround of {} calls: parallel {:.1} ms, serial {:.1} ms, serial/parallel {:.2}x",

@@ -3,7 +3,9 @@
 //! `$XDG_CONFIG_HOME/hilum/config.toml`, by default `~/.config/hilum/config.toml`).
 //!
 //! This module is the only place outside `main`s that reads the environment: library crates
-//! take their settings as values (a test in `tests/env_reads.rs` keeps it so).
+//! take their settings as values (a test in `tests/env_reads.rs` keeps it so). The models'
+//! settings ([`model_settings`]: models dir, CPU kernels, pool concurrency, ONNX Runtime, LLaVA
+//! quantization) come from the variables `hilum_models::ModelSettings::from_vars` names.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -360,7 +362,16 @@ pub fn resolve_backends(
     parse(&spec.join(","), "[backends] in the config file")
 }
 
-/// The tools' shared parts, with the config file's `[vlm]` table (environment overrides it).
+/// The models' settings from the environment: `HILUM_MODELS_DIR`, `HILUM_CPU_THREADS`,
+/// `HILUM_CPU_TILE_FLOATS`, `HILUM_CPU_IMAGES_PER_PASS`, `HILUM_UNET_ENGINE`, `HILUM_UNET_ISA`,
+/// `HILUM_CPU_PROFILE`, `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
+/// `HILUM_LLAVA_QUANTIZE` (meanings in README.md).
+pub fn model_settings() -> hilum_models::ModelSettings {
+    hilum_models::ModelSettings::from_vars(|k| std::env::var(k).ok())
+}
+
+/// The tools' shared parts: the process's model pool, and the config file's `[vlm]` table
+/// (environment overrides it).
 pub fn tool_deps(
     store: Arc<hilum_imaging::ImageStore>,
     mut vlm: hilum_tools::VlmSettings,
@@ -369,7 +380,7 @@ pub fn tool_deps(
     if let Err(e) = vlm.apply_env(|k| std::env::var(k).ok()) {
         vlm = hilum_tools::VlmSettings::broken(format!("the [vlm] settings are not valid: {e}"));
     }
-    Ok(hilum_tools::ToolDeps::new(store)
+    Ok(hilum_tools::ToolDeps::new(store, crate::model_pool())
         .with_vlm(Arc::new(vlm))
         .with_settings(tool_settings()))
 }

@@ -11,7 +11,7 @@ mod render;
 mod serve_cmd;
 mod tools_cmd;
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use clap::{Parser, Subcommand};
 use hilum_tools::{Registry, ToolDeps};
@@ -65,6 +65,26 @@ pub(crate) fn registry() -> &'static Registry {
     REGISTRY.get_or_init(Registry::builtin)
 }
 
+static MODEL_SETTINGS: OnceLock<hilum_models::ModelSettings> = OnceLock::new();
+static MODEL_POOL: OnceLock<Arc<hilum_models::ModelPool>> = OnceLock::new();
+
+/// The models' settings, read once from the environment ([`config::model_settings`]).
+pub(crate) fn model_settings() -> &'static hilum_models::ModelSettings {
+    MODEL_SETTINGS.get_or_init(config::model_settings)
+}
+
+/// The process's one model pool over [`model_settings`]: every command and every toolbox of
+/// `hilum serve` shares it, so a model loads once.
+pub(crate) fn model_pool() -> Arc<hilum_models::ModelPool> {
+    MODEL_POOL
+        .get_or_init(|| {
+            Arc::new(hilum_models::ModelPool::from_settings(
+                model_settings().clone(),
+            ))
+        })
+        .clone()
+}
+
 /// The toolbox of this program's registry over `deps`.
 pub(crate) fn toolbox(deps: &ToolDeps) -> anyhow::Result<hilum_agent::Toolbox> {
     registry().toolbox(deps).map_err(anyhow::Error::msg)
@@ -73,6 +93,9 @@ pub(crate) fn toolbox(deps: &ToolDeps) -> anyhow::Result<hilum_agent::Toolbox> {
 /// Runs the `hilum` command line with the tools of `registry`; exits the process on error.
 pub fn main_with(registry: Registry) {
     let _ = REGISTRY.set(registry);
+    // Before any model loads: the CPU kernels' knobs and ONNX Runtime's library are
+    // process-wide.
+    model_settings().apply_process_wide();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -55,7 +55,7 @@ pub enum ModelsCmd {
 }
 
 pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
-    let registry = ModelRegistry::from_env()?;
+    let registry = ModelRegistry::new(&crate::model_settings().models_dir)?;
     match cmd {
         ModelsCmd::List { json } => list(&registry, json),
         ModelsCmd::Fetch { id, url, python } => {

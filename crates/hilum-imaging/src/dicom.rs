@@ -11,7 +11,7 @@ use dicom_pixeldata::{ConvertOptions, ModalityLutOption, PixelDecoder};
 use dicom_transfer_syntax_registry::TransferSyntaxRegistry;
 use serde::{Deserialize, Serialize};
 
-use crate::decode::{check_size, CxrImage, DecodeOptions, ImageMeta, Voi};
+use crate::canonical::{check_size, CxrImage, DecodeOptions, ImageMeta, Voi};
 use crate::ImagingError;
 
 pub(crate) type DicomFile = FileDicomObject<InMemDicomObject>;

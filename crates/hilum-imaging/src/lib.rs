@@ -12,6 +12,7 @@
 //! and shared by every tool of a round; the returned [`Prepared`] carries the [`Geometry`] to map
 //! boxes and masks back onto the original image.
 
+mod canonical;
 mod decode;
 mod deid;
 mod dicom;
@@ -21,7 +22,8 @@ mod render;
 mod store;
 mod transform;
 
-pub use decode::{decode, decode_with, sniff_format, CxrImage, DecodeOptions, ImageMeta, Voi};
+pub use canonical::{CxrImage, DecodeOptions, ImageMeta, Voi};
+pub use decode::{decode, decode_with, sniff_format};
 pub use deid::{deidentify, export_deidentified, DeidOptions, DeidReport};
 pub use dicom::{read_dicom, DicomSummary};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};

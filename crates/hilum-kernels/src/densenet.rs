@@ -199,7 +199,7 @@ impl NativeDenseNet {
 
     /// Logits (batch, classes) for input (batch, in_channels, size, size).
     pub fn forward(&self, input: &[f32], batch: usize) -> Result<Vec<f32>, CpuError> {
-        let chunk = images_per_pass();
+        let chunk = crate::settings::images_per_pass();
         if batch <= chunk || !input.len().is_multiple_of(batch) {
             return self.exec.forward(input, batch);
         }
@@ -220,17 +220,4 @@ impl NativeDenseNet {
     pub fn threads(&self) -> usize {
         self.exec.threads()
     }
-}
-
-/// Images per pass of a large batch: `HILUM_CPU_IMAGES_PER_PASS` (a tuning knob), default 4
-/// (224 px, batch 16, 2 threads: 187 ms at 4 per pass, 193 ms one at a time, 205 ms all 16).
-fn images_per_pass() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("HILUM_CPU_IMAGES_PER_PASS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n >= 1)
-            .unwrap_or(4)
-    })
 }

@@ -20,17 +20,24 @@
 //! - for the segmentation networks: dilation, nearest 2x upsampling read while gathering (never
 //!   materialised), squeeze-excitation gates folded into the next 1x1 conv's weights per image,
 //!   swish/sigmoid with a vectorisable `exp`, pooling and bilinear resizing between NHWC views.
+//!
+//! The engines read no environment variables: threads are given to each network, and the
+//! process-wide tuning knobs are set by [`configure`] (see [`CpuSettings`]).
 
 mod dense_gemm;
 pub mod densenet;
 pub mod pspnet;
 pub mod resnet;
+mod settings;
 pub mod unet;
 
 pub use densenet::NativeDenseNet;
 pub use pspnet::NativePspNet;
 pub use resnet::NativeResNet;
+pub use settings::{all_cores, configure, set_profile, CpuSettings, IsaCap, Profile, UnetEngine};
 pub use unet::{direct_engine as unet_direct_engine, NativeUnet};
+
+use settings::{profile, tile_floats};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -165,27 +172,6 @@ pub(crate) fn bn_affine(bn: &BatchNorm) -> Result<Affine, CpuError> {
 
 /// Gemm weights (k * k * c_in, c_out) and the bias of a conv with its BatchNorm folded in.
 pub(crate) type Folded = (Vec<f32>, Option<Vec<f32>>);
-
-/// Floats per gathered tile: `HILUM_CPU_TILE_FLOATS` (a tuning knob), default 2^16 (256 KiB).
-fn tile_floats() -> usize {
-    static TILE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILE.get_or_init(|| {
-        std::env::var("HILUM_CPU_TILE_FLOATS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n >= 1024)
-            .unwrap_or(1 << 16)
-    })
-}
-
-/// Worker threads of the native kernels: `HILUM_CPU_THREADS`, default all cores.
-pub fn default_threads() -> usize {
-    std::env::var("HILUM_CPU_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
 
 /// An element-wise activation fused into a conv's epilogue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -686,8 +672,8 @@ impl Executor {
         let barrier = SpinBarrier::new(self.threads);
         let nt = self.threads;
         let scratch = &mut ws.scratch;
-        // HILUM_CPU_PROFILE=1: time of every op (thread 0, barrier to barrier) on stderr.
-        let mut profile = std::env::var_os("HILUM_CPU_PROFILE").map(|_| vec![0f64; p.ops.len()]);
+        // Profiling: time of every op (thread 0, barrier to barrier) on stderr.
+        let mut profile = (profile() != Profile::Off).then(|| vec![0f64; p.ops.len()]);
         self.pool.scope(|s| {
             let (first, rest) = scratch.split_at_mut(1);
             for (i, sc) in rest.iter_mut().enumerate() {
@@ -804,8 +790,7 @@ fn print_profile(plan: &Plan, batch: usize, nt: usize, times: &[f64]) {
             _ => 0.0,
         };
         let mut kind = op_kind(op);
-        // HILUM_CPU_PROFILE=2: per output size too.
-        if let (Op::Conv(c), Some("2")) = (op, std::env::var("HILUM_CPU_PROFILE").ok().as_deref()) {
+        if let (Op::Conv(c), Profile::OpsBySize) = (op, profile()) {
             kind += &format!(" -> {}x{}", c.dst.h, c.dst.w);
         }
         let e = rows.entry(kind).or_default();

@@ -36,6 +36,7 @@ use super::{
     bn_affine, validate, Act as GemmAct, BatchNorm, ConvOp, CpuError, Executor, Folded, Op, Output,
     Plan, SeOp, View,
 };
+use crate::{Profile, UnetEngine};
 
 /// One stage of the U-Net: a 3x3 conv (Keras `same` padding, `stride`) + `bn` + swish, for
 /// encoder stages that keep their width `+ input`, `residual_bn` and swish, then
@@ -109,12 +110,13 @@ impl std::fmt::Debug for NativeUnet {
 }
 
 /// Whether [`NativeUnet`] runs the direct kernels here (x86-64 with AVX2 or AVX-512, unless
-/// `HILUM_UNET_ENGINE` says otherwise) rather than the im2col + gemm plan.
+/// [`CpuSettings::unet_engine`](crate::CpuSettings::unet_engine) says otherwise) rather than
+/// the im2col + gemm plan.
 pub fn direct_engine() -> bool {
-    match std::env::var("HILUM_UNET_ENGINE").as_deref() {
-        Ok("gemm") => false,
-        Ok("direct") => true,
-        _ => kernels::has_avx512() || kernels::has_avx2(),
+    match crate::settings::unet_engine() {
+        UnetEngine::Gemm => false,
+        UnetEngine::Direct => true,
+        UnetEngine::Auto => kernels::has_avx512() || kernels::has_avx2(),
     }
 }
 
@@ -861,9 +863,10 @@ impl Direct {
             failed: AtomicBool::new(false),
         };
         let wmax = ws.scratch.first().map_or(0, Vec::len);
-        // HILUM_CPU_PROFILE=1: time of every op on thread 0 (its chunks and the wait for the
-        // others' to complete) on stderr.
-        let profile = std::env::var_os("HILUM_CPU_PROFILE").map(|_| Mutex::new(vec![0f64; n_ops]));
+        // Profiling: time of every op on thread 0 (its chunks and the wait for the others' to
+        // complete) on stderr.
+        let profile =
+            (crate::settings::profile() != Profile::Off).then(|| Mutex::new(vec![0f64; n_ops]));
         let job = |t: usize| {
             let run = || {
                 let mut prof = profile

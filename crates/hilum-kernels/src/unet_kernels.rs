@@ -6,6 +6,8 @@
 //! accumulators before they are stored. A portable scalar version serves other CPUs.
 
 use crate::exp_approx;
+use crate::settings::unet_isa;
+use crate::IsaCap;
 
 /// Activation applied in an epilogue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,30 +82,22 @@ pub(super) struct Row<'a> {
     pub width: usize,
 }
 
-/// `HILUM_UNET_ISA=avx2|portable` caps the kernels used (to compare them on one machine).
-fn isa_cap() -> u8 {
-    static CAP: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| match std::env::var("HILUM_UNET_ISA").as_deref() {
-        Ok("portable") => 0,
-        Ok("avx2") => 1,
-        _ => 2,
-    })
-}
-
 /// Whether this CPU runs the AVX-512 kernels (the shared kernels' detection, under the
-/// `HILUM_UNET_ISA` cap).
+/// configured [`IsaCap`]).
 pub(super) fn has_avx512() -> bool {
-    isa_cap() >= 2 && crate::has_avx512()
+    unet_isa() >= IsaCap::Best && crate::has_avx512()
 }
 
-/// Whether this CPU runs the AVX2 kernels.
+/// Whether this CPU runs the AVX2 kernels (under the configured [`IsaCap`]).
 pub(super) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        // The CPU's answer is cached; the cap is read each time, as it may be configured
+        // after the first call.
         static V3: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *V3.get_or_init(|| {
-            isa_cap() >= 1 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        })
+        unet_isa() >= IsaCap::Avx2
+            && *V3
+                .get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

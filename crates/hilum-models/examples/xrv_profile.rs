@@ -18,8 +18,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
+use hilum_kernels::Profile;
 use hilum_models::xrv::{self, Classifier, XrvSpec};
-use hilum_models::Backend;
+use hilum_models::{Backend, ModelSettings};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -39,25 +40,52 @@ fn main() -> Res<()> {
     let mode = args.get(1).map(String::as_str).unwrap_or("densenet");
     let batch: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
     let iters: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(20);
+    // The same variables as `hilum` (HILUM_CPU_*, HILUM_UNET_*, ORT_DYLIB_PATH). The timed
+    // runs are not profiled; one last run is (HILUM_CPU_PROFILE=2: per output size too).
+    let mut settings = ModelSettings::from_vars(|k| std::env::var(k).ok());
+    let last = match settings.cpu.profile {
+        Profile::Off => Profile::Ops,
+        p => p,
+    };
+    settings.cpu.profile = Profile::Off;
+    settings.apply_process_wide();
     match mode {
-        "unet" => unet(batch, iters),
+        "unet" => unet(&settings, batch, iters),
         // pspnet [iters]: no batch argument.
-        "pspnet" => pspnet(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3)),
-        "resnet" => classifier(XrvSpec::resnet50_res512_all(), batch, iters),
-        _ => classifier(XrvSpec::densenet121_res224_all(), batch, iters),
+        "pspnet" => pspnet(
+            &settings,
+            args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3),
+        ),
+        "resnet" => classifier(
+            &settings,
+            last,
+            XrvSpec::resnet50_res512_all(),
+            batch,
+            iters,
+        ),
+        _ => classifier(
+            &settings,
+            last,
+            XrvSpec::densenet121_res224_all(),
+            batch,
+            iters,
+        ),
     }
 }
 
-fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
-    // The profile of one last run: HILUM_CPU_PROFILE=2 breaks it down per output size.
-    let profile = std::env::var("HILUM_CPU_PROFILE").unwrap_or_else(|_| "1".into());
-    std::env::remove_var("HILUM_CPU_PROFILE");
+fn classifier(
+    settings: &ModelSettings,
+    last: Profile,
+    spec: XrvSpec,
+    batch: usize,
+    iters: usize,
+) -> Res<()> {
     let w = xrv::synthetic_weights(&spec.arch, 7)?;
     let vb = VarBuilder::from_tensors(w, DType::F32, &Device::Cpu);
-    let threads = hilum_kernels::default_threads();
+    let threads = settings.cpu.threads();
     let m = Classifier::new(vb.clone(), spec.clone(), Backend::Native, threads)?;
     // ONNX Runtime on a graph built from the same weights, when its library is available.
-    let ort = if cfg!(feature = "onnx") && std::env::var_os("ORT_DYLIB_PATH").is_some() {
+    let ort = if cfg!(feature = "onnx") && settings.ort_dylib.is_some() {
         Some(Classifier::new(vb, spec.clone(), Backend::Onnx, threads)?)
     } else {
         println!("ONNX Runtime skipped: ORT_DYLIB_PATH is not set");
@@ -114,7 +142,7 @@ fn classifier(spec: XrvSpec, batch: usize, iters: usize) -> Res<()> {
             n_min / o_min
         );
     }
-    std::env::set_var("HILUM_CPU_PROFILE", profile);
+    hilum_kernels::set_profile(last);
     m.logits(&x, batch)?;
     Ok(())
 }
@@ -123,19 +151,23 @@ fn shared_data() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
 }
 
-fn unet(batch: usize, iters: usize) -> Res<()> {
+fn unet(settings: &ModelSettings, batch: usize, iters: usize) -> Res<()> {
     use hilum_models::unet::{self, LungSegmenter};
     use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
     let dir = tempfile::tempdir()?;
     let reg = ModelRegistry::new(dir.path())?;
     let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-    hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())?;
-    let pool = ModelPool::new(std::sync::Arc::new(reg));
+    let opts = ImportOptions {
+        python: std::env::var_os("HILUM_PYTHON").map(Into::into),
+        ..Default::default()
+    };
+    hilum_models::import(&reg, "lung-unet", &h5, &opts)?;
+    let pool = ModelPool::with_settings(std::sync::Arc::new(reg), settings.clone());
     let on = |backend| {
         pool.get_or_load::<LungSegmenter>("lung-unet", hilum_models::Device::Cpu, backend)
     };
     let m = on(Backend::Native)?;
-    let threads = hilum_kernels::default_threads();
+    let threads = settings.cpu.threads();
     let s = m.config().input_size;
     // A real radiograph through the model's own preprocessing.
     let img =
@@ -210,17 +242,17 @@ fn unet(batch: usize, iters: usize) -> Res<()> {
         let o = median(onx);
         println!("  ONNX Runtime {o:>8.2} ms  (native / ORT = {:.2})", n / o);
     }
-    std::env::set_var("HILUM_CPU_PROFILE", "1");
+    hilum_kernels::set_profile(Profile::Ops);
     m.predict(&xs)?;
     Ok(())
 }
 
-fn pspnet(iters: usize) -> Res<()> {
+fn pspnet(settings: &ModelSettings, iters: usize) -> Res<()> {
     use hilum_models::pspnet::{AnatomySegmenter, Config};
     let cfg = Config::chestx_det();
     let map = candle_nn::VarMap::new();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-    let threads = hilum_kernels::default_threads();
+    let threads = settings.cpu.threads();
     let t0 = std::time::Instant::now();
     let model = AnatomySegmenter::new(vb.clone(), &cfg, Backend::Native, threads)?;
     let t = t0.elapsed().as_secs_f64() * 1e3;
@@ -242,7 +274,7 @@ fn pspnet(iters: usize) -> Res<()> {
         let c = ms(|| Ok(candle.probabilities(&x)?))?;
         println!("  candle {c:.0} ms ({:.1}x native)", c / n);
     }
-    std::env::set_var("HILUM_CPU_PROFILE", "1");
+    hilum_kernels::set_profile(Profile::Ops);
     model.probabilities(&x)?;
     Ok(())
 }

@@ -22,7 +22,8 @@ pub struct ImportOptions {
     /// A site's own checkpoint of the architecture: any sha256 is accepted, names and shapes
     /// must still match, and the model is marked custom everywhere.
     pub custom: bool,
-    /// Python interpreter for converters; default `$HILUM_PYTHON`, else `python3`.
+    /// Python interpreter for converters; `None`: `python3` (Hilum's CLI passes `--python` or
+    /// `HILUM_PYTHON`).
     pub python: Option<PathBuf>,
     /// Where the file came from, for the record (default: the path).
     pub origin: Option<String>,
@@ -187,11 +188,11 @@ fn format_of(path: &Path, manifest_format: &str) -> String {
     }
 }
 
-/// Python used by converters.
+/// Python used by converters: [`ImportOptions::python`], else `python3` on the `PATH` (the
+/// program fills the option: Hilum's CLI from `--python` or `HILUM_PYTHON`).
 pub fn python(opts: &ImportOptions) -> PathBuf {
     opts.python
         .clone()
-        .or_else(|| std::env::var_os("HILUM_PYTHON").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 

@@ -2,6 +2,9 @@
 //! (manifests in `models/`, weights under a models directory), a pool that loads models lazily
 //! and keeps them warm, and fetch/import/verify of weights. On the CPU the CNNs run on
 //! `hilum-kernels`, built from weights that [`native`] reads from the checkpoints.
+//!
+//! The crate reads no environment variables: its settings are one [`ModelSettings`] value the
+//! program builds and passes to the pool (see the `settings` module for what is process-wide).
 
 mod backend;
 pub mod densenet;
@@ -9,6 +12,7 @@ mod device;
 mod fetch;
 mod import;
 pub mod llava;
+mod manifest;
 pub mod native;
 #[cfg(feature = "onnx")]
 pub mod onnx;
@@ -19,6 +23,7 @@ mod registry;
 pub mod report;
 pub mod resnet;
 pub mod sam;
+mod settings;
 pub mod unet;
 pub mod weights;
 pub mod xrv;
@@ -29,10 +34,10 @@ pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
+pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
 pub use pool::{Model, ModelPool};
-pub use registry::{
-    InstallRecord, InstalledModel, Manifest, ModelRegistry, ModelStatus, Source, VerifyReport,
-};
+pub use registry::{ModelRegistry, ModelStatus, VerifyReport};
+pub use settings::ModelSettings;
 
 use thiserror::Error;
 

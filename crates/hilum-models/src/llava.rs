@@ -1302,14 +1302,15 @@ pub fn manifest_config(manifest: &crate::Manifest) -> Result<Config, ModelError>
     Config::from_json(&v.to_string())
 }
 
-/// How to run the model: the manifest's `[postprocessing] quantize`, overridden by
-/// `HILUM_LLAVA_QUANTIZE` (none, q8_0, q4k).
-pub fn precision_for(manifest: &crate::Manifest) -> Result<Precision, ModelError> {
-    if let Some(v) = std::env::var("HILUM_LLAVA_QUANTIZE")
-        .ok()
-        .filter(|v| !v.is_empty())
-    {
-        return Precision::parse(&v);
+/// How to run the model: the manifest's `[postprocessing] quantize`, overridden by `quantize`
+/// ([`ModelSettings::llava_quantize`](crate::ModelSettings::llava_quantize): none, q8_0, q4k;
+/// empty counts as unset).
+pub fn precision_for(
+    manifest: &crate::Manifest,
+    quantize: Option<&str>,
+) -> Result<Precision, ModelError> {
+    if let Some(v) = quantize.filter(|v| !v.is_empty()) {
+        return Precision::parse(v);
     }
     Precision::parse(
         manifest
@@ -1322,11 +1323,12 @@ pub fn precision_for(manifest: &crate::Manifest) -> Result<Precision, ModelError
 
 impl NativeVlm {
     /// Loads installed weights (`model.safetensors` with `tokenizer.json` and optionally
-    /// `config.json` in the same folder).
+    /// `config.json` in the same folder), quantized as [`precision_for`] says.
     pub fn load_installed(
         manifest: &crate::Manifest,
         weights: &Path,
         device: crate::Device,
+        quantize: Option<&str>,
     ) -> Result<NativeVlm, ModelError> {
         let id = &manifest.id;
         let tok_path = weights.with_file_name(TOKENIZER_FILE);
@@ -1360,7 +1362,7 @@ impl NativeVlm {
                 })
             }
         }
-        let precision = precision_for(manifest)?;
+        let precision = precision_for(manifest, quantize)?;
         let vb = crate::weights::var_builder(weights, device)?;
         let model = Llava::load(vb, &cfg, precision).map_err(|e| match e {
             ModelError::Compute(m) => ModelError::WeightsMismatch {
@@ -1468,9 +1470,11 @@ impl crate::Model for NativeVlm {
         installed: &crate::InstalledModel,
         device: crate::Device,
         backend: crate::Backend,
+        settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         backend.expect(&[crate::Backend::Candle], &manifest.id)?;
-        NativeVlm::load_installed(manifest, &installed.weights, device)
+        let quantize = settings.llava_quantize.as_deref();
+        NativeVlm::load_installed(manifest, &installed.weights, device, quantize)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The ONNX Runtime backend (`ort` with `load-dynamic`): the runtime library is loaded at run
-//! time from `ORT_DYLIB_PATH` (scripts/setup_onnxruntime.sh installs the PyPI `onnxruntime`
-//! wheel and prints the path), so builds never download binaries.
+//! time from the path the program gives [`use_runtime`] (Hilum's CLI: `ORT_DYLIB_PATH`;
+//! scripts/setup_onnxruntime.sh installs the PyPI `onnxruntime` wheel and prints the path), so
+//! builds never download binaries.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -11,15 +12,30 @@ use ort::value::TensorRef;
 
 use crate::{Device, ModelError};
 
+/// The library given to [`use_runtime`]: one per process, like the environment it loads.
+static RUNTIME: OnceLock<PathBuf> = OnceLock::new();
+
+/// Loads ONNX Runtime from `path` when the backend is first used. Process-wide, as ONNX
+/// Runtime allows one environment per process: the first call wins; returns whether this one
+/// did.
+pub fn use_runtime(path: PathBuf) -> bool {
+    RUNTIME.set(path).is_ok()
+}
+
 /// The process-wide ONNX Runtime environment (ONNX Runtime allows one per process).
 fn environment() -> Result<&'static ort::environment::Environment, ModelError> {
     static ENV: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
+    // Not cached while no library is configured: `use_runtime` may still come.
+    if ENV.get().is_none() && dylib_path().is_none() {
+        return Err(ModelError::Onnx(
+            "no ONNX Runtime library is configured (ORT_DYLIB_PATH is not set): run \
+             scripts/setup_onnxruntime.sh and export the ORT_DYLIB_PATH it prints (the \
+             libonnxruntime.so of onnxruntime 1.31.1)"
+                .to_string(),
+        ));
+    }
     ENV.get_or_init(|| {
-        let path = dylib_path().ok_or_else(|| {
-            "ORT_DYLIB_PATH is not set: run scripts/setup_onnxruntime.sh and export the \
-             ORT_DYLIB_PATH it prints (the libonnxruntime.so of onnxruntime 1.31.1)"
-                .to_string()
-        })?;
+        let path = dylib_path().ok_or("no ONNX Runtime library is configured")?;
         ort::init_from(&path)
             .map_err(|e| format!("cannot load {}: {e}", path.display()))?
             .with_name("hilum")
@@ -30,11 +46,9 @@ fn environment() -> Result<&'static ort::environment::Environment, ModelError> {
     .map_err(|e| ModelError::Onnx(e.clone()))
 }
 
-/// `ORT_DYLIB_PATH`, when set to an existing file.
+/// The library given to [`use_runtime`], if any (empty paths count as none).
 pub fn dylib_path() -> Option<PathBuf> {
-    std::env::var_os("ORT_DYLIB_PATH")
-        .filter(|p| !p.is_empty())
-        .map(PathBuf::from)
+    RUNTIME.get().filter(|p| !p.as_os_str().is_empty()).cloned()
 }
 
 /// Whether ONNX Runtime can be used in this process (for `available()` checks and tests).

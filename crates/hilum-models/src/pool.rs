@@ -8,16 +8,18 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::{Backend, Device, InstalledModel, Manifest, ModelError, ModelRegistry};
+use crate::{Backend, Device, InstalledModel, Manifest, ModelError, ModelRegistry, ModelSettings};
 
 /// A network the pool can load from an installed model, on a device and a backend (a type
-/// that supports only some backends says so with [`Backend::expect`]).
+/// that supports only some backends says so with [`Backend::expect`]), with the pool's
+/// settings (CPU threads, quantization).
 pub trait Model: Send + Sync + Sized + 'static {
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
         backend: Backend,
+        settings: &ModelSettings,
     ) -> Result<Self, ModelError>;
 }
 
@@ -26,6 +28,7 @@ type Slot = Arc<Mutex<Option<(Arc<dyn Any + Send + Sync>, Duration)>>>;
 
 pub struct ModelPool {
     registry: Arc<ModelRegistry>,
+    settings: ModelSettings,
     slots: Mutex<HashMap<Key, Slot>>,
     permits: Mutex<HashMap<Device, Arc<Semaphore>>>,
     /// Loads done per (model id, device): the proof that one pool serves the process.
@@ -33,26 +36,35 @@ pub struct ModelPool {
 }
 
 impl ModelPool {
+    /// A pool over `registry` with the default settings (all cores, one pass per GPU).
     pub fn new(registry: Arc<ModelRegistry>) -> Self {
+        Self::with_settings(registry, ModelSettings::default())
+    }
+
+    /// A pool over `registry` whose models load with `settings` (its `models_dir` is not
+    /// used: the registry has its own).
+    pub fn with_settings(registry: Arc<ModelRegistry>, settings: ModelSettings) -> Self {
         ModelPool {
             registry,
+            settings,
             slots: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             loads: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// A pool over [`ModelRegistry::from_env`].
-    pub fn from_env() -> Result<Self, ModelError> {
-        Ok(Self::new(Arc::new(ModelRegistry::from_env()?)))
+    /// A pool over the built-in manifests in `settings.models_dir`. Never fails: a broken
+    /// built-in manifest (a bug caught by the registry's tests) leaves a pool that knows no
+    /// models.
+    pub fn from_settings(settings: ModelSettings) -> Self {
+        let registry = ModelRegistry::new(&settings.models_dir)
+            .unwrap_or_else(|_| ModelRegistry::empty(&settings.models_dir));
+        Self::with_settings(Arc::new(registry), settings)
     }
 
-    /// Like [`ModelPool::from_env`], but never fails: a broken built-in manifest (a bug caught
-    /// by the registry's tests) leaves a pool that knows no models.
-    pub fn from_env_or_empty() -> Self {
-        Self::from_env().unwrap_or_else(|_| {
-            Self::new(Arc::new(ModelRegistry::empty(ModelRegistry::default_dir())))
-        })
+    /// The settings models load with.
+    pub fn settings(&self) -> &ModelSettings {
+        &self.settings
     }
 
     pub fn registry(&self) -> &ModelRegistry {
@@ -83,7 +95,13 @@ impl ModelPool {
         let manifest = self.registry.manifest(id)?;
         let installed = self.registry.installed(id)?;
         let t0 = Instant::now();
-        let model = Arc::new(M::load(manifest, &installed, device, backend)?);
+        let model = Arc::new(M::load(
+            manifest,
+            &installed,
+            device,
+            backend,
+            &self.settings,
+        )?);
         *guard = Some((model.clone(), t0.elapsed()));
         *self
             .loads
@@ -143,22 +161,16 @@ impl ModelPool {
             })
     }
 
-    /// How many forward passes may run at once on `device`: one per GPU (a GPU is never
-    /// oversubscribed), and on the CPU `HILUM_CPU_CONCURRENCY` or the number of cores.
-    pub fn concurrency(device: Device) -> usize {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
-        match device {
-            Device::Cpu => env("HILUM_CPU_CONCURRENCY")
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
-            _ => env("HILUM_GPU_CONCURRENCY").unwrap_or(1),
-        }
-        .max(1)
+    /// How many forward passes may run at once on `device` (see
+    /// [`ModelSettings::concurrency`]).
+    pub fn concurrency(&self, device: Device) -> usize {
+        self.settings.concurrency(device)
     }
 
     fn semaphore(&self, device: Device) -> Arc<Semaphore> {
         let mut p = self.permits.lock().unwrap_or_else(|p| p.into_inner());
         p.entry(device)
-            .or_insert_with(|| Arc::new(Semaphore::new(Self::concurrency(device))))
+            .or_insert_with(|| Arc::new(Semaphore::new(self.concurrency(device))))
             .clone()
     }
 }
@@ -173,6 +185,7 @@ mod tests {
             _: &InstalledModel,
             _: Device,
             _: Backend,
+            _: &ModelSettings,
         ) -> Result<Self, ModelError> {
             std::thread::sleep(Duration::from_millis(20));
             Ok(Counting)

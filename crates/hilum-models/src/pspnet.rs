@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use hilum_kernels::NativePspNet;
 
-use crate::registry::{InstalledModel, Manifest};
+use crate::manifest::{InstalledModel, Manifest};
 use crate::{Backend, Device, ModelError};
 
 /// ptsemseg's BatchNorm2d epsilon (PyTorch's default).
@@ -449,6 +449,7 @@ impl crate::Model for AnatomySegmenter {
         installed: &InstalledModel,
         device: Device,
         backend: Backend,
+        settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         let mut cfg = Config::chestx_det();
         if let Some(s) = manifest
@@ -459,7 +460,7 @@ impl crate::Model for AnatomySegmenter {
             cfg.input_size = s.max(64) as usize;
         }
         let vb = crate::weights::var_builder(&installed.weights, device)?;
-        AnatomySegmenter::new(vb, &cfg, backend, hilum_kernels::default_threads())
+        AnatomySegmenter::new(vb, &cfg, backend, settings.cpu.threads())
             .map_err(|e| corrupt(&manifest.id, e))
     }
 }

@@ -1,13 +1,14 @@
 //! The model registry: one TOML manifest per model (compiled in from the repository's
 //! `models/`), and a models directory holding the installed weights:
 //! `<dir>/<id>/model.safetensors` plus `<dir>/<id>/install.toml` (where they came from, their
-//! sha256, whether they are a site's custom checkpoint).
+//! sha256, whether they are a site's custom checkpoint). The registry checks weights against
+//! the architectures (it imports them); the manifest types the architectures read live in
+//! [`crate::manifest`], so no architecture imports the registry back.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
+use crate::manifest::{InstallRecord, InstalledModel, Manifest};
 use crate::{weights, ModelError};
 
 /// The manifests shipped with Hilum, so the binary works from any directory.
@@ -46,129 +47,6 @@ const BUILTIN: &[(&str, &str)] = &[
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const RECORD_FILE: &str = "install.toml";
 pub const ONNX_FILE: &str = "model.onnx";
-
-/// What `models/<id>.toml` says about a model.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Manifest {
-    pub id: String,
-    pub name: String,
-    /// `classification`, `segmentation`, ...
-    pub task: String,
-    /// The Rust implementation that runs it, e.g. `lung-unet`, `densenet121`.
-    pub architecture: String,
-    /// Architecture configuration (free-form, read by the architecture's `Config`).
-    #[serde(default)]
-    pub config: toml::Table,
-    pub license: String,
-    #[serde(default)]
-    pub description: String,
-    #[serde(default)]
-    pub labels: Vec<String>,
-    pub source: Source,
-    #[serde(default)]
-    pub preprocessing: toml::Table,
-    #[serde(default)]
-    pub postprocessing: toml::Table,
-}
-
-/// Where the published weights live.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Source {
-    /// Project page (for people; never downloaded).
-    #[serde(default)]
-    pub homepage: Option<String>,
-    /// Direct HTTPS download of the published file.
-    #[serde(default)]
-    pub url: Option<String>,
-    /// Hugging Face repository, file and revision (downloaded through `url` when given).
-    #[serde(default)]
-    pub hf_repo: Option<String>,
-    #[serde(default)]
-    pub hf_file: Option<String>,
-    #[serde(default)]
-    pub revision: Option<String>,
-    /// File name of the published checkpoint.
-    #[serde(default)]
-    pub file: Option<String>,
-    /// `safetensors`, `keras-h5` or `pytorch`.
-    pub format: String,
-    /// sha256 of the published file; `None` when the publisher gives none.
-    #[serde(default)]
-    pub sha256: Option<String>,
-    #[serde(default)]
-    pub size: Option<u64>,
-    /// The same network as an ONNX graph (for the ONNX Runtime backend), when published.
-    #[serde(default)]
-    pub onnx_file: Option<String>,
-    #[serde(default)]
-    pub onnx_sha256: Option<String>,
-    /// Files the architecture needs beside its weights (e.g. `tokenizer.json`), copied at
-    /// installation from the folder of the installed weights.
-    #[serde(default)]
-    pub companion_files: Vec<String>,
-    /// Files `hilum models fetch` downloads from the folder of the weights' URL (the same
-    /// Hugging Face repository and revision, or the `--url` mirror) into the model's
-    /// directory, e.g. `config.json`; a trailing `?` marks one that may be absent upstream.
-    #[serde(default)]
-    pub fetch_files: Vec<String>,
-}
-
-impl Source {
-    /// The URL `hilum models fetch` downloads, if any.
-    pub fn download_url(&self) -> Option<String> {
-        if let Some(u) = &self.url {
-            return Some(u.clone());
-        }
-        match (&self.hf_repo, &self.hf_file) {
-            (Some(repo), Some(file)) => Some(format!(
-                "https://huggingface.co/{repo}/resolve/{}/{file}",
-                self.revision.as_deref().unwrap_or("main")
-            )),
-            _ => None,
-        }
-    }
-
-    /// `fetch_files` as (file name, required) pairs.
-    pub fn fetch_list(&self) -> Vec<(&str, bool)> {
-        self.fetch_files
-            .iter()
-            .map(|f| match f.strip_suffix('?') {
-                Some(name) => (name, false),
-                None => (f.as_str(), true),
-            })
-            .collect()
-    }
-}
-
-/// What an installation wrote to `install.toml`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct InstallRecord {
-    pub id: String,
-    /// sha256 of `model.safetensors`.
-    pub sha256: String,
-    /// sha256 of the file that was fetched or imported (before conversion).
-    pub source_sha256: String,
-    /// URL or local path it came from.
-    pub source: String,
-    /// A site's own checkpoint of this architecture, not the published weights.
-    pub custom: bool,
-    /// Seconds since the Unix epoch.
-    pub installed_at: u64,
-    pub hilum_version: String,
-    /// sha256 of `model.onnx`, when an ONNX graph was imported for the ONNX Runtime backend.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub onnx_sha256: Option<String>,
-}
-
-/// An installed model: where its weights are and what the record says.
-#[derive(Clone, Debug)]
-pub struct InstalledModel {
-    pub weights: PathBuf,
-    /// `model.onnx`, when imported (ONNX Runtime backend).
-    pub onnx: Option<PathBuf>,
-    pub record: InstallRecord,
-    pub size: u64,
-}
 
 /// One line of `hilum models list`.
 #[derive(Clone, Debug)]
@@ -221,19 +99,13 @@ impl ModelRegistry {
         }
     }
 
-    /// `HILUM_MODELS_DIR`, else `<user data dir>/hilum/models`, else `.hilum/models`.
+    /// `<user data dir>/hilum/models` (the platform's convention, e.g. `$XDG_DATA_HOME` or
+    /// `~/.local/share` on Linux), else `.hilum/models`: the default models dir of the
+    /// settings, which the program overrides (`HILUM_MODELS_DIR` in Hilum's CLI).
     pub fn default_dir() -> PathBuf {
-        if let Some(d) = std::env::var_os("HILUM_MODELS_DIR").filter(|d| !d.is_empty()) {
-            return PathBuf::from(d);
-        }
         dirs::data_dir()
             .map(|d| d.join("hilum").join("models"))
             .unwrap_or_else(|| PathBuf::from(".hilum/models"))
-    }
-
-    /// The built-in manifests over [`ModelRegistry::default_dir`].
-    pub fn from_env() -> Result<Self, ModelError> {
-        Self::new(Self::default_dir())
     }
 
     pub fn dir(&self) -> &Path {

@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor, D
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use crate::registry::{InstalledModel, Manifest};
+use crate::manifest::{InstalledModel, Manifest};
 use crate::{Device, ModelError};
 
 /// Architecture of one SAM variant. The published ViT variants all use a qkv bias, relative
@@ -1218,6 +1218,7 @@ impl crate::Model for Sam {
         installed: &InstalledModel,
         device: Device,
         backend: crate::Backend,
+        _: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         let cfg = Config::from_manifest(manifest)?;

@@ -448,6 +448,7 @@ impl crate::Model for LungSegmenter {
         installed: &InstalledModel,
         device: Device,
         backend: Backend,
+        settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         let mut config = Config::lung_seg_valiou_088();
         if let Some(s) = manifest
@@ -457,7 +458,7 @@ impl crate::Model for LungSegmenter {
         {
             config.input_size = s.max(1) as usize;
         }
-        let threads = hilum_kernels::default_threads();
+        let threads = settings.cpu.threads();
         if backend == Backend::Onnx {
             let path = installed.onnx.as_ref().ok_or_else(|| {
                 ModelError::Onnx(format!(

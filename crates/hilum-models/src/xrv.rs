@@ -319,15 +319,6 @@ fn cpu_err(e: CpuError) -> ModelError {
     ModelError::Compute(e.to_string())
 }
 
-/// Worker threads for the native path: `HILUM_CPU_THREADS`, else all cores.
-pub fn default_threads() -> usize {
-    std::env::var("HILUM_CPU_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 impl Classifier {
     /// Builds the network from `vb` (checkpoint names at its root). `threads` is used by the
     /// native and ONNX Runtime backends; ONNX Runtime runs on the CPU here (see
@@ -535,15 +526,15 @@ impl Classifier {
 impl Classifier {
     /// An installed model on `backend`: its manifest's spec, its weights (and for ONNX
     /// Runtime its imported `model.onnx` when there is one, else a graph built from the
-    /// weights), the native/ONNX threads from [`default_threads`].
+    /// weights), with `threads` for the native and ONNX Runtime backends.
     pub fn load_installed(
         manifest: &Manifest,
         installed: &InstalledModel,
         device: Device,
         backend: Backend,
+        threads: usize,
     ) -> Result<Self, ModelError> {
         let spec = XrvSpec::from_manifest(manifest)?;
-        let threads = default_threads();
         let corrupt = |e| match e {
             ModelError::Compute(reason) => ModelError::Corrupt {
                 id: manifest.id.clone(),
@@ -578,8 +569,9 @@ impl crate::Model for Classifier {
         installed: &InstalledModel,
         device: Device,
         backend: Backend,
+        settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
-        Self::load_installed(manifest, installed, device, backend)
+        Self::load_installed(manifest, installed, device, backend, settings.cpu.threads())
     }
 }
 

@@ -20,7 +20,16 @@ fn data() -> PathBuf {
     d
 }
 
+/// The program's part, done here: hand the models crate the ONNX Runtime library named by
+/// `ORT_DYLIB_PATH` (the crate reads no environment variables).
+fn use_ort_from_env() {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        hilum_models::onnx::use_runtime(p.into());
+    }
+}
+
 fn ort_ready() -> bool {
+    use_ort_from_env();
     if hilum_models::onnx::dylib_path().is_none() {
         eprintln!(
             "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \

@@ -14,8 +14,17 @@ use hilum_models::xrv::{self, Arch, Classifier, OnnxSource, XrvSpec};
 use hilum_models::Backend;
 use hilum_models::{densenet, resnet, ModelRegistry};
 
+/// The program's part, done here: hand the models crate the ONNX Runtime library named by
+/// `ORT_DYLIB_PATH` (the crate reads no environment variables).
+fn use_ort_from_env() {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        hilum_models::onnx::use_runtime(p.into());
+    }
+}
+
 /// Whether ONNX Runtime loads; prints why a test is skipped when it does not.
 fn ort_or_skip(test: &str) -> bool {
+    use_ort_from_env();
     if hilum_models::onnx::available() {
         return true;
     }

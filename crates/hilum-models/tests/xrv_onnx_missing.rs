@@ -1,5 +1,6 @@
-//! Asking for the ONNX Runtime backend without ONNX Runtime installed is an error that names
-//! the set-up script. Its own test binary: it hides ORT_DYLIB_PATH from the whole process.
+//! Asking for the ONNX Runtime backend without ONNX Runtime configured is an error that names
+//! the set-up script. Its own test binary: nothing in it calls `onnx::use_runtime`, whatever
+//! ORT_DYLIB_PATH says, and the runtime is configured once per process.
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -8,8 +9,6 @@ use hilum_models::Backend;
 
 #[test]
 fn onnx_backend_without_onnx_runtime_names_the_setup_script() {
-    // The only test in this binary, so no other thread reads the variable meanwhile.
-    std::env::remove_var("ORT_DYLIB_PATH");
     let spec = XrvSpec {
         resolution: 64,
         ..XrvSpec::densenet121_res224_all()

@@ -78,11 +78,12 @@ pub fn toolbox_factory(registry: Registry, shared: ToolDeps) -> ToolboxFactory {
     })
 }
 
-/// Hilum's own tools over one process-wide model pool read from the environment's models dir.
-pub fn default_toolbox_factory() -> ToolboxFactory {
+/// Hilum's own tools over `models`, the process's one model pool (the program builds it from
+/// its settings).
+pub fn default_toolbox_factory(models: Arc<hilum_tools::ModelPool>) -> ToolboxFactory {
     toolbox_factory(
         Registry::builtin(),
-        ToolDeps::new(Arc::new(ImageStore::default())),
+        ToolDeps::new(Arc::new(ImageStore::default()), models),
     )
 }
 
@@ -124,7 +125,9 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     pub fn new(db_url: impl Into<String>) -> Self {
-        let shared = ToolDeps::new(Arc::new(ImageStore::default()));
+        // Default settings; a program sets `toolbox` and `models` from its own.
+        let models = hilum_tools::ModelPool::from_settings(Default::default());
+        let shared = ToolDeps::new(Arc::new(ImageStore::default()), Arc::new(models));
         ServerConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
             db_url: db_url.into(),

@@ -82,7 +82,7 @@ async fn workstation_ui_in_headless_chromium() {
     );
     let mut cfg = config(&dir.path().join("h.db"), Some(&script));
     cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
-        default_toolbox(&ToolDeps::new(store).with_models(pool.clone()))
+        default_toolbox(&ToolDeps::new(store, pool.clone()))
     });
     let srv = start(cfg).await;
     let tok = token(&srv.state, "radiologist");

@@ -121,7 +121,8 @@ fn a_local_model_is_offered_the_tool_only_with_a_dicom_input() {
     let dcm = store
         .ingest_file(&data("dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm"))
         .expect("dicom");
-    let deps = ToolDeps::new(store);
+    let models = Arc::new(hilum_tools::ModelPool::from_settings(Default::default()));
+    let deps = ToolDeps::new(store, models);
     let toolbox = Registry::builtin()
         .with::<IntensityAt>()
         .toolbox(&deps)

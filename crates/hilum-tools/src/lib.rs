@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use hilum_agent::{Environment, Requirements, Tool, Toolbox};
 use hilum_imaging::ImageStore;
-pub use hilum_models::ModelPool;
+pub use hilum_models::{ModelPool, ModelSettings};
 
 pub use classify::{parse_backends, ClassifyChestXray};
 pub use common::{image_arg, ImageId};
@@ -71,12 +71,13 @@ impl Default for ToolSettings {
 }
 
 impl ToolDeps {
-    /// Models come from `HILUM_MODELS_DIR` (or the user's data dir); see [`ToolDeps::with_models`].
-    /// No VLM is configured; see [`ToolDeps::with_vlm`].
-    pub fn new(images: Arc<ImageStore>) -> Self {
+    /// The tools over `images` and the process's model pool (built by the program from its
+    /// settings, e.g. `ModelPool::from_settings`). No VLM is configured; see
+    /// [`ToolDeps::with_vlm`].
+    pub fn new(images: Arc<ImageStore>, models: Arc<ModelPool>) -> Self {
         ToolDeps {
             images,
-            models: Arc::new(ModelPool::from_env_or_empty()),
+            models,
             vlm: Arc::new(VlmSettings::default()),
             settings: ToolSettings::default(),
         }

@@ -146,6 +146,7 @@ impl hilum_models::Model for CamNet {
         installed: &InstalledModel,
         device: Device,
         backend: hilum_models::Backend,
+        _: &hilum_models::ModelSettings,
     ) -> Result<Self, ModelError> {
         backend.expect(&[hilum_models::Backend::Candle], &manifest.id)?;
         let spec = XrvSpec::from_manifest(manifest)?;

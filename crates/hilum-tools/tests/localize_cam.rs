@@ -12,7 +12,7 @@ use hilum_agent::{Tool, ToolContext, ToolError};
 use hilum_imaging::ImageStore;
 use hilum_models::densenet::{self, DenseNet};
 use hilum_models::xrv::{Arch, XrvSpec};
-use hilum_models::{ModelPool, ModelRegistry};
+use hilum_models::{ModelPool, ModelRegistry, ModelSettings};
 use hilum_tools::localize::{self, CamNet, LocalizeFinding, MODEL_ID};
 use serde_json::json;
 
@@ -279,7 +279,15 @@ fn iou(a: [f64; 4], b: [f64; 4]) -> f64 {
 async fn cam_boxes_vs_nih_expert_boxes_iou_report() {
     let csv = shared().join("ground_truth/nih_bbox_subset.csv");
     let text = std::fs::read_to_string(&csv).expect("nih_bbox_subset.csv");
-    let pool = Arc::new(ModelPool::from_env_or_empty());
+    // The program's part: the models dir HILUM_MODELS_DIR names, else the default one.
+    let models_dir = std::env::var_os("HILUM_MODELS_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(ModelRegistry::default_dir);
+    let pool = Arc::new(ModelPool::from_settings(ModelSettings {
+        models_dir,
+        ..Default::default()
+    }));
     if let Err(e) = pool.registry().installed(MODEL_ID) {
         eprintln!("SKIPPED cam IoU report: {e}");
         return;

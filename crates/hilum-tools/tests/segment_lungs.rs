@@ -148,6 +148,10 @@ async fn missing_model_names_the_import_command() {
 
 #[tokio::test]
 async fn onnx_runtime_backend_gives_the_same_mask() {
+    // The program's part: hand the models crate the library ORT_DYLIB_PATH names.
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        hilum_models::onnx::use_runtime(p.into());
+    }
     if hilum_models::onnx::dylib_path().is_none() {
         eprintln!("SKIPPED: ORT_DYLIB_PATH is not set (eval \"$(scripts/setup_onnxruntime.sh)\")");
         return;

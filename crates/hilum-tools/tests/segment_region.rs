@@ -234,7 +234,8 @@ async fn missing_model_names_the_import_command() {
 
 #[test]
 fn default_toolbox_offers_segment_region() {
-    let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()));
+    let models = Arc::new(hilum_tools::ModelPool::from_settings(Default::default()));
+    let deps = hilum_tools::ToolDeps::new(Arc::new(ImageStore::default()), models);
     let tb = hilum_tools::default_toolbox(&deps).expect("toolbox");
     assert!(tb.names().iter().any(|n| n == "segment_region"));
     let store = Arc::new(ImageStore::default());

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use hilum_agent::{Environment, Tool, ToolContext, ToolError};
 use hilum_imaging::ImageStore;
-use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
+use hilum_models::{ImportOptions, ModelPool, ModelRegistry, ModelSettings};
 use hilum_tools::vlm::{Backend, VlmSettings};
 use hilum_tools::{AnswerVisualQuestion, GroundPhrase};
 use serde_json::{json, Value};
@@ -29,9 +29,14 @@ fn reference() -> Value {
     serde_json::from_str(&text).expect("json")
 }
 
-/// The fixture's weights are f32 and tiny: run them unquantized, as transformers did.
-fn unquantized() {
-    std::env::set_var("HILUM_LLAVA_QUANTIZE", "none");
+/// A pool over `registry`. The fixture's weights are f32 and tiny: run them unquantized, as
+/// transformers did.
+fn unquantized(registry: ModelRegistry) -> Arc<ModelPool> {
+    let settings = ModelSettings {
+        llava_quantize: Some("none".into()),
+        ..Default::default()
+    };
+    Arc::new(ModelPool::with_settings(Arc::new(registry), settings))
 }
 
 fn native_settings(tool_max_tokens: u32) -> Arc<VlmSettings> {
@@ -87,7 +92,6 @@ fn native_backend_is_configured_per_tool() {
 
 #[tokio::test]
 async fn native_answer_is_the_transformers_greedy_decode() {
-    unquantized();
     let dir = tempfile::tempdir().expect("tempdir");
     let registry = ModelRegistry::new(dir.path()).expect("registry");
     hilum_models::import(
@@ -97,7 +101,7 @@ async fn native_answer_is_the_transformers_greedy_decode() {
         &ImportOptions::default(),
     )
     .expect("import of the tiny checkpoint with its tokenizer.json and config.json");
-    let pool = Arc::new(ModelPool::new(Arc::new(registry)));
+    let pool = unquantized(registry);
     let r = reference();
     let max_tokens = r["greedy_ids"].as_array().expect("ids").len() as u32;
     let (store, id) = store_with_reference_image();
@@ -122,11 +126,8 @@ async fn native_answer_is_the_transformers_greedy_decode() {
 
 #[tokio::test]
 async fn missing_native_weights_name_the_install_command() {
-    unquantized();
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = Arc::new(ModelPool::new(Arc::new(
-        ModelRegistry::new(dir.path()).expect("registry"),
-    )));
+    let pool = unquantized(ModelRegistry::new(dir.path()).expect("registry"));
     let (store, id) = store_with_reference_image();
     let tool = AnswerVisualQuestion::with_models(store, native_settings(8), pool);
     let err = tool

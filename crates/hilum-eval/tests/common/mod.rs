@@ -29,7 +29,8 @@ pub fn cxr_bench() -> PathBuf {
 
 /// The real tools over one store (image_info and dicom_info run without model weights).
 pub fn tools(store: &Arc<ImageStore>) -> ToolboxFor {
-    let deps = hilum_tools::ToolDeps::new(store.clone());
+    let models = Arc::new(hilum_tools::ModelPool::from_settings(Default::default()));
+    let deps = hilum_tools::ToolDeps::new(store.clone(), models);
     let tb: Arc<Toolbox> = Arc::new(hilum_tools::default_toolbox(&deps).expect("toolbox"));
     Arc::new(move |_: &[String]| tb.clone())
 }

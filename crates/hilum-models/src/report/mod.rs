@@ -545,6 +545,7 @@ impl crate::Model for ReportModel {
         installed: &InstalledModel,
         device: Device,
         backend: crate::Backend,
+        _: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         let fallback = if manifest.config.is_empty() {

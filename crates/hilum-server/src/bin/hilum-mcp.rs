@@ -5,8 +5,12 @@ use std::time::Duration;
 
 #[tokio::main]
 async fn main() {
+    // The same variables as `hilum mcp` (HILUM_MODELS_DIR, HILUM_CPU_*, ORT_DYLIB_PATH, ...).
+    let settings = hilum_tools::ModelSettings::from_vars(|k| std::env::var(k).ok());
+    settings.apply_process_wide();
+    let models = std::sync::Arc::new(hilum_tools::ModelPool::from_settings(settings));
     let result = hilum_server::mcp::serve_stdio(
-        &hilum_server::default_toolbox_factory(),
+        &hilum_server::default_toolbox_factory(models),
         hilum_agent::Environment::default(),
         Duration::from_secs(300),
     )

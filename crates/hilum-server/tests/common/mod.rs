@@ -91,7 +91,8 @@ impl Tool for Sleep {
 
 pub fn test_toolbox() -> ToolboxFactory {
     Arc::new(|store: Arc<ImageStore>| {
-        let mut tb = default_toolbox(&ToolDeps::new(store.clone()))?;
+        let models = Arc::new(hilum_tools::ModelPool::from_settings(Default::default()));
+        let mut tb = default_toolbox(&ToolDeps::new(store.clone(), models))?;
         tb.register(Arc::new(Thumbnail {
             spec: ToolSpec {
                 name: "thumbnail".into(),

@@ -1,0 +1,137 @@
+//! The models' settings as one value. This crate reads no environment variables: the program
+//! builds a [`ModelSettings`] and passes it to `ModelPool::from_settings`, which hands it to
+//! every model it loads. [`ModelSettings::from_vars`] maps the documented variables
+//! (`HILUM_MODELS_DIR`, `HILUM_CPU_*`, `ORT_DYLIB_PATH`, ...) onto it from a lookup the program
+//! gives: Hilum's CLI (its config module), `hilum-mcp`, the benchmarks and examples then spell
+//! them the same way, and the mapping is tested without touching the process's environment.
+//!
+//! Two parts are process-wide by nature and are applied once by
+//! [`ModelSettings::apply_process_wide`] at start-up: the CPU kernels' tuning knobs (see
+//! [`hilum_kernels::configure`]) and the ONNX Runtime library (ONNX Runtime allows one
+//! environment per process).
+
+use std::path::PathBuf;
+
+use crate::registry::ModelRegistry;
+use crate::Device;
+
+/// Everything a model pool and its models may be told. `Default`: the user's data dir, all
+/// cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSettings {
+    /// Where installed weights live.
+    pub models_dir: PathBuf,
+    /// The CPU kernels' settings; `cpu.threads` is given to each network as it loads.
+    pub cpu: hilum_kernels::CpuSettings,
+    /// Forward passes at once on the CPU; `None`: the number of cores.
+    pub cpu_concurrency: Option<usize>,
+    /// Forward passes at once per GPU; `None`: 1 (a GPU is never oversubscribed).
+    pub gpu_concurrency: Option<usize>,
+    /// The ONNX Runtime shared library (`libonnxruntime.so`); `None`: the ONNX Runtime backend
+    /// is unavailable and says how to install it.
+    pub ort_dylib: Option<PathBuf>,
+    /// Quantization of a LLaVA's text decoder (`none`, `q8_0`, `q4k`) over its manifest's
+    /// `[postprocessing] quantize`. Kept as text and parsed when a LLaVA loads, so a bad value
+    /// fails that model only.
+    pub llava_quantize: Option<String>,
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        ModelSettings {
+            models_dir: ModelRegistry::default_dir(),
+            cpu: hilum_kernels::CpuSettings::default(),
+            cpu_concurrency: None,
+            gpu_concurrency: None,
+            ort_dylib: None,
+            llava_quantize: None,
+        }
+    }
+}
+
+impl ModelSettings {
+    /// The settings named by variables, looked up with `var` (empty values count as unset):
+    /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
+    /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
+    /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH` and
+    /// `HILUM_LLAVA_QUANTIZE`.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
+        let set = |k: &str| var(k).filter(|v| !v.is_empty());
+        let number = |k: &str| set(k).and_then(|v| v.parse::<usize>().ok());
+        ModelSettings {
+            models_dir: set("HILUM_MODELS_DIR")
+                .map_or_else(ModelRegistry::default_dir, PathBuf::from),
+            cpu: hilum_kernels::CpuSettings::from_vars(&var),
+            cpu_concurrency: number("HILUM_CPU_CONCURRENCY"),
+            gpu_concurrency: number("HILUM_GPU_CONCURRENCY"),
+            ort_dylib: set("ORT_DYLIB_PATH").map(PathBuf::from),
+            llava_quantize: set("HILUM_LLAVA_QUANTIZE"),
+        }
+    }
+
+    /// Sets the process-wide parts: the CPU kernels' knobs and the ONNX Runtime library. Call
+    /// it once, before the first model loads (ONNX Runtime's library cannot change once
+    /// loaded).
+    pub fn apply_process_wide(&self) {
+        hilum_kernels::configure(&self.cpu);
+        #[cfg(feature = "onnx")]
+        if let Some(path) = &self.ort_dylib {
+            crate::onnx::use_runtime(path.clone());
+        }
+    }
+
+    /// How many forward passes may run at once on `device`: one per GPU unless told otherwise
+    /// (a GPU is never oversubscribed), and on the CPU the number of cores.
+    pub fn concurrency(&self, device: Device) -> usize {
+        match device {
+            Device::Cpu => self
+                .cpu_concurrency
+                .unwrap_or_else(hilum_kernels::all_cores),
+            _ => self.gpu_concurrency.unwrap_or(1),
+        }
+        .max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concurrency_defaults_to_cores_and_one_per_gpu_and_is_never_zero() {
+        let s = ModelSettings::default();
+        assert_eq!(s.concurrency(Device::Cpu), hilum_kernels::all_cores());
+        assert_eq!(s.concurrency(Device::Cuda(0)), 1);
+        let zero = ModelSettings {
+            cpu_concurrency: Some(0),
+            gpu_concurrency: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(zero.concurrency(Device::Cpu), 1);
+        assert_eq!(zero.concurrency(Device::Cuda(0)), 3);
+    }
+
+    #[test]
+    fn variables_map_onto_settings_and_empty_ones_are_unset() {
+        let vars = [
+            ("HILUM_MODELS_DIR", "/srv/models"),
+            ("HILUM_CPU_THREADS", "2"),
+            ("HILUM_CPU_CONCURRENCY", "3"),
+            ("HILUM_GPU_CONCURRENCY", "x"),
+            ("ORT_DYLIB_PATH", ""),
+            ("HILUM_LLAVA_QUANTIZE", "q4k"),
+        ];
+        let s = ModelSettings::from_vars(|k| {
+            vars.iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| v.to_string())
+        });
+        assert_eq!(s.models_dir, PathBuf::from("/srv/models"));
+        assert_eq!(s.cpu.threads(), 2);
+        assert_eq!(s.concurrency(Device::Cpu), 3);
+        assert_eq!(s.concurrency(Device::Cuda(0)), 1);
+        assert_eq!(s.ort_dylib, None);
+        assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
+        assert_eq!(ModelSettings::from_vars(|_| None), ModelSettings::default());
+    }
+}
