@@ -20,6 +20,7 @@ use crate::{api, run};
         api::list_sessions,
         api::get_session,
         run::ask,
+        run::resume,
         api::list_messages,
         api::list_runs,
         api::run_events,
