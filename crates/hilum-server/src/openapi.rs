@@ -67,6 +67,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/sessions/{id}/messages"),
     ("get", "/v1/sessions/{id}/runs"),
     ("get", "/v1/sessions/{id}/runs/{run_id}/events"),
+    ("post", "/v1/sessions/{id}/runs/{run_id}/resume"),
     ("get", "/v1/sessions/{id}/artifacts"),
     ("get", "/v1/artifacts/{id}"),
     ("get", "/v1/tools"),
