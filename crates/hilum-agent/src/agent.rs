@@ -13,9 +13,7 @@ use crate::grounding::{self, Sources};
 use crate::protocol::{ParsedTurn, Protocol};
 use crate::tool::{Environment, ToolContext};
 use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
-use hilum_llm::{
-    collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, ToolCall, Usage,
-};
+use hilum_llm::{collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, ToolCall, Usage};
 
 /// How the loop reaches its answer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -382,7 +380,9 @@ impl Agent {
         // The last decision's calls that have no tool message did not finish: run them now.
         let Some(at) = st.messages[first..]
             .iter()
-            .rposition(|m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
+            .rposition(
+                |m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+            )
             .map(|i| first + i)
         else {
             return Ok(());
@@ -800,11 +800,7 @@ impl Agent {
         timeout: Duration,
         store: bool,
     ) -> Result<Vec<CallResult>, String> {
-        let checkpointer = if store {
-            st.checkpointer.clone()
-        } else {
-            None
-        };
+        let checkpointer = if store { st.checkpointer.clone() } else { None };
         let n = pending.len();
         let mut running: FuturesUnordered<_> = pending
             .into_iter()
@@ -1179,7 +1175,9 @@ mod tests {
         // Question, decision, then each result: the answer is the caller's to store.
         assert_eq!(stored.len(), 4);
         assert!(matches!(&stored[0], Message::User { content, .. } if content == "double them"));
-        assert!(matches!(&stored[1], Message::Assistant { tool_calls, .. } if tool_calls.len() == 2));
+        assert!(
+            matches!(&stored[1], Message::Assistant { tool_calls, .. } if tool_calls.len() == 2)
+        );
         assert_eq!(memory.progress.lock().expect("lock").rounds, 1);
 
         // The process died after `a` finished: only `b` runs again, `a`'s result is reused.
@@ -1217,7 +1215,11 @@ mod tests {
             .iter()
             .map(|c| c.load(std::sync::atomic::Ordering::SeqCst))
             .collect();
-        assert_eq!(counts, [1, 2], "a ran once; b ran again (it had not finished)");
+        assert_eq!(
+            counts,
+            [1, 2],
+            "a ran once; b ran again (it had not finished)"
+        );
         let rerun: Vec<String> = again
             .results
             .lock()
