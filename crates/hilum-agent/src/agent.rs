@@ -3,16 +3,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::checkpoint::{order_tool_messages, Checkpointer, Progress, Resume};
 use crate::event::{CallInfo, Event, EventSender, RunEvent};
 use crate::grounding::{self, Sources};
 use crate::protocol::{ParsedTurn, Protocol};
 use crate::tool::{Environment, ToolContext};
 use crate::toolbox::{run_prepared, CallFailure, CallResult, FailureKind, PreparedCall, Toolbox};
-use hilum_llm::{collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, Usage};
+use hilum_llm::{collect_turn, ChatRequest, ImagePayload, Llm, LlmError, Message, ToolCall, Usage};
 
 /// How the loop reaches its answer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,6 +213,10 @@ struct RunState {
     revision_requested: bool,
     /// The grounding verdict on the answer: `None` unchecked, empty when grounded.
     unsupported: Option<Vec<String>>,
+    /// Where a durable run stores its steps.
+    checkpointer: Option<Arc<dyn Checkpointer>>,
+    /// How many of `messages` are stored (system prompt and history count as stored).
+    saved: usize,
 }
 
 impl RunState {
@@ -226,6 +231,17 @@ impl RunState {
                     && r.arguments.as_ref() == Some(&p.arguments)
             })
             .map(|(r, round)| (r.call.id.clone(), *round))
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            rounds: self.rounds,
+            tool_calls: self.tool_calls,
+            critiques: self.critiques,
+            phase: self.phase.to_string(),
+            tools_requested: self.tools_requested,
+            revision_requested: self.revision_requested,
+        }
     }
 
     fn emit(&self, event: Event) {
@@ -296,6 +312,126 @@ impl Agent {
         self.finish(st, result)
     }
 
+    /// Runs the loop like [`Agent::run`], storing every step through `checkpointer` before
+    /// acting on it. With `resume`, the run continues from what an earlier, stopped run of
+    /// the same question stored: its finished tool calls are reused, its unfinished calls run.
+    pub async fn run_durable(
+        &self,
+        input: RunInput,
+        resume: Option<Resume>,
+        checkpointer: Arc<dyn Checkpointer>,
+        events: Option<EventSender>,
+    ) -> RunOutcome {
+        let mut st = self.start(input, events);
+        st.checkpointer = Some(checkpointer);
+        let ready = match resume {
+            None => self.save(&mut st).await,
+            Some(r) => self.restore(&mut st, r).await,
+        };
+        let result = match ready {
+            Ok(()) => self.drive(&mut st).await,
+            Err(e) => Err(e),
+        };
+        self.finish(st, result)
+    }
+
+    /// Stores the messages not yet stored, with the counters.
+    async fn save(&self, st: &mut RunState) -> Result<(), String> {
+        let Some(cp) = st.checkpointer.clone() else {
+            return Ok(());
+        };
+        cp.messages(&st.messages[st.saved..], &st.progress())
+            .await
+            .map_err(|e| format!("the run's progress could not be stored: {e}"))?;
+        st.saved = st.messages.len();
+        Ok(())
+    }
+
+    /// Puts a stopped run's stored state in place of the fresh question, then runs the calls
+    /// of its last decision that had not finished.
+    async fn restore(&self, st: &mut RunState, r: Resume) -> Result<(), String> {
+        if r.messages.is_empty() {
+            // Stopped before even the question was stored: start afresh.
+            return self.save(st).await;
+        }
+        // `start` appended the question; the stored messages begin with it.
+        st.messages.pop();
+        let first = st.messages.len();
+        let mut stored = r.messages;
+        order_tool_messages(&mut stored);
+        st.messages.extend(stored);
+        st.saved = st.messages.len();
+        let p = r.progress;
+        st.rounds = p.rounds;
+        st.tool_calls = p.tool_calls;
+        st.critiques = p.critiques;
+        st.phase = match p.phase.as_str() {
+            "critique" => "critique",
+            "revise" => "revise",
+            "synthesis" => "synthesis",
+            _ => "act",
+        };
+        st.tools_requested = p.tools_requested;
+        st.revision_requested = p.revision_requested;
+        for (round, result) in r.results {
+            st.result_rounds.push(round);
+            st.results.push(result);
+        }
+        // The last decision's calls that have no tool message did not finish: run them now.
+        let Some(at) = st.messages[first..]
+            .iter()
+            .rposition(
+                |m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+            )
+            .map(|i| first + i)
+        else {
+            return Ok(());
+        };
+        let Message::Assistant { tool_calls, .. } = &st.messages[at] else {
+            return Ok(());
+        };
+        let calls = tool_calls.clone();
+        let done: Vec<String> = st.messages[at + 1..]
+            .iter()
+            .filter_map(|m| match m {
+                Message::Tool { tool_call_id, .. } => Some(tool_call_id.clone()),
+                _ => None,
+            })
+            .collect();
+        let pending: Vec<(ToolCall, Result<PreparedCall, CallFailure>)> = calls
+            .iter()
+            .filter(|c| !done.contains(&c.id))
+            .map(|c| (c.clone(), self.toolbox.prepare(c, &self.env)))
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let round = st.rounds.max(1);
+        for (call, prepared) in &pending {
+            if let Ok(p) = prepared {
+                st.emit(Event::ToolStarted {
+                    round,
+                    call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    arguments: p.arguments.clone(),
+                });
+            }
+        }
+        let timeout = self.config.tool_timeout.min(self.remaining(st));
+        let started = Instant::now();
+        let results = self.run_calls(st, round, pending, timeout, true).await?;
+        st.tool_ms += started.elapsed().as_secs_f64() * 1e3;
+        for r in &results {
+            st.messages.push(self.tool_message(r));
+        }
+        order_tool_messages(&mut st.messages[at..]);
+        st.saved = st.messages.len();
+        st.result_rounds
+            .extend(std::iter::repeat_n(round, results.len()));
+        st.results.extend(results);
+        Ok(())
+    }
+
     fn start(&self, input: RunInput, events: Option<EventSender>) -> RunState {
         let history_texts = input
             .history
@@ -332,6 +468,7 @@ impl Agent {
             format!("{}\n\nImages: {}", input.question, input.images.join(", "))
         };
         messages.push(Message::user(content, input.images));
+        let saved = messages.len() - 1;
         RunState {
             messages,
             payloads: input.image_payloads,
@@ -356,6 +493,8 @@ impl Agent {
             require_tool_next: false,
             revision_requested: false,
             unsupported: None,
+            checkpointer: None,
+            saved,
         }
     }
 
@@ -366,7 +505,7 @@ impl Agent {
             }
             let turn = self.reason(st, true, self.remaining(st)).await?;
             if !turn.tool_calls.is_empty() || !turn.problems.is_empty() {
-                if self.act(st, turn).await {
+                if self.act(st, turn).await? {
                     // A model that only re-asks for results it has would loop until a budget
                     // ran out (a served model has no guard of its own): make it answer now.
                     return self.synthesize(st, StopReason::RepeatedCalls).await;
@@ -551,8 +690,9 @@ impl Agent {
 
     /// Runs every call of the turn at once and appends the observations. A call identical to
     /// one that already succeeded (same tool, same arguments) is not run again. Returns whether
-    /// every call of the turn was such a repeat.
-    async fn act(&self, st: &mut RunState, mut turn: ParsedTurn) -> bool {
+    /// every call of the turn was such a repeat. A durable run stores the decision before any
+    /// call starts and each result as its call ends.
+    async fn act(&self, st: &mut RunState, mut turn: ParsedTurn) -> Result<bool, String> {
         st.rounds += 1;
         let round = st.rounds;
         // Ids must stay unique in the conversation: servers that write calls as text give the
@@ -589,7 +729,27 @@ impl Agent {
                         None => Ok(p),
                     })
             };
-            if let Ok(p) = &prepared {
+            pending.push((call.clone(), prepared));
+        }
+        st.tool_calls += turn.tool_calls.len().min(allowed);
+        // Repeats are known before anything runs.
+        let only_repeats = turn.problems.is_empty()
+            && !pending.is_empty()
+            && pending
+                .iter()
+                .all(|(_, p)| matches!(p, Err(f) if f.kind == FailureKind::Repeated));
+
+        let before = st.messages.len();
+        st.messages.push(Message::assistant(
+            turn.text.clone(),
+            turn.tool_calls.clone(),
+        ));
+        // A turn of repeats is dropped below: nothing of it is stored.
+        if !only_repeats {
+            self.save(st).await?;
+        }
+        for (call, prepared) in &pending {
+            if let Ok(p) = prepared {
                 st.emit(Event::ToolStarted {
                     round,
                     call_id: call.id.clone(),
@@ -597,54 +757,22 @@ impl Agent {
                     arguments: p.arguments.clone(),
                 });
             }
-            pending.push((call.clone(), prepared));
         }
-        st.tool_calls += turn.tool_calls.len().min(allowed);
-
-        let ctx = ToolContext {
-            session_id: st.session_id.clone(),
-            call_id: String::new(),
-            round,
-        };
-        let futures = pending.into_iter().map(|(call, prepared)| {
-            let ctx = ToolContext {
-                call_id: call.id.clone(),
-                ..ctx.clone()
-            };
-            async move {
-                match prepared {
-                    Ok(p) => run_prepared(p, ctx, timeout).await,
-                    Err(failure) => CallResult {
-                        call,
-                        arguments: None,
-                        repaired: false,
-                        result: Err(failure),
-                        ms: 0.0,
-                    },
-                }
-            }
-        });
-        // join_all keeps the order of the calls; each call already runs on its own task.
-        let results = join_all(futures).await;
+        let results = self
+            .run_calls(st, round, pending, timeout, !only_repeats)
+            .await?;
         st.tool_ms += started.elapsed().as_secs_f64() * 1e3;
 
-        let only_repeats = turn.problems.is_empty()
-            && !results.is_empty()
-            && results
-                .iter()
-                .all(|r| matches!(&r.result, Err(f) if f.kind == FailureKind::Repeated));
-        let before = st.messages.len();
-        st.messages.push(Message::assistant(
-            turn.text.clone(),
-            turn.tool_calls.clone(),
-        ));
         for r in &results {
-            self.observe(st, round, r);
+            st.messages.push(self.tool_message(r));
         }
         if only_repeats {
             // The turn adds nothing the conversation lacks; kept, it would show a small model
             // its own repeat (and often what it imagined the result to be) right before it answers.
             st.messages.truncate(before);
+        } else if st.checkpointer.is_some() {
+            // Each result was stored as its call ended.
+            st.saved = st.messages.len();
         }
         for problem in &turn.problems {
             st.messages.push(Message::user(
@@ -658,21 +786,98 @@ impl Agent {
         st.result_rounds
             .extend(std::iter::repeat_n(round, results.len()));
         st.results.extend(results);
-        only_repeats
+        Ok(only_repeats)
     }
 
-    fn observe(&self, st: &mut RunState, round: usize, r: &CallResult) {
+    /// Runs the calls concurrently (each on its own task) and returns their results in the
+    /// order of the calls. When `store` and the run is durable, each result is stored and its
+    /// event sent as the call ends; otherwise the events follow the order of the calls.
+    async fn run_calls(
+        &self,
+        st: &RunState,
+        round: usize,
+        pending: Vec<(ToolCall, Result<PreparedCall, CallFailure>)>,
+        timeout: Duration,
+        store: bool,
+    ) -> Result<Vec<CallResult>, String> {
+        let checkpointer = if store { st.checkpointer.clone() } else { None };
+        let n = pending.len();
+        let mut running: FuturesUnordered<_> = pending
+            .into_iter()
+            .enumerate()
+            .map(|(i, (call, prepared))| {
+                let ctx = ToolContext {
+                    session_id: st.session_id.clone(),
+                    call_id: call.id.clone(),
+                    round,
+                };
+                async move {
+                    let result = match prepared {
+                        Ok(p) => run_prepared(p, ctx, timeout).await,
+                        Err(failure) => CallResult {
+                            call,
+                            arguments: None,
+                            repaired: false,
+                            result: Err(failure),
+                            ms: 0.0,
+                        },
+                    };
+                    (i, result)
+                }
+            })
+            .collect();
+        let mut done: Vec<Option<CallResult>> = (0..n).map(|_| None).collect();
+        while let Some((i, r)) = running.next().await {
+            if let Some(cp) = &checkpointer {
+                cp.tool_result(round, &r, &self.tool_message(&r))
+                    .await
+                    .map_err(|e| {
+                        format!(
+                            "the result of `{}` ({}) could not be stored: {e}",
+                            r.call.name, r.call.id
+                        )
+                    })?;
+                self.emit_result(st, round, &r);
+            }
+            if let Some(slot) = done.get_mut(i) {
+                *slot = Some(r);
+            }
+        }
+        let results: Vec<CallResult> = done.into_iter().flatten().collect();
+        if checkpointer.is_none() {
+            for r in &results {
+                self.emit_result(st, round, r);
+            }
+        }
+        Ok(results)
+    }
+
+    fn emit_result(&self, st: &RunState, round: usize, r: &CallResult) {
+        match &r.result {
+            Ok(out) => st.emit(Event::ToolFinished {
+                round,
+                call_id: r.call.id.clone(),
+                name: r.call.name.clone(),
+                ms: r.ms,
+                summary: out.summary.clone(),
+                data: out.data.clone(),
+                artifacts: out.artifacts.clone(),
+            }),
+            Err(f) => st.emit(Event::ToolFailed {
+                round,
+                call_id: r.call.id.clone(),
+                name: r.call.name.clone(),
+                ms: r.ms,
+                kind: f.kind.as_str().to_string(),
+                error: f.message.clone(),
+            }),
+        }
+    }
+
+    /// The observation the model reads for one call.
+    fn tool_message(&self, r: &CallResult) -> Message {
         let (content, is_error) = match &r.result {
             Ok(out) => {
-                st.emit(Event::ToolFinished {
-                    round,
-                    call_id: r.call.id.clone(),
-                    name: r.call.name.clone(),
-                    ms: r.ms,
-                    summary: out.summary.clone(),
-                    data: out.data.clone(),
-                    artifacts: out.artifacts.clone(),
-                });
                 let mut text = out.summary.clone();
                 if !out.data.is_null() {
                     text.push('\n');
@@ -683,24 +888,14 @@ impl Agent {
                 }
                 (text, false)
             }
-            Err(f) => {
-                st.emit(Event::ToolFailed {
-                    round,
-                    call_id: r.call.id.clone(),
-                    name: r.call.name.clone(),
-                    ms: r.ms,
-                    kind: f.kind.as_str().to_string(),
-                    error: f.message.clone(),
-                });
-                (format!("ERROR ({}): {}", f.kind.as_str(), f.message), true)
-            }
+            Err(f) => (format!("ERROR ({}): {}", f.kind.as_str(), f.message), true),
         };
-        st.messages.push(Message::Tool {
+        Message::Tool {
             tool_call_id: r.call.id.clone(),
             name: r.call.name.clone(),
             content,
             is_error,
-        });
+        }
     }
 
     /// Reflexion: critique the draft without tools, then ask for tools and a revised answer.
@@ -872,6 +1067,167 @@ mod tests {
         fn name(&self) -> String {
             "text-only".into()
         }
+    }
+
+    /// Counts calls per tool; `x` comes back doubled.
+    struct Counting {
+        spec: crate::ToolSpec,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    #[async_trait::async_trait]
+    impl crate::Tool for Counting {
+        fn spec(&self) -> &crate::ToolSpec {
+            &self.spec
+        }
+        async fn call(
+            &self,
+            _ctx: &ToolContext,
+            args: Value,
+        ) -> Result<crate::ToolOutput, crate::ToolError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let x = args["x"].as_i64().unwrap_or_default();
+            Ok(crate::ToolOutput::new(
+                format!("{} doubled it", self.spec.name),
+                serde_json::json!({"doubled": x * 2}),
+            ))
+        }
+    }
+
+    fn counting(names: &[&str]) -> (Arc<Toolbox>, Vec<Arc<std::sync::atomic::AtomicUsize>>) {
+        let mut tb = Toolbox::new();
+        let mut counters = Vec::new();
+        for name in names {
+            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            counters.push(calls.clone());
+            let spec = crate::ToolSpec {
+                name: name.to_string(),
+                description: format!("doubles x ({name})"),
+                parameters: serde_json::json!({"type": "object",
+                    "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+            };
+            tb.register(Arc::new(Counting { spec, calls }))
+                .expect("register");
+        }
+        (Arc::new(tb), counters)
+    }
+
+    /// Keeps what a durable run stores, as a database would.
+    #[derive(Default)]
+    struct Memory {
+        messages: std::sync::Mutex<Vec<Message>>,
+        results: std::sync::Mutex<Vec<(usize, CallResult)>>,
+        progress: std::sync::Mutex<Progress>,
+    }
+
+    #[async_trait::async_trait]
+    impl Checkpointer for Memory {
+        async fn messages(&self, new: &[Message], progress: &Progress) -> Result<(), String> {
+            self.messages.lock().expect("lock").extend_from_slice(new);
+            *self.progress.lock().expect("lock") = progress.clone();
+            Ok(())
+        }
+        async fn tool_result(
+            &self,
+            round: usize,
+            result: &CallResult,
+            message: &Message,
+        ) -> Result<(), String> {
+            self.messages.lock().expect("lock").push(message.clone());
+            self.results
+                .lock()
+                .expect("lock")
+                .push((round, result.clone()));
+            Ok(())
+        }
+    }
+
+    fn script(turns: serde_json::Value) -> Arc<dyn Llm> {
+        Arc::new(ScriptLlm::from_json(&turns.to_string()).expect("script"))
+    }
+
+    #[tokio::test]
+    async fn a_durable_run_stores_each_step_and_a_resume_reruns_only_unfinished_calls() {
+        let (toolbox, counters) = counting(&["a", "b"]);
+        let decision = serde_json::json!({"content": "", "tool_calls": [
+            {"id": "c1", "name": "a", "arguments": {"x": 1}},
+            {"id": "c2", "name": "b", "arguments": {"x": 2}}]});
+        let answer = serde_json::json!({"content": "Both tools doubled their inputs."});
+        let input = RunInput {
+            question: "double them".into(),
+            ..RunInput::default()
+        };
+        let agent = Agent::new(
+            script(serde_json::json!([decision, answer])),
+            toolbox.clone(),
+            Environment::default(),
+            AgentConfig::default(),
+        );
+        let memory = Arc::new(Memory::default());
+        let whole = agent
+            .run_durable(input.clone(), None, memory.clone(), None)
+            .await;
+        assert_eq!(
+            whole.answer.as_deref(),
+            Some("Both tools doubled their inputs.")
+        );
+        let stored = memory.messages.lock().expect("lock").clone();
+        // Question, decision, then each result: the answer is the caller's to store.
+        assert_eq!(stored.len(), 4);
+        assert!(matches!(&stored[0], Message::User { content, .. } if content == "double them"));
+        assert!(
+            matches!(&stored[1], Message::Assistant { tool_calls, .. } if tool_calls.len() == 2)
+        );
+        assert_eq!(memory.progress.lock().expect("lock").rounds, 1);
+
+        // The process died after `a` finished: only `b` runs again, `a`'s result is reused.
+        let a_done: Vec<Message> = stored
+            .iter()
+            .filter(|m| !matches!(m, Message::Tool { tool_call_id, .. } if tool_call_id == "c2"))
+            .cloned()
+            .collect();
+        let results: Vec<(usize, CallResult)> = memory
+            .results
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|(_, r)| r.call.id == "c1")
+            .cloned()
+            .collect();
+        let resume = Resume {
+            messages: a_done,
+            results,
+            progress: memory.progress.lock().expect("lock").clone(),
+        };
+        let agent = Agent::new(
+            script(serde_json::json!([answer])),
+            toolbox,
+            Environment::default(),
+            AgentConfig::default(),
+        );
+        let again = Arc::new(Memory::default());
+        let resumed = agent
+            .run_durable(input, Some(resume), again.clone(), None)
+            .await;
+        assert_eq!(resumed.answer, whole.answer);
+        assert_eq!(resumed.messages, whole.messages, "the same conversation");
+        let counts: Vec<usize> = counters
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::SeqCst))
+            .collect();
+        assert_eq!(
+            counts,
+            [1, 2],
+            "a ran once; b ran again (it had not finished)"
+        );
+        let rerun: Vec<String> = again
+            .results
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(|(_, r)| r.call.id.clone())
+            .collect();
+        assert_eq!(rerun, ["c2"]);
     }
 
     #[test]

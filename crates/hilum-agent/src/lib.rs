@@ -4,6 +4,7 @@
 //! X-rays.
 
 mod agent;
+mod checkpoint;
 mod event;
 pub mod grounding;
 pub mod protocol;
@@ -14,6 +15,7 @@ mod toolbox;
 pub use agent::{
     Agent, AgentConfig, Mode, RunInput, RunOutcome, StopReason, ToolPolicy, DEFAULT_SYSTEM_PROMPT,
 };
+pub use checkpoint::{Checkpointer, Progress, Resume};
 pub use event::{CallInfo, Event, EventSender, RunEvent};
 pub use protocol::{ParsedTurn, Protocol};
 pub use schemars;

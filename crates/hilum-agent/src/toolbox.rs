@@ -38,6 +38,21 @@ impl FailureKind {
             FailureKind::Repeated => "repeated",
         }
     }
+
+    /// The kind named by [`FailureKind::as_str`] (for results read back from storage).
+    pub fn from_name(name: &str) -> Option<FailureKind> {
+        [
+            FailureKind::UnknownTool,
+            FailureKind::InvalidArguments,
+            FailureKind::Timeout,
+            FailureKind::Panic,
+            FailureKind::ToolError,
+            FailureKind::Budget,
+            FailureKind::Repeated,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == name)
+    }
 }
 
 /// A failed call: its kind and a message written for the model.

@@ -71,6 +71,18 @@ pub struct ServeArgs {
     /// Budget of one direct tool call, seconds.
     #[arg(long, default_value_t = 300)]
     pub tool_timeout: u64,
+    /// On SIGTERM or SIGINT: seconds running runs may take to finish before they are stopped
+    /// and marked `interrupted` (resumable). New connections and questions are refused at once.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_secs: f64,
+    /// Seconds between heartbeats of the runs this server runs (the database records that
+    /// the server running them is alive).
+    #[arg(long, default_value_t = 5.0)]
+    pub run_heartbeat_secs: f64,
+    /// A running run whose heartbeat is older than this many seconds was left by a server that
+    /// died: any server marks it `interrupted`. Several heartbeats long.
+    #[arg(long, default_value_t = 30.0)]
+    pub run_stale_secs: f64,
 }
 
 #[derive(Subcommand)]
@@ -233,6 +245,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.send_pixels = args.send_pixels || file.llm.send_pixels.unwrap_or(false);
     cfg.cors_origins = args.cors_origin.clone();
     cfg.tool_timeout = Duration::from_secs(args.tool_timeout);
+    cfg.drain = secs("--drain-secs", args.drain_secs)?;
+    cfg.run_heartbeat = secs("--run-heartbeat-secs", args.run_heartbeat_secs)?;
+    cfg.run_stale_after = secs("--run-stale-secs", args.run_stale_secs)?;
+    if cfg.run_stale_after <= cfg.run_heartbeat {
+        anyhow::bail!(
+            "--run-stale-secs ({}) must be longer than --run-heartbeat-secs ({}): a live server's runs would be taken for a dead one's",
+            args.run_stale_secs,
+            args.run_heartbeat_secs
+        );
+    }
     file.agent.apply_grounding(&mut cfg.agent)?;
     if let Some(l) = &llm {
         if !l.local && !cfg.allow_remote_llm {
@@ -256,7 +278,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     server.await.context("the server task failed")??;
+    eprintln!("hilum serve: stopped");
     Ok(())
+}
+
+fn secs(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds ≥ 0, not {v}"))
 }
 
 /// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
@@ -267,8 +295,31 @@ fn utc(ms: i64) -> String {
     }
 }
 
+/// SIGINT (Ctrl-C) or, on Unix, SIGTERM (what service managers and orchestrators send).
 async fn shutdown_signal() {
-    let _ = tokio::signal::ctrl_c().await;
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                eprintln!(
+                    "hilum serve: cannot listen for SIGTERM ({e}); Ctrl-C still stops the server"
+                );
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    eprintln!("hilum serve: shutting down: no new connections; running runs may finish");
 }
 
 pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {

@@ -587,6 +587,7 @@ pub(crate) async fn direct_call(
                 error_kind: error.as_ref().map(|_| outcome.clone()),
                 ms: result.ms,
                 result: json!({"summary": summary, "data": data, "error": error}),
+                round: None,
             },
             rows,
             AuditEntry {
@@ -599,6 +600,7 @@ pub(crate) async fn direct_call(
                 outcome: outcome.clone(),
                 duration_ms: result.ms,
             },
+            None,
         )
         .await?;
     Ok(DirectResult {

@@ -112,7 +112,8 @@ pub struct RunRow {
     pub question: String,
     pub images: Vec<String>,
     pub model: String,
-    /// `running`, `completed`, `failed` or `cancelled`.
+    /// `running`, `completed`, `failed`, `cancelled`, or `interrupted` (its server stopped
+    /// before it finished: `POST …/runs/{run_id}/resume` continues it).
     pub status: String,
     pub answer: Option<String>,
     pub error: Option<String>,
@@ -185,6 +186,36 @@ pub struct ToolCallRecord {
     pub token_id: String,
     pub session_id: Option<String>,
     pub run_id: Option<String>,
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    pub ok: bool,
+    pub error_kind: Option<String>,
+    pub ms: f64,
+    pub result: Value,
+    /// The round of a run's call.
+    pub round: Option<i64>,
+}
+
+/// What a stopped run stored, to continue it.
+#[derive(Clone, Debug)]
+pub struct StoredRun {
+    pub run: RunRow,
+    /// The loop's counters at the last stored step (JSON), if any step was stored.
+    pub progress: Option<Value>,
+    /// The run's messages in the order they were stored.
+    pub messages: Vec<Value>,
+    /// The session's conversation before the run (finished runs only).
+    pub history: Vec<Value>,
+    /// The run's finished tool calls: (round, call id, tool, arguments, ok, error kind, ms,
+    /// result).
+    pub calls: Vec<StoredCall>,
+}
+
+/// A finished tool call of a run, as stored.
+#[derive(Clone, Debug)]
+pub struct StoredCall {
+    pub round: i64,
     pub call_id: String,
     pub tool: String,
     pub arguments: Value,
@@ -561,6 +592,7 @@ impl Db {
         .await
     }
 
+    /// A new run, `running` and owned by the server process `owner`.
     pub async fn insert_run(
         &self,
         session_id: String,
@@ -568,18 +600,184 @@ impl Db {
         question: String,
         images: Vec<String>,
         model: String,
+        owner: String,
     ) -> Result<(), DbError> {
         self.run(false, move |c| {
             let images =
                 serde_json::to_string(&images).map_err(|e| DbError::Corrupt(e.to_string()))?;
+            let now = now_ms();
             c.execute(
-                "INSERT INTO runs (id, session_id, question, images, model, status, started_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6)",
-                &args![run_id, session_id, question, images, model, now_ms()],
+                "INSERT INTO runs (id, session_id, question, images, model, status, started_ms, owner, heartbeat_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?6)",
+                &args![run_id, session_id, question, images, model, now, owner],
             )?;
             Ok(())
         })
         .await
+    }
+
+    /// Appends messages of a running run and records its progress, in one transaction.
+    pub async fn save_messages(
+        &self,
+        session_id: String,
+        run_id: String,
+        messages: Vec<Value>,
+        progress: Value,
+    ) -> Result<(), DbError> {
+        self.run(true, move |c| {
+            let now = now_ms();
+            append_messages(c, &session_id, &run_id, &messages, now)?;
+            c.execute(
+                "UPDATE runs SET progress = ?2 WHERE id = ?1",
+                &args![&run_id, progress.to_string()],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Refreshes the heartbeat of the runs `owner` is running. Returns how many it touched.
+    pub async fn heartbeat(&self, owner: String) -> Result<u64, DbError> {
+        self.run(false, move |c| {
+            c.execute(
+                "UPDATE runs SET heartbeat_ms = ?2 WHERE owner = ?1 AND status = 'running'",
+                &args![owner, now_ms()],
+            )
+        })
+        .await
+    }
+
+    /// Marks `interrupted` the running runs of other processes whose heartbeat is older than
+    /// `stale_before` (ms since the epoch): their server died. Returns how many.
+    pub async fn interrupt_stale_runs(
+        &self,
+        owner: String,
+        stale_before: i64,
+    ) -> Result<u64, DbError> {
+        self.run(false, move |c| {
+            c.execute(
+                "UPDATE runs SET status = 'interrupted', finished_ms = ?3,
+                        error = 'the server running it stopped; POST .../resume continues it'
+                 WHERE status = 'running' AND (owner IS NULL OR owner <> ?1)
+                   AND (heartbeat_ms IS NULL OR heartbeat_ms < ?2)",
+                &args![owner, stale_before, now_ms()],
+            )
+        })
+        .await
+    }
+
+    /// Marks one running run `interrupted` (a shutdown stopped it). `Ok(false)` if it was
+    /// not running.
+    pub async fn interrupt_run(&self, run_id: String, reason: String) -> Result<bool, DbError> {
+        self.run(false, move |c| {
+            let n = c.execute(
+                "UPDATE runs SET status = 'interrupted', error = ?2, finished_ms = ?3
+                 WHERE id = ?1 AND status = 'running'",
+                &args![run_id, reason, now_ms()],
+            )?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    /// Takes an interrupted run of the session for `owner` to continue: `Ok(false)` if it is
+    /// not (or no longer) interrupted.
+    pub async fn claim_interrupted(
+        &self,
+        session_id: String,
+        run_id: String,
+        owner: String,
+    ) -> Result<bool, DbError> {
+        self.run(false, move |c| {
+            let now = now_ms();
+            let n = c.execute(
+                "UPDATE runs SET status = 'running', owner = ?3, heartbeat_ms = ?4, error = NULL,
+                        finished_ms = NULL
+                 WHERE id = ?1 AND session_id = ?2 AND status = 'interrupted'",
+                &args![run_id, session_id, owner, now],
+            )?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    /// What a run stored: its row, progress, messages, finished calls, and the session's
+    /// conversation before it. `None` if the run is not the session's.
+    pub async fn stored_run(
+        &self,
+        session_id: String,
+        run_id: String,
+    ) -> Result<Option<StoredRun>, DbError> {
+        self.run(false, move |c| {
+            let Some(mut r) = c.query_opt(
+                "SELECT id, question, images, model, status, answer, error, started_ms, finished_ms, progress
+                 FROM runs WHERE id = ?1 AND session_id = ?2",
+                &args![&run_id, &session_id],
+            )?
+            else {
+                return Ok(None);
+            };
+            let progress: Option<String> = r.get(9)?;
+            let progress = match progress {
+                Some(p) => Some(
+                    serde_json::from_str(&p)
+                        .map_err(|e| DbError::Corrupt(format!("progress of {run_id}: {e}")))?,
+                ),
+                None => None,
+            };
+            let run = run_row(r)?;
+            let mut first_seq = i64::MAX;
+            let mut messages = Vec::new();
+            for mut m in c.query(
+                "SELECT seq, body FROM messages WHERE session_id = ?1 AND run_id = ?2 ORDER BY seq",
+                &args![&session_id, &run_id],
+            )? {
+                let seq: i64 = m.get(0)?;
+                first_seq = first_seq.min(seq);
+                let body: String = m.get(1)?;
+                messages.push(
+                    serde_json::from_str(&body)
+                        .map_err(|e| DbError::Corrupt(format!("message {seq}: {e}")))?,
+                );
+            }
+            let history = history_rows(c, &session_id, first_seq)?;
+            let mut calls = Vec::new();
+            for mut t in c.query(
+                "SELECT round, call_id, tool, arguments, ok, error_kind, ms, result
+                 FROM tool_calls WHERE run_id = ?1 ORDER BY id",
+                &args![&run_id],
+            )? {
+                let round: Option<i64> = t.get(0)?;
+                let arguments: String = t.get(3)?;
+                let result: String = t.get(7)?;
+                calls.push(StoredCall {
+                    round: round.unwrap_or(0),
+                    call_id: t.get(1)?,
+                    tool: t.get(2)?,
+                    arguments: serde_json::from_str(&arguments).unwrap_or(Value::String(arguments)),
+                    ok: t.get(4)?,
+                    error_kind: t.get(5)?,
+                    ms: t.get(6)?,
+                    result: serde_json::from_str(&result)
+                        .map_err(|e| DbError::Corrupt(format!("tool call result: {e}")))?,
+                });
+            }
+            Ok(Some(StoredRun {
+                run,
+                progress,
+                messages,
+                history,
+                calls,
+            }))
+        })
+        .await
+    }
+
+    /// The session's conversation as a new question sees it: the messages of its finished
+    /// (completed or failed) runs, in order.
+    pub async fn history(&self, session_id: String) -> Result<Vec<Value>, DbError> {
+        self.run(false, move |c| history_rows(c, &session_id, i64::MAX))
+            .await
     }
 
     /// Ends a run and appends its new messages, in one transaction.
@@ -594,29 +792,11 @@ impl Db {
     ) -> Result<(), DbError> {
         self.run(true, move |c| {
             let now = now_ms();
-            // First, so that on PostgreSQL the session's row lock orders two runs of one
-            // session finishing at once on different replicas (message seqs stay unique).
-            c.execute(
-                "UPDATE sessions SET updated_ms = ?2 WHERE id = ?1",
-                &args![&session_id, now],
-            )?;
+            append_messages(c, &session_id, &run_id, &new_messages, now)?;
             c.execute(
                 "UPDATE runs SET status = ?2, answer = ?3, error = ?4, finished_ms = ?5 WHERE id = ?1",
                 &args![run_id.clone(), status, answer, error, now],
             )?;
-            let next: i64 = c
-                .query_one(
-                    "SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1",
-                    &args![&session_id],
-                )?
-                .get(0)?;
-            for (i, m) in new_messages.iter().enumerate() {
-                let role = m.get("role").and_then(Value::as_str).unwrap_or("unknown");
-                c.execute(
-                    "INSERT INTO messages (session_id, seq, run_id, role, body, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    &args![&session_id, next + 1 + i as i64, &run_id, role, m.to_string(), now],
-                )?;
-            }
             Ok(())
         })
         .await
@@ -630,20 +810,7 @@ impl Db {
                 &args![session_id],
             )?
             .into_iter()
-            .map(|mut r| {
-                let images: String = r.get(2)?;
-                Ok(RunRow {
-                    id: r.get(0)?,
-                    question: r.get(1)?,
-                    images: serde_json::from_str(&images).unwrap_or_default(),
-                    model: r.get(3)?,
-                    status: r.get(4)?,
-                    answer: r.get(5)?,
-                    error: r.get(6)?,
-                    started_ms: r.get(7)?,
-                    finished_ms: r.get(8)?,
-                })
-            })
+            .map(run_row)
             .collect()
         })
         .await
@@ -711,22 +878,29 @@ impl Db {
 
     // ---- tool calls, artifacts, audit ----
 
-    /// Records a tool call, its artifacts and its audit row in one transaction.
+    /// Records a tool call, its artifacts, its audit row and, for a run's call, the tool
+    /// message the model reads (`message`), in one transaction.
     pub async fn record_tool_call(
         &self,
         call: ToolCallRecord,
         artifacts: Vec<NewArtifact>,
         audit: AuditEntry,
+        message: Option<Value>,
     ) -> Result<(), DbError> {
         self.run(true, move |c| {
             let now = now_ms();
+            if let (Some(m), Some(session_id), Some(run_id)) =
+                (&message, &call.session_id, &call.run_id)
+            {
+                append_messages(c, session_id, run_id, std::slice::from_ref(m), now)?;
+            }
             c.execute(
-                "INSERT INTO tool_calls (token_id, session_id, run_id, call_id, tool, arguments, ok, error_kind, ms, result, created_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                "INSERT INTO tool_calls (token_id, session_id, run_id, call_id, tool, arguments, ok, error_kind, ms, result, created_ms, round)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
                 &args![
                     call.token_id, call.session_id, call.run_id, call.call_id, call.tool,
                     call.arguments.to_string(), call.ok, call.error_kind, call.ms,
-                    call.result.to_string(), now
+                    call.result.to_string(), now, call.round
                 ],
             )?;
             for a in artifacts {
@@ -803,6 +977,77 @@ impl Db {
     ) -> Result<Vec<AuditRow>, DbError> {
         self.run(false, move |c| audit_rows(c, since, limit)).await
     }
+}
+
+fn run_row(mut r: Row) -> Result<RunRow, DbError> {
+    let images: String = r.get(2)?;
+    Ok(RunRow {
+        id: r.get(0)?,
+        question: r.get(1)?,
+        images: serde_json::from_str(&images).unwrap_or_default(),
+        model: r.get(3)?,
+        status: r.get(4)?,
+        answer: r.get(5)?,
+        error: r.get(6)?,
+        started_ms: r.get(7)?,
+        finished_ms: r.get(8)?,
+    })
+}
+
+/// Appends messages of a run to its session; call inside a transaction. The session's row is
+/// updated first so that on PostgreSQL its lock orders runs of one session writing at once on
+/// different replicas (message seqs stay unique).
+fn append_messages(
+    c: &mut dyn Exec,
+    session_id: &str,
+    run_id: &str,
+    messages: &[Value],
+    now: i64,
+) -> Result<(), DbError> {
+    c.execute(
+        "UPDATE sessions SET updated_ms = ?2 WHERE id = ?1",
+        &args![session_id, now],
+    )?;
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let next: i64 = c
+        .query_one(
+            "SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1",
+            &args![session_id],
+        )?
+        .get(0)?;
+    for (i, m) in messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("unknown");
+        c.execute(
+            "INSERT INTO messages (session_id, seq, run_id, role, body, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            &args![session_id, next + 1 + i as i64, run_id, role, m.to_string(), now],
+        )?;
+    }
+    Ok(())
+}
+
+/// Messages of the session's finished runs before `before_seq`, in order: what a question
+/// sees of the conversation. Running, cancelled and interrupted runs leave gaps (a decision
+/// without its results would confuse a model).
+fn history_rows(
+    c: &mut dyn Exec,
+    session_id: &str,
+    before_seq: i64,
+) -> Result<Vec<Value>, DbError> {
+    c.query(
+        "SELECT m.seq, m.body FROM messages m JOIN runs r ON r.id = m.run_id
+         WHERE m.session_id = ?1 AND m.seq < ?2 AND r.status IN ('completed', 'failed')
+         ORDER BY m.seq",
+        &args![session_id, before_seq],
+    )?
+    .into_iter()
+    .map(|mut r| {
+        let seq: i64 = r.get(0)?;
+        let body: String = r.get(1)?;
+        serde_json::from_str(&body).map_err(|e| DbError::Corrupt(format!("message {seq}: {e}")))
+    })
+    .collect()
 }
 
 fn session_row(mut r: Row) -> Result<SessionRow, DbError> {

@@ -27,6 +27,10 @@ pub enum ApiError {
     RateLimited { retry_after_secs: u64 },
     #[error("the reasoning model is not available: {0}")]
     LlmUnavailable(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -42,6 +46,8 @@ impl ApiError {
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::LlmUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -56,6 +62,8 @@ impl ApiError {
             ApiError::Unprocessable(_) => "unprocessable",
             ApiError::RateLimited { .. } => "rate_limited",
             ApiError::LlmUnavailable(_) => "llm_unavailable",
+            ApiError::Conflict(_) => "conflict",
+            ApiError::Unavailable(_) => "unavailable",
             ApiError::Internal(_) => "internal",
         }
     }

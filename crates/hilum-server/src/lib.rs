@@ -17,6 +17,7 @@ mod run;
 mod web;
 
 use std::collections::HashMap;
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,6 +122,14 @@ pub struct ServerConfig {
     /// How often the server looks for revoked tokens: the longest a token revoked elsewhere
     /// (the CLI, another replica) stays usable here through the authentication cache.
     pub revocation_poll: Duration,
+    /// On SIGTERM/SIGINT, how long running runs may take to finish before they are stopped
+    /// and marked `interrupted`.
+    pub drain: Duration,
+    /// How often this process renews the heartbeat of the runs it is running.
+    pub run_heartbeat: Duration,
+    /// A `running` run whose heartbeat is older than this was left by a process that died:
+    /// any server marks it `interrupted`. Keep it several heartbeats long.
+    pub run_stale_after: Duration,
 }
 
 impl ServerConfig {
@@ -145,6 +154,9 @@ impl ServerConfig {
             tool_timeout: Duration::from_secs(300),
             heartbeat: Duration::from_secs(5),
             revocation_poll: Duration::from_secs(1),
+            drain: Duration::from_secs(30),
+            run_heartbeat: Duration::from_secs(5),
+            run_stale_after: Duration::from_secs(30),
         }
     }
 }
@@ -163,6 +175,9 @@ pub struct Inner {
     pub(crate) limiter: auth::Limiter,
     pub(crate) auth_cache: auth::AuthCache,
     spaces: AsyncMutex<HashMap<String, Arc<Space>>>,
+    /// This process among the replicas sharing the database: the owner of the runs it runs.
+    pub(crate) replica: String,
+    pub(crate) runs: run::Runs,
 }
 
 /// Shared state of all handlers.
@@ -186,6 +201,8 @@ impl AppState {
             metrics: Metrics::default(),
             auth_cache: auth::AuthCache::default(),
             spaces: AsyncMutex::new(HashMap::new()),
+            replica: db::new_id("srv"),
+            runs: run::Runs::default(),
         })))
     }
 
@@ -317,6 +334,7 @@ pub fn router(state: AppState) -> Router {
             post(run::ask).get(api::list_messages),
         )
         .route("/v1/sessions/{id}/runs", get(api::list_runs))
+        .route("/v1/sessions/{id}/runs/{run_id}/resume", post(run::resume))
         .route(
             "/v1/sessions/{id}/runs/{run_id}/events",
             get(api::run_events),
@@ -378,13 +396,46 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
     resp
 }
 
-/// Binds and serves until `shutdown` resolves. Returns the bound address through `bound`
-/// (useful with port 0).
+/// Renews the heartbeat of this process's runs and marks `interrupted` the runs whose
+/// process died (their heartbeat went stale), every `run_heartbeat`.
+async fn keep_runs(state: AppState) {
+    let mut tick = tokio::time::interval(state.cfg.run_heartbeat.max(Duration::from_millis(50)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = state.db.heartbeat(state.replica.clone()).await {
+            tracing::warn!(error = %e, "cannot renew the heartbeat of running runs");
+        }
+        interrupt_stale_runs(&state).await;
+    }
+}
+
+async fn interrupt_stale_runs(state: &AppState) {
+    let stale_before = db::now_ms() - state.cfg.run_stale_after.as_millis() as i64;
+    match state
+        .db
+        .interrupt_stale_runs(state.replica.clone(), stale_before)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            runs = n,
+            "runs left running by a stopped server marked interrupted"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot mark runs of stopped servers"),
+    }
+}
+
+/// Binds and serves until `shutdown` resolves, then drains: no new connections or runs,
+/// running runs get `drain` to finish, the rest are stopped and marked `interrupted`.
+/// Returns the bound address through `bound` (useful with port 0).
 pub async fn serve(
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
 ) -> std::io::Result<()> {
+    // Runs a dead process left `running` (heartbeat stale) become resumable now.
+    interrupt_stale_runs(&state).await;
     let listener = tokio::net::TcpListener::bind(state.cfg.bind).await?;
     let addr = listener.local_addr()?;
     if !addr.ip().is_loopback() {
@@ -395,9 +446,39 @@ pub async fn serve(
         let _ = tx.send(addr);
     }
     let watcher = tokio::spawn(watch_revocations(state.clone()));
-    let served = axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let keeper = tokio::spawn(keep_runs(state.clone()));
+    let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
+    let draining = state.clone();
+    let signal = async move {
+        shutdown.await;
+        // New questions and resumes are refused from here on.
+        draining.runs.start_draining();
+        let _ = signalled_tx.send(());
+    };
+    // On its own task, so that it stops accepting and closes idle connections during the drain.
+    let mut server = tokio::spawn(
+        axum::serve(listener, router(state.clone()))
+            .with_graceful_shutdown(signal)
+            .into_future(),
+    );
+    let joined = tokio::select! {
+        biased;
+        joined = &mut server => joined,
+        _ = signalled => {
+            run::drain(&state).await;
+            // The stopped runs' streams have ended; a client that keeps an idle connection
+            // open does not hold the exit.
+            match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
+    let served = joined.unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
     watcher.abort();
+    keeper.abort();
     served
 }

@@ -1,10 +1,17 @@
 //! A question in a session: the agent runs on its own task, each event is stored and then
 //! streamed to the client (NDJSON or SSE). A client that goes away cancels the run.
+//!
+//! Runs are durable: the question, each decision and each tool result are stored as they
+//! happen (see [`hilum_agent::Checkpointer`]). A run whose server stopped is `interrupted`
+//! and `POST …/runs/{run_id}/resume` continues it without running a finished call again.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap};
@@ -15,16 +22,19 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use utoipa::{IntoParams, ToSchema};
 
 use base64::Engine;
 use hilum_agent::llm::ImagePayload;
-use hilum_agent::{Agent, Event, Message, RunEvent, RunInput, RunOutcome, StopReason};
+use hilum_agent::{
+    Agent, CallFailure, CallResult, Checkpointer, Event, FailureKind, Message, Progress, Resume,
+    RunEvent, RunInput, RunOutcome, StopReason, ToolCall, ToolOutput,
+};
 
 use crate::api::{owned_session, prepare_artifacts};
-use crate::db::{new_id, AuditEntry, Caller, ToolCallRecord};
+use crate::db::{new_id, AuditEntry, Caller, StoredCall, ToolCallRecord};
 use crate::deid::{deidentify, enumerated_strings};
 use crate::error::ApiError;
 use crate::{AppState, Space};
@@ -47,11 +57,11 @@ pub struct StreamQuery {
     params(("id" = String, Path, description = "Session id"), StreamQuery),
     request_body = Ask,
     responses(
-        (status = 200, description = "The run's events, one JSON object per line (`type`: run_started, decision, tool_started, tool_finished, tool_failed, token, final, error, complete, heartbeat, cancelled); or the same as SSE",
+        (status = 200, description = "The run's events, one JSON object per line (`type`: run_started, decision, tool_started, tool_finished, tool_failed, token, final, error, complete, heartbeat, cancelled, interrupted); or the same as SSE",
             content_type = "application/x-ndjson"),
         (status = 403, description = "The policy forbids the configured model endpoint"),
         (status = 404, description = "No such session or image for this token"),
-        (status = 503, description = "No reasoning model is configured"),
+        (status = 503, description = "No reasoning model is configured, or the server is shutting down"),
     ),
     security(("bearer" = [])))]
 pub async fn ask(
@@ -63,6 +73,7 @@ pub async fn ask(
     Json(ask): Json<Ask>,
 ) -> Result<Response, ApiError> {
     owned_session(&state, &caller, &session_id).await?;
+    state.runs.refuse_when_draining()?;
     let space = state.space(&caller).await?;
     state.ensure_images(&caller, &space, &ask.images).await?;
     for id in &ask.images {
@@ -73,6 +84,133 @@ pub async fn ask(
     if ask.question.trim().is_empty() {
         return Err(ApiError::BadRequest("`question` is empty".into()));
     }
+    let llm = build_llm(&state)?;
+    let history = to_messages(state.db.history(session_id.clone()).await?)?;
+    let (image_payloads, image_metadata) =
+        image_inputs(&state, &space, &ask.images, llm.capabilities().images).await?;
+    let run_id = new_id("run");
+    state
+        .db
+        .insert_run(
+            session_id.clone(),
+            run_id.clone(),
+            ask.question.clone(),
+            ask.images.clone(),
+            llm.name(),
+            state.replica.clone(),
+        )
+        .await?;
+    let input = RunInput {
+        question: ask.question,
+        images: ask.images,
+        image_payloads,
+        history,
+        session_id: session_id.clone(),
+        image_metadata,
+    };
+    let start = Start {
+        caller,
+        space,
+        session_id,
+        run_id,
+        input,
+        resume: None,
+        seq: 0,
+    };
+    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+}
+
+#[utoipa::path(post, path = "/v1/sessions/{id}/runs/{run_id}/resume", tag = "sessions",
+    params(("id" = String, Path, description = "Session id"),
+           ("run_id" = String, Path, description = "Id of an interrupted run"), StreamQuery),
+    responses(
+        (status = 200, description = "The rest of the run's events, as from `POST …/messages`: the run continues from its last stored step; finished tool calls are reused, not run again",
+            content_type = "application/x-ndjson"),
+        (status = 404, description = "No such session or run for this token"),
+        (status = 409, description = "The run is not interrupted (running, completed, failed or cancelled)"),
+        (status = 503, description = "No reasoning model is configured, or the server is shutting down"),
+    ),
+    security(("bearer" = [])))]
+pub async fn resume(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path((session_id, run_id)): Path<(String, String)>,
+    Query(q): Query<StreamQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    owned_session(&state, &caller, &session_id).await?;
+    state.runs.refuse_when_draining()?;
+    let stored = state
+        .db
+        .stored_run(session_id.clone(), run_id.clone())
+        .await?
+        .ok_or_else(|| ApiError::not_found("run", &run_id))?;
+    if stored.run.status != "interrupted" {
+        return Err(ApiError::Conflict(format!(
+            "run `{run_id}` is {}: only an interrupted run can be resumed",
+            stored.run.status
+        )));
+    }
+    let space = state.space(&caller).await?;
+    state
+        .ensure_images(&caller, &space, &stored.run.images)
+        .await?;
+    let llm = build_llm(&state)?;
+    let (image_payloads, image_metadata) = image_inputs(
+        &state,
+        &space,
+        &stored.run.images,
+        llm.capabilities().images,
+    )
+    .await?;
+    let resume = Resume {
+        messages: to_messages(stored.messages)?,
+        results: stored.calls.into_iter().map(call_result).collect(),
+        progress: match stored.progress {
+            Some(p) => serde_json::from_value(p).map_err(|e| {
+                ApiError::Internal(format!("the stored progress of `{run_id}` is corrupt: {e}"))
+            })?,
+            None => Progress::default(),
+        },
+    };
+    let history = to_messages(stored.history)?;
+    let seq = state
+        .db
+        .events(session_id.clone(), run_id.clone())
+        .await?
+        .len() as i64;
+    // Last: from here the run is this process's, and nothing below can fail.
+    if !state
+        .db
+        .claim_interrupted(session_id.clone(), run_id.clone(), state.replica.clone())
+        .await?
+    {
+        return Err(ApiError::Conflict(format!(
+            "run `{run_id}` is no longer interrupted: another request resumed it"
+        )));
+    }
+    let input = RunInput {
+        question: stored.run.question,
+        images: stored.run.images,
+        image_payloads,
+        history,
+        session_id: session_id.clone(),
+        image_metadata,
+    };
+    let start = Start {
+        caller,
+        space,
+        session_id,
+        run_id,
+        input,
+        resume: Some(resume),
+        seq,
+    };
+    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+}
+
+/// The run's model, if the server has one and the policy allows it.
+fn build_llm(state: &AppState) -> Result<std::sync::Arc<dyn hilum_agent::Llm>, ApiError> {
     let factory = state.cfg.llm.clone().ok_or_else(|| {
         ApiError::LlmUnavailable(
             "this server has no reasoning model: start it with --llm (e.g. --llm script:FILE or --llm openai:MODEL)".into(),
@@ -85,48 +223,77 @@ pub async fn ask(
             factory.name
         )));
     }
-    let llm = (factory.build)().map_err(ApiError::LlmUnavailable)?;
-    let history: Vec<Message> = state
-        .db
-        .messages(session_id.clone())
-        .await?
-        .into_iter()
-        .filter_map(|m| serde_json::from_value(m.message).ok())
-        .collect();
-    let run_id = new_id("run");
-    state
-        .db
-        .insert_run(
-            session_id.clone(),
-            run_id.clone(),
-            ask.question.clone(),
-            ask.images.clone(),
-            llm.name(),
-        )
-        .await?;
+    (factory.build)().map_err(ApiError::LlmUnavailable)
+}
 
-    let sse = q.format.as_deref() == Some("sse")
+fn wants_sse(q: &StreamQuery, headers: &HeaderMap) -> bool {
+    q.format.as_deref() == Some("sse")
         || headers
             .get(header::ACCEPT)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|a| a.contains("text/event-stream"));
-    let (client_tx, client_rx) = mpsc::unbounded_channel::<Value>();
-    // Dropping the response body (client gone) drops `cancel_tx`, which cancels the run.
-    let (cancel_tx, cancel_rx) = oneshot::channel::<()>();
-    let model = llm.name();
-    let agent_reads_images = llm.capabilities().images;
-    let agent = Agent::new(
-        llm,
-        space.toolbox.clone(),
-        state.cfg.env.clone(),
-        state.cfg.agent.clone(),
-    );
-    let history_len = history.len();
-    // Pixels leave only on request, to a model that reads them, and (checked above) only to a
-    // remote endpoint when the policy allows it.
-    let image_payloads = if state.cfg.send_pixels && agent_reads_images {
+            .is_some_and(|a| a.contains("text/event-stream"))
+}
+
+fn to_messages(values: Vec<Value>) -> Result<Vec<Message>, ApiError> {
+    values
+        .into_iter()
+        .map(|v| {
+            serde_json::from_value(v)
+                .map_err(|e| ApiError::Internal(format!("a stored message is corrupt: {e}")))
+        })
+        .collect()
+}
+
+/// A stored tool call as the loop's result: enough to reuse it (repeat detection, grounding).
+fn call_result(c: StoredCall) -> (usize, CallResult) {
+    let result = if c.ok {
+        Ok(ToolOutput::new(
+            c.result["summary"].as_str().unwrap_or_default(),
+            c.result["data"].clone(),
+        ))
+    } else {
+        Err(CallFailure {
+            kind: c
+                .error_kind
+                .as_deref()
+                .and_then(FailureKind::from_name)
+                .unwrap_or(FailureKind::ToolError),
+            message: c.result["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        })
+    };
+    let call = ToolCall {
+        id: c.call_id,
+        name: c.tool,
+        arguments: c.arguments.to_string(),
+    };
+    let round = usize::try_from(c.round).unwrap_or(0);
+    (
+        round,
+        CallResult {
+            call,
+            arguments: Some(c.arguments),
+            repaired: false,
+            result,
+            ms: c.ms,
+        },
+    )
+}
+
+/// Pixels for a model that reads them (only on request, and, checked before, only to a
+/// remote endpoint when the policy allows it), and the images' size, spacing and view:
+/// numbers an answer may quote besides the tool results.
+async fn image_inputs(
+    state: &AppState,
+    space: &Space,
+    images: &[String],
+    model_reads_images: bool,
+) -> Result<(Vec<ImagePayload>, Vec<Value>), ApiError> {
+    let payloads = if state.cfg.send_pixels && model_reads_images {
         let store = space.images.clone();
-        let ids = ask.images.clone();
+        let ids = images.to_vec();
         tokio::task::spawn_blocking(move || {
             ids.iter()
                 .map(|id| pixel_payload(&store, id))
@@ -138,34 +305,80 @@ pub async fn ask(
     } else {
         Vec::new()
     };
-    // Size, spacing and view: numbers an answer may quote besides the tool results.
-    let image_metadata = ask
-        .images
+    let metadata = images
         .iter()
         .filter_map(|id| space.images.get(id).ok())
         .map(|img| json!({"width": img.width, "height": img.height, "meta": img.meta}))
         .collect();
-    let input = RunInput {
-        question: ask.question,
-        images: ask.images,
-        image_payloads,
-        history,
-        session_id: session_id.clone(),
-        image_metadata,
-    };
+    Ok((payloads, metadata))
+}
+
+/// A run about to start or continue.
+struct Start {
+    caller: Caller,
+    space: Arc<Space>,
+    session_id: String,
+    run_id: String,
+    input: RunInput,
+    resume: Option<Resume>,
+    /// The last event seq already stored for the run.
+    seq: i64,
+}
+
+/// Starts the run on its own task and returns the response streaming its events.
+fn start_run(state: &AppState, llm: Arc<dyn hilum_agent::Llm>, s: Start, sse: bool) -> Response {
+    let (client_tx, client_rx) = mpsc::unbounded_channel::<Value>();
+    // Dropping the response body (client gone) drops `cancel_tx`, which cancels the run.
+    let (cancel_tx, cancel_rx) = oneshot::channel::<()>();
+    let model = llm.name();
+    let agent = Agent::new(
+        llm,
+        s.space.toolbox.clone(),
+        state.cfg.env.clone(),
+        state.cfg.agent.clone(),
+    );
+    let stored_messages = s.resume.as_ref().map_or(0, |r| r.messages.len());
+    let recorder = Arc::new(Recorder {
+        state: state.clone(),
+        caller: s.caller.clone(),
+        space: s.space.clone(),
+        session_id: s.session_id.clone(),
+        run_id: s.run_id.clone(),
+        refs: Mutex::new(HashMap::new()),
+        saved: AtomicUsize::new(stored_messages),
+    });
+    let history_len = s.input.history.len();
     let run = RunCtx {
         state: state.clone(),
-        caller,
-        space,
-        session_id,
-        run_id,
+        caller: s.caller,
+        session_id: s.session_id,
+        run_id: s.run_id,
         model,
-        seq: 0,
-        args: HashMap::new(),
+        seq: s.seq,
         client: client_tx,
+        recorder: recorder.clone(),
+        resumed: s.resume.is_some(),
     };
-    tokio::spawn(drive(run, agent, input, history_len, cancel_rx));
+    let active = state.runs.enter(state.clone());
+    tokio::spawn(drive(
+        run,
+        agent,
+        s.input,
+        s.resume,
+        history_len,
+        cancel_rx,
+        active,
+    ));
+    stream_response(client_rx, cancel_tx, sse)
+}
 
+/// The run's events as NDJSON (default) or SSE. The stream holds `cancel_tx`: when the client
+/// goes away, the body is dropped and the run is cancelled.
+fn stream_response(
+    client_rx: mpsc::UnboundedReceiver<Value>,
+    cancel_tx: oneshot::Sender<()>,
+    sse: bool,
+) -> Response {
     let stream = UnboundedReceiverStream::new(client_rx);
     if sse {
         let events = stream.map(move |v| {
@@ -178,7 +391,7 @@ pub async fn ask(
             };
             Ok::<_, Infallible>(ev)
         });
-        Ok(Sse::new(events).into_response())
+        Sse::new(events).into_response()
     } else {
         let lines = stream.map(move |v| {
             let _alive = &cancel_tx;
@@ -186,14 +399,14 @@ pub async fn ask(
             line.push('\n');
             Ok::<_, Infallible>(Bytes::from(line))
         });
-        Ok((
+        (
             [
                 (header::CONTENT_TYPE, "application/x-ndjson"),
                 (header::CACHE_CONTROL, "no-cache"),
             ],
             Body::from_stream(lines),
         )
-            .into_response())
+            .into_response()
     }
 }
 
@@ -225,17 +438,234 @@ fn pixel_payload(store: &hilum_imaging::ImageStore, id: &str) -> Result<ImagePay
     })
 }
 
+/// The runs this process drives, for the drain on shutdown.
+pub(crate) struct Runs {
+    /// How many runs this process is driving now.
+    active: watch::Sender<usize>,
+    /// Set when the drain window is over: the runs still going stop and become `interrupted`.
+    stop: watch::Sender<bool>,
+    draining: AtomicBool,
+}
+
+impl Default for Runs {
+    fn default() -> Self {
+        Runs {
+            active: watch::channel(0).0,
+            stop: watch::channel(false).0,
+            draining: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Runs {
+    /// From now on, new runs and resumes are refused.
+    pub(crate) fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    fn refuse_when_draining(&self) -> Result<(), ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::Unavailable(
+                "the server is shutting down: ask again on another replica or once it has restarted".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn enter(&self, state: AppState) -> ActiveRun {
+        self.active.send_modify(|n| *n += 1);
+        ActiveRun(state)
+    }
+}
+
+/// Counts a run as active while it lives.
+struct ActiveRun(AppState);
+
+impl Drop for ActiveRun {
+    fn drop(&mut self) {
+        self.0.runs.active.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The drain: lets running runs finish for up to `drain`, then stops the rest (each marks
+/// itself `interrupted`) and waits until they have.
+pub(crate) async fn drain(state: &AppState) {
+    let mut active = state.runs.active.subscribe();
+    let running = *active.borrow();
+    tracing::info!(
+        runs = running,
+        drain_secs = state.cfg.drain.as_secs_f64(),
+        "shutting down: running runs may finish"
+    );
+    let finished = tokio::time::timeout(state.cfg.drain, async {
+        let _ = active.wait_for(|n| *n == 0).await;
+    })
+    .await;
+    if finished.is_err() {
+        let left = *active.borrow();
+        tracing::warn!(
+            runs = left,
+            "drain window over: stopping the remaining runs as interrupted"
+        );
+        state.runs.stop.send_replace(true);
+        let _ = tokio::time::timeout(Duration::from_secs(10), async {
+            let _ = active.wait_for(|n| *n == 0).await;
+        })
+        .await;
+    }
+}
+
+/// Stores a durable run's steps as they happen: messages with the loop's progress, and each
+/// tool result with its tool message, artifacts and audit row in one transaction.
+struct Recorder {
+    state: AppState,
+    caller: Caller,
+    space: Arc<Space>,
+    session_id: String,
+    run_id: String,
+    /// Artifact references of stored results by call id, for their `tool_finished` event.
+    refs: Mutex<HashMap<String, Value>>,
+    /// How many of the run's messages are stored.
+    saved: AtomicUsize,
+}
+
+impl Recorder {
+    fn deid(&self, tool: &str, args: &Value) -> Value {
+        let allowed = self
+            .space
+            .toolbox
+            .get(tool)
+            .map(|t| enumerated_strings(&t.spec().parameters))
+            .unwrap_or_default();
+        deidentify(args, &allowed)
+    }
+
+    fn take_refs(&self, call_id: &str) -> Option<Value> {
+        self.refs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(call_id)
+    }
+}
+
+#[async_trait]
+impl Checkpointer for Recorder {
+    async fn messages(&self, new: &[Message], progress: &Progress) -> Result<(), String> {
+        let bodies = new
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let progress = serde_json::to_value(progress).map_err(|e| e.to_string())?;
+        self.state
+            .db
+            .save_messages(
+                self.session_id.clone(),
+                self.run_id.clone(),
+                bodies,
+                progress,
+            )
+            .await
+            .map_err(|e| {
+                self.state.metrics.error("db");
+                e.to_string()
+            })?;
+        self.saved.fetch_add(new.len(), Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn tool_result(
+        &self,
+        round: usize,
+        r: &CallResult,
+        message: &Message,
+    ) -> Result<(), String> {
+        let args = r.arguments.clone().unwrap_or_else(|| {
+            serde_json::from_str(&r.call.arguments)
+                .unwrap_or_else(|_| Value::String(r.call.arguments.clone()))
+        });
+        let name = r.call.name.as_str();
+        let call_id = r.call.id.as_str();
+        let (ok, kind, result, rows, refs) = match &r.result {
+            Ok(out) => {
+                let (rows, refs) = prepare_artifacts(
+                    &self.caller,
+                    Some(&self.session_id),
+                    Some(&self.run_id),
+                    call_id,
+                    name,
+                    &out.artifacts,
+                );
+                let refs = serde_json::to_value(&refs).unwrap_or(Value::Null);
+                (
+                    true,
+                    "ok".to_string(),
+                    json!({"summary": out.summary, "data": out.data}),
+                    rows,
+                    Some(refs),
+                )
+            }
+            Err(f) => (
+                false,
+                f.kind.as_str().to_string(),
+                json!({"error": {"kind": f.kind.as_str(), "message": f.message}}),
+                Vec::new(),
+                None,
+            ),
+        };
+        let record = ToolCallRecord {
+            token_id: self.caller.token_id.clone(),
+            session_id: Some(self.session_id.clone()),
+            run_id: Some(self.run_id.clone()),
+            call_id: call_id.to_string(),
+            tool: name.to_string(),
+            arguments: args.clone(),
+            ok,
+            error_kind: (!ok).then(|| kind.clone()),
+            ms: r.ms,
+            result,
+            round: Some(round as i64),
+        };
+        let audit = AuditEntry {
+            actor: self.caller.token_id.clone(),
+            session_id: Some(self.session_id.clone()),
+            run_id: Some(self.run_id.clone()),
+            kind: "tool_call",
+            name: name.to_string(),
+            arguments: self.deid(name, &args),
+            outcome: kind,
+            duration_ms: r.ms,
+        };
+        let message = serde_json::to_value(message).map_err(|e| e.to_string())?;
+        self.state
+            .db
+            .record_tool_call(record, rows, audit, Some(message))
+            .await
+            .map_err(|e| {
+                self.state.metrics.error("db");
+                e.to_string()
+            })?;
+        self.saved.fetch_add(1, Ordering::SeqCst);
+        if let Some(refs) = refs {
+            self.refs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(call_id.to_string(), refs);
+        }
+        Ok(())
+    }
+}
+
 struct RunCtx {
     state: AppState,
     caller: Caller,
-    space: std::sync::Arc<Space>,
     session_id: String,
     run_id: String,
     model: String,
     seq: i64,
-    /// Arguments of calls by call id, from `decision` and `tool_started`, for the records.
-    args: HashMap<String, Value>,
     client: mpsc::UnboundedSender<Value>,
+    recorder: Arc<Recorder>,
+    resumed: bool,
 }
 
 impl RunCtx {
@@ -275,17 +705,8 @@ impl RunCtx {
         }
     }
 
-    fn deid(&self, tool: &str, args: &Value) -> Value {
-        let allowed = self
-            .space
-            .toolbox
-            .get(tool)
-            .map(|t| enumerated_strings(&t.spec().parameters))
-            .unwrap_or_default();
-        deidentify(args, &allowed)
-    }
-
-    /// Records what an event says happened, and returns the JSON to stream.
+    /// Records what an event says happened, and returns the JSON to stream. Tool results
+    /// were stored by the recorder before their events were sent.
     async fn handle(&mut self, ev: RunEvent) -> Value {
         let mut out = serde_json::to_value(&ev)
             .unwrap_or_else(|e| json!({"type": "error", "message": e.to_string()}));
@@ -299,11 +720,6 @@ impl RunCtx {
                 ..
             } => {
                 self.state.metrics.llm_call(&self.model, *llm_ms);
-                for c in tool_calls {
-                    let args = serde_json::from_str(&c.arguments)
-                        .unwrap_or_else(|_| Value::String(c.arguments.clone()));
-                    self.args.insert(c.id.clone(), args);
-                }
                 let entry = self.audit(
                     "llm_call",
                     &self.model.clone(),
@@ -314,70 +730,17 @@ impl RunCtx {
                 );
                 self.store_audit(entry).await;
             }
-            Event::ToolStarted {
-                call_id, arguments, ..
-            } => {
-                self.args.insert(call_id.clone(), arguments.clone());
-            }
             Event::ToolFinished {
-                call_id,
-                name,
-                ms,
-                summary,
-                data,
-                artifacts,
-                ..
+                call_id, name, ms, ..
             } => {
                 self.state.metrics.tool_call(name, "ok", *ms);
-                let (rows, refs) = prepare_artifacts(
-                    &self.caller,
-                    Some(&self.session_id),
-                    Some(&self.run_id),
-                    call_id,
-                    name,
-                    artifacts,
-                );
-                out["artifacts"] = serde_json::to_value(&refs).unwrap_or(Value::Null);
-                let args = self.args.get(call_id).cloned().unwrap_or(Value::Null);
-                let record = ToolCallRecord {
-                    token_id: self.caller.token_id.clone(),
-                    session_id: Some(self.session_id.clone()),
-                    run_id: Some(self.run_id.clone()),
-                    call_id: call_id.clone(),
-                    tool: name.clone(),
-                    arguments: args.clone(),
-                    ok: true,
-                    error_kind: None,
-                    ms: *ms,
-                    result: json!({"summary": summary, "data": data}),
-                };
-                let audit = self.audit("tool_call", name, self.deid(name, &args), "ok", *ms);
-                self.store_call(record, rows, audit).await;
+                out["artifacts"] = self
+                    .recorder
+                    .take_refs(call_id)
+                    .unwrap_or_else(|| json!([]));
             }
-            Event::ToolFailed {
-                call_id,
-                name,
-                ms,
-                kind,
-                error,
-                ..
-            } => {
+            Event::ToolFailed { name, ms, kind, .. } => {
                 self.state.metrics.tool_call(name, kind, *ms);
-                let args = self.args.get(call_id).cloned().unwrap_or(Value::Null);
-                let record = ToolCallRecord {
-                    token_id: self.caller.token_id.clone(),
-                    session_id: Some(self.session_id.clone()),
-                    run_id: Some(self.run_id.clone()),
-                    call_id: call_id.clone(),
-                    tool: name.clone(),
-                    arguments: args.clone(),
-                    ok: false,
-                    error_kind: Some(kind.clone()),
-                    ms: *ms,
-                    result: json!({"error": {"kind": kind, "message": error}}),
-                };
-                let audit = self.audit("tool_call", name, self.deid(name, &args), kind, *ms);
-                self.store_call(record, Vec::new(), audit).await;
             }
             Event::Error { .. } => {
                 self.state.metrics.error("run");
@@ -390,54 +753,94 @@ impl RunCtx {
         out
     }
 
-    async fn store_call(
-        &self,
-        record: ToolCallRecord,
-        rows: Vec<crate::db::NewArtifact>,
-        audit: AuditEntry,
-    ) {
-        if let Err(e) = self.state.db.record_tool_call(record, rows, audit).await {
-            tracing::error!(run = %self.run_id, error = %e, "cannot record tool call");
-            self.state.metrics.error("db");
-        }
-    }
-
     async fn store_audit(&self, entry: AuditEntry) {
         if let Err(e) = self.state.db.append_audit(entry).await {
             tracing::error!(run = %self.run_id, error = %e, "cannot append to the audit log");
             self.state.metrics.error("db");
         }
     }
+
+    /// Ends a run that stopped before its outcome: the event, the audit row, then the status
+    /// (last, so that a run that reads stopped has all its records).
+    async fn stop(&mut self, status: &'static str, reason: &str, ms: f64) {
+        self.seq += 1;
+        let ev = json!({"type": status, "t_ms": ms, "reason": reason});
+        let _ = self
+            .state
+            .db
+            .insert_event(self.run_id.clone(), self.seq, status.into(), ev.clone())
+            .await;
+        let _ = self.client.send(ev);
+        let kind = if status == "cancelled" {
+            "run_cancelled"
+        } else {
+            "run_interrupted"
+        };
+        let entry = self.audit(kind, &self.model.clone(), json!({}), status, ms);
+        self.store_audit(entry).await;
+        let stored = if status == "cancelled" {
+            self.state
+                .db
+                .finish_run(
+                    self.session_id.clone(),
+                    self.run_id.clone(),
+                    "cancelled",
+                    None,
+                    Some(reason.to_string()),
+                    Vec::new(),
+                )
+                .await
+        } else {
+            self.state
+                .db
+                .interrupt_run(self.run_id.clone(), reason.to_string())
+                .await
+                .map(|_| ())
+        };
+        if let Err(e) = stored {
+            tracing::error!(run = %self.run_id, error = %e, "cannot store the run's status");
+            self.state.metrics.error("db");
+        }
+        self.state.metrics.run_ended(status);
+        tracing::info!(run = %self.run_id, status, reason, "run stopped");
+    }
 }
 
-/// Runs the agent, stores and forwards its events, and ends the run: completed, failed or
-/// cancelled. The `complete` event is forwarded only after the run's messages are stored.
+/// Runs the agent, stores and forwards its events, and ends the run: completed, failed,
+/// cancelled (the client went away) or interrupted (the server shut down). The `complete`
+/// event is forwarded only after the run's messages are stored.
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     mut run: RunCtx,
     agent: Agent,
     input: RunInput,
+    resume: Option<Resume>,
     history_len: usize,
     mut cancel: oneshot::Receiver<()>,
+    _active: ActiveRun,
 ) {
     let started = Instant::now();
     run.state.metrics.run_started();
+    let mut stop = run.state.runs.stop.subscribe();
     run.publish(json!({
         "type": "run_started",
         "t_ms": 0.0,
         "run_id": run.run_id,
         "session_id": run.session_id,
         "model": run.model,
+        "resumed": run.resumed,
     }))
     .await;
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<RunEvent>();
-    // Boxed so that a cancelled run's future can be dropped (and the loop stopped) at once.
-    let mut agent_run = Box::pin(agent.run(input, Some(ev_tx)));
+    let recorder: Arc<dyn Checkpointer> = run.recorder.clone();
+    // Boxed so that a stopped run's future can be dropped (and the loop stopped) at once.
+    let mut agent_run = Box::pin(agent.run_durable(input, resume, recorder, Some(ev_tx)));
     let mut heartbeat =
         tokio::time::interval(run.state.cfg.heartbeat.max(Duration::from_millis(50)));
     heartbeat.tick().await;
     let mut outcome: Option<RunOutcome> = None;
     let mut complete: Option<Value> = None;
-    let mut cancelled = false;
+    let mut stopped: Option<(&'static str, &'static str)> = None;
     loop {
         tokio::select! {
             biased;
@@ -455,46 +858,26 @@ async fn drive(
                 None => break,
             },
             out = agent_run.as_mut(), if outcome.is_none() => outcome = Some(out),
-            _ = &mut cancel => { cancelled = true; break; }
+            _ = &mut cancel => {
+                stopped = Some(("cancelled", "client disconnected"));
+                break;
+            }
+            // The watch's guard is not Send: it is dropped inside.
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => {
+                stopped = Some(("interrupted", "the server shut down before the run finished; POST .../resume continues it"));
+                break;
+            }
             _ = heartbeat.tick() => {
                 let _ = run.client.send(json!({"type": "heartbeat", "t_ms": started.elapsed().as_secs_f64() * 1e3}));
             }
         }
     }
-    if cancelled {
-        // Dropping the agent's future stops the loop; running tool tasks finish on their own.
+    if let Some((status, reason)) = stopped {
+        // Dropping the agent's future stops the loop; running tool tasks finish on their own
+        // and their results are not stored: a resume runs them again.
         drop(agent_run);
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        run.seq += 1;
-        let ev = json!({"type": "cancelled", "t_ms": ms, "reason": "client disconnected"});
-        let _ = run
-            .state
-            .db
-            .insert_event(run.run_id.clone(), run.seq, "cancelled".into(), ev)
+        run.stop(status, reason, started.elapsed().as_secs_f64() * 1e3)
             .await;
-        let entry = run.audit(
-            "run_cancelled",
-            &run.model.clone(),
-            json!({}),
-            "cancelled",
-            ms,
-        );
-        run.store_audit(entry).await;
-        // The status goes last: a run that reads `cancelled` has all its records.
-        let _ = run
-            .state
-            .db
-            .finish_run(
-                run.session_id.clone(),
-                run.run_id.clone(),
-                "cancelled",
-                None,
-                Some("client disconnected".into()),
-                Vec::new(),
-            )
-            .await;
-        run.state.metrics.run_ended("cancelled");
-        tracing::info!(run = %run.run_id, "run cancelled: client disconnected");
         return;
     }
     let Some(outcome) = outcome else {
@@ -520,12 +903,13 @@ async fn drive(
     } else {
         "completed"
     };
-    // The agent's messages end with the last observation; the answer is appended here so a
-    // resumed session sees it.
+    // The messages the recorder stored are in the database already; the rest (prompts the
+    // loop added after the last stored step) and the answer are appended here.
+    let saved = run.recorder.saved.load(Ordering::SeqCst);
     let mut messages: Vec<Message> = outcome
         .messages
         .iter()
-        .skip(1 + history_len)
+        .skip(1 + history_len + saved)
         .cloned()
         .collect();
     if let Some(answer) = &outcome.answer {

@@ -73,7 +73,7 @@ async fn reopening_keeps_data_and_runs_each_migration_once(db: &TestDb) {
     let applied = third
         .execute_sql("UPDATE schema_migrations SET applied_ms = applied_ms")
         .expect("count migrations");
-    assert_eq!(applied, 1, "one row per schema version");
+    assert_eq!(applied, 2, "one row per schema version");
 }
 
 on_both_databases!(revoked_token_is_refused_at_once_despite_the_cache);
@@ -251,4 +251,100 @@ async fn two_replicas_share_sessions_images_and_the_audit_log(db: &TestDb) {
     }
     a.stop().await;
     b.stop().await;
+}
+
+on_both_databases!(a_version_1_database_upgrades_and_its_running_runs_become_interrupted);
+async fn a_version_1_database_upgrades_and_its_running_runs_become_interrupted(db: &TestDb) {
+    // A database as schema version 1 left it, with a run its server was running when it died.
+    let rows = "
+        CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, applied_ms BIGINT NOT NULL);
+        INSERT INTO schema_migrations (version, applied_ms) VALUES (1, 1);
+        INSERT INTO tokens (id, name, hash, admin, created_ms) VALUES ('tok_old', 'old', 'h', 0, 1);
+        INSERT INTO sessions (id, token_id, title, created_ms, updated_ms)
+            VALUES ('ses_old', 'tok_old', '', 1, 1);
+        INSERT INTO runs (id, session_id, question, images, model, status, started_ms)
+            VALUES ('run_old', 'ses_old', 'q', '[]', 'm', 'running', 1);
+        INSERT INTO runs (id, session_id, question, images, model, status, answer, started_ms, finished_ms)
+            VALUES ('run_done', 'ses_old', 'q', '[]', 'm', 'completed', 'a', 1, 2);";
+    if db.is_postgres() {
+        let (url, sql) = (
+            db.url.clone(),
+            format!(
+                "{}; {rows}",
+                include_str!("../migrations/postgres/0001_init.sql")
+            ),
+        );
+        std::thread::spawn(move || {
+            let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("connect");
+            c.batch_execute(&sql).expect("version 1 schema");
+        })
+        .join()
+        .expect("thread");
+    } else {
+        let path = db.url.trim_start_matches("sqlite://");
+        let c = rusqlite::Connection::open(path).expect("open");
+        c.execute_batch(&format!(
+            "{}; {rows}",
+            include_str!("../migrations/0001_init.sql")
+        ))
+        .expect("version 1 schema");
+    }
+
+    let upgraded = Db::open(&db.url).expect("upgrade to the current schema");
+    let applied = upgraded
+        .execute_sql("UPDATE schema_migrations SET applied_ms = applied_ms")
+        .expect("count migrations");
+    assert_eq!(applied, 2);
+    // A run with no heartbeat at all (version 1 had none) was left by a server that is gone.
+    let marked = upgraded
+        .interrupt_stale_runs("srv_new".into(), hilum_server::db::now_ms() - 30_000)
+        .await
+        .expect("mark");
+    assert_eq!(marked, 1);
+    let runs = upgraded.runs("ses_old".into()).await.expect("runs");
+    let status = |id: &str| {
+        runs.iter()
+            .find(|r| r.id == id)
+            .map(|r| r.status.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(status("run_old"), "interrupted");
+    assert_eq!(status("run_done"), "completed");
+}
+
+on_both_databases!(a_live_servers_run_is_never_taken_as_stale);
+async fn a_live_servers_run_is_never_taken_as_stale(db: &TestDb) {
+    let d = Db::open(&db.url).expect("open");
+    let (tok, _) = d.create_token("alice", false).expect("token");
+    let ses = d.create_session(tok, String::new()).await.expect("session");
+    for (run, owner) in [("run_a", "srv_a"), ("run_b", "srv_b")] {
+        d.insert_run(
+            ses.id.clone(),
+            run.into(),
+            "q".into(),
+            vec![],
+            "m".into(),
+            owner.into(),
+        )
+        .await
+        .expect("run");
+    }
+    // srv_a keeps its heartbeat fresh; srv_b's stopped 10 s ago.
+    d.execute_sql(&format!(
+        "UPDATE runs SET heartbeat_ms = {} WHERE id = 'run_b'",
+        hilum_server::db::now_ms() - 10_000
+    ))
+    .expect("age");
+    assert_eq!(d.heartbeat("srv_a".into()).await.expect("beat"), 1);
+    let stale_before = hilum_server::db::now_ms() - 5_000;
+    let marked = d
+        .interrupt_stale_runs("srv_c".into(), stale_before)
+        .await
+        .expect("mark");
+    assert_eq!(marked, 1, "only the run whose heartbeat is stale");
+    let runs = d.runs(ses.id.clone()).await.expect("runs");
+    let a = runs.iter().find(|r| r.id == "run_a").expect("run_a");
+    let b = runs.iter().find(|r| r.id == "run_b").expect("run_b");
+    assert_eq!(a.status, "running");
+    assert_eq!(b.status, "interrupted");
 }

@@ -117,6 +117,19 @@ export async function ask(sessionId, question, images, onEvent) {
     headers: { "Content-Type": "application/json", Accept: "application/x-ndjson" },
     body: JSON.stringify({ question, images }),
   });
+  await readEvents(resp, onEvent);
+}
+
+/** Continues an interrupted run; its remaining events stream as from ask(). */
+export async function resume(sessionId, runId, onEvent) {
+  const resp = await request(
+    `/v1/sessions/${encodeURIComponent(sessionId)}/runs/${encodeURIComponent(runId)}/resume`,
+    { method: "POST", headers: { Accept: "application/x-ndjson" } },
+  );
+  await readEvents(resp, onEvent);
+}
+
+async function readEvents(resp, onEvent) {
   const reader = resp.body.getReader();
   const decoder = new TextDecoder();
   let buf = "";

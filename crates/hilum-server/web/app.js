@@ -1,6 +1,6 @@
 // The workstation page: token, sessions, images, viewer, question with streamed events,
 // timeline, overlays, findings and export. State lives here; the API is in api.js.
-import { ApiError, getToken, setToken, getJson, postJson, request, upload, artifactBlob, ask, explainRunError } from "./api.js";
+import { ApiError, getToken, setToken, getJson, postJson, request, upload, artifactBlob, ask, resume, explainRunError } from "./api.js";
 import { Viewer, decodeGrayPng } from "./viewer.js";
 import { toMarkdown, toFhir, download } from "./export.js";
 
@@ -136,6 +136,7 @@ async function openSession(id) {
     for (const ev of events) await onEvent(run, ev);
     if (!run.answer && r.answer) setAnswer(run, r.answer);
     finishRun(run);
+    if (r.status === "interrupted") offerResume(run, r.id);
   }
   $("chat").dataset.session = id;
 }
@@ -462,6 +463,10 @@ async function onEvent(run, ev) {
     case "cancelled":
       $("run-state").textContent = "Cancelled.";
       break;
+    case "interrupted":
+      run.interrupted = true;
+      $("run-state").textContent = "Interrupted: the server stopped before the run finished. Resume continues it.";
+      break;
     case "complete":
       $("run-state").textContent = `Done: ${ev.rounds} rounds, ${ev.tool_calls} tool calls, ${Math.round(ev.total_ms)} ms ` +
         `(model ${Math.round(ev.llm_ms)} ms, tools ${Math.round(ev.tool_ms)} ms).`;
@@ -478,6 +483,33 @@ function finishRun(run) {
   if (!run.answer) run.answerEl.textContent = "(no answer)";
   state.lastRun = run;
   setExport(true);
+}
+
+/** A stopped run (its server shut down or died) gets a Resume button: the run continues from
+ * its last stored step, and tool calls that finished are not run again. */
+function offerResume(run, runId) {
+  run.answerEl.textContent = "(interrupted)";
+  const button = el("button", { type: "button", class: "resume", "data-run": runId, text: "Resume" });
+  run.answerEl.after(button);
+  button.addEventListener("click", () => guarded(async () => {
+    if (state.busy) return;
+    state.busy = true;
+    button.disabled = true;
+    $("ask").disabled = true;
+    delete $("run-state").dataset.done;
+    run.answerEl.setAttribute("aria-busy", "true");
+    run.answerEl.textContent = "";
+    run.interrupted = false;
+    try {
+      await resume(run.sessionId, runId, (ev) => onEvent(run, ev));
+      if (!run.interrupted) button.remove();
+    } finally {
+      button.disabled = false;
+      finishRun(run);
+      state.busy = false;
+      $("ask").disabled = false;
+    }
+  }));
 }
 
 $("ask-form").addEventListener("submit", (e) => {
@@ -507,6 +539,7 @@ $("ask-form").addEventListener("submit", (e) => {
         $("run-state").textContent = "";
       } else {
         finishRun(run);
+        if (run.interrupted && run.runId) offerResume(run, run.runId);
       }
       state.busy = false;
       $("ask").disabled = false;

@@ -21,11 +21,18 @@ struct Migration {
     postgres: &'static str,
 }
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    sqlite: include_str!("../../migrations/0001_init.sql"),
-    postgres: include_str!("../../migrations/postgres/0001_init.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        sqlite: include_str!("../../migrations/0001_init.sql"),
+        postgres: include_str!("../../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        sqlite: include_str!("../../migrations/0002_durable_runs.sql"),
+        postgres: include_str!("../../migrations/postgres/0002_durable_runs.sql"),
+    },
+];
 
 /// Serialises migrations of replicas starting at once, and audit appends (so that audit
 /// `seq` order is commit order and an export `since` a seq never misses a later commit).

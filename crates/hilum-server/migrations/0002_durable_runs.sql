@@ -1,0 +1,10 @@
+-- Version 2: durable runs. A run's messages are written as its steps happen; `progress` holds
+-- the loop's counters at the last stored step (JSON), so an `interrupted` run can resume.
+-- `owner` is the server process (replica) running it and `heartbeat_ms` the last time that
+-- process said it is alive: a `running` run whose heartbeat is stale was left by a dead one.
+ALTER TABLE runs ADD COLUMN owner TEXT;
+ALTER TABLE runs ADD COLUMN heartbeat_ms INTEGER;
+ALTER TABLE runs ADD COLUMN progress TEXT;
+-- The round of a run's tool call, to rebuild the loop's state on resume.
+ALTER TABLE tool_calls ADD COLUMN round INTEGER;
+CREATE INDEX runs_by_status ON runs(status, heartbeat_ms)
