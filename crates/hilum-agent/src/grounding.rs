@@ -721,16 +721,40 @@ fn cited_pair(text: &str, keep: impl Fn(Unit) -> bool) -> Option<(Num, Num)> {
         let limit = marks.get(k + 1).map_or(text.len(), |m| m.0).min(p + 60);
         let slot = &mut found[side as usize];
         if slot.is_none() {
+            // The first number after the side word is that side's; a later one belongs to
+            // something else (taking it paired "right 1,359,601 vs 865 px" as 865 and 865).
             *slot = nums
                 .iter()
-                .find(|n| n.start > p && n.start < limit && keep(n.unit))
-                .cloned();
+                .find(|n| n.start > p && n.start < limit)
+                .and_then(|n| with_shared_unit(&lower, &nums, n))
+                .filter(|n| keep(n.unit));
         }
     }
     let [Some(l), Some(r)] = found else {
         return None;
     };
     Some((l, r))
+}
+
+/// `1,359,601 vs 865 px`: a unit written once after two numbers is the first one's too.
+fn with_shared_unit(lower: &str, nums: &[Num], n: &Num) -> Option<Num> {
+    if n.unit != Unit::None {
+        return Some(n.clone());
+    }
+    let Some(next) = nums.iter().find(|m| m.start > n.start) else {
+        return Some(n.clone());
+    };
+    let between = lower
+        .get(n.start + n.text.len()..next.start)
+        .unwrap_or("")
+        .trim();
+    if matches!(between, "vs" | "vs." | "versus" | "and" | "against") {
+        return Some(Num {
+            unit: next.unit,
+            ..n.clone()
+        });
+    }
+    Some(n.clone())
 }
 
 fn side_name(s: Side) -> &'static str {
@@ -898,6 +922,38 @@ mod tests {
             assert_eq!(check(answer, &s), Vec::<String>::new(), "{answer}");
         }
         assert_eq!(check("The lungs cover 45% of the image.", &s).len(), 1);
+    }
+
+    /// Seen live: the 0.5B model copied the tool's summary but wrote "left" for "right".
+    #[test]
+    fn a_summary_quoted_with_the_side_flipped_is_caught() {
+        let mut s = Sources::new(
+            "Which lung field has the larger area: the patient's left or the patient's right?",
+        );
+        s.add_known("segment_lungs");
+        s.add_called("segment_lungs");
+        s.add_data(json!({
+            "right_lung": {"area_px": 1359601, "height_px": 1418, "width_px": 1689},
+            "left_lung": {"area_px": 865, "height_px": 40, "width_px": 34},
+            "left_right_area_ratio": 0.0,
+            "lung_fraction": 0.3401,
+        }));
+        s.add_text("img_35b3: the patient's right lung is larger: 1,359,601 vs 865 px, +157079.3%; 2 lung field(s); patient's right 1,359,601 px, left 865 px, left/right area ratio 0; lungs cover 34.0% of the image");
+        let flipped = check(
+            "According to the segment_lungs result: the patient's left lung is larger: 1,359,601 vs 865 px, +157079.3%; 2 lung field(s); patient's right 1,359,601 px, left 865 px, left/right area ratio 0; lungs cover 34.0% of the image",
+            &s,
+        );
+        assert!(
+            flipped
+                .iter()
+                .any(|u| u.contains("says the left lung is larger")),
+            "{flipped:?}"
+        );
+        let faithful = check(
+            "According to the segment_lungs result: the patient's right lung is larger: 1,359,601 vs 865 px, +157079.3%; patient's right 1,359,601 px, left 865 px.",
+            &s,
+        );
+        assert_eq!(faithful, Vec::<String>::new());
     }
 
     #[test]
