@@ -205,7 +205,9 @@ fn bench_reports_percentiles_and_the_parallel_round() {
     assert!(v["peak_rss_mib"].as_f64().unwrap_or(0.0) > 1.0);
 
     // The figure: per-tool bars and the parallel-vs-serial panel, drawn (not a blank canvas).
-    let png = image::open(&plot).expect("bench --plot wrote a PNG").to_rgb8();
+    let png = image::open(&plot)
+        .expect("bench --plot wrote a PNG")
+        .to_rgb8();
     assert_eq!(png.dimensions(), (1200, 520));
     let ink = png.pixels().filter(|p| p.0 != [255, 255, 255]).count();
     assert!(
