@@ -95,6 +95,10 @@ pub struct EvalArgs {
     /// Text appended to a multiple-choice question.
     #[arg(long)]
     pub instruction: Option<String>,
+    /// Score a choice answer that names no option from its text alone (no follow-up asking the
+    /// model which option its answer matches)
+    #[arg(long)]
+    pub no_letter_step: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -297,6 +301,7 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
             .instruction
             .clone()
             .unwrap_or_else(|| CHOICE_INSTRUCTION.to_string()),
+        letter_step: !args.no_letter_step,
     };
     if !args.quiet {
         eprintln!(

@@ -56,6 +56,9 @@ pub struct RunHeader {
     pub categories: Vec<String>,
     /// Seconds since the Unix epoch when the run (first) started.
     pub started_unix: u64,
+    /// Whether a choice answer with no letter was followed by the letter step.
+    #[serde(default)]
+    pub letter_step: bool,
 }
 
 /// One tool call of a question, from the event stream.
@@ -106,6 +109,9 @@ pub struct QuestionRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unsupported: Option<Value>,
     pub tools_offered: Vec<String>,
+    /// The model's reply to the letter step, when it was asked (the letter is read from it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub letter_reply: Option<String>,
     /// The messages this question added to its case's conversation (`--memory case` only), so a
     /// resumed run continues the same conversation.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -74,6 +74,9 @@ pub struct EvalConfig {
     pub hilum_version: String,
     /// Appended to a multiple-choice question (MedRAX asked for the letter only).
     pub choice_instruction: String,
+    /// When a choice answer opens with no letter and holds no standalone one, ask the same model
+    /// once, in the same conversation, which option its answer matches (see [`letter_step`]).
+    pub letter_step: bool,
 }
 
 pub const CHOICE_INSTRUCTION: &str =
@@ -171,6 +174,7 @@ fn header(cfg: &EvalConfig, questions: &[Question], sha: String) -> RunHeader {
         limit: cfg.limit,
         categories: cfg.categories.clone(),
         started_unix: unix_now(),
+        letter_step: cfg.letter_step,
     }
 }
 
@@ -221,6 +225,61 @@ struct Shared {
     counts: Mutex<(usize, usize)>,
     total: usize,
     on_progress: OnProgress,
+}
+
+/// The options of a ChestAgentBench question, from the first `A)` on.
+fn options_text(question: &str) -> Option<&str> {
+    question.find("A) ").map(|i| question[i..].trim())
+}
+
+/// Whether an answer names its option the way the cascade's first three rules read it (a lone
+/// letter, a leading `B)`, a standalone letter); otherwise only rule 4 (any capital A–F, such as
+/// the `A` of "According") would score it.
+fn names_an_option(answer: &str) -> bool {
+    let t = answer.trim();
+    let mut chars = t.chars();
+    let lone = matches!((chars.next(), chars.next()), (Some(c), None) if c.is_ascii_alphabetic());
+    let words: Vec<char> = t.chars().collect();
+    let standalone = words.iter().enumerate().any(|(i, &c)| {
+        matches!(c, 'A'..='F')
+            && (i == 0 || !(words[i - 1].is_alphanumeric() || words[i - 1] == '_'))
+            && words
+                .get(i + 1)
+                .is_none_or(|n| !(n.is_alphanumeric() || *n == '_'))
+    });
+    lone || standalone
+}
+
+/// The letter step: a small model often answers in words ("the patient's left lung is larger")
+/// and never writes a letter. The same model, in the same conversation (its tool results
+/// included), is asked once which option its answer matches; the reply is read by the cascade.
+/// Returns the reply and the time it took; `None` when the model could not be asked.
+async fn letter_step(
+    llm: &Arc<dyn Llm>,
+    messages: &[Message],
+    answer: &str,
+    options: &str,
+    temperature: Option<f32>,
+) -> Option<(String, f64)> {
+    let t0 = Instant::now();
+    let mut messages = messages.to_vec();
+    if !matches!(messages.last(), Some(Message::Assistant { tool_calls, .. }) if tool_calls.is_empty())
+    {
+        messages.push(Message::assistant(answer.to_string(), vec![]));
+    }
+    messages.push(Message::user(
+        format!("Which option matches your answer?\n{options}\nReply with the letter only."),
+        vec![],
+    ));
+    let req = hilum_agent::llm::ChatRequest {
+        messages,
+        temperature,
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    let stream = llm.chat(req).await.ok()?;
+    let turn = hilum_agent::llm::collect_turn(stream, |_| {}).await.ok()?;
+    Some((turn.text, t0.elapsed().as_secs_f64() * 1e3))
 }
 
 fn prompt(q: &Question, instruction: &str) -> String {
@@ -351,6 +410,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         grounded: None,
         unsupported: None,
         tools_offered: vec![],
+        letter_reply: None,
         messages: None,
     };
     let prepared = async {
@@ -370,7 +430,12 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
     };
     let toolbox = (sh.toolbox_for)(&ids);
     rec.tools_offered = toolbox.names();
-    let agent = Agent::new(llm, toolbox, Environment::default(), sh.cfg.agent.clone());
+    let agent = Agent::new(
+        llm.clone(),
+        toolbox,
+        Environment::default(),
+        sh.cfg.agent.clone(),
+    );
     let history_len = history.len();
     // Size, spacing and view: numbers an answer may quote besides the tool results.
     let image_metadata = ids
@@ -434,6 +499,32 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                 let (got, right) = score_response(q, answer, sh.cfg.strict);
                 rec.extracted = got;
                 rec.correct = right && rec.status == Status::Answered;
+                let options = options_text(&q.question);
+                if let (true, AnswerKind::Choice, Status::Answered, false, Some(options)) = (
+                    sh.cfg.letter_step,
+                    q.kind,
+                    rec.status,
+                    names_an_option(answer),
+                    options,
+                ) {
+                    let asked = letter_step(
+                        &llm,
+                        &out.messages,
+                        answer,
+                        options,
+                        sh.cfg.agent.temperature,
+                    )
+                    .await;
+                    if let Some((reply, ms)) = asked {
+                        rec.llm_ms += ms;
+                        let (got, right) = score_response(q, &reply, sh.cfg.strict);
+                        if got.is_some() {
+                            rec.extracted = got;
+                            rec.correct = right;
+                        }
+                        rec.letter_reply = Some(reply);
+                    }
+                }
             }
             if sh.cfg.memory == Memory::Case {
                 let mut added: Vec<Message> =

@@ -148,3 +148,65 @@ async fn project_benchmark_scores_exactly_per_category() {
         assert_eq!((png.width(), png.height()), (1200, 520));
     }
 }
+
+/// The letter step: an answer in words is followed by one question about which option it
+/// matches, in the same conversation, and that reply is scored; an answer that names its option
+/// is scored as written, and with the step off a worded answer stays unparsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worded_answer_gets_one_letter_question() {
+    let lines = common::bench_lines();
+    let id = |i: usize| lines[i]["question_id"].as_str().expect("id").to_string();
+    let letter = |i: usize| lines[i]["answer"].as_str().expect("answer").to_string();
+    let call = json!({"tool_calls": [{"name": "image_info", "arguments": {"image": "$IMAGE"}}]});
+    let mut map = BTreeMap::new();
+    // Worded answer, then the letter; the reply is the right letter.
+    map.insert(
+        id(0),
+        serde_json::from_value(json!([call, {"content": "The patient's left lung is larger."}, {"content": letter(0)}]))
+            .expect("turns"),
+    );
+    // Names its option: no step (a step would find the script empty and change nothing).
+    map.insert(
+        id(1),
+        serde_json::from_value(
+            json!([call, {"content": format!("{}) per the tool result", letter(1))}]),
+        )
+        .expect("turns"),
+    );
+    for step in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(ImageStore::default());
+        let mut cfg = common::config(
+            common::cxr_bench(),
+            common::data_dir(),
+            dir.path().join("run"),
+        );
+        cfg.limit = Some(2);
+        cfg.letter_step = step;
+        // The scripted words cite no tool result: the grounding revision would take a turn.
+        cfg.agent.grounding = false;
+        let run = run_eval(
+            cfg,
+            store.clone(),
+            llm_for(map.clone()),
+            common::tools(&store),
+            common::quiet(),
+        )
+        .await
+        .expect("the run finishes");
+        assert_eq!(run.header.letter_step, step);
+        let first = &run.records[0];
+        let second = &run.records[1];
+        assert_eq!(second.extracted.as_deref(), Some(letter(1).as_str()));
+        assert!(second.correct && second.letter_reply.is_none());
+        if step {
+            assert_eq!(first.letter_reply.as_deref(), Some(letter(0).as_str()));
+            assert_eq!(first.extracted.as_deref(), Some(letter(0).as_str()));
+            assert!(first.correct);
+        } else {
+            assert_eq!(first.letter_reply, None);
+            assert_eq!(first.extracted, None);
+            assert!(!first.correct);
+        }
+    }
+}

@@ -57,6 +57,7 @@ pub fn config(bench: PathBuf, images_dir: PathBuf, out: PathBuf) -> EvalConfig {
         tools: vec!["image_info".into()],
         hilum_version: "test".into(),
         choice_instruction: hilum_eval::runner::CHOICE_INSTRUCTION.into(),
+        letter_step: false,
     }
 }
 
