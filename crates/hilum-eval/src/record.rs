@@ -95,7 +95,11 @@ pub struct QuestionRecord {
     pub latency_ms: f64,
     pub llm_ms: f64,
     pub tool_ms: f64,
-    /// Time outside the agent's own run (intake, records).
+    /// Decoding the question's images into the store (what `hilum analyze` does too).
+    #[serde(default)]
+    pub ingest_ms: f64,
+    /// The evaluation's own time: outside the agent's run, the image intake and the letter step
+    /// (building the run, records, scoring).
     pub overhead_ms: f64,
     pub rounds: usize,
     /// Rounds that ran two or more tool calls at once.

@@ -401,6 +401,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         latency_ms: 0.0,
         llm_ms: 0.0,
         tool_ms: 0.0,
+        ingest_ms: 0.0,
         overhead_ms: 0.0,
         rounds: 0,
         parallel_rounds: 0,
@@ -414,7 +415,9 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         messages: None,
     };
     let prepared = async {
+        let t_ingest = Instant::now();
         let ids = ingest(&sh.store, &sh.cfg.images_dir, q).await?;
+        rec.ingest_ms = t_ingest.elapsed().as_secs_f64() * 1e3;
         let llm = (sh.llm_for)(q)?;
         Ok::<_, String>((ids, llm))
     }
@@ -456,6 +459,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
     // catches a run that ignores both.
     let hard = sh.cfg.agent.deadline + Duration::from_secs(60);
     let outcome = tokio::time::timeout(hard, agent.run(input, Some(tx))).await;
+    let mut letter_ms = 0.0;
     let mut events = Vec::new();
     while let Ok(e) = rx.try_recv() {
         events.push(e);
@@ -517,6 +521,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                     .await;
                     if let Some((reply, ms)) = asked {
                         rec.llm_ms += ms;
+                        letter_ms = ms;
                         let (got, right) = score_response(q, &reply, sh.cfg.strict);
                         if got.is_some() {
                             rec.extracted = got;
@@ -542,7 +547,9 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         }
     }
     rec.latency_ms = t0.elapsed().as_secs_f64() * 1e3;
-    rec.overhead_ms = (rec.latency_ms - seen.agent_ms.unwrap_or(rec.latency_ms)).max(0.0);
+    rec.overhead_ms =
+        (rec.latency_ms - seen.agent_ms.unwrap_or(rec.latency_ms) - rec.ingest_ms - letter_ms)
+            .max(0.0);
     rec
 }
 

@@ -198,6 +198,15 @@ async fn a_worded_answer_gets_one_letter_question() {
         let first = &run.records[0];
         let second = &run.records[1];
         assert_eq!(second.extracted.as_deref(), Some(letter(1).as_str()));
+        // Image intake is timed apart from the evaluation's own overhead.
+        for r in [first, second] {
+            assert!(r.ingest_ms > 0.0, "{}", r.id);
+            assert!(
+                r.ingest_ms + r.overhead_ms <= r.latency_ms + 1e-6,
+                "{}",
+                r.id
+            );
+        }
         assert!(second.correct && second.letter_reply.is_none());
         if step {
             assert_eq!(first.letter_reply.as_deref(), Some(letter(0).as_str()));
