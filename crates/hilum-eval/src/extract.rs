@@ -15,20 +15,48 @@ fn is_word(c: char) -> bool {
 /// The letter MedRAX's cascade would read from `response`, or `None`.
 pub fn extract_letter(response: &str, strict: bool) -> Option<char> {
     let t = response.trim();
+    match named_letter(t, strict) {
+        Named::Letter(c) => Some(c),
+        Named::Nothing => None,
+        // 4. The first A–F anywhere.
+        Named::Unnamed => t.chars().find(|&c| is_option(c)),
+    }
+}
+
+/// What the cascade's first three rules read.
+enum Named {
+    Letter(char),
+    /// The answer is one character and not an option: nothing else could be meant.
+    Nothing,
+    /// No rule up to 3 applies: only rule 4 (any capital A–F, e.g. the `A` of "According") would.
+    Unnamed,
+}
+
+/// Whether the answer names its option by a rule other than rule 4 (a lone letter, a leading
+/// `B)`, a standalone letter).
+pub fn names_an_option(response: &str) -> bool {
+    !matches!(named_letter(response.trim(), false), Named::Unnamed)
+}
+
+fn named_letter(t: &str, strict: bool) -> Named {
     let mut chars = t.chars();
     // 1. The whole answer is one letter (either case: nothing else could be meant).
     if let (Some(c), None) = (chars.next(), chars.next()) {
         let c = c.to_ascii_uppercase();
-        return is_option(c).then_some(c);
+        return if is_option(c) {
+            Named::Letter(c)
+        } else {
+            Named::Nothing
+        };
     }
     if strict {
-        return None;
+        return Named::Nothing;
     }
     // 2. `^([A-F])[).\s]`
     let mut chars = t.chars();
     if let (Some(c), Some(next)) = (chars.next(), chars.next()) {
         if is_option(c) && (next == ')' || next == '.' || next.is_whitespace()) {
-            return Some(c);
+            return Named::Letter(c);
         }
     }
     // 3. The first standalone A–F (`\b[A-F]\b`).
@@ -37,11 +65,10 @@ pub fn extract_letter(response: &str, strict: bool) -> Option<char> {
         let before = i == 0 || !is_word(v[i - 1]);
         let after = i + 1 == v.len() || !is_word(v[i + 1]);
         if is_option(c) && before && after {
-            return Some(c);
+            return Named::Letter(c);
         }
     }
-    // 4. The first A–F anywhere.
-    t.chars().find(|&c| is_option(c))
+    Named::Unnamed
 }
 
 /// The first number in the text (`1,024` reads as 1024).
@@ -125,6 +152,18 @@ mod tests {
         assert_eq!(extract_letter("no idea", false), None);
         assert_eq!(extract_letter("", false), None);
         assert_eq!(extract_letter("G", false), None);
+    }
+
+    #[test]
+    fn an_option_is_named_by_the_first_three_rules_only() {
+        assert!(names_an_option("F"));
+        assert!(names_an_option("B) the left lung"));
+        assert!(names_an_option("The answer is E."));
+        // Rule 4 alone: the capital of "According" is not a named option.
+        assert!(!names_an_option(
+            "According to the tool: the left lung is larger"
+        ));
+        assert!(!names_an_option("the patient's left lung is larger"));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use hilum_agent::{
 use hilum_imaging::ImageStore;
 
 use crate::bench::{load_bench, AnswerKind, Question};
-use crate::extract::score_response;
+use crate::extract::{names_an_option, score_response};
 use crate::record::{read_run, CallRecord, QuestionRecord, RunHeader, RunLog, RunWriter, Status};
 use crate::EvalError;
 
@@ -232,28 +232,19 @@ fn options_text(question: &str) -> Option<&str> {
     question.find("A) ").map(|i| question[i..].trim())
 }
 
-/// Whether an answer names its option the way the cascade's first three rules read it (a lone
-/// letter, a leading `B)`, a standalone letter); otherwise only rule 4 (any capital A–F, such as
-/// the `A` of "According") would score it.
-fn names_an_option(answer: &str) -> bool {
-    let t = answer.trim();
-    let mut chars = t.chars();
-    let lone = matches!((chars.next(), chars.next()), (Some(c), None) if c.is_ascii_alphabetic());
-    let words: Vec<char> = t.chars().collect();
-    let standalone = words.iter().enumerate().any(|(i, &c)| {
-        matches!(c, 'A'..='F')
-            && (i == 0 || !(words[i - 1].is_alphanumeric() || words[i - 1] == '_'))
-            && words
-                .get(i + 1)
-                .is_none_or(|n| !(n.is_alphanumeric() || *n == '_'))
-    });
-    lone || standalone
-}
-
 /// The letter step: a small model often answers in words ("the patient's left lung is larger")
 /// and never writes a letter. The same model, in the same conversation (its tool results
 /// included), is asked once which option its answer matches; the reply is read by the cascade.
 /// Returns the reply and the time it took; `None` when the model could not be asked.
+/// The loop's final answer is not always part of its message list; a conversation that goes on
+/// (the letter step, the next question of a case) must see it, as in a chat.
+fn push_final_answer(messages: &mut Vec<Message>, answer: &str) {
+    if !matches!(messages.last(), Some(Message::Assistant { tool_calls, .. }) if tool_calls.is_empty())
+    {
+        messages.push(Message::assistant(answer.to_string(), vec![]));
+    }
+}
+
 async fn letter_step(
     llm: &Arc<dyn Llm>,
     messages: &[Message],
@@ -263,10 +254,7 @@ async fn letter_step(
 ) -> Option<(String, f64)> {
     let t0 = Instant::now();
     let mut messages = messages.to_vec();
-    if !matches!(messages.last(), Some(Message::Assistant { tool_calls, .. }) if tool_calls.is_empty())
-    {
-        messages.push(Message::assistant(answer.to_string(), vec![]));
-    }
+    push_final_answer(&mut messages, answer);
     messages.push(Message::user(
         format!("Which option matches your answer?\n{options}\nReply with the letter only."),
         vec![],
@@ -534,13 +522,8 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
             if sh.cfg.memory == Memory::Case {
                 let mut added: Vec<Message> =
                     out.messages.iter().skip(1 + history_len).cloned().collect();
-                // The loop's final answer is not part of its message list; the next question of
-                // the case must see it, as in a chat.
                 if let Some(answer) = &out.answer {
-                    if !matches!(added.last(), Some(Message::Assistant { tool_calls, .. }) if tool_calls.is_empty())
-                    {
-                        added.push(Message::assistant(answer.clone(), vec![]));
-                    }
+                    push_final_answer(&mut added, answer);
                 }
                 rec.messages = Some(added);
             }
