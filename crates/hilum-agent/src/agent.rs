@@ -79,7 +79,8 @@ pub struct AgentConfig {
     pub system_prompt: String,
     pub temperature: Option<f32>,
     pub max_tokens: Option<u32>,
-    /// Characters of a tool's JSON data shown to the model (the events keep all of it).
+    /// Characters of a tool's JSON data shown to the model after its summary line; 0 shows
+    /// the summary alone (the events keep all of the data).
     pub max_observation_chars: usize,
     pub require_tools: ToolPolicy,
     /// Check every final answer against the tool results (see [`crate::grounding`]): one
@@ -635,6 +636,7 @@ impl Agent {
             images: st.payloads.clone(),
             stop: vec![],
             require_tool: with_tools && std::mem::take(&mut st.require_tool_next),
+            choices: vec![],
         });
         let started = Instant::now();
         let events = st.events.clone();
@@ -879,7 +881,7 @@ impl Agent {
         let (content, is_error) = match &r.result {
             Ok(out) => {
                 let mut text = out.summary.clone();
-                if !out.data.is_null() {
+                if !out.data.is_null() && self.config.max_observation_chars > 0 {
                     text.push('\n');
                     text.push_str(&truncate(&out.data, self.config.max_observation_chars));
                 }

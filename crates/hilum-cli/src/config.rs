@@ -115,10 +115,12 @@ impl AgentSection {
                 .or(self.tool_timeout_secs)
                 .map(secs)
                 .unwrap_or(defaults.tool_timeout),
-            // A small local model quotes a short observation (summary line + the start of the
-            // data) and gets lost in a long one.
+            // A small local model reads the summary line only: it quotes a short observation and
+            // gets lost in a long one, and every token of data costs prompt time on a CPU (the
+            // three results of `scripts/run.sh`'s question were ~1,100 tokens with 600
+            // characters of data each).
             max_observation_chars: if local {
-                600
+                0
             } else {
                 defaults.max_observation_chars
             },

@@ -135,6 +135,71 @@ pub fn score_response(q: &Question, response: &str, strict: bool) -> (Option<Str
     }
 }
 
+/// The options of a question written inline as `A) … B) …` (up to F), in order; empty when the
+/// question has no `A) `. Each option runs to the next letter's `X) ` after it.
+pub fn option_texts(question: &str) -> Vec<(char, String)> {
+    let mut starts = Vec::new();
+    let mut from = 0;
+    for letter in ['A', 'B', 'C', 'D', 'E', 'F'] {
+        let mark = format!("{letter}) ");
+        // A letter's mark opens the text or follows white space.
+        let found = question[from..]
+            .match_indices(&mark)
+            .map(|(i, _)| from + i)
+            .find(|&i| i == 0 || question[..i].ends_with(char::is_whitespace));
+        match found {
+            Some(i) => {
+                starts.push((letter, i));
+                from = i + mark.len();
+            }
+            None => break,
+        }
+    }
+    starts
+        .iter()
+        .enumerate()
+        .map(|(k, &(letter, i))| {
+            let end = starts.get(k + 1).map_or(question.len(), |&(_, j)| j);
+            (letter, question[i + 3..end].trim().to_string())
+        })
+        .collect()
+}
+
+/// The letter of the only option whose text the answer contains (whole words, case ignored,
+/// a leading "The" and a final period left out): "the patient's left lung is larger: …" names
+/// "The patient's left lung". `None` when no option or several do.
+pub fn option_in_answer(answer: &str, options: &[(char, String)]) -> Option<char> {
+    let hay = format!(" {} ", words(answer).join(" "));
+    let mut hits = options.iter().filter(|(_, o)| {
+        let mut w = words(o);
+        if w.first().is_some_and(|f| f == "the") {
+            w.remove(0);
+        }
+        !w.is_empty() && hay.contains(&format!(" {} ", w.join(" ")))
+    });
+    match (hits.next(), hits.next()) {
+        (Some((l, _)), None) => Some(*l),
+        _ => None,
+    }
+}
+
+/// The letter of the option a reply repeats (case and a leading `X) ` ignored), if exactly one.
+pub fn option_named_by_text(reply: &str, options: &[(char, String)]) -> Option<char> {
+    let mut t = reply.trim();
+    if options
+        .iter()
+        .any(|(l, _)| t.starts_with(&format!("{l}) ")))
+    {
+        t = t[3..].trim();
+    }
+    let t = t.trim_end_matches('.').to_lowercase();
+    let mut hits = options.iter().filter(|(_, o)| o.to_lowercase() == t);
+    match (hits.next(), hits.next()) {
+        (Some((l, _)), None) => Some(*l),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +229,36 @@ mod tests {
             "According to the tool: the left lung is larger"
         ));
         assert!(!names_an_option("the patient's left lung is larger"));
+    }
+
+    #[test]
+    fn inline_options_are_split_and_a_repeated_text_names_its_letter() {
+        let q = "Which lung is larger? A) The patient's right lung B) Both C) Neither \
+                 D) The patient's left lung";
+        let o = option_texts(q);
+        assert_eq!(o.len(), 4);
+        assert_eq!(o[0], ('A', "The patient's right lung".to_string()));
+        assert_eq!(o[3], ('D', "The patient's left lung".to_string()));
+        assert_eq!(
+            option_named_by_text("the patient's left lung.", &o),
+            Some('D')
+        );
+        assert_eq!(
+            option_named_by_text("A) The patient's right lung", &o),
+            Some('A')
+        );
+        assert_eq!(option_named_by_text("left", &o), None);
+        let said = "According to the segment_lungs result: the patient's left lung is larger: \
+                    935,960 vs 844,004 px; patient's right 844,004 px, left 935,960 px";
+        assert_eq!(option_in_answer(said, &o), Some('D'));
+        // Two options in one answer name neither.
+        assert_eq!(
+            option_in_answer("the patient's left lung or the patient's right lung", &o),
+            None
+        );
+        assert_eq!(option_in_answer("the left one", &o), None);
+        assert!(option_texts("no options here").is_empty());
+        assert_eq!(option_texts("pick: A) 8 bits B) 12 bits")[1].1, "12 bits");
     }
 
     #[test]

@@ -16,7 +16,9 @@ pub mod score;
 
 pub use bench::{load_bench, AnswerKind, Question};
 pub use compare::{compare_runs, mcnemar_exact, Comparison};
-pub use extract::{extract_letter, score_response};
+pub use extract::{
+    extract_letter, option_in_answer, option_named_by_text, option_texts, score_response,
+};
 pub use record::{read_run, QuestionRecord, RunHeader, RunLog, Status};
 pub use report::{write_reports, Report};
 pub use runner::{run_eval, EvalConfig, Memory, Progress};

@@ -17,7 +17,9 @@ use hilum_agent::{
 use hilum_imaging::ImageStore;
 
 use crate::bench::{load_bench, AnswerKind, Question};
-use crate::extract::{names_an_option, score_response};
+use crate::extract::{
+    names_an_option, option_in_answer, option_named_by_text, option_texts, score_response,
+};
 use crate::record::{read_run, CallRecord, QuestionRecord, RunHeader, RunLog, RunWriter, Status};
 use crate::EvalError;
 
@@ -227,14 +229,11 @@ struct Shared {
     on_progress: OnProgress,
 }
 
-/// The options of a ChestAgentBench question, from the first `A)` on.
-fn options_text(question: &str) -> Option<&str> {
-    question.find("A) ").map(|i| question[i..].trim())
-}
-
 /// The letter step: a small model often answers in words ("the patient's left lung is larger")
-/// and never writes a letter. The same model, in the same conversation (its tool results
-/// included), is asked once which option its answer matches; the reply is read by the cascade.
+/// and never writes a letter. The same model, in the same conversation (its tool results and
+/// tools included, so a local model reuses its cached state), is asked once which option its
+/// answer matches, with the options' texts as the closed set of replies (`ChatRequest::choices`:
+/// a local model must write one of them; a server writes freely and the cascade reads it).
 /// Returns the reply and the time it took; `None` when the model could not be asked.
 /// The loop's final answer is not always part of its message list; a conversation that goes on
 /// (the letter step, the next question of a case) must see it, as in a chat.
@@ -248,21 +247,30 @@ fn push_final_answer(messages: &mut Vec<Message>, answer: &str) {
 async fn letter_step(
     llm: &Arc<dyn Llm>,
     messages: &[Message],
+    tools: Vec<hilum_agent::llm::ToolSpec>,
     answer: &str,
-    options: &str,
+    options: &[(char, String)],
     temperature: Option<f32>,
 ) -> Option<(String, f64)> {
     let t0 = Instant::now();
     let mut messages = messages.to_vec();
     push_final_answer(&mut messages, answer);
+    let listed: Vec<String> = options.iter().map(|(l, o)| format!("{l}) {o}")).collect();
+    // The answer is restated after the options: a small model leans to whatever it read last.
+    let said: String = answer.chars().take(300).collect();
     messages.push(Message::user(
-        format!("Which option matches your answer?\n{options}\nReply with the letter only."),
+        format!(
+            "Options:\n{}\n\nYour answer: {said}\nWhich option matches your answer? Reply with the option only.",
+            listed.join("\n")
+        ),
         vec![],
     ));
     let req = hilum_agent::llm::ChatRequest {
         messages,
+        tools,
         temperature,
-        max_tokens: Some(8),
+        max_tokens: Some(32),
+        choices: options.iter().map(|(_, o)| o.clone()).collect(),
         ..Default::default()
     };
     let stream = llm.chat(req).await.ok()?;
@@ -400,6 +408,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         unsupported: None,
         tools_offered: vec![],
         letter_reply: None,
+        option_in_answer: None,
         messages: None,
     };
     let prepared = async {
@@ -421,6 +430,13 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
     };
     let toolbox = (sh.toolbox_for)(&ids);
     rec.tools_offered = toolbox.names();
+    // The letter step offers the same tools so that the prompt up to its question is the
+    // agent's own.
+    let tool_specs = if sh.cfg.agent.protocol == hilum_agent::Protocol::Native {
+        toolbox.specs(&Environment::default())
+    } else {
+        vec![]
+    };
     let agent = Agent::new(
         llm.clone(),
         toolbox,
@@ -491,26 +507,45 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                 let (got, right) = score_response(q, answer, sh.cfg.strict);
                 rec.extracted = got;
                 rec.correct = right && rec.status == Status::Answered;
-                let options = options_text(&q.question);
-                if let (true, AnswerKind::Choice, Status::Answered, false, Some(options)) = (
-                    sh.cfg.letter_step,
-                    q.kind,
-                    rec.status,
-                    names_an_option(answer),
-                    options,
-                ) {
+                let options = option_texts(&q.question);
+                let unnamed = sh.cfg.letter_step
+                    && q.kind == AnswerKind::Choice
+                    && rec.status == Status::Answered
+                    && !names_an_option(answer)
+                    && !options.is_empty();
+                let in_answer = if unnamed && !sh.cfg.strict {
+                    option_in_answer(answer, &options)
+                } else {
+                    None
+                };
+                if let Some(l) = in_answer {
+                    rec.extracted = Some(l.to_string());
+                    rec.correct = rec.extracted.as_deref() == Some(q.answer.as_str());
+                    rec.option_in_answer = options
+                        .iter()
+                        .find(|(o, _)| *o == l)
+                        .map(|(_, t)| t.clone());
+                } else if unnamed {
                     let asked = letter_step(
                         &llm,
                         &out.messages,
+                        tool_specs,
                         answer,
-                        options,
+                        &options,
                         sh.cfg.agent.temperature,
                     )
                     .await;
                     if let Some((reply, ms)) = asked {
                         rec.llm_ms += ms;
                         letter_ms = ms;
-                        let (got, right) = score_response(q, &reply, sh.cfg.strict);
+                        let (got, right) = match option_named_by_text(&reply, &options) {
+                            Some(l) => {
+                                let l = l.to_string();
+                                let right = l == q.answer;
+                                (Some(l), right)
+                            }
+                            None => score_response(q, &reply, sh.cfg.strict),
+                        };
                         if got.is_some() {
                             rec.extracted = got;
                             rec.correct = right;

@@ -159,11 +159,27 @@ async fn a_worded_answer_gets_one_letter_question() {
     let letter = |i: usize| lines[i]["answer"].as_str().expect("answer").to_string();
     let call = json!({"tool_calls": [{"name": "image_info", "arguments": {"image": "$IMAGE"}}]});
     let mut map = BTreeMap::new();
-    // Worded answer, then the letter; the reply is the right letter.
+    // Worded answer that repeats no option, then the letter; the reply is the right letter.
     map.insert(
         id(0),
-        serde_json::from_value(json!([call, {"content": "The patient's left lung is larger."}, {"content": letter(0)}]))
-            .expect("turns"),
+        serde_json::from_value(
+            json!([call, {"content": "The left one is larger."}, {"content": letter(0)}]),
+        )
+        .expect("turns"),
+    );
+    // Worded answer that repeats the right option's text: read without a letter step.
+    let question = lines[2]["question"].as_str().expect("question");
+    let right_text = hilum_eval::option_texts(question)
+        .into_iter()
+        .find(|(l, _)| l.to_string() == letter(2))
+        .map(|(_, t)| t)
+        .expect("the answer is an option");
+    map.insert(
+        id(2),
+        serde_json::from_value(
+            json!([call, {"content": format!("It is {right_text}, by the tool's numbers.")}]),
+        )
+        .expect("turns"),
     );
     // Names its option: no step (a step would find the script empty and change nothing).
     map.insert(
@@ -181,7 +197,7 @@ async fn a_worded_answer_gets_one_letter_question() {
             common::data_dir(),
             dir.path().join("run"),
         );
-        cfg.limit = Some(2);
+        cfg.limit = Some(3);
         cfg.letter_step = step;
         // The scripted words cite no tool result: the grounding revision would take a turn.
         cfg.agent.grounding = false;
@@ -208,6 +224,15 @@ async fn a_worded_answer_gets_one_letter_question() {
             );
         }
         assert!(second.correct && second.letter_reply.is_none());
+        let third = &run.records[2];
+        assert_eq!(third.letter_reply, None);
+        if step {
+            assert_eq!(third.extracted.as_deref(), Some(letter(2).as_str()));
+            assert_eq!(third.option_in_answer.as_deref(), Some(right_text.as_str()));
+            assert!(third.correct);
+        } else {
+            assert_eq!(third.option_in_answer, None);
+        }
         if step {
             assert_eq!(first.letter_reply.as_deref(), Some(letter(0).as_str()));
             assert_eq!(first.extracted.as_deref(), Some(letter(0).as_str()));

@@ -81,6 +81,8 @@ struct Prepared {
     sampling: Sampling,
     stop: Vec<String>,
     constraint: Option<Constraint>,
+    /// A closed answer's texts and their tokens (`ChatRequest::choices`).
+    choices: Vec<(String, Vec<u32>)>,
     has_tools: bool,
     /// Calls made in earlier rounds of this conversation (name, parsed arguments).
     previous_calls: Vec<(String, Option<Value>)>,
@@ -299,15 +301,21 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
             _ => Sampling::All { temperature },
         }
     };
-    let constraint = if inner.cfg.constrain_tool_calls && !req.tools.is_empty() {
-        Some(Constraint::new(
-            &inner.tok,
-            &req.tools,
-            &image_ids(&req.messages),
-        )?)
-    } else {
-        None
-    };
+    let choices = req
+        .choices
+        .iter()
+        .map(|c| Ok((c.clone(), inner.tok.encode(c)?)))
+        .collect::<Result<Vec<_>, LocalError>>()?;
+    let constraint =
+        if inner.cfg.constrain_tool_calls && !req.tools.is_empty() && choices.is_empty() {
+            Some(Constraint::new(
+                &inner.tok,
+                &req.tools,
+                &image_ids(&req.messages),
+            )?)
+        } else {
+            None
+        };
     Ok(Prepared {
         tokens,
         prefix_len,
@@ -315,6 +323,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         sampling,
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         constraint,
+        choices,
         has_tools: !req.tools.is_empty(),
         previous_calls,
         answered_tools: answered_tools(&req.messages),
@@ -594,6 +603,9 @@ fn decode(
     stats.prefill_secs = t_prefill.elapsed().as_secs_f64();
     let mut logits =
         logits.ok_or_else(|| LocalError::Inference("the prompt produced no tokens".into()))?;
+    if !prep.choices.is_empty() {
+        return choose(inner, prep, st, tx, logits, stats);
+    }
     // Kept to restart the answer from the prompt (a repeated call becomes a prose answer).
     let prompt_logits = logits.clone();
     // Prose only: no tool call, and no answer that opens like JSON or a code fence. True when
@@ -908,6 +920,89 @@ fn decode(
         tx,
         ChatDelta::Finish {
             reason: finish,
+            usage: Some(usage),
+        },
+    );
+    Ok(())
+}
+
+/// A closed answer: token by token, the model's most likely token among those that continue
+/// some choice (a complete choice competes through the end-of-turn token); once one choice is
+/// left it is written out without further forward passes. Greedy whatever the temperature, so
+/// the same conversation always gets the same choice. (Scoring each whole choice by its mean
+/// log-probability was tried: a small model then prefers the longest option it can copy from
+/// the list, "The question cannot be answered from a chest radiograph", every time.)
+fn choose(
+    inner: &Inner,
+    prep: &Prepared,
+    st: &mut crate::State,
+    tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
+    mut logits: Tensor,
+    mut stats: GenStats,
+) -> Result<(), LocalError> {
+    let choices = &prep.choices;
+    let t_decode = Instant::now();
+    let mut alive: Vec<usize> = (0..choices.len())
+        .filter(|&i| !choices[i].1.is_empty())
+        .collect();
+    let mut step = 0usize;
+    let picked = loop {
+        if alive.len() <= 1 {
+            break alive.first().copied();
+        }
+        let l: Vec<f32> = logits.to_vec1()?;
+        let score = |t: u32| l.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        let end = inner
+            .tok
+            .stop_tokens
+            .iter()
+            .map(|&t| score(t))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut best: Option<(f32, Option<u32>)> = None;
+        for &i in &alive {
+            let (s, t) = match choices[i].1.get(step) {
+                Some(&t) => (score(t), Some(t)),
+                None => (end, None),
+            };
+            if best.is_none_or(|(b, _)| s > b) {
+                best = Some((s, t));
+            }
+        }
+        match best {
+            None => break None,
+            Some((_, None)) => break alive.iter().copied().find(|&i| choices[i].1.len() == step),
+            Some((_, Some(t))) => {
+                alive.retain(|&i| choices[i].1.get(step) == Some(&t));
+                step += 1;
+                if alive.len() > 1 {
+                    logits = st.model.forward(&[t])?;
+                    st.cached.push(t);
+                    stats.decode_tokens += 1;
+                }
+            }
+        }
+    };
+    let Some(picked) = picked else {
+        return Err(LocalError::Inference(
+            "no choice could be tokenized: every choice is empty".into(),
+        ));
+    };
+    stats.decode_secs = t_decode.elapsed().as_secs_f64();
+    stats.total_secs = prep.started.elapsed().as_secs_f64();
+    let usage = Usage {
+        prompt_tokens: stats.prompt_tokens as u32,
+        completion_tokens: choices[picked].1.len() as u32,
+    };
+    if let Ok(mut s) = inner.stats.lock() {
+        *s = stats;
+    }
+    if !send(tx, ChatDelta::Text(choices[picked].0.clone())) {
+        return Ok(());
+    }
+    send(
+        tx,
+        ChatDelta::Finish {
+            reason: FinishReason::Stop,
             usage: Some(usage),
         },
     );

@@ -287,6 +287,24 @@ fn quantized_matmuls_agree_with_dense_weights() {
     assert!(worst < 0.03, "decode logits differ by {worst} of the range");
 }
 
+/// A few rows (a grammar-forced batch) run row by row on the GGUF blocks in hybrid mode; they
+/// must give the logits the dense chunk gives.
+#[test]
+fn a_short_chunk_on_the_blocks_agrees_with_the_dense_chunk() {
+    let Some(path) = model_path() else { return };
+    let tok = GgufTokenizer::from_file(&path).unwrap();
+    let ids = tok
+        .encode("<|im_start|>user\nHi there<|im_end|>\n")
+        .unwrap();
+    assert!(ids.len() > 1 && ids.len() <= 12, "{} tokens", ids.len());
+    let mut dense = load_model(&path, MatmulMode::Dense);
+    let mut hybrid = load_model(&path, MatmulMode::Hybrid);
+    let d: Vec<f32> = dense.forward(&ids).unwrap().to_vec1().unwrap();
+    let h: Vec<f32> = hybrid.forward(&ids).unwrap().to_vec1().unwrap();
+    let r = rel_diff(&h, &d);
+    assert!(r < 0.03, "short-chunk logits differ by {r} of the range");
+}
+
 fn segment_tool() -> ToolSpec {
     ToolSpec {
         name: "segment_lungs".into(),
@@ -447,6 +465,37 @@ async fn max_tokens_and_stop_sequences_end_generation() {
         "{:?}",
         turn.text
     );
+}
+
+/// `choices`: the reply is exactly one of them, the one the conversation supports; a single
+/// choice is returned as is; tools in the request only shape the prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_answer_is_one_of_the_choices() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    let ask = |text: &str, choices: &[&str]| ChatRequest {
+        messages: vec![Message::user(text, vec![])],
+        tools: vec![info_tool()],
+        choices: choices.iter().map(|c| c.to_string()).collect(),
+        ..Default::default()
+    };
+    let bits = ["8-bit", "12-bit", "16-bit"];
+    for (said, want) in [("16-bit", "16-bit"), ("8-bit", "8-bit")] {
+        let q = format!(
+            "The image_info tool says: 2048x2500 px, {said} grayscale PNG. \
+             What is the bit depth of the image? Reply with the option only."
+        );
+        let turn = collect_turn(llm.chat(ask(&q, &bits)).await.unwrap(), |_| {})
+            .await
+            .unwrap();
+        assert_eq!(turn.text, want);
+        assert!(turn.tool_calls.is_empty());
+        assert_eq!(turn.finish, FinishReason::Stop);
+    }
+    let one = collect_turn(llm.chat(ask("Anything?", &["PA"])).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(one.text, "PA");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -115,6 +115,11 @@ pub struct ChatRequest {
     /// backends that cannot force a call ignore it.
     #[serde(default)]
     pub require_tool: bool,
+    /// The reply must be exactly one of these texts (a closed question's options). Backends
+    /// that cannot constrain their output (OpenAI-protocol servers) ignore it; the caller reads
+    /// the free reply then. Tools, when given, are only part of the prompt: no call is made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub choices: Vec<String>,
 }
 
 /// Token accounting as reported by the backend.

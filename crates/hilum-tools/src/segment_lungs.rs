@@ -87,22 +87,64 @@ pub struct Region {
 
 /// Connected regions (4-connectivity) of a mask, largest first.
 pub fn regions(mask: &[bool], width: usize, height: usize) -> Vec<(Region, Vec<usize>)> {
-    let mut out = Vec::new();
-    for pixels in hilum_imaging::regions::components(width, height, |i| mask[i]) {
-        let xs = pixels.iter().map(|p| p % width);
-        let ys = pixels.iter().map(|p| p / width);
-        let r = Region {
-            area_px: pixels.len(),
-            min_x: xs.clone().min().unwrap_or(0),
-            max_x: xs.clone().max().unwrap_or(0),
-            min_y: ys.clone().min().unwrap_or(0),
-            max_y: ys.max().unwrap_or(0),
-            centroid_x: xs.map(|x| x as f64).sum::<f64>() / pixels.len().max(1) as f64,
-        };
-        out.push((r, pixels));
-    }
+    let mut out: Vec<(Region, Vec<usize>)> =
+        hilum_imaging::regions::components(width, height, |i| mask[i])
+            .into_iter()
+            .map(|pixels| (region_of(&pixels, width), pixels))
+            .collect();
     out.sort_by_key(|r| std::cmp::Reverse(r.0.area_px));
     out
+}
+
+fn region_of(pixels: &[usize], width: usize) -> Region {
+    let xs = pixels.iter().map(|p| p % width);
+    let ys = pixels.iter().map(|p| p / width);
+    Region {
+        area_px: pixels.len(),
+        min_x: xs.clone().min().unwrap_or(0),
+        max_x: xs.clone().max().unwrap_or(0),
+        min_y: ys.clone().min().unwrap_or(0),
+        max_y: ys.max().unwrap_or(0),
+        centroid_x: xs.map(|x| x as f64).sum::<f64>() / pixels.len().max(1) as f64,
+    }
+}
+
+/// Two lungs the mask joins (across the mediastinum, often at the apices or the diaphragm) come
+/// out as one region across the image's middle, beside at most a speck. That region is cut at
+/// the column of its middle third with the fewest of its pixels, so each lung is measured on
+/// its own instead of one lung against a speck.
+fn split_joined_lungs(
+    mut regs: Vec<(Region, Vec<usize>)>,
+    width: usize,
+) -> Vec<(Region, Vec<usize>)> {
+    let Some((first, _)) = regs.first() else {
+        return regs;
+    };
+    let alone = regs
+        .get(1)
+        .is_none_or(|(r, _)| r.area_px * 4 < first.area_px);
+    let across = first.min_x * 10 < width * 4 && first.max_x * 10 > width * 6;
+    if !(alone && across) {
+        return regs;
+    }
+    let (r, pixels) = regs.remove(0);
+    let span = r.max_x - r.min_x + 1;
+    let (lo, hi) = (r.min_x + span / 3, r.max_x - span / 3);
+    let mut per_col = vec![0usize; span];
+    for p in &pixels {
+        per_col[p % width - r.min_x] += 1;
+    }
+    let cut = (lo..=hi)
+        .min_by_key(|&x| per_col[x - r.min_x])
+        .unwrap_or(lo);
+    let (a, b): (Vec<usize>, Vec<usize>) = pixels.into_iter().partition(|p| p % width < cut);
+    for part in [a, b] {
+        if !part.is_empty() {
+            regs.push((region_of(&part, width), part));
+        }
+    }
+    regs.sort_by_key(|r| std::cmp::Reverse(r.0.area_px));
+    regs
 }
 
 fn lung_json(r: &Region, spacing: Option<(f64, f64)>) -> Value {
@@ -228,7 +270,7 @@ impl TypedTool for SegmentLungs {
             .await?;
 
         let (w, h) = (img.width as usize, img.height as usize);
-        let regs = regions(&mask, w, h);
+        let regs = split_joined_lungs(regions(&mask, w, h), w);
         // The two largest regions are the lungs; specks are ignored in the measurements.
         let mut lungs: Vec<&(Region, Vec<usize>)> = regs
             .iter()
@@ -380,6 +422,39 @@ mod tests {
             "the patient's right lung is larger: 100.0 vs 90.0 cm², +11.1%"
         );
         assert!(compare_sides(5.0, 5.0, "5 px", "5 px").starts_with("both lungs"));
+    }
+
+    #[test]
+    fn joined_lungs_are_cut_at_the_mediastinum() {
+        // Two 4-column lungs joined by a one-row bridge at the top, on a 13x6 image, plus a speck.
+        let w = 13;
+        let mut mask = vec![false; w * 6];
+        for y in 0..6 {
+            for x in (1..5).chain(7..11) {
+                mask[y * w + x] = true;
+            }
+        }
+        for x in 5..7 {
+            mask[x] = true;
+        }
+        mask[12] = true;
+        let regs = split_joined_lungs(regions(&mask, w, 6), w);
+        let big: Vec<_> = regs.iter().filter(|r| r.0.area_px > 1).collect();
+        assert_eq!(
+            big.len(),
+            2,
+            "{:?}",
+            regs.iter().map(|r| &r.0).collect::<Vec<_>>()
+        );
+        assert!(big.iter().all(|r| (24..=26).contains(&r.0.area_px)));
+        // Two separate lungs are left alone.
+        let mut apart = mask.clone();
+        for x in 5..7 {
+            apart[x] = false;
+        }
+        let regs = split_joined_lungs(regions(&apart, w, 6), w);
+        assert_eq!(regs[0].0.area_px, 24);
+        assert_eq!(regs[1].0.area_px, 24);
     }
 
     #[test]
