@@ -95,8 +95,8 @@ pub struct EvalArgs {
     /// Text appended to a multiple-choice question.
     #[arg(long)]
     pub instruction: Option<String>,
-    /// Score a choice answer that names no option from its text alone (no follow-up asking the
-    /// model which option its answer matches)
+    /// Score a choice answer that names no letter by MedRAX's cascade alone (no reading of the
+    /// one option whose text it contains, no follow-up asking the model which option it meant)
     #[arg(long)]
     pub no_letter_step: bool,
     /// No progress bar.

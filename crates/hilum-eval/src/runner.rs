@@ -76,8 +76,9 @@ pub struct EvalConfig {
     pub hilum_version: String,
     /// Appended to a multiple-choice question (MedRAX asked for the letter only).
     pub choice_instruction: String,
-    /// When a choice answer opens with no letter and holds no standalone one, ask the same model
-    /// once, in the same conversation, which option its answer matches (see [`letter_step`]).
+    /// When a choice answer opens with no letter and holds no standalone one: read the one
+    /// option whose text it contains, else ask the same model once, in the same conversation,
+    /// which option its answer matches (see [`letter_step`]).
     pub letter_step: bool,
 }
 
