@@ -249,3 +249,32 @@ fn truncated_and_garbled_checkpoints_fail_cleanly() {
         }
     }
 }
+
+/// `hilum models import` reads PyTorch files itself: with no Python at all it gets as far as
+/// the architecture check (the tiny fixture is not a full DenseNet-121), and a malicious file
+/// stops at the reader.
+#[test]
+fn models_import_reads_pytorch_without_python() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = hilum_models::ModelRegistry::new(dir.path()).expect("registry");
+    let opts = hilum_models::ImportOptions {
+        python: Some(PathBuf::from("/nonexistent/python3")),
+        ..Default::default()
+    };
+    let file = fixtures().join("module_legacy.pt");
+    let err = hilum_models::import(&reg, "densenet121-res224-all", &file, &opts)
+        .expect_err("a tiny DenseNet is not the published one");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, hilum_models::ModelError::WeightsMismatch { .. }),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("densenet121") && !msg.contains("python"),
+        "{msg}"
+    );
+
+    let evil = fixtures().join("evil_nested_legacy.pt");
+    let err = hilum_models::import(&reg, "chestx-det-pspnet", &evil, &opts).expect_err("refused");
+    assert!(err.to_string().contains("`posix.system`"), "{err}");
+}

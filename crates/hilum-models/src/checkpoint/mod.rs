@@ -430,6 +430,9 @@ fn decoder(dtype: DType, big_endian: bool) -> fn(&[u8]) -> f32 {
     }
 }
 
+/// The architectures [`pytorch_to_safetensors`] converts.
+pub const PYTORCH_ARCHITECTURES: &[&str] = &["densenet121", "resnet50", "pspnet", "sam"];
+
 /// Converts a PyTorch checkpoint of architecture `arch` to a safetensors file of f32 tensors,
 /// with the names and selection of the Python converter it replaces. Returns the tensor count.
 pub fn pytorch_to_safetensors(
