@@ -142,7 +142,7 @@ impl Checkpoint {
     fn dense(&mut self, t: &TensorRef) -> Result<Tensor, CheckpointError> {
         let big_endian = self.file.big_endian();
         let bytes = self.file.storage_bytes(&t.storage)?;
-        dense(&bytes, t, big_endian)
+        dense(bytes, t, big_endian)
     }
 }
 
@@ -319,7 +319,7 @@ fn to_json(p: &Pickle, v: &Value, depth: usize) -> serde_json::Value {
 /// Copies a (possibly strided, offset) view of a storage into a dense f32 tensor.
 fn dense(bytes: &[u8], t: &TensorRef, big_endian: bool) -> Result<Tensor, CheckpointError> {
     let es = t.storage.dtype.size();
-    if bytes.len() % es != 0 {
+    if !bytes.len().is_multiple_of(es) {
         return Err(CheckpointError::Malformed(format!(
             "storage `{}` is {} bytes, not a whole number of {es}-byte elements",
             t.storage.key,
@@ -327,6 +327,13 @@ fn dense(bytes: &[u8], t: &TensorRef, big_endian: bool) -> Result<Tensor, Checkp
         )));
     }
     let numel = bytes.len() / es;
+    // A size-1 dimension's stride is never stepped; zero keeps arithmetic on it in range.
+    let stride: Vec<usize> = t
+        .shape
+        .iter()
+        .zip(&t.stride)
+        .map(|(&d, &s)| if d == 1 { 0 } else { s })
+        .collect();
     let too_big = || {
         CheckpointError::Limit(format!(
             "a tensor of shape {:?} has more than {MAX_TENSOR_ELEMS} elements",
@@ -349,7 +356,7 @@ fn dense(bytes: &[u8], t: &TensorRef, big_endian: bool) -> Result<Tensor, Checkp
         let last = t
             .shape
             .iter()
-            .zip(&t.stride)
+            .zip(&stride)
             .try_fold(t.offset, |a, (&d, &s)| {
                 (d - 1).checked_mul(s).and_then(|x| a.checked_add(x))
             });
@@ -369,7 +376,7 @@ fn dense(bytes: &[u8], t: &TensorRef, big_endian: bool) -> Result<Tensor, Checkp
         let mut want = 1usize;
         let mut ok = true;
         for d in (0..ndim).rev() {
-            if t.shape[d] != 1 && t.stride[d] != want {
+            if t.shape[d] != 1 && stride[d] != want {
                 ok = false;
             }
             want = want.saturating_mul(t.shape[d]);
@@ -387,11 +394,11 @@ fn dense(bytes: &[u8], t: &TensorRef, big_endian: bool) -> Result<Tensor, Checkp
             data.push(at(pos));
             for d in (0..ndim).rev() {
                 idx[d] += 1;
-                pos += t.stride[d];
+                pos += stride[d];
                 if idx[d] < t.shape[d] {
                     break;
                 }
-                pos -= t.stride[d] * t.shape[d];
+                pos -= stride[d] * t.shape[d];
                 idx[d] = 0;
             }
         }
@@ -504,4 +511,77 @@ pub fn pytorch_to_safetensors(
         reason: e.to_string(),
     })?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pickle::Storage;
+
+    fn view(dtype: DType, shape: &[usize], stride: &[usize], offset: usize) -> TensorRef {
+        TensorRef {
+            storage: Storage {
+                dtype,
+                key: "0".into(),
+                view_offset: 0,
+            },
+            offset,
+            shape: shape.to_vec(),
+            stride: stride.to_vec(),
+        }
+    }
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn strided_views_read_the_elements_torch_would() {
+        let b = f32s(&[0., 1., 2., 3., 4., 5.]);
+        // A (2, 3) transpose of a (3, 2) matrix, and a column with offset.
+        let t = dense(&b, &view(DType::F32, &[2, 3], &[1, 2], 0), false).expect("view");
+        assert_eq!(t.data, vec![0., 2., 4., 1., 3., 5.]);
+        let t = dense(&b, &view(DType::F32, &[3], &[2], 1), false).expect("view");
+        assert_eq!(t.data, vec![1., 3., 5.]);
+        // A size-1 dimension may carry any stride; it is never stepped.
+        let t = dense(&b, &view(DType::F32, &[1, 2], &[usize::MAX, 2], 0), false).expect("view");
+        assert_eq!(t.data, vec![0., 2.]);
+    }
+
+    #[test]
+    fn views_past_their_storage_and_huge_broadcasts_are_refused() {
+        let b = f32s(&[0., 1., 2., 3.]);
+        let err = dense(&b, &view(DType::F32, &[3], &[2], 0), false).expect_err("past the end");
+        assert!(matches!(err, CheckpointError::Malformed(_)), "{err}");
+        let err = dense(&b, &view(DType::F32, &[1 << 25], &[0], 0), false).expect_err("too big");
+        assert!(matches!(err, CheckpointError::Limit(_)), "{err}");
+        let err = dense(&b[..3], &view(DType::F32, &[1], &[1], 0), false).expect_err("ragged");
+        assert!(matches!(err, CheckpointError::Malformed(_)), "{err}");
+    }
+
+    #[test]
+    fn half_precision_and_byte_order_decode_exactly() {
+        // f16: 1.0, -2.0, the smallest subnormal 2^-24; bf16: 1.0, -0.5.
+        let t = dense(
+            &[0x00, 0x3c, 0x00, 0xc0, 0x01, 0x00],
+            &view(DType::F16, &[3], &[1], 0),
+            false,
+        )
+        .expect("f16");
+        assert_eq!(t.data, vec![1.0, -2.0, 2f32.powi(-24)]);
+        let t = dense(
+            &[0x80, 0x3f, 0x00, 0xbf],
+            &view(DType::BF16, &[2], &[1], 0),
+            false,
+        )
+        .expect("bf16");
+        assert_eq!(t.data, vec![1.0, -0.5]);
+        let t = dense(
+            &1.5f32.to_be_bytes(),
+            &view(DType::F32, &[1], &[1], 0),
+            true,
+        )
+        .expect("big-endian");
+        assert_eq!(t.data, vec![1.5]);
+    }
 }

@@ -862,7 +862,7 @@ impl<'a> Machine<'a> {
     }
 
     fn set_items(&mut self, items: Vec<Value>) -> Result<(), CheckpointError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(malformed("SETITEMS with an odd number of values"));
         }
         let id = self.top_obj()?;
@@ -1114,7 +1114,7 @@ fn as_usize(v: &Value) -> Option<usize> {
 }
 
 fn pairs(items: Vec<Value>) -> Result<Dict, CheckpointError> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err(malformed("dict with an odd number of values"));
     }
     let mut d = Dict::default();

@@ -36,6 +36,8 @@ enum Source {
     Zip {
         archive: zip::ZipArchive<File>,
         top: String,
+        /// The last storage read: views of one storage are usually listed together.
+        cache: Option<(String, Vec<u8>)>,
     },
     Legacy {
         map: memmap2::Mmap,
@@ -105,7 +107,11 @@ impl TorchFile {
         };
         Ok(TorchFile {
             pickle,
-            source: Source::Zip { archive, top },
+            source: Source::Zip {
+                archive,
+                top,
+                cache: None,
+            },
             big_endian,
         })
     }
@@ -197,22 +203,27 @@ impl TorchFile {
         })
     }
 
-    /// The raw bytes of a storage (a fresh copy for zip entries, a slice of the map otherwise).
-    pub fn storage_bytes(
-        &mut self,
-        storage: &Storage,
-    ) -> Result<std::borrow::Cow<'_, [u8]>, CheckpointError> {
+    /// The raw bytes of a storage.
+    pub fn storage_bytes(&mut self, storage: &Storage) -> Result<&[u8], CheckpointError> {
         match &mut self.source {
-            Source::Zip { archive, top } => {
-                let name = format!("{top}/data/{}", storage.key);
-                Ok(read_entry(archive, &name, MAX_STORAGE_BYTES)?.into())
+            Source::Zip {
+                archive,
+                top,
+                cache,
+            } => {
+                if cache.as_ref().map(|c| &c.0) != Some(&storage.key) {
+                    *cache = None;
+                    let name = format!("{top}/data/{}", storage.key);
+                    let bytes = read_entry(archive, &name, MAX_STORAGE_BYTES)?;
+                    *cache = Some((storage.key.clone(), bytes));
+                }
+                Ok(cache.as_ref().map_or(&[][..], |c| c.1.as_slice()))
             }
             Source::Legacy { map, ranges } => {
                 let &(start, len) = ranges.get(&storage.key).ok_or_else(|| {
                     CheckpointError::Malformed(format!("storage `{}` is missing", storage.key))
                 })?;
                 map.get(start..start + len)
-                    .map(Into::into)
                     .ok_or_else(|| CheckpointError::Malformed("storage out of range".into()))
             }
         }
