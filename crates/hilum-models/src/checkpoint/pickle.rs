@@ -329,9 +329,12 @@ fn resolve_global(module: &str, name: &str) -> Result<Global, CheckpointError> {
         }
         _ => None,
     };
-    // `torch.storage._TypedStorage` carries its dtype in the persistent id's storage class.
+    // The generic typed-storage class names no dtype: inert, and refused as a storage type
+    // (torch writes `torch.FloatStorage` and friends there).
     let kind = kind.or(match (module, name) {
-        ("torch.storage", "_TypedStorage" | "TypedStorage") => Some(GlobalKind::Storage(DType::U8)),
+        ("torch.storage" | "torch", "_TypedStorage" | "TypedStorage") => {
+            Some(GlobalKind::TensorClass)
+        }
         _ => None,
     });
     match kind {
@@ -1078,7 +1081,11 @@ impl<'a> Machine<'a> {
                 kind: GlobalKind::Dtype(d),
                 ..
             }) => *d,
-            _ => return Err(malformed("persistent id without a storage class")),
+            _ => {
+                return Err(malformed(
+                    "persistent id without a storage class of known dtype",
+                ))
+            }
         };
         let key = key_string(&t[2]).ok_or_else(|| malformed("bad storage key"))?;
         // Legacy storage views: (view_key, offset, numel) into the root storage `key`.
@@ -1265,6 +1272,16 @@ mod tests {
         p.extend(global("builtins", "eval"));
         p.extend(b"U\x011\x85Rtl\x85R.");
         assert_eq!(refused_name(&p), "builtins.eval");
+    }
+
+    #[test]
+    fn storages_of_unknown_dtype_are_refused() {
+        for (m, n) in [("torch.storage", "_TypedStorage"), ("torch", "FooStorage")] {
+            let mut p = b"(U\x07storage".to_vec();
+            p.extend(global(m, n));
+            p.extend(b"U\x010U\x03cpuK\x04tQ.");
+            assert!(parse(&p).is_err(), "{m}.{n}");
+        }
     }
 
     #[test]
