@@ -9,7 +9,7 @@ Writes tests/fixtures/checkpoints/ (a few KB each, seeded):
   module_zip.pt / module_legacy.pt           a whole pickled tiny torchxrayvision DenseNet
       (`torch.save(model)`, as torchxrayvision publishes its weights) with an `op_threshs`
       buffer, a non-persistent buffer and a `pathologies` attribute; the legacy one has no
-      `_non_persistent_buffers_set`, like modules pickled by torch < 1.6
+      `_non_persistent_buffers_set` and has a THNN `_backend`, like modules pickled by old torch
   module.expected.safetensors                scripts/convert_xrv.py's output for module_zip.pt
   pspnet_state.pth / pspnet.expected.safetensors   a DataParallel state dict of torchxrayvision's
       ptsemseg blocks with the training-only aux head; scripts/convert_pspnet.py's output
@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torchxrayvision as xrv
 from safetensors.torch import load_file, save_file
+from torch.nn.backends.thnn import _get_thnn_function_backend
 from torchxrayvision.baseline_models.chestx_det.ptsemseg.utils import conv2DBatchNormRelu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -103,11 +104,13 @@ def module_fixtures():
     m = tiny_densenet()
     m.register_buffer("scratch", torch.ones(2), persistent=False)
     torch.save(m, path("module_zip.pt"))
-    # As torch < 1.6 pickled modules: no non-persistent buffers, no `_non_persistent_buffers_set`.
+    # As torch < 1.6 pickled modules: no non-persistent buffers, no `_non_persistent_buffers_set`,
+    # and (torch < 1.2) a `_backend` that pickles as a call of torch's THNN hook.
     old = copy.deepcopy(m)
     del old._buffers["scratch"]
     for mod in old.modules():
         del mod._non_persistent_buffers_set
+        object.__setattr__(mod, "_backend", _Reduce(_get_thnn_function_backend, ()))
     torch.save(old, path("module_legacy.pt"), _use_new_zipfile_serialization=False)
     convert_xrv.convert(path("module_zip.pt"), path("module.expected.safetensors"))
     # Both forms must convert to the same tensors.

@@ -121,6 +121,9 @@ pub enum GlobalKind {
     Object,
     Size,
     Device,
+    /// `torch.nn.backends.thnn._get_thnn_function_backend`: the `_backend` attribute of modules
+    /// pickled by torch < 1.2; torch keeps it, doing nothing, to unpickle them.
+    ThnnBackend,
     /// `torch.Tensor` / `torch.nn.parameter.Parameter`: only ever an argument.
     TensorClass,
     Storage(DType),
@@ -308,12 +311,15 @@ fn resolve_global(module: &str, name: &str) -> Result<Global, CheckpointError> {
         ("builtins" | "__builtin__", "frozenset") => Some(GlobalKind::FrozenSet),
         ("builtins" | "__builtin__", "object") => Some(GlobalKind::Object),
         ("copyreg" | "copy_reg", "_reconstructor") => Some(GlobalKind::Reconstructor),
+        ("torch.nn.backends.thnn", "_get_thnn_function_backend") => Some(GlobalKind::ThnnBackend),
         ("torch", "Size") => Some(GlobalKind::Size),
         ("torch", "device") => Some(GlobalKind::Device),
         ("torch", "Tensor") | ("torch.nn.parameter", "Parameter") => Some(GlobalKind::TensorClass),
         ("torch" | "torch.storage", "UntypedStorage" | "_UntypedStorage") => {
             Some(GlobalKind::Storage(DType::U8))
         }
+        // Pre-1.6 torch named GPU storages by their CUDA class; the bytes on disk are the same.
+        ("torch.cuda", n) => DType::from_storage_class(n).map(GlobalKind::Storage),
         ("torch", n) => DType::from_storage_class(n)
             .map(GlobalKind::Storage)
             .or_else(|| DType::from_dtype_name(n).map(GlobalKind::Dtype)),
@@ -983,6 +989,7 @@ impl<'a> Machine<'a> {
                 [Value::Str(s), Value::Int(i)] => Ok(Value::Str(format!("{s}:{i}").into())),
                 _ => Err(bad("bad arguments")),
             },
+            GlobalKind::ThnnBackend if args.is_empty() => Ok(Value::None),
             GlobalKind::Reconstructor => match args.as_slice() {
                 [cls, Value::Global(base), _] if base.kind == GlobalKind::Object => {
                     self.new_object(cls, "copyreg._reconstructor")
@@ -1285,6 +1292,18 @@ mod tests {
     }
 
     #[test]
+    fn cuda_storages_of_old_files_read_as_cpu_storages() {
+        let mut p = b"(U\x07storage".to_vec();
+        p.extend(global("torch.cuda", "HalfStorage"));
+        p.extend(b"U\x0294U\x06cuda:0K\x04tQ.");
+        let (pk, _) = parse(&p).expect("parses");
+        let Some(Obj::Storage(st)) = pk.obj(&pk.root) else {
+            panic!("{:?}", pk.root)
+        };
+        assert_eq!((st.dtype, st.key.as_str()), (DType::F16, "94"));
+    }
+
+    #[test]
     fn module_records_keep_their_state_as_data() {
         let mut p = vec![0x80, 2];
         p.extend(global("torch.nn.modules.linear", "Linear"));
@@ -1294,6 +1313,10 @@ mod tests {
             panic!("{:?}", pk.root)
         };
         assert_eq!(&*m.class, "torch.nn.modules.linear.Linear");
+        // Old modules' `_backend` is a call of torch's do-nothing THNN hook.
+        let mut p = global("torch.nn.backends.thnn", "_get_thnn_function_backend");
+        p.extend(b")R.");
+        assert_eq!(parse(&p).expect("parses").0.root, Value::None);
         let state = m.state.as_ref().and_then(|s| pk.dict(s)).expect("state");
         assert_eq!(state.get("training"), Some(&Value::Bool(true)));
     }
