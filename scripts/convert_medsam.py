@@ -5,6 +5,8 @@ The names are kept as they are (image_encoder.*, prompt_encoder.*, mask_decoder.
 `module.` prefix (DataParallel) or a {"model": ...} / {"state_dict": ...} wrapper is removed.
 Before writing, every name and shape is checked against segment-anything's own ViT-B
 (sam_model_registry["vit_b"](), built without a checkpoint), one to one.
+`hilum models import` reads the .pth in Rust with these rules (crates/hilum-models/src/checkpoint/),
+without Python; this script stays as their reference and for converting by hand.
 
 Run: scripts/.venv-medsam/bin/python scripts/convert_medsam.py medsam_vit_b.pth medsam-vit-b.safetensors
 (versions pinned in scripts/requirements-medsam.txt)

@@ -33,13 +33,14 @@ pub enum ModelsCmd {
     },
     /// Install weights from a local file: the published checkpoint on a machine without
     /// internet, or a site's own checkpoint of the same architecture with --custom.
+    /// PyTorch .pt/.pth/.bin files are read in Rust: no Python, and nothing in them runs.
     /// Keras .h5 files are converted by an embedded copy of scripts/convert_keras_h5.py, run with
     /// $HILUM_PYTHON or python3 (needs h5py and numpy: scripts/setup_onnxruntime.sh makes such
     /// a venv in scripts/.venv-models).
     Import {
         /// Model id, e.g. lung-unet.
         id: String,
-        /// The checkpoint (.h5, .safetensors).
+        /// The checkpoint (.pt/.pth/.bin, .h5, .safetensors, or a model's .onnx).
         path: PathBuf,
         /// Accept a checkpoint other than the published one when its parameter names and
         /// shapes match the architecture; it is marked custom in listings and tool outputs.

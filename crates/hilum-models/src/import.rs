@@ -1,7 +1,8 @@
 //! `hilum models import ID PATH`: installs weights from a local file (air-gapped sites, or a
-//! site's own checkpoint with `--custom`). Keras `.h5` files are converted by
-//! `scripts/convert_keras_h5.py` (embedded here), run with `$HILUM_PYTHON` or `python3`, which
-//! needs h5py and numpy.
+//! site's own checkpoint with `--custom`). PyTorch `.pt`/`.pth`/`.bin` checkpoints are read in
+//! Rust ([`crate::checkpoint`]: no Python, and nothing in the file runs). Keras `.h5` files are
+//! converted by `scripts/convert_keras_h5.py` (embedded here), run with `$HILUM_PYTHON` or
+//! `python3`, which needs h5py and numpy.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,19 +12,16 @@ use crate::registry::check_architecture;
 use crate::{sha256_file, InstallRecord, InstalledModel, ModelError, ModelRegistry};
 
 const KERAS_CONVERTER: &str = include_str!("../../../scripts/convert_keras_h5.py");
-const XRV_CONVERTER: &str = include_str!("../../../scripts/convert_xrv.py");
 const KERAS_NEEDS: &str = "Python 3 with h5py and numpy: run `scripts/setup_onnxruntime.sh` (it \
     makes scripts/.venv-models) or `pip install -r scripts/requirements-models.txt`";
-const XRV_NEEDS: &str = "Python 3 with torch and torchxrayvision: \
-    `pip install -r scripts/requirements-fixtures.txt`";
 
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
     /// A site's own checkpoint of the architecture: any sha256 is accepted, names and shapes
     /// must still match, and the model is marked custom everywhere.
     pub custom: bool,
-    /// Python interpreter for converters; `None`: `python3` (Hilum's CLI passes `--python` or
-    /// `HILUM_PYTHON`).
+    /// Python interpreter for the Keras converter; `None`: `python3` (Hilum's CLI passes
+    /// `--python` or `HILUM_PYTHON`).
     pub python: Option<PathBuf>,
     /// Where the file came from, for the record (default: the path).
     pub origin: Option<String>,
@@ -84,17 +82,16 @@ pub fn import(
             )?;
             out
         }
-        "pytorch" if matches!(manifest.architecture.as_str(), "densenet121" | "resnet50") => {
+        "pytorch"
+            if crate::checkpoint::PYTORCH_ARCHITECTURES
+                .contains(&manifest.architecture.as_str()) =>
+        {
             let out = work.path().join("model.safetensors");
-            let arch = ["--arch", manifest.architecture.as_str()];
-            run_converter(
-                XRV_CONVERTER,
-                "convert_xrv.py",
-                path,
-                &out,
-                &arch,
-                XRV_NEEDS,
-                opts,
+            crate::checkpoint::pytorch_to_safetensors(&manifest.architecture, path, &out).map_err(
+                |e| ModelError::Convert {
+                    what: path.display().to_string(),
+                    reason: e.to_string(),
+                },
             )?;
             out
         }

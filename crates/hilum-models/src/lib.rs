@@ -7,6 +7,7 @@
 //! program builds and passes to the pool (see the `settings` module for what is process-wide).
 
 mod backend;
+pub mod checkpoint;
 pub mod densenet;
 mod device;
 mod fetch;
