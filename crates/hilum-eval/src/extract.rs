@@ -183,6 +183,45 @@ pub fn option_in_answer(answer: &str, options: &[(char, String)]) -> Option<char
     }
 }
 
+/// The clause of an answer (split at `;` and line ends) that shares the most content words with
+/// the question (its options left out), when it shares at least two; else the answer's first 300
+/// characters. A small model quotes a whole tool summary; the letter step restates the part of
+/// it the question is about ("lungs cover 38.6% of the image", not the lung comparison first).
+pub fn relevant_clause(answer: &str, question: &str) -> String {
+    const SMALL: [&str; 12] = [
+        "the", "this", "that", "what", "which", "how", "are", "does", "and", "about", "with",
+        "from",
+    ];
+    let stems = |t: &str| -> Vec<String> {
+        let mut v: Vec<String> = words(t)
+            .into_iter()
+            .flat_map(|w| w.split('_').map(str::to_string).collect::<Vec<_>>())
+            .map(|w| match w.strip_suffix('s') {
+                Some(stem) if stem.len() >= 3 => stem.to_string(),
+                _ => w,
+            })
+            .filter(|w| w.len() >= 3 && !SMALL.contains(&w.as_str()))
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let asked = stems(question.find("A) ").map_or(question, |i| &question[..i]));
+    let best = answer
+        .split([';', '\n'])
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(|c| (stems(c).iter().filter(|w| asked.contains(w)).count(), c))
+        .fold(None::<(usize, &str)>, |best, (n, c)| match best {
+            Some((b, _)) if b >= n => best,
+            _ => Some((n, c)),
+        });
+    match best {
+        Some((n, c)) if n >= 2 => c.to_string(),
+        _ => answer.chars().take(300).collect(),
+    }
+}
+
 /// The letter of the option a reply repeats (case and a leading `X) ` ignored), if exactly one.
 pub fn option_named_by_text(reply: &str, options: &[(char, String)]) -> Option<char> {
     let mut t = reply.trim();
@@ -259,6 +298,21 @@ mod tests {
         assert_eq!(option_in_answer("the left one", &o), None);
         assert!(option_texts("no options here").is_empty());
         assert_eq!(option_texts("pick: A) 8 bits B) 12 bits")[1].1, "12 bits");
+    }
+
+    #[test]
+    fn the_clause_about_the_question_is_restated() {
+        let said = "According to the segment_lungs result: the patient's left lung is larger: \
+                    935,960 vs 844,004 px, +10.9%; 2 lung field(s); patient's right 844,004 px; \
+                    lungs cover 38.6% of the image";
+        let q = "About how much of the image area do the two lung fields cover together? \
+                 A) Less than 10% of the image B) 10% to 20% of the image";
+        assert_eq!(relevant_clause(said, q), "lungs cover 38.6% of the image");
+        // Nothing about the question: the answer's start.
+        assert_eq!(
+            relevant_clause("8-bit; PNG", "What is the modality?"),
+            "8-bit; PNG"
+        );
     }
 
     #[test]

@@ -18,7 +18,8 @@ use hilum_imaging::ImageStore;
 
 use crate::bench::{load_bench, AnswerKind, Question};
 use crate::extract::{
-    names_an_option, option_in_answer, option_named_by_text, option_texts, score_response,
+    names_an_option, option_in_answer, option_named_by_text, option_texts, relevant_clause,
+    score_response,
 };
 use crate::record::{read_run, CallRecord, QuestionRecord, RunHeader, RunLog, RunWriter, Status};
 use crate::EvalError;
@@ -250,6 +251,7 @@ async fn letter_step(
     messages: &[Message],
     tools: Vec<hilum_agent::llm::ToolSpec>,
     answer: &str,
+    question: &str,
     options: &[(char, String)],
     temperature: Option<f32>,
 ) -> Option<(String, f64)> {
@@ -257,8 +259,9 @@ async fn letter_step(
     let mut messages = messages.to_vec();
     push_final_answer(&mut messages, answer);
     let listed: Vec<String> = options.iter().map(|(l, o)| format!("{l}) {o}")).collect();
-    // The answer is restated after the options: a small model leans to whatever it read last.
-    let said: String = answer.chars().take(300).collect();
+    // The answer is restated after the options, its clause about the question only: a small
+    // model leans to whatever it read last.
+    let said = relevant_clause(answer, question);
     messages.push(Message::user(
         format!(
             "Options:\n{}\n\nYour answer: {said}\nWhich option matches your answer? Reply with the option only.",
@@ -532,6 +535,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                         &out.messages,
                         tool_specs,
                         answer,
+                        &q.question,
                         &options,
                         sh.cfg.agent.temperature,
                     )

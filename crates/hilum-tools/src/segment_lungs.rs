@@ -434,9 +434,7 @@ mod tests {
                 mask[y * w + x] = true;
             }
         }
-        for x in 5..7 {
-            mask[x] = true;
-        }
+        mask[5..7].fill(true);
         mask[12] = true;
         let regs = split_joined_lungs(regions(&mask, w, 6), w);
         let big: Vec<_> = regs.iter().filter(|r| r.0.area_px > 1).collect();
@@ -449,9 +447,7 @@ mod tests {
         assert!(big.iter().all(|r| (24..=26).contains(&r.0.area_px)));
         // Two separate lungs are left alone.
         let mut apart = mask.clone();
-        for x in 5..7 {
-            apart[x] = false;
-        }
+        apart[5..7].fill(false);
         let regs = split_joined_lungs(regions(&apart, w, 6), w);
         assert_eq!(regs[0].0.area_px, 24);
         assert_eq!(regs[1].0.area_px, 24);
