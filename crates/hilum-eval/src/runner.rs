@@ -246,6 +246,9 @@ fn push_final_answer(messages: &mut Vec<Message>, answer: &str) {
     }
 }
 
+/// The words every closed reply of the letter step opens with (taken off before matching).
+const CHOICE_LEAD: &str = "The matching option is: ";
+
 async fn letter_step(
     llm: &Arc<dyn Llm>,
     messages: &[Message],
@@ -274,12 +277,19 @@ async fn letter_step(
         tools,
         temperature,
         max_tokens: Some(32),
-        choices: options.iter().map(|(_, o)| o.clone()).collect(),
+        // Every choice opens with the same words, so that the first token that differs is one of
+        // content: a bare choice's first token competes with the prior of a list's "1".
+        choices: options
+            .iter()
+            .map(|(_, o)| format!("{CHOICE_LEAD}{o}"))
+            .collect(),
         ..Default::default()
     };
     let stream = llm.chat(req).await.ok()?;
     let turn = hilum_agent::llm::collect_turn(stream, |_| {}).await.ok()?;
-    Some((turn.text, t0.elapsed().as_secs_f64() * 1e3))
+    let reply = turn.text.trim_start();
+    let reply = reply.strip_prefix(CHOICE_LEAD).unwrap_or(reply).to_string();
+    Some((reply, t0.elapsed().as_secs_f64() * 1e3))
 }
 
 fn prompt(q: &Question, instruction: &str) -> String {
