@@ -6,6 +6,7 @@ mod analyze;
 mod bench_cmd;
 mod config;
 mod eval_cmd;
+mod gpu_check_cmd;
 mod models_cmd;
 mod render;
 mod serve_cmd;
@@ -56,6 +57,8 @@ enum Commands {
     Serve(serve_cmd::ServeArgs),
     /// Serve every tool over the Model Context Protocol on stdin/stdout.
     Mcp(serve_cmd::McpArgs),
+    /// Every model on a GPU against the CPU (same weights and inputs), timed on both.
+    GpuCheck(gpu_check_cmd::GpuCheckArgs),
 }
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
@@ -116,6 +119,7 @@ async fn run() {
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,
         Commands::Models { cmd } => models_cmd::run(cmd).await,
         Commands::Bench(args) => bench_cmd::run(args).await,
+        Commands::GpuCheck(args) => gpu_check_cmd::run(args),
         Commands::Eval(args) => eval_cmd::run(args).await,
         Commands::Serve(args) => serve_cmd::run(args).await,
         Commands::Mcp(args) => serve_cmd::run_mcp(args).await,

@@ -9,6 +9,7 @@
 mod backend;
 pub mod checkpoint;
 pub mod densenet;
+pub mod devcheck;
 mod device;
 mod fetch;
 mod import;

@@ -35,6 +35,45 @@ pub(crate) fn xorshift_unit(state: &mut u64) -> f32 {
     (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32
 }
 
+/// Seeded weights for a name → shape list with activations of order one: He-uniform matrices
+/// and convolutions, BatchNorm near identity, norm scales near one, small biases. For
+/// benchmarks and device parity checks only: tools never run on made-up weights.
+pub fn seeded(
+    params: &BTreeMap<String, Vec<usize>>,
+    seed: u64,
+) -> std::collections::HashMap<String, candle_core::Tensor> {
+    let mut state = seed.max(1);
+    let mut out = std::collections::HashMap::new();
+    for (name, shape) in params {
+        let n: usize = shape.iter().product();
+        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                // Uniform in [-0.5, 0.5).
+                let u = xorshift_unit(&mut state) - 0.5;
+                if name.ends_with("running_var") || name.ends_with("moving_variance") {
+                    1.0 + u
+                } else if name.ends_with("running_mean")
+                    || name.ends_with("moving_mean")
+                    || name.ends_with("bias")
+                {
+                    0.2 * u
+                } else if shape.len() == 1 {
+                    1.0 + 0.4 * u
+                } else {
+                    // Uniform with variance 2 / fan_in.
+                    u * (24.0 / fan_in as f32).sqrt()
+                }
+            })
+            .collect();
+        if let Ok(t) = candle_core::Tensor::from_vec(v, shape.as_slice(), &candle_core::Device::Cpu)
+        {
+            out.insert(name.clone(), t);
+        }
+    }
+    out
+}
+
 /// Parameter name → shape, as stored in a safetensors file (reads only the header).
 pub fn shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;

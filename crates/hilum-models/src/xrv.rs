@@ -649,29 +649,5 @@ impl candle_nn::var_builder::SimpleBackend for Recorder {
 /// near identity): for benchmarks and backend parity tests only. Tools never use them — a
 /// missing model is an error.
 pub fn synthetic_weights(arch: &Arch, seed: u64) -> Result<HashMap<String, Tensor>, ModelError> {
-    let mut state = seed.max(1);
-    // Uniform in [-0.5, 0.5).
-    let mut next = move || crate::weights::xorshift_unit(&mut state) - 0.5;
-    let mut out = HashMap::new();
-    for (name, shape) in expected_params(arch)? {
-        let n: usize = shape.iter().product();
-        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                let u = next();
-                if name.ends_with("running_var") {
-                    1.0 + u
-                } else if name.ends_with("running_mean") || name.ends_with("bias") {
-                    0.2 * u
-                } else if shape.len() == 1 {
-                    1.0 + 0.4 * u
-                } else {
-                    // Uniform with variance 2 / fan_in.
-                    u * (24.0 / fan_in as f32).sqrt()
-                }
-            })
-            .collect();
-        out.insert(name, Tensor::from_vec(v, shape, &candle_core::Device::Cpu)?);
-    }
-    Ok(out)
+    Ok(crate::weights::seeded(&expected_params(arch)?, seed))
 }

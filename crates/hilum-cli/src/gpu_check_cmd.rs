@@ -1,0 +1,155 @@
+//! `hilum gpu-check`: every model on a GPU against the CPU with the same weights and inputs
+//! (one tolerance per model), the forward passes timed on both, one table.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use anyhow::Context;
+use clap::Args;
+
+use hilum_models::devcheck::{self, CheckOptions, CheckRow, Gray};
+use hilum_models::{Device, ModelRegistry};
+
+#[derive(Args)]
+#[command(after_help = "Examples:\n  hilum gpu-check\n  \
+hilum gpu-check --device cuda:1 --image chest.png --json gpu.json\n  \
+hilum gpu-check --dry-run            # no GPU: the CPU against itself, small sizes\n\n\
+Weights are seeded at each architecture's full size (no downloads), except the lung U-Net: its \
+installed weights are used when present (or --unet PATH). A row fails when the target's output \
+differs from the CPU's by more than its tolerance (max |gpu - cpu| / max(1, max |cpu|)). \
+Exit status 1 when any row fails. scripts/gpu_check.sh builds the CUDA binary and runs this.")]
+pub struct GpuCheckArgs {
+    /// The device to check against the CPU.
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+    /// No GPU: run the CPU against itself with small sizes and one timed call (plumbing only).
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Timed calls per measurement on the target (after one warm-up; the CPU gets at most 2).
+    #[arg(short = 'n', long, default_value_t = 5)]
+    pub iterations: usize,
+    /// A radiograph (PNG, JPEG, DICOM) for the image models; seeded noise otherwise.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// The lung U-Net's model.safetensors (default: the installed lung-unet, if any).
+    #[arg(long)]
+    pub unet: Option<PathBuf>,
+    /// Run only these checks (densenet121, resnet50, lung-unet, pspnet, medsam, report,
+    /// llava-slice).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Also write the rows as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
+    for o in &args.only {
+        anyhow::ensure!(
+            devcheck::CHECKS.contains(&o.as_str()),
+            "unknown check `{o}`; the checks are {}",
+            devcheck::CHECKS.join(", ")
+        );
+    }
+    let target = if args.dry_run {
+        Device::Cpu
+    } else {
+        Device::from_str(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?
+    };
+    // Open the device first: a missing driver or a CPU-only build is one clear error.
+    target.candle().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let image = match &args.image {
+        Some(p) => {
+            let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+            let img = hilum_imaging::decode(&bytes, &p.display().to_string(), 100_000_000)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            Some(Gray {
+                max_value: img.max_value(),
+                width: img.width as usize,
+                height: img.height as usize,
+                pixels: img.pixels,
+            })
+        }
+        None => None,
+    };
+    let unet_weights = args.unet.clone().or_else(|| {
+        let p = ModelRegistry::default_dir()
+            .join("lung-unet")
+            .join("model.safetensors");
+        p.exists().then_some(p)
+    });
+    let opts = CheckOptions {
+        reference: Device::Cpu,
+        target,
+        quick: args.dry_run,
+        iterations: if args.dry_run { 1 } else { args.iterations },
+        image,
+        unet_weights,
+        only: args.only.clone(),
+    };
+    eprintln!(
+        "checking {target} against cpu{}",
+        if args.dry_run {
+            " (dry run: small sizes)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11} {:>11} {:>7}",
+        "model", "rel diff", "tol", "ok", "timed", "target ms", "cpu ms", "ratio"
+    );
+    let rows = devcheck::run(&opts, |r| print_row(r));
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "target": target.to_string(),
+            "reference": "cpu",
+            "dry_run": args.dry_run,
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| r.model.as_str())
+        .collect();
+    anyhow::ensure!(failed.is_empty(), "failed: {}", failed.join(", "));
+    eprintln!("all {} checks passed", rows.len());
+    Ok(())
+}
+
+fn print_row(r: &CheckRow) {
+    if let Some(e) = &r.error {
+        println!("{:<12} ERROR: {e}", r.model);
+        return;
+    }
+    let diff = r.max_rel_diff.map_or("-".into(), |d| format!("{d:.2e}"));
+    let ok = if r.passed { "yes" } else { "NO" };
+    let mut first = true;
+    for t in &r.timings {
+        let (cpu, ratio) = match t.reference_ms {
+            Some(c) => (
+                format!("{c:.2}"),
+                format!("{:.1}x", c / t.target_ms.max(1e-9)),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        if first {
+            println!(
+                "{:<12} {:>10} {:>8.0e} {:<5} {:<28} {:>11.2} {:>11} {:>7}",
+                r.model, diff, r.tolerance, ok, t.what, t.target_ms, cpu, ratio
+            );
+            first = false;
+        } else {
+            println!(
+                "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11.2} {:>11} {:>7}",
+                "", "", "", "", t.what, t.target_ms, cpu, ratio
+            );
+        }
+    }
+    for n in &r.notes {
+        println!("{:<12} {n}", "");
+    }
+}
