@@ -17,6 +17,8 @@ hilum gpu-check --dry-run            # no GPU: the CPU against itself, small siz
 Weights are seeded at each architecture's full size (no downloads), except the lung U-Net: its \
 installed weights are used when present (or --unet PATH). A row fails when the target's output \
 differs from the CPU's by more than its tolerance (max |gpu - cpu| / max(1, max |cpu|)). \
+Columns: target ms (the device), cpu ms (candle on the CPU, the reference; timed at batch 1), \
+native ms (Hilum's own CPU kernels, the CPU default, where the model has them). \
 Exit status 1 when any row fails. scripts/gpu_check.sh builds the CUDA binary and runs this.")]
 pub struct GpuCheckArgs {
     /// The device to check against the CPU.
@@ -96,8 +98,17 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11} {:>11} {:>7}",
-        "model", "rel diff", "tol", "ok", "timed", "target ms", "cpu ms", "ratio"
+        "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11} {:>11} {:>7} {:>11} {:>7}",
+        "model",
+        "rel diff",
+        "tol",
+        "ok",
+        "timed",
+        "target ms",
+        "cpu ms",
+        "ratio",
+        "native ms",
+        "ratio"
     );
     let rows = devcheck::run(&opts, |r| print_row(r));
     if let Some(path) = &args.json {
@@ -129,23 +140,34 @@ fn print_row(r: &CheckRow) {
     let ok = if r.passed { "yes" } else { "NO" };
     let mut first = true;
     for t in &r.timings {
-        let (cpu, ratio) = match t.reference_ms {
+        let vs = |ms: Option<f64>| match ms {
             Some(c) => (
                 format!("{c:.2}"),
                 format!("{:.1}x", c / t.target_ms.max(1e-9)),
             ),
             None => ("-".into(), "-".into()),
         };
+        let (cpu, ratio) = vs(t.reference_ms);
+        let (native, native_ratio) = vs(t.native_ms);
         if first {
             println!(
-                "{:<12} {:>10} {:>8.0e} {:<5} {:<28} {:>11.2} {:>11} {:>7}",
-                r.model, diff, r.tolerance, ok, t.what, t.target_ms, cpu, ratio
+                "{:<12} {:>10} {:>8.0e} {:<5} {:<28} {:>11.2} {:>11} {:>7} {:>11} {:>7}",
+                r.model,
+                diff,
+                r.tolerance,
+                ok,
+                t.what,
+                t.target_ms,
+                cpu,
+                ratio,
+                native,
+                native_ratio
             );
             first = false;
         } else {
             println!(
-                "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11.2} {:>11} {:>7}",
-                "", "", "", "", t.what, t.target_ms, cpu, ratio
+                "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11.2} {:>11} {:>7} {:>11} {:>7}",
+                "", "", "", "", t.what, t.target_ms, cpu, ratio, native, native_ratio
             );
         }
     }

@@ -62,6 +62,9 @@ pub struct Timing {
     pub what: String,
     pub target_ms: f64,
     pub reference_ms: Option<f64>,
+    /// Hilum's own CPU kernels (the CPU default) where the model has them: what a GPU replaces
+    /// in practice, where `reference_ms` is candle's CPU path.
+    pub native_ms: Option<f64>,
 }
 
 /// The checks in the order they run.
@@ -145,6 +148,10 @@ fn mean_ms(
     Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
 }
 
+fn cpu_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// The CPU reference is timed with fewer calls: its full-size passes take seconds.
 fn ref_iters(o: &CheckOptions) -> usize {
     o.iterations.clamp(1, 2)
@@ -205,6 +212,12 @@ fn classifier(
         xrv::Classifier::new(vb_on(&weights, d)?, spec.clone(), Backend::Candle, 0)
     };
     let (r, t) = (make(o.reference)?, make(o.target)?);
+    let native = xrv::Classifier::new(
+        vb_on(&weights, Device::Cpu)?,
+        spec.clone(),
+        Backend::Native,
+        cpu_threads(),
+    )?;
     let g = gray(o);
     let one = xrv::preprocess(&g.pixels, g.width, g.height, g.max_value, spec.resolution);
     let a = r.logits(&one, 1)?;
@@ -228,6 +241,7 @@ fn classifier(
             what: format!("batch {n}"),
             target_ms,
             reference_ms,
+            native_ms: Some(mean_ms(ref_iters(o), || native.logits(&x, n).map(|_| ()))?),
         });
     }
     Ok(out)
@@ -266,6 +280,12 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let (rd, td) = (o.reference.candle()?, o.target.candle()?);
     let r = unet::LungUnet::load(vb_on(&weights, o.reference)?, &cfg)?;
     let t = unet::LungUnet::load(vb_on(&weights, o.target)?, &cfg)?;
+    let native = unet::LungSegmenter::new(
+        vb_on(&weights, Device::Cpu)?,
+        &cfg,
+        Backend::Native,
+        cpu_threads(),
+    )?;
     let a = run(&r, &rd, 1)?;
     let b = run(&t, &td, 1)?;
     let mut out = row("lung-unet", what, rel_diff(&a, &b), 1e-4);
@@ -288,6 +308,9 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
             } else {
                 None
             },
+            native_ms: Some(mean_ms(ref_iters(o), || {
+                native.predict(&vec![input.clone(); n]).map(|_| ())
+            })?),
         });
     }
     Ok(out)
@@ -316,6 +339,7 @@ fn psp(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         what: format!("batch 1 ({s} px)"),
         target_ms: mean_ms(o.iterations, || run(&t, &td).map(|_| ()))?,
         reference_ms: Some(mean_ms(ref_iters(o), || run(&r, &rd).map(|_| ()))?),
+        native_ms: None,
     });
     Ok(out)
 }
@@ -365,6 +389,7 @@ fn medsam(o: &CheckOptions) -> Result<CheckRow, ModelError> {
             r.embed_prepared(&input)?.flatten_all()?.to_vec1::<f32>()?;
             Ok(())
         })?),
+        native_ms: None,
     });
     out.timings.push(Timing {
         what: "decoder (box)".into(),
@@ -374,6 +399,7 @@ fn medsam(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         reference_ms: Some(mean_ms(ref_iters(o), || {
             r.predict_low_res(&ea, &prompt).map(|_| ())
         })?),
+        native_ms: None,
     });
     Ok(out)
 }
@@ -434,6 +460,7 @@ fn report_model(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         what: format!("decode, ms/token ({} tokens)", gen.max_length - 1),
         target_ms: per_token(&tn, &tx, o.iterations)?,
         reference_ms: Some(per_token(&rn, &rx, ref_iters(o))?),
+        native_ms: None,
     });
     Ok(out)
 }
@@ -524,12 +551,14 @@ fn llava_slice(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         what: "prefill (image + prompt)".into(),
         target_ms: gb.prefill_secs * 1000.0,
         reference_ms: Some(ga.prefill_secs * 1000.0),
+        native_ms: None,
     });
     let per = |g: &llava::Generation| g.decode_secs * 1000.0 / g.ids.len().max(1) as f64;
     out.timings.push(Timing {
         what: "decode, ms/token".into(),
         target_ms: per(&gb),
         reference_ms: Some(per(&ga)),
+        native_ms: None,
     });
     Ok(out)
 }

@@ -1052,6 +1052,8 @@ impl Llava {
         };
         let e = self.embed(ids, feats.as_ref())?;
         let mut logits = self.forward_embeds(&e, &mut cache)?;
+        // GPU kernels run asynchronously: wait for them, or the prefill time is only the launch.
+        self.device.synchronize()?;
         let prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut out = Vec::new();
