@@ -4,7 +4,7 @@
 # DenseNet-121 at batch 1/16/64, the U-Net, the MedSAM encoder, report and LLaVA decoding
 # timed on both, one table (and gpu_check.json in $OUT or the current directory).
 #
-#   scripts/gpu_check.sh                      # build (scripts/setup_cuda_build.sh) and run on cuda:0
+#   scripts/gpu_check.sh                      # build (scripts/build_cuda.sh) and run on cuda:0
 #   scripts/gpu_check.sh --bin PATH           # a hilum built with --features cuda elsewhere
 #   scripts/gpu_check.sh --dry-run            # no GPU: the CPU against itself, small sizes
 #   DEVICE=cuda:1 scripts/gpu_check.sh        # another GPU
@@ -36,14 +36,8 @@ if [ "$dry" = 1 ]; then
 fi
 
 if [ -z "$bin" ]; then
-  if ! command -v nvcc >/dev/null 2>&1; then
-    eval "$("$root/scripts/setup_cuda_build.sh")"
-  fi
-  export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)}"
-  echo "building hilum with CUDA (compute capability ${CUDA_COMPUTE_CAP:-default})" >&2
-  CARGO_INCREMENTAL=0 cargo build --release -p hilum-cli --features cuda
+  "$root/scripts/build_cuda.sh"
   bin="$root/target/release/hilum"
-  echo "build: $(( $(date +%s) - t0 )) s" >&2
 fi
 
 # cuBLAS, cuRAND, NVRTC and the runtime: from the toolkit, or from Python's CUDA wheels.
