@@ -6,7 +6,8 @@
 # compiles on a machine with no CUDA toolkit and no GPU. The driver library (libcuda.so.1) is not
 # on PyPI: a link-time stub exporting the driver API's names is generated here; at run time the
 # GPU machine's own driver is loaded. Prints the environment to export on stdout; progress on
-# stderr. COMPUTE_CAP (default 90, Hopper) picks the GPU generation the static kernels target.
+# stderr. COMPUTE_CAP (default 90, Hopper) picks the GPU generation the static kernels target;
+# WITH_CUDNN=1 adds cuDNN 9.21 for `--features cudnn`.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="$here/.venv-cuda"
@@ -19,6 +20,9 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv" >&2
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements-cuda.txt" >&2
+if [ "${WITH_CUDNN:-0}" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements-cudnn.txt" >&2
+fi
 
 cu="$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
 [ -x "$cu/bin/nvcc" ] || { echo "nvcc not found under $cu" >&2; exit 1; }
@@ -28,13 +32,24 @@ cu="$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia._
 rm -rf "$home"
 mkdir -p "$home/lib64/stubs"
 ln -s "$cu/bin" "$home/bin"
-ln -s "$cu/include" "$home/include"
+mkdir -p "$home/include"
+ln -s "$cu"/include/* "$home/include/"
 [ -d "$cu/nvvm" ] && ln -s "$cu/nvvm" "$home/nvvm"
 for so in "$cu"/lib/lib*.so.*; do
   base="$(basename "$so")"
   ln -sf "$so" "$home/lib64/$base"
   ln -sf "$so" "$home/lib64/${base%%.so.*}.so"
 done
+
+cudnn="$(dirname "$cu")/cudnn"
+if [ "${WITH_CUDNN:-0}" = 1 ] && [ -d "$cudnn" ]; then
+  ln -sf "$cudnn"/include/* "$home/include/"
+  for so in "$cudnn"/lib/lib*.so.*; do
+    base="$(basename "$so")"
+    ln -sf "$so" "$home/lib64/$base"
+    ln -sf "$so" "$home/lib64/${base%%.so.*}.so"
+  done
+fi
 
 # The driver stub: every cu* function cuda.h declares, as an empty symbol, in a library whose
 # SONAME is the real driver's, so the binary records libcuda.so.1 and resolves it at start.
