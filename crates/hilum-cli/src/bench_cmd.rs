@@ -54,7 +54,8 @@ pub struct BenchArgs {
     /// Batch sizes for the classifiers' batched forward (empty: skip it).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub batch: Vec<usize>,
-    /// Classifier backends to time: native, candle, onnx (default: the CPU's default, native).
+    /// Classifier backends to time: native, candle, onnx, kserve (default: the CPU's default,
+    /// native).
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
     /// Skip the round benchmark (parallel round vs serial calls).

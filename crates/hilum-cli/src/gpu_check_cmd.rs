@@ -99,7 +99,7 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         "{:<12} {:>10} {:>8} {:<5} {:<28} {:>11} {:>11} {:>7}",
         "model", "rel diff", "tol", "ok", "timed", "target ms", "cpu ms", "ratio"
     );
-    let rows = devcheck::run(&opts, |r| print_row(r));
+    let rows = devcheck::run(&opts, print_row);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "target": target.to_string(),

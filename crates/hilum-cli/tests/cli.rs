@@ -258,5 +258,5 @@ fn bench_times_the_classifier_per_backend_and_batch_and_names_missing_weights() 
         .expect("run hilum");
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(err.contains("native, candle or onnx"), "{err}");
+    assert!(err.contains("native, candle, onnx or kserve"), "{err}");
 }
