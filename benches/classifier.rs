@@ -36,7 +36,7 @@ fn bench(c: &mut Criterion) {
     ] {
         let mut g = c.benchmark_group(format!("{}/{threads}threads", spec.id));
         g.sample_size(10);
-        for backend in Backend::ALL {
+        for backend in Backend::IN_PROCESS {
             if backend == Backend::Onnx && !hilum_models::onnx::available() {
                 eprintln!("onnx: skipped, ONNX Runtime not loadable (set ORT_DYLIB_PATH)");
                 continue;

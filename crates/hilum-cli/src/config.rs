@@ -32,6 +32,64 @@ pub struct FileConfig {
     /// CPU kernels, the CPU default), `candle` (the GPU default) or `onnx` (ONNX Runtime).
     #[serde(default)]
     pub backends: std::collections::BTreeMap<String, String>,
+    /// `[remote]`: the KServe v2 inference server (Triton) of `--backend kserve`.
+    #[serde(default)]
+    pub remote: RemoteSection,
+}
+
+/// The `[remote]` table: where `--backend kserve` sends the CNNs' forward passes. When
+/// `HILUM_KSERVE_URL` is set, it and the other `HILUM_KSERVE_*` variables replace this table.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteSection {
+    /// Base URL of the server's HTTP endpoint, e.g. `http://triton:8000`.
+    pub url: Option<String>,
+    /// Longest wait for one answer (default 30).
+    pub timeout_secs: Option<u64>,
+    /// Further tries after a connection error or a 5xx answer (default 2).
+    pub retries: Option<u32>,
+    /// An in-process backend (`native`, `candle`, `onnx`) that runs a call while the server
+    /// does not answer; unset: such a call fails with an error that says what to do.
+    pub fallback: Option<String>,
+}
+
+impl RemoteSection {
+    /// The client settings this table gives, if it names a server.
+    pub fn settings(&self) -> anyhow::Result<Option<hilum_models::KserveSettings>> {
+        let Some(url) = self.url.as_ref().filter(|u| !u.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let mut s = hilum_models::KserveSettings::new(url.trim());
+        if let Some(secs) = self.timeout_secs {
+            s.timeout = std::time::Duration::from_secs(secs.max(1));
+        }
+        if let Some(n) = self.retries {
+            s.retries = n.min(10);
+        }
+        if let Some(b) = &self.fallback {
+            let b: hilum_models::Backend = b
+                .parse()
+                .map_err(|e| anyhow::anyhow!("[remote] fallback: {e}"))?;
+            if b == hilum_models::Backend::Kserve {
+                bail!("[remote] fallback must be an in-process backend: native, candle or onnx");
+            }
+            s.fallback = Some(b);
+        }
+        Ok(Some(s))
+    }
+}
+
+/// The config file's `[remote]` settings, recorded by [`load_file`] for the model pool.
+static FILE_REMOTE: std::sync::OnceLock<Option<hilum_models::KserveSettings>> =
+    std::sync::OnceLock::new();
+
+/// The models' settings with the kserve server: `HILUM_KSERVE_*` when set, else the config
+/// file's `[remote]` table (as read by the command's [`load_file`]).
+pub fn with_remote(mut settings: hilum_models::ModelSettings) -> hilum_models::ModelSettings {
+    if settings.remote.is_none() {
+        settings.remote = FILE_REMOTE.get().cloned().flatten();
+    }
+    settings
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -156,14 +214,21 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
             },
         },
     };
-    match std::fs::read_to_string(&path) {
+    let file: FileConfig = match std::fs::read_to_string(&path) {
         Ok(text) => toml::from_str(&text)
-            .with_context(|| format!("config file {} is not valid", path.display())),
-        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
-            Ok(FileConfig::default())
+            .with_context(|| format!("config file {} is not valid", path.display()))?,
+        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => FileConfig::default(),
+        Err(e) => {
+            return Err(e).with_context(|| format!("cannot read config file {}", path.display()))
         }
-        Err(e) => Err(e).with_context(|| format!("cannot read config file {}", path.display())),
-    }
+    };
+    let remote = file
+        .remote
+        .settings()
+        .with_context(|| format!("config file {}", path.display()))?;
+    // The pool is made after the command read its file: the first file read is the one.
+    let _ = FILE_REMOTE.set(remote);
+    Ok(file)
 }
 
 /// `$XDG_CONFIG_HOME/hilum/config.toml` (an absolute `XDG_CONFIG_HOME` only, as the XDG spec
@@ -398,14 +463,18 @@ pub fn tool_settings() -> hilum_tools::ToolSettings {
 
 fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::ToolSettings {
     let var = |k: &str| var(k).filter(|v| !v.is_empty());
+    let classifier_backends = match var("HILUM_BACKEND") {
+        Some(spec) => hilum_tools::parse_backends(&spec).map_err(|e| format!("HILUM_BACKEND: {e}")),
+        None => Ok(Default::default()),
+    };
+    let served = matches!(&classifier_backends,
+        Ok(b) if b.get("*") == Some(&hilum_models::Backend::Kserve));
     hilum_tools::ToolSettings {
-        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND").and_then(|b| b.parse().ok()),
-        classifier_backends: match var("HILUM_BACKEND") {
-            Some(spec) => {
-                hilum_tools::parse_backends(&spec).map_err(|e| format!("HILUM_BACKEND: {e}"))
-            }
-            None => Ok(Default::default()),
-        },
+        // `HILUM_BACKEND=kserve` serves the lung U-Net too, unless it has its own variable.
+        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND")
+            .and_then(|b| b.parse().ok())
+            .or(served.then_some(hilum_models::Backend::Kserve)),
+        classifier_backends,
     }
 }
 
@@ -434,9 +503,30 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(
-            err.contains("--backend") && err.contains("native, candle or onnx"),
+            err.contains("--backend") && err.contains("native, candle, onnx or kserve"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn remote_table_gives_client_settings_and_rejects_a_remote_fallback() {
+        let file: FileConfig = toml::from_str(
+            "[remote]\nurl = \"http://triton:8000\"\nretries = 5\nfallback = \"native\"\n",
+        )
+        .expect("valid config");
+        let s = file.remote.settings().expect("valid").expect("a server");
+        assert_eq!(s.url, "http://triton:8000");
+        assert_eq!(s.retries, 5);
+        assert_eq!(s.fallback, Some(Backend::Native));
+        let bad: FileConfig =
+            toml::from_str("[remote]\nurl = \"http://t:8000\"\nfallback = \"kserve\"\n")
+                .expect("parses");
+        assert!(bad.remote.settings().is_err());
+        assert!(FileConfig::default()
+            .remote
+            .settings()
+            .expect("ok")
+            .is_none());
     }
 
     #[test]
@@ -459,6 +549,13 @@ mod tests {
         let s = tool_settings_from(env(&[]));
         assert_eq!(s.lung_unet_backend, None);
         assert_eq!(s.classifier_backends, Ok(Default::default()));
+        let s = tool_settings_from(env(&[("HILUM_BACKEND", "kserve")]));
+        assert_eq!(s.lung_unet_backend, Some(Backend::Kserve));
+        let s = tool_settings_from(env(&[
+            ("HILUM_BACKEND", "kserve"),
+            ("HILUM_LUNG_UNET_BACKEND", "native"),
+        ]));
+        assert_eq!(s.lung_unet_backend, Some(Backend::Native));
         let s = tool_settings_from(env(&[("HILUM_BACKEND", "tensorflow")]));
         let e = s.classifier_backends.expect_err("bad backend");
         assert!(e.starts_with("HILUM_BACKEND:"), "{e}");

@@ -110,7 +110,7 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         "native ms",
         "ratio"
     );
-    let rows = devcheck::run(&opts, |r| print_row(r));
+    let rows = devcheck::run(&opts, print_row);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "target": target.to_string(),

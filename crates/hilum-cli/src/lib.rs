@@ -76,14 +76,15 @@ pub(crate) fn model_settings() -> &'static hilum_models::ModelSettings {
     MODEL_SETTINGS.get_or_init(config::model_settings)
 }
 
-/// The process's one model pool over [`model_settings`]: every command and every toolbox of
-/// `hilum serve` shares it, so a model loads once.
+/// The process's one model pool over [`model_settings`] (with the config file's `[remote]`
+/// server, see [`config::with_remote`]): every command and every toolbox of `hilum serve`
+/// shares it, so a model loads once.
 pub(crate) fn model_pool() -> Arc<hilum_models::ModelPool> {
     MODEL_POOL
         .get_or_init(|| {
-            Arc::new(hilum_models::ModelPool::from_settings(
+            Arc::new(hilum_models::ModelPool::from_settings(config::with_remote(
                 model_settings().clone(),
-            ))
+            )))
         })
         .clone()
 }

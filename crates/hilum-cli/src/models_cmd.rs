@@ -1,9 +1,10 @@
-//! `hilum models`: list, fetch, import and verify model weights.
+//! `hilum models`: list, fetch, import and verify model weights; export the CNNs for Triton.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
+use hilum_models::triton::{ExportOptions, Exported};
 use hilum_models::{FetchOptions, FetchProgress, ImportOptions, ModelRegistry};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -53,6 +54,28 @@ pub enum ModelsCmd {
     /// Re-check installed weights: sha256 against the install record, names and shapes against
     /// the architecture. All installed models when no id is given.
     Verify { ids: Vec<String> },
+    /// Write a Triton Inference Server model repository for the installed CNNs Hilum has ONNX
+    /// graphs of (DenseNet-121, ResNet-50, the lung U-Net): DIR/<model>/1/model.onnx and
+    /// DIR/<model>/config.pbtxt. Serve it with `tritonserver --model-repository DIR`, then run
+    /// the tools with `--backend kserve` and `[remote] url` (or HILUM_KSERVE_URL) set.
+    ExportTriton {
+        /// The repository to write (created if needed; models already in it are overwritten).
+        dir: PathBuf,
+        /// Model ids (default: every installed model with a graph).
+        ids: Vec<String>,
+        /// GPUs to serve on, one instance group each (KIND_GPU, gpus [i]); 0: on the CPU.
+        #[arg(long, default_value_t = 0)]
+        gpus: usize,
+        /// Model instances per GPU (or on the CPU).
+        #[arg(long, default_value_t = 1)]
+        instances: usize,
+        /// Largest batch Triton's dynamic batcher forms.
+        #[arg(long, default_value_t = 16)]
+        max_batch_size: usize,
+        /// How long the batcher may hold a request to fill a batch (microseconds).
+        #[arg(long, default_value_t = 1000)]
+        max_queue_delay_us: u64,
+    },
 }
 
 pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
@@ -106,7 +129,76 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
             Ok(())
         }
         ModelsCmd::Verify { ids } => verify(&registry, ids),
+        ModelsCmd::ExportTriton {
+            dir,
+            ids,
+            gpus,
+            instances,
+            max_batch_size,
+            max_queue_delay_us,
+        } => {
+            let opts = ExportOptions {
+                gpus,
+                instances,
+                max_batch_size,
+                max_queue_delay_us,
+            };
+            let repo = dir.clone();
+            let done = tokio::task::spawn_blocking(move || {
+                hilum_models::triton::export_triton(&registry, &repo, &ids, &opts)
+            })
+            .await
+            .context("export task")??;
+            let mut written = 0;
+            for e in &done {
+                match e {
+                    Exported::Written {
+                        id,
+                        dir,
+                        graph,
+                        input,
+                        output,
+                        max_batch_size,
+                    } => {
+                        written += 1;
+                        println!(
+                            "wrote {id}: {} ({graph}; {} {} -> {} {}; max_batch_size {max_batch_size})",
+                            dir.display(),
+                            input.name,
+                            dims(&input.dims),
+                            output.name,
+                            dims(&output.dims)
+                        );
+                    }
+                    Exported::Skipped { id, reason } => println!("skipped {id}: {reason}"),
+                }
+            }
+            if written == 0 {
+                bail!(
+                    "no model exported: install one first (`hilum models list`; the lung U-Net \
+                     needs its ONNX graph imported, `hilum models import lung-unet \
+                     lung_seg_valiou_088.onnx`)"
+                );
+            }
+            println!(
+                "serve it: tritonserver --model-repository {} (a test server: \
+                 scripts/triton_serve.py {}); then --backend kserve with HILUM_KSERVE_URL or \
+                 [remote] url",
+                dir.display(),
+                dir.display()
+            );
+            Ok(())
+        }
     }
+}
+
+/// `[batch, 1, 224, 224]` from graph dimensions (`batch` where symbolic).
+fn dims(d: &[Option<usize>]) -> String {
+    let parts: Vec<String> = d
+        .iter()
+        .map(|d| d.map_or("batch".to_string(), |n| n.to_string()))
+        .collect();
+    format!("[{}]", parts.join(", "))
 }
 
 fn list(registry: &ModelRegistry, as_json: bool) -> anyhow::Result<()> {

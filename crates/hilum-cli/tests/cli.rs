@@ -258,5 +258,121 @@ fn bench_times_the_classifier_per_backend_and_batch_and_names_missing_weights() 
         .expect("run hilum");
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(err.contains("native, candle or onnx"), "{err}");
+    assert!(err.contains("native, candle, onnx or kserve"), "{err}");
+}
+
+/// A models dir holding the real lung U-Net with its ONNX graph, imported by `hilum models
+/// import` (with HILUM_PYTHON or scripts/.venv-models for the .h5) or copied from the user's
+/// installed models; `None` when neither is possible here.
+fn lung_unet_models_dir(dir: &std::path::Path) -> Option<PathBuf> {
+    let models = dir.join("models");
+    let venv =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    if let Some(python) = python {
+        for file in ["lung_seg_valiou_088.h5", "lung_seg_valiou_088.onnx"] {
+            let out = hilum()
+                .env("HILUM_MODELS_DIR", &models)
+                .args(["models", "import", "lung-unet"])
+                .arg(data(&format!("models/lung_seg_unet/{file}")))
+                .arg("--python")
+                .arg(&python)
+                .output()
+                .expect("run hilum");
+            assert_succeeded(&out);
+        }
+        return Some(models);
+    }
+    let installed =
+        PathBuf::from(std::env::var_os("HOME")?).join(".local/share/hilum/models/lung-unet");
+    if !installed.join("model.onnx").is_file() {
+        return None;
+    }
+    std::fs::create_dir_all(models.join("lung-unet")).ok()?;
+    for f in ["install.toml", "model.safetensors", "model.onnx"] {
+        std::fs::copy(installed.join(f), models.join("lung-unet").join(f)).ok()?;
+    }
+    Some(models)
+}
+
+#[test]
+fn export_triton_writes_the_repository_and_a_down_server_is_a_clear_error_or_the_fallback() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(models) = lung_unet_models_dir(dir.path()) else {
+        eprintln!("SKIPPED: no Python with h5py (HILUM_PYTHON) and no installed lung-unet");
+        return;
+    };
+    let repo = dir.path().join("repo");
+    let out = hilum()
+        .env("HILUM_MODELS_DIR", &models)
+        .args([
+            "models",
+            "export-triton",
+            "--gpus",
+            "2",
+            "--max-batch-size",
+            "8",
+        ])
+        .arg(&repo)
+        .output()
+        .expect("run hilum");
+    assert_succeeded(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("wrote lung-unet"), "{stdout}");
+    assert!(
+        stdout.contains("skipped densenet121-res224-all: not installed"),
+        "{stdout}"
+    );
+    let config = std::fs::read_to_string(repo.join("lung-unet/config.pbtxt")).expect("config");
+    for want in [
+        "platform: \"onnxruntime_onnx\"",
+        "max_batch_size: 8",
+        "name: \"input\"",
+        "dims: [ 256, 256, 3 ]",
+        "name: \"activation_51\"",
+        "data_type: TYPE_FP32",
+        "dynamic_batching",
+        "gpus: [ 1 ]",
+    ] {
+        assert!(config.contains(want), "{want} missing:\n{config}");
+    }
+    assert!(repo.join("lung-unet/1/model.onnx").is_file());
+
+    // HILUM_BACKEND=kserve sends the lung U-Net to the server; this one is not there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let call = |fallback: &str| {
+        hilum()
+            .env("HILUM_MODELS_DIR", &models)
+            .env("HILUM_BACKEND", "kserve")
+            .env("HILUM_KSERVE_URL", format!("http://127.0.0.1:{closed}"))
+            .env("HILUM_KSERVE_RETRIES", "0")
+            .env("HILUM_KSERVE_FALLBACK", fallback)
+            .args(["tools", "call", "segment_lungs", "--image"])
+            .arg(data("cxr/images/nih_00000001_000_cardiomegaly.png"))
+            .output()
+            .expect("run hilum")
+    };
+    let down = call("");
+    assert!(!down.status.success());
+    let err = String::from_utf8_lossy(&down.stderr);
+    assert!(
+        err.contains("is not answering") && err.contains("HILUM_KSERVE_URL"),
+        "{err}"
+    );
+    let fell = call("native");
+    assert_succeeded(&fell);
+    let v: Value = serde_json::from_slice(&fell.stdout).expect("JSON output");
+    assert_eq!(v["data"]["backend"], "native");
+    assert!(
+        v["data"]["fallback"]
+            .as_str()
+            .is_some_and(|f| f.contains("did not answer")),
+        "{}",
+        v["data"]
+    );
 }

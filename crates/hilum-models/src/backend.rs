@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Device, ModelError};
 
-/// Which implementation runs a network (`--backend native|candle|onnx`).
+/// Which implementation runs a network (`--backend native|candle|onnx|kserve`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -18,10 +18,21 @@ pub enum Backend {
     /// ([`crate::onnx_graph`]) or an imported `model.onnx`; CPU, or TensorRT/CUDA with the
     /// `onnx-gpu` feature.
     Onnx,
+    /// A KServe v2 inference server (NVIDIA Triton, KServe, MLServer) runs the forward pass of
+    /// the graph `hilum models export-triton` wrote; pre- and postprocessing stay here, so the
+    /// output is the one the in-process backends give (see [`crate::kserve`]).
+    Kserve,
 }
 
 impl Backend {
-    pub const ALL: [Backend; 3] = [Backend::Native, Backend::Candle, Backend::Onnx];
+    pub const ALL: [Backend; 4] = [
+        Backend::Native,
+        Backend::Candle,
+        Backend::Onnx,
+        Backend::Kserve,
+    ];
+    /// The backends that run the network in this process.
+    pub const IN_PROCESS: [Backend; 3] = [Backend::Native, Backend::Candle, Backend::Onnx];
 
     /// Native on the CPU (measured as fast as ONNX Runtime there, with nothing to install),
     /// candle on GPUs; ONNX Runtime only when asked for.
@@ -38,6 +49,7 @@ impl Backend {
             Backend::Native => "native",
             Backend::Candle => "candle",
             Backend::Onnx => "onnx",
+            Backend::Kserve => "kserve",
         }
     }
 
@@ -68,8 +80,9 @@ impl std::str::FromStr for Backend {
             "native" => Ok(Backend::Native),
             "candle" => Ok(Backend::Candle),
             "onnx" | "ort" | "onnxruntime" => Ok(Backend::Onnx),
+            "kserve" | "triton" | "remote" => Ok(Backend::Kserve),
             other => Err(ModelError::Compute(format!(
-                "unknown backend `{other}`: use native, candle or onnx"
+                "unknown backend `{other}`: use native, candle, onnx or kserve"
             ))),
         }
     }
@@ -85,6 +98,7 @@ mod tests {
             assert_eq!(b.name().parse::<Backend>().ok(), Some(b));
         }
         assert_eq!(" ORT ".parse::<Backend>().ok(), Some(Backend::Onnx));
+        assert_eq!("Triton".parse::<Backend>().ok(), Some(Backend::Kserve));
         assert!("tensorflow".parse::<Backend>().is_err());
     }
 

@@ -13,6 +13,7 @@ pub mod devcheck;
 mod device;
 mod fetch;
 mod import;
+pub mod kserve;
 pub mod llava;
 mod manifest;
 pub mod native;
@@ -26,6 +27,7 @@ pub mod report;
 pub mod resnet;
 pub mod sam;
 mod settings;
+pub mod triton;
 pub mod unet;
 pub mod weights;
 pub mod xrv;
@@ -36,6 +38,7 @@ pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
+pub use kserve::KserveSettings;
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
 pub use pool::{Model, ModelPool};
 pub use registry::{ModelRegistry, ModelStatus, VerifyReport};
@@ -85,6 +88,25 @@ pub enum ModelError {
     Compute(String),
     #[error("ONNX Runtime: {0}")]
     Onnx(String),
+    /// The inference server of the kserve backend does not answer (down, unreachable, timing
+    /// out, or failing with 5xx after the retries): the one remote failure worth a fallback.
+    #[error(
+        "the KServe v2 inference server at {url} is not answering ({reason}): start it (Triton: \
+         `tritonserver --model-repository DIR` on the repository `hilum models export-triton DIR` \
+         wrote), fix the URL ([remote] url in the config file or HILUM_KSERVE_URL), set \
+         [remote] fallback = \"native\" (HILUM_KSERVE_FALLBACK=native) to run in process while it \
+         is down, or use --backend native"
+    )]
+    RemoteDown { url: String, reason: String },
+    #[error(
+        "the kserve backend has no inference server configured: set [remote] url = \
+         \"http://HOST:8000\" in the config file or HILUM_KSERVE_URL"
+    )]
+    NoRemote,
+    /// The inference server answers but not as Hilum needs (no such model, other tensors, a
+    /// malformed reply).
+    #[error("the KServe v2 inference server at {url}: {reason}")]
+    Remote { url: String, reason: String },
     #[error("{what} does not run on the {backend} backend: use {supported}")]
     Backend {
         what: String,

@@ -358,6 +358,157 @@ impl GraphBuilder {
     }
 }
 
+/// A graph input or output as the model declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValueSpec {
+    pub name: String,
+    /// `TensorProto.DataType` (1: FLOAT).
+    pub elem_type: i64,
+    /// `None` for a symbolic dimension (e.g. the batch).
+    pub dims: Vec<Option<usize>>,
+}
+
+impl ValueSpec {
+    pub fn is_float(&self) -> bool {
+        self.elem_type == FLOAT
+    }
+}
+
+/// The inputs (initializers excluded) and outputs of a graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraphIo {
+    pub inputs: Vec<ValueSpec>,
+    pub outputs: Vec<ValueSpec>,
+}
+
+/// Reads the declared inputs and outputs of a serialised `ModelProto` (this module's graphs or
+/// any other, e.g. the lung U-Net's imported `model.onnx`), skipping everything else.
+pub fn graph_io(model: &[u8]) -> std::result::Result<GraphIo, String> {
+    let mut graph = None;
+    each_field(model, |field, v| {
+        if let (7, Field::Bytes(b)) = (field, v) {
+            graph = Some(b);
+        }
+        Ok(())
+    })?;
+    let graph = graph.ok_or("not an ONNX model: no graph")?;
+    let (mut inputs, mut outputs, mut initializers) = (Vec::new(), Vec::new(), Vec::new());
+    each_field(graph, |field, v| {
+        match (field, v) {
+            (5, Field::Bytes(t)) => each_field(t, |f, v| {
+                if let (8, Field::Bytes(name)) = (f, v) {
+                    initializers.push(String::from_utf8_lossy(name).into_owned());
+                }
+                Ok(())
+            })?,
+            (11, Field::Bytes(b)) => inputs.push(value_spec(b)?),
+            (12, Field::Bytes(b)) => outputs.push(value_spec(b)?),
+            _ => {}
+        }
+        Ok(())
+    })?;
+    // Before IR version 4 initializers were listed among the inputs too.
+    inputs.retain(|v: &ValueSpec| !initializers.contains(&v.name));
+    Ok(GraphIo { inputs, outputs })
+}
+
+/// One decoded protobuf field: a varint or fixed-width number, or length-delimited bytes.
+enum Field<'a> {
+    Int(u64),
+    Bytes(&'a [u8]),
+}
+
+fn read_varint(b: &[u8], i: &mut usize) -> std::result::Result<u64, String> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*i).ok_or("truncated protobuf varint")?;
+        *i += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return Ok(v);
+        }
+    }
+    Err("protobuf varint longer than 10 bytes".into())
+}
+
+/// Calls `f` with each top-level field of the message `b`.
+fn each_field<'a>(
+    b: &'a [u8],
+    mut f: impl FnMut(u32, Field<'a>) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
+    let mut i = 0;
+    while i < b.len() {
+        let key = read_varint(b, &mut i)?;
+        let field = (key >> 3) as u32;
+        let value = match key & 7 {
+            0 => Field::Int(read_varint(b, &mut i)?),
+            1 | 5 => {
+                let n = if key & 7 == 1 { 8 } else { 4 };
+                i += n;
+                Field::Int(0)
+            }
+            2 => {
+                let n = read_varint(b, &mut i)? as usize;
+                let bytes = b
+                    .get(i..i.saturating_add(n))
+                    .ok_or("truncated protobuf field")?;
+                i += n;
+                Field::Bytes(bytes)
+            }
+            w => return Err(format!("unsupported protobuf wire type {w}")),
+        };
+        if i > b.len() {
+            return Err("truncated protobuf field".into());
+        }
+        f(field, value)?;
+    }
+    Ok(())
+}
+
+/// A `ValueInfoProto`: name = 1, type = 2 (TypeProto.tensor_type = 1: elem_type = 1,
+/// shape = 2 (dim = 1: dim_value = 1, dim_param = 2)).
+fn value_spec(b: &[u8]) -> std::result::Result<ValueSpec, String> {
+    let mut spec = ValueSpec {
+        name: String::new(),
+        elem_type: 0,
+        dims: Vec::new(),
+    };
+    each_field(b, |f, v| {
+        match (f, v) {
+            (1, Field::Bytes(n)) => spec.name = String::from_utf8_lossy(n).into_owned(),
+            (2, Field::Bytes(ty)) => each_field(ty, |f, v| {
+                if let (1, Field::Bytes(tensor)) = (f, v) {
+                    each_field(tensor, |f, v| {
+                        match (f, v) {
+                            (1, Field::Int(t)) => spec.elem_type = t as i64,
+                            (2, Field::Bytes(shape)) => each_field(shape, |f, v| {
+                                if let (1, Field::Bytes(dim)) = (f, v) {
+                                    let mut d = None;
+                                    each_field(dim, |f, v| {
+                                        if let (1, Field::Int(n)) = (f, v) {
+                                            // 0 is how some exporters write "unknown".
+                                            d = (n > 0).then_some(n as usize);
+                                        }
+                                        Ok(())
+                                    })?;
+                                    spec.dims.push(d);
+                                }
+                                Ok(())
+                            })?,
+                            _ => {}
+                        }
+                        Ok(())
+                    })?;
+                }
+                Ok(())
+            })?,
+            _ => {}
+        }
+        Ok(())
+    })?;
+    Ok(spec)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,5 +538,21 @@ mod tests {
         assert!(t.ends_with(&raw), "raw_data is the last field");
         // dims = [2] (field 1), data_type = FLOAT (field 2).
         assert_eq!(&t[..4], &[0x08, 0x02, 0x10, 0x01]);
+    }
+
+    #[test]
+    fn graph_io_reads_back_what_finish_wrote() {
+        let mut g = GraphBuilder::new("t");
+        g.constant("w", &[2], &[1.0, -2.5]);
+        let y = g.relu(INPUT);
+        let bytes = g.finish_classifier(&y, 1, 8, 3, "test");
+        let io = graph_io(&bytes).expect("parses");
+        assert_eq!(io.inputs.len(), 1, "{io:?}");
+        assert_eq!(io.inputs[0].name, INPUT);
+        assert!(io.inputs[0].is_float());
+        assert_eq!(io.inputs[0].dims, vec![None, Some(1), Some(8), Some(8)]);
+        assert_eq!(io.outputs[0].name, OUTPUT);
+        assert_eq!(io.outputs[0].dims, vec![None, Some(3)]);
+        assert!(graph_io(&bytes[..bytes.len() / 2]).is_err());
     }
 }

@@ -323,7 +323,7 @@ impl AnatomySegmenter {
                 let device = vb.device().clone();
                 AnatomyNet::Candle(Box::new(PspNet::load(vb, config)?), device)
             }
-            Backend::Onnx => {
+            Backend::Onnx | Backend::Kserve => {
                 return Err(ModelError::Backend {
                     what: "the anatomy PSPNet".into(),
                     backend,

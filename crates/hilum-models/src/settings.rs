@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 
 use crate::registry::ModelRegistry;
-use crate::Device;
+use crate::{Device, KserveSettings};
 
 /// Everything a model pool and its models may be told. `Default`: the user's data dir, all
 /// cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
@@ -34,6 +34,9 @@ pub struct ModelSettings {
     /// `[postprocessing] quantize`. Kept as text and parsed when a LLaVA loads, so a bad value
     /// fails that model only.
     pub llava_quantize: Option<String>,
+    /// The KServe v2 inference server of the kserve backend; `None`: that backend says how to
+    /// configure one.
+    pub remote: Option<KserveSettings>,
 }
 
 impl Default for ModelSettings {
@@ -45,6 +48,7 @@ impl Default for ModelSettings {
             gpu_concurrency: None,
             ort_dylib: None,
             llava_quantize: None,
+            remote: None,
         }
     }
 }
@@ -53,8 +57,10 @@ impl ModelSettings {
     /// The settings named by variables, looked up with `var` (empty values count as unset):
     /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
     /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
-    /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH` and
-    /// `HILUM_LLAVA_QUANTIZE`.
+    /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
+    /// `HILUM_LLAVA_QUANTIZE`, and the kserve backend's `HILUM_KSERVE_URL` with
+    /// `HILUM_KSERVE_TIMEOUT_SECS`, `HILUM_KSERVE_RETRIES` and `HILUM_KSERVE_FALLBACK` (an
+    /// in-process backend; values that do not parse are left at their defaults).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
         let number = |k: &str| set(k).and_then(|v| v.parse::<usize>().ok());
@@ -66,6 +72,19 @@ impl ModelSettings {
             gpu_concurrency: number("HILUM_GPU_CONCURRENCY"),
             ort_dylib: set("ORT_DYLIB_PATH").map(PathBuf::from),
             llava_quantize: set("HILUM_LLAVA_QUANTIZE"),
+            remote: set("HILUM_KSERVE_URL").map(|url| {
+                let mut r = KserveSettings::new(url);
+                if let Some(secs) = number("HILUM_KSERVE_TIMEOUT_SECS") {
+                    r.timeout = std::time::Duration::from_secs(secs.max(1) as u64);
+                }
+                if let Some(n) = number("HILUM_KSERVE_RETRIES") {
+                    r.retries = n.min(10) as u32;
+                }
+                r.fallback = set("HILUM_KSERVE_FALLBACK")
+                    .and_then(|b| b.parse().ok())
+                    .filter(|b| *b != crate::Backend::Kserve);
+                r
+            }),
         }
     }
 
@@ -120,6 +139,9 @@ mod tests {
             ("HILUM_GPU_CONCURRENCY", "x"),
             ("ORT_DYLIB_PATH", ""),
             ("HILUM_LLAVA_QUANTIZE", "q4k"),
+            ("HILUM_KSERVE_URL", "http://triton:8000"),
+            ("HILUM_KSERVE_RETRIES", "4"),
+            ("HILUM_KSERVE_FALLBACK", "native"),
         ];
         let s = ModelSettings::from_vars(|k| {
             vars.iter()
@@ -132,6 +154,10 @@ mod tests {
         assert_eq!(s.concurrency(Device::Cuda(0)), 1);
         assert_eq!(s.ort_dylib, None);
         assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
+        let remote = s.remote.expect("HILUM_KSERVE_URL");
+        assert_eq!(remote.url, "http://triton:8000");
+        assert_eq!(remote.retries, 4);
+        assert_eq!(remote.fallback, Some(crate::Backend::Native));
         assert_eq!(ModelSettings::from_vars(|_| None), ModelSettings::default());
     }
 }

@@ -22,6 +22,11 @@ use hilum_kernels::NativeUnet;
 
 use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
+/// Input and output names of the published ONNX export (`lung_seg_valiou_088.onnx`), used by
+/// the kserve backend when no `model.onnx` is installed to read them from.
+pub const ONNX_INPUT: &str = "input";
+pub const ONNX_OUTPUT: &str = "activation_51";
+
 /// Keras' default batch-norm epsilon, used by every BN layer of the checkpoint.
 pub(crate) const BN_EPS: f64 = 1e-3;
 
@@ -322,6 +327,7 @@ enum LungNet {
     Candle(LungUnet, candle_core::Device),
     #[cfg(feature = "onnx")]
     Onnx(crate::onnx::OnnxModel),
+    Remote(crate::kserve::KserveModel),
 }
 
 impl LungSegmenter {
@@ -353,11 +359,13 @@ impl LungSegmenter {
                 let device = vb.device().clone();
                 LungNet::Candle(LungUnet::load(vb, config)?, device)
             }
-            Backend::Onnx => {
+            Backend::Onnx | Backend::Kserve => {
                 return Err(ModelError::Backend {
                     what: "a lung U-Net built from safetensors".into(),
                     backend,
-                    supported: "native, candle (ONNX Runtime loads the imported model.onnx)".into(),
+                    supported: "native, candle (ONNX Runtime loads the imported model.onnx; \
+                                LungSegmenter::kserve connects to a server)"
+                        .into(),
                 })
             }
         };
@@ -384,6 +392,25 @@ impl LungSegmenter {
         ))
     }
 
+    /// The network served as model `id` by the KServe v2 server of `settings`, with the graph's
+    /// input and output names (NHWC (batch, s, s, 3) in, (batch, s, s, 1) out), checked at
+    /// connection.
+    pub fn kserve(
+        id: &str,
+        config: &Config,
+        names: (&str, &str),
+        settings: &crate::KserveSettings,
+    ) -> Result<Self, ModelError> {
+        use crate::kserve::{KserveModel, TensorSpec};
+        let s = config.input_size as i64;
+        let input = TensorSpec::new(names.0, &[-1, s, s, 3]);
+        let output = TensorSpec::new(names.1, &[-1, s, s, 1]);
+        Ok(LungSegmenter {
+            config: config.clone(),
+            net: LungNet::Remote(KserveModel::connect(settings, id, input, output)?),
+        })
+    }
+
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -394,6 +421,7 @@ impl LungSegmenter {
             LungNet::Candle(..) => Backend::Candle,
             #[cfg(feature = "onnx")]
             LungNet::Onnx(_) => Backend::Onnx,
+            LungNet::Remote(_) => Backend::Kserve,
         }
     }
 
@@ -427,6 +455,7 @@ impl LungSegmenter {
             }
             #[cfg(feature = "onnx")]
             LungNet::Onnx(g) => g.run(&[inputs.len(), s, s, 3], &flat)?.1,
+            LungNet::Remote(m) => m.infer(&[inputs.len(), s, s, 3], &flat)?.1,
         };
         if ys.len() != inputs.len() * s * s {
             return Err(ModelError::Compute(format!(
@@ -459,6 +488,29 @@ impl crate::Model for LungSegmenter {
             config.input_size = s.max(1) as usize;
         }
         let threads = settings.cpu.threads();
+        if backend == Backend::Kserve {
+            // The served graph is the installed model.onnx: its tensor names, when it is here.
+            let io = match &installed.onnx {
+                Some(path) => {
+                    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+                    let io = crate::onnx_graph::graph_io(&bytes).map_err(|reason| {
+                        ModelError::Corrupt {
+                            id: manifest.id.clone(),
+                            reason: format!("{}: {reason}", path.display()),
+                        }
+                    })?;
+                    io.inputs
+                        .first()
+                        .zip(io.outputs.first())
+                        .map(|(i, o)| (i.name.clone(), o.name.clone()))
+                }
+                None => None,
+            };
+            let (input, output) =
+                io.unwrap_or_else(|| (ONNX_INPUT.to_string(), ONNX_OUTPUT.to_string()));
+            let remote = crate::kserve::configured(settings)?;
+            return Self::kserve(&manifest.id, &config, (&input, &output), remote);
+        }
         if backend == Backend::Onnx {
             let path = installed.onnx.as_ref().ok_or_else(|| {
                 ModelError::Onnx(format!(

@@ -281,6 +281,8 @@ enum Net {
     NativeRes(NativeResNet),
     #[cfg(feature = "onnx")]
     Onnx(crate::onnx::OnnxModel),
+    /// On a KServe v2 server: model `spec.id`, the graph of [`Classifier::onnx_graph`].
+    Remote(crate::kserve::KserveModel),
 }
 
 /// One label's result.
@@ -332,6 +334,14 @@ impl Classifier {
         let device = vb.device().clone();
         if backend == Backend::Onnx {
             return Self::onnx(vb, spec, threads, Device::Cpu);
+        }
+        if backend == Backend::Kserve {
+            return Err(ModelError::Backend {
+                what: "a classifier built from weights".into(),
+                backend,
+                supported: "native, candle or onnx (Classifier::kserve connects to a server)"
+                    .into(),
+            });
         }
         if backend == Backend::Native && !device.is_cpu() {
             return Err(ModelError::Device {
@@ -429,6 +439,23 @@ impl Classifier {
         ))
     }
 
+    /// The network served as model `spec.id` by the KServe v2 server of `settings` (the graph
+    /// `hilum models export-triton` writes: input [`crate::onnx_graph::INPUT`] (batch, 1, res,
+    /// res), output [`crate::onnx_graph::OUTPUT`] (batch, classes)), checked at connection.
+    pub fn kserve(spec: XrvSpec, settings: &crate::KserveSettings) -> Result<Self, ModelError> {
+        use crate::kserve::{KserveModel, TensorSpec};
+        let res = spec.resolution as i64;
+        let input = TensorSpec::new(crate::onnx_graph::INPUT, &[-1, 1, res, res]);
+        let output = TensorSpec::new(crate::onnx_graph::OUTPUT, &[-1, spec.labels.len() as i64]);
+        let model = KserveModel::connect(settings, &spec.id, input, output)?;
+        Ok(Self::with_net(
+            spec,
+            Backend::Kserve,
+            candle_core::Device::Cpu,
+            Net::Remote(model),
+        ))
+    }
+
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -457,6 +484,17 @@ impl Classifier {
                 if out.len() != batch * self.classes() {
                     return Err(ModelError::Onnx(format!(
                         "the graph returned {} values for {batch} images of {} classes",
+                        out.len(),
+                        self.classes()
+                    )));
+                }
+                Ok(out)
+            }
+            Net::Remote(m) => {
+                let (_, out) = m.infer(&[batch, 1, size, size], input)?;
+                if out.len() != batch * self.classes() {
+                    return Err(ModelError::Compute(format!(
+                        "the server returned {} values for {batch} images of {} classes",
                         out.len(),
                         self.classes()
                     )));
@@ -571,6 +609,12 @@ impl crate::Model for Classifier {
         backend: Backend,
         settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
+        if backend == Backend::Kserve {
+            let remote = crate::kserve::configured(settings)?;
+            let mut c = Self::kserve(XrvSpec::from_manifest(manifest)?, remote)?;
+            c.custom = installed.record.custom;
+            return Ok(c);
+        }
         Self::load_installed(manifest, installed, device, backend, settings.cpu.threads())
     }
 }

@@ -17,7 +17,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{model_error, run_model, ImageId};
+use crate::common::{run_model_on, ImageId};
 
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
@@ -60,7 +60,8 @@ pub struct Args {
 }
 
 /// Parses backend choices: `onnx` (every model) or `MODEL=BACKEND` pairs, comma-separated
-/// (`densenet121-res224-all=onnx,resnet50-res512-all=native`). Backends: native, candle, onnx.
+/// (`densenet121-res224-all=onnx,resnet50-res512-all=native`). Backends: native, candle, onnx,
+/// kserve (a KServe v2 inference server such as Triton).
 pub fn parse_backends(spec: &str) -> Result<BTreeMap<String, Backend>, String> {
     let mut out = BTreeMap::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -174,25 +175,27 @@ impl TypedTool for ClassifyChestXray {
         let model_id = args.model.id().to_string();
         let backend = self.backend_for(&model_id)?;
         let (device, mid) = (self.device, model_id.clone());
-        let (scores, custom, model, infer_ms, load_ms) =
-            run_model(&self.models, &model_id, device, move |models, _| {
+        let ((scores, custom, model, infer_ms, load_ms), fallback) = run_model_on(
+            &self.models,
+            &model_id,
+            device,
+            backend,
+            move |models, _, b| {
                 let t_load = Instant::now();
-                let model = xrv::pooled(models, &mid, device, backend)
-                    .map_err(|e| model_error(models, e))?;
+                let model = xrv::pooled(models, &mid, device, b)?;
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
                 let t = Instant::now();
-                let scores = model
-                    .classify(
-                        &img.pixels,
-                        img.width as usize,
-                        img.height as usize,
-                        img.max_value(),
-                    )
-                    .map_err(|e| ToolError::Internal(e.to_string()))?;
+                let scores = model.classify(
+                    &img.pixels,
+                    img.width as usize,
+                    img.height as usize,
+                    img.max_value(),
+                )?;
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 Ok((scores, model.custom, model, ms, load_ms))
-            })
-            .await?;
+            },
+        )
+        .await?;
 
         let mut findings: Vec<&LabelScore> = scores.iter().filter(|s| s.positive()).collect();
         findings.sort_by(|a, b| b.score.unwrap_or(0.0).total_cmp(&a.score.unwrap_or(0.0)));
@@ -224,7 +227,7 @@ impl TypedTool for ClassifyChestXray {
                 list(&others[..others.len().min(2)])
             )
         };
-        let data = json!({
+        let mut data = json!({
             "image": image_id,
             "model": model_id,
             "custom": custom,
@@ -240,6 +243,9 @@ impl TypedTool for ClassifyChestXray {
             "latency_ms": (infer_ms * 10.0).round() / 10.0,
             "load_ms": (load_ms * 10.0).round() / 10.0,
         });
+        if let Some(why) = fallback {
+            data["fallback"] = json!(why);
+        }
         Ok(ToolOutput::new(summary, data))
     }
 }
@@ -377,6 +383,6 @@ mod tests {
         let err = parse_backends("vgg=onnx").err().unwrap_or_default();
         assert!(err.contains("densenet121-res224-all"), "{err}");
         let err = parse_backends("tensorflow").err().unwrap_or_default();
-        assert!(err.contains("native, candle or onnx"), "{err}");
+        assert!(err.contains("native, candle, onnx or kserve"), "{err}");
     }
 }

@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError};
-use hilum_models::{Device, InstalledModel, ModelError, ModelPool};
+use hilum_models::{Backend, Device, InstalledModel, ModelError, ModelPool};
 use schemars::JsonSchema;
 use serde_json::{json, Value};
 
@@ -103,6 +103,55 @@ where
         .map_err(|e| model_error(models, e))?;
     let pool = models.clone();
     run_blocking(Some((models, device)), move || work(&pool, installed)).await
+}
+
+/// [`run_model`] for a network that may be served: `work` gets the backend to load (`None`: the
+/// tool's own choice). With the kserve backend the forward pass goes to the inference server
+/// without a local device permit (the server queues and batches); when that server does not
+/// answer and the pool's settings name a fallback (`[remote] fallback`), the call runs here on
+/// that backend instead, with the device permit, and the second value says why.
+pub(crate) async fn run_model_on<R, F>(
+    models: &Arc<ModelPool>,
+    id: &str,
+    device: Device,
+    backend: Option<Backend>,
+    work: F,
+) -> Result<(R, Option<String>), ToolError>
+where
+    R: Send + 'static,
+    F: Fn(&ModelPool, InstalledModel, Option<Backend>) -> Result<R, ModelError>
+        + Send
+        + Sync
+        + 'static,
+{
+    let work = Arc::new(work);
+    let mut local = backend;
+    let mut note = None;
+    if backend == Some(Backend::Kserve) {
+        let installed = models
+            .registry()
+            .installed(id)
+            .map_err(|e| model_error(models, e))?;
+        let (pool, w) = (models.clone(), work.clone());
+        let served = run_blocking(None, move || Ok(w(&pool, installed, backend))).await?;
+        let fallback = models.settings().remote.as_ref().and_then(|r| r.fallback);
+        match (served, fallback) {
+            (Ok(r), _) => return Ok((r, None)),
+            (Err(ModelError::RemoteDown { url, reason }), Some(b)) => {
+                note = Some(format!(
+                    "the inference server at {url} did not answer ({reason}); ran in process on \
+                     the {b} backend ([remote] fallback)"
+                ));
+                local = Some(b);
+            }
+            (Err(e), _) => return Err(model_error(models, e)),
+        }
+    }
+    let r = run_model(models, id, device, move |pool, installed| {
+        work(pool, installed, local).map_err(|e| model_error(pool, e))
+    })
+    .await?;
+    Ok((r, note))
 }
 
 /// Runs `work` on a blocking thread, holding a work permit on the device when one is given.

@@ -54,6 +54,7 @@ pub struct ToolDeps {
 #[derive(Clone, Debug)]
 pub struct ToolSettings {
     /// `segment_lungs`' U-Net backend; `None`: chosen per machine (`unet::auto_backend`).
+    /// `kserve` sends it to the inference server of the pool's settings.
     pub lung_unet_backend: Option<hilum_models::Backend>,
     /// `classify_chest_xray`'s backend per model id (`*`: every model); empty: the device's
     /// default. An `Err` is a setting that did not parse: each classifier call reports it and
@@ -84,7 +85,14 @@ impl ToolDeps {
     }
 
     /// Classifier backends per model id (`*`: every model), replacing the settings' ones.
+    /// `*` = kserve also sends the lung U-Net to the inference server unless its backend was
+    /// chosen on its own: a served deployment serves every CNN it exported.
     pub fn with_backends(mut self, backends: BTreeMap<String, hilum_models::Backend>) -> Self {
+        if backends.get("*") == Some(&hilum_models::Backend::Kserve) {
+            self.settings
+                .lung_unet_backend
+                .get_or_insert(hilum_models::Backend::Kserve);
+        }
         self.settings.classifier_backends = Ok(backends);
         self
     }

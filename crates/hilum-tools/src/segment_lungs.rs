@@ -15,7 +15,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{model_error, round2, run_model, ImageId};
+use crate::common::{round2, run_model_on, ImageId};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
@@ -243,9 +243,13 @@ impl TypedTool for SegmentLungs {
         let img = args.image.load(&self.store)?;
         let id = args.image.0;
         let threshold = args.threshold;
-        let (device, chosen, image) = (self.device, self.backend, img.clone());
-        let (mask, infer_ms, installed, backend, t0) =
-            run_model(&self.models, MODEL_ID, device, move |models, installed| {
+        let (device, image) = (self.device, img.clone());
+        let ((mask, infer_ms, installed, backend, t0), fallback) = run_model_on(
+            &self.models,
+            MODEL_ID,
+            device,
+            self.backend,
+            move |models, installed, chosen| {
                 // Latency counts from when the device was ours, not from the queue.
                 let t0 = Instant::now();
                 let backend = chosen.unwrap_or_else(|| unet::auto_backend(&installed, device));
@@ -253,21 +257,18 @@ impl TypedTool for SegmentLungs {
                 let scale = 255.0 / image.max_value().max(1.0);
                 let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
                 let size = unet::Config::lung_seg_valiou_088().input_size;
-                let load = |e| model_error(models, e);
                 let t = Instant::now();
                 let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-                let probs = models
-                    .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)
-                    .map_err(load)?
-                    .predict(&x);
-                let prob = probs
-                    .map_err(|e| ToolError::Internal(e.to_string()))?
+                let prob = models
+                    .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)?
+                    .predict(&x)?
                     .remove(0);
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 let mask = unet::mask_at(&prob, size, w, h, threshold);
                 Ok((mask, ms, installed, backend, t0))
-            })
-            .await?;
+            },
+        )
+        .await?;
 
         let (w, h) = (img.width as usize, img.height as usize);
         let regs = split_joined_lungs(regions(&mask, w, h), w);
@@ -312,6 +313,9 @@ impl TypedTool for SegmentLungs {
         });
         if spacing.is_none() {
             data["note"] = json!("pixel spacing unknown: areas in pixels only");
+        }
+        if let Some(why) = fallback {
+            data["fallback"] = json!(why);
         }
 
         let mask_png = encode_png(image::DynamicImage::ImageLuma8(

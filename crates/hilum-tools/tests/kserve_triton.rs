@@ -1,0 +1,407 @@
+//! `classify_chest_xray` and `segment_lungs` through the kserve backend against a real Triton
+//! Inference Server on 127.0.0.1 (PyTriton's tritonserver from scripts/setup_triton.sh, serving
+//! the repository `export_triton` wrote, each graph run by ONNX Runtime in its callable): the
+//! outputs equal the native backend's; Triton killed mid-run gives the clear error, keeps the
+//! results already returned, and with `fallback` the call runs in process instead.
+//!
+//! Classifier: seeded DenseNet-121 weights imported as a site checkpoint. Lung U-Net: the real
+//! one, copied from the installed models (HILUM_MODELS_DIR or ~/.local/share/hilum/models) or
+//! imported from ../shared/data/models/lung_seg_unet (needs HILUM_PYTHON or scripts/.venv-models).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hilum_agent::{Tool, ToolContext, ToolOutput};
+use hilum_imaging::ImageStore;
+use hilum_models::triton::{export_triton, ExportOptions, Exported};
+use hilum_models::unet::{self, LungSegmenter};
+use hilum_models::xrv::{self, XrvSpec};
+use hilum_models::{Backend, Device, KserveSettings, ModelPool, ModelRegistry, ModelSettings};
+use hilum_tools::{ClassifyChestXray, ImageInfo, SegmentLungs};
+use serde_json::{json, Value};
+
+const CLASSIFIER: &str = "densenet121-res224-all";
+const LUNGS: &str = "lung-unet";
+const TOLERANCE: f64 = 1e-5;
+
+type Shared = Arc<dyn Tool>;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn shared() -> PathBuf {
+    root().join("../shared/data")
+}
+
+/// The ONNX Runtime library the server's callables use (ORT_DYLIB_PATH when set).
+fn ort_library(python: &Path) -> PathBuf {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        return p.into();
+    }
+    let venv = python
+        .parent()
+        .and_then(Path::parent)
+        .expect("venv of bin/python");
+    venv.join("lib/python3.12/site-packages/onnxruntime/capi/libonnxruntime.so.1.31.1")
+}
+
+/// A Triton server in its own process group, killed with the group when dropped.
+struct Triton {
+    child: Child,
+    url: String,
+}
+
+impl Triton {
+    fn start(python: &Path, repo: &Path, workspace: &Path) -> Triton {
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port")
+        };
+        let (http, grpc, metrics) = (port(), port(), port());
+        let mut child = Command::new(python)
+            .arg(root().join("scripts/triton_serve.py"))
+            .arg(repo)
+            .args(["--http-port", &http.to_string()])
+            .args(["--grpc-port", &grpc.to_string()])
+            .args(["--metrics-port", &metrics.to_string()])
+            .args(["--threads", "1"])
+            .arg("--workspace")
+            .arg(workspace)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("start scripts/triton_serve.py");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                eprintln!("triton_serve: {line}");
+                if line.starts_with("ready ") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        let server = Triton {
+            child,
+            url: format!("http://127.0.0.1:{http}"),
+        };
+        rx.recv_timeout(Duration::from_secs(240))
+            .expect("Triton did not report ready within 240 s");
+        server
+    }
+
+    /// SIGKILL to the whole group: tritonserver and its Python backend stubs go too.
+    fn kill(&mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Triton {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The lung U-Net with its ONNX graph, installed into `registry`.
+fn install_lung_unet(registry: &ModelRegistry) {
+    let home = std::env::var_os("HILUM_MODELS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/hilum/models"))
+        });
+    if let Some(installed) = home
+        .map(|d| d.join(LUNGS))
+        .filter(|d| d.join("model.onnx").is_file())
+    {
+        let to = registry.model_dir(LUNGS);
+        std::fs::create_dir_all(&to).expect("mkdir");
+        for f in ["install.toml", "model.safetensors", "model.onnx"] {
+            std::fs::copy(installed.join(f), to.join(f)).expect("copy the installed lung U-Net");
+        }
+        return;
+    }
+    let venv = root().join("scripts/.venv-models/bin/python");
+    let python = std::env::var_os("HILUM_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| venv.is_file().then_some(venv));
+    let dir = shared().join("models/lung_seg_unet");
+    let opts = hilum_models::ImportOptions {
+        python,
+        ..Default::default()
+    };
+    hilum_models::import(registry, LUNGS, &dir.join("lung_seg_valiou_088.h5"), &opts)
+        .expect("import the lung U-Net (.h5; needs HILUM_PYTHON or scripts/.venv-models)");
+    hilum_models::import(
+        registry,
+        LUNGS,
+        &dir.join("lung_seg_valiou_088.onnx"),
+        &opts,
+    )
+    .expect("import the lung U-Net's ONNX graph");
+}
+
+fn registry(dir: &Path) -> ModelRegistry {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let registry = ModelRegistry::new(dir.join("models")).expect("registry");
+    let w = xrv::synthetic_weights(&XrvSpec::densenet121_res224_all().arch, 3).expect("weights");
+    let ckpt = dir.join("site_densenet.safetensors");
+    candle_core::safetensors::save(&w, &ckpt).expect("save checkpoint");
+    let opts = hilum_models::ImportOptions {
+        custom: true,
+        ..Default::default()
+    };
+    hilum_models::import(&registry, CLASSIFIER, &ckpt, &opts).expect("custom import");
+    install_lung_unet(&registry);
+    registry
+}
+
+fn pool(dir: &Path, url: &str, fallback: Option<Backend>) -> Arc<ModelPool> {
+    let mut remote = KserveSettings::new(url);
+    remote.fallback = fallback;
+    remote.retries = 1;
+    let settings = ModelSettings {
+        remote: Some(remote),
+        ..Default::default()
+    };
+    Arc::new(ModelPool::with_settings(Arc::new(registry(dir)), settings))
+}
+
+async fn call(tool: &dyn Tool, args: Value) -> Result<ToolOutput, String> {
+    tool.call(&ToolContext::default(), args)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The outputs of one tool on two backends agree: every number within `TOLERANCE`, every
+/// other value equal; timings and the backend's name are left out.
+fn assert_same(a: &Value, b: &Value, path: &str) {
+    const RUN_FIELDS: [&str; 6] = [
+        "backend",
+        "latency_ms",
+        "load_ms",
+        "inference_ms",
+        "onnx_graph",
+        "fallback",
+    ];
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys = |o: &serde_json::Map<String, Value>| -> Vec<String> {
+                o.keys()
+                    .filter(|k| !RUN_FIELDS.contains(&k.as_str()))
+                    .cloned()
+                    .collect()
+            };
+            assert_eq!(keys(x), keys(y), "{path}: fields differ");
+            for k in keys(x) {
+                assert_same(&x[&k], &y[&k], &format!("{path}.{k}"));
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{path}: lengths differ");
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                assert_same(p, q, &format!("{path}[{i}]"));
+            }
+        }
+        (Value::Number(p), Value::Number(q)) => {
+            let (p, q) = (
+                p.as_f64().unwrap_or(f64::NAN),
+                q.as_f64().unwrap_or(f64::NAN),
+            );
+            assert!((p - q).abs() <= TOLERANCE, "{path}: {p} vs {q}");
+        }
+        _ => assert_eq!(a, b, "{path}"),
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_error() {
+    let python = root().join("scripts/.venv-triton/bin/python");
+    if !python.is_file() {
+        eprintln!(
+            "SKIPPED: no Triton venv at {}: run scripts/setup_triton.sh (scripts/test.sh does)",
+            python.display()
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let repo = dir.path().join("repo");
+    let reg = registry(&dir.path().join("export"));
+    let exported = export_triton(
+        &reg,
+        &repo,
+        &[CLASSIFIER.to_string(), LUNGS.to_string()],
+        &ExportOptions::default(),
+    )
+    .expect("export-triton");
+    assert!(exported.iter().all(|e| matches!(
+        e,
+        Exported::Written {
+            max_batch_size: 16,
+            ..
+        }
+    )));
+    let t0 = Instant::now();
+    let mut triton = Triton::start(&python, &repo, &dir.path().join("workspace"));
+    eprintln!(
+        "Triton ready in {:.1} s at {}",
+        t0.elapsed().as_secs_f64(),
+        triton.url
+    );
+
+    let models = pool(&dir.path().join("a"), &triton.url, None);
+    let store = Arc::new(ImageStore::default());
+    let images: Vec<String> = ["nih_00000001_000_cardiomegaly.png", "covid_2c35005f.jpg"]
+        .iter()
+        .map(|f| {
+            store
+                .ingest_file(&shared().join("cxr/images").join(f))
+                .expect("real radiograph")
+        })
+        .collect();
+    let classify = |b| ClassifyChestXray::with_backend(store.clone(), models.clone(), b);
+    let segment = |b| SegmentLungs::with_backend(store.clone(), models.clone(), b);
+
+    // The networks' raw outputs first. Against ONNX Runtime in process (the same graph and the
+    // same library as the server's callable) the transport must be lossless; against the
+    // native engine they differ by the engines' rounding only.
+    hilum_models::onnx::use_runtime(ort_library(&python));
+    let m = models.clone();
+    let raw = tokio::task::spawn_blocking(move || {
+        let size = 224;
+        let x: Vec<f32> = (0..2 * size * size)
+            .map(|i| ((i * 7919) % 2048) as f32 - 1024.0)
+            .collect();
+        let get = |b| xrv::pooled(&m, CLASSIFIER, Device::Cpu, Some(b)).expect("classifier");
+        let [served, ort, native] = [Backend::Kserve, Backend::Onnx, Backend::Native]
+            .map(|b| get(b).logits(&x, 2).expect("logits"));
+        let s = unet::Config::lung_seg_valiou_088().input_size;
+        let y: Vec<Vec<f32>> = (0..2)
+            .map(|k| {
+                (0..s * s * 3)
+                    .map(|i| ((i * 31 + k * 17) % 256) as f32)
+                    .collect()
+            })
+            .collect();
+        let get = |b| {
+            m.get_or_load::<LungSegmenter>(LUNGS, Device::Cpu, b)
+                .expect("U-Net")
+        };
+        let [p_served, p_ort, p_native] = [Backend::Kserve, Backend::Onnx, Backend::Native]
+            .map(|b| get(b).predict(&y).expect("U-Net").concat());
+        let scale = native.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+        [
+            max_diff(&served, &ort),
+            max_diff(&p_served, &p_ort),
+            max_diff(&served, &native) / scale.max(1.0),
+            max_diff(&p_served, &p_native),
+        ]
+    })
+    .await
+    .expect("forward passes");
+    eprintln!(
+        "batch of 2, max |kserve - onnx in process|: logits {:.1e}, U-Net {:.1e}; max |kserve - \
+         native|: logits {:.1e} (relative to the largest), U-Net {:.1e}",
+        raw[0], raw[1], raw[2], raw[3]
+    );
+    assert!(raw[0] <= TOLERANCE && raw[1] <= TOLERANCE, "{raw:?}");
+    assert!(raw[2] <= 1e-4 && raw[3] <= 1e-4, "{raw:?}");
+
+    // The tools: same outputs on both backends, served ones saying so.
+    let mut results = Vec::new();
+    for id in &images {
+        let pairs: [(&str, Shared, Shared); 2] = [
+            (
+                "classify",
+                Arc::new(classify(Backend::Kserve)),
+                Arc::new(classify(Backend::Native)),
+            ),
+            (
+                "segment",
+                Arc::new(segment(Backend::Kserve)),
+                Arc::new(segment(Backend::Native)),
+            ),
+        ];
+        for (name, served, native) in pairs {
+            let args = json!({ "image": id });
+            let a = call(served.as_ref(), args.clone())
+                .await
+                .expect("served call");
+            let b = call(native.as_ref(), args).await.expect("native call");
+            assert_eq!(a.data["backend"], "kserve", "{name}: {}", a.data);
+            assert_same(&a.data, &b.data, name);
+            assert_eq!(a.summary, b.summary, "{name}");
+            let masks = |o: &ToolOutput| {
+                o.artifacts
+                    .iter()
+                    .map(|x| x.bytes.clone())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(masks(&a), masks(&b), "{name}: artifacts differ");
+            results.push((b.data, a));
+        }
+    }
+
+    // Triton dies mid-run: the next round's served calls fail with the error that says what
+    // to do, the call without a model still answers, and the results already in are intact.
+    let with_fallback = pool(&dir.path().join("b"), &triton.url, Some(Backend::Native));
+    let warm =
+        ClassifyChestXray::with_backend(store.clone(), with_fallback.clone(), Backend::Kserve);
+    let before = call(&warm, json!({ "image": images[0] }))
+        .await
+        .expect("served");
+    assert_eq!(before.data["backend"], "kserve");
+    triton.kill();
+    let (served_classify, served_segment) = (classify(Backend::Kserve), segment(Backend::Kserve));
+    let info = ImageInfo::new(store.clone());
+    let (c, s, i) = tokio::join!(
+        call(&served_classify, json!({ "image": images[0] })),
+        call(&served_segment, json!({ "image": images[1] })),
+        call(&info, json!({ "image": images[0] })),
+    );
+    for (what, r) in [("classify", c), ("segment", s)] {
+        let err = r.err().unwrap_or_default();
+        eprintln!("{what} after the kill: {err}");
+        assert!(
+            err.contains("is not answering")
+                && err.contains(&triton.url)
+                && err.contains("HILUM_KSERVE_URL")
+                && err.contains("--backend native"),
+            "{what}: {err}"
+        );
+    }
+    assert!(i.is_ok(), "a tool without a model keeps working: {i:?}");
+    assert_eq!(results.len(), 2 * images.len());
+    for (native, served) in &results {
+        assert_same(&served.data, native, "kept result");
+    }
+
+    // With `fallback = native` the same call runs in process and says why.
+    let fell = call(&warm, json!({ "image": images[0] }))
+        .await
+        .expect("fallback");
+    assert_eq!(fell.data["backend"], "native");
+    let why = fell.data["fallback"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("did not answer") && why.contains("native"),
+        "{why}"
+    );
+    assert_same(&fell.data, &before.data, "fallback");
+}
