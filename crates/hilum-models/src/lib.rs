@@ -37,9 +37,9 @@ pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
-pub use pool::{Model, ModelPool};
+pub use pool::{is_device_failure, Lease, Model, ModelPool};
 pub use registry::{ModelRegistry, ModelStatus, VerifyReport};
-pub use settings::ModelSettings;
+pub use settings::{ModelSettings, DEFAULT_DEVICE_COOLDOWN};
 
 use thiserror::Error;
 

@@ -11,12 +11,16 @@
 //! environment per process).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::registry::ModelRegistry;
-use crate::Device;
+use crate::{Device, DeviceSet};
 
-/// Everything a model pool and its models may be told. `Default`: the user's data dir, all
-/// cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
+/// How long a device that failed is passed over while another can take its calls.
+pub const DEFAULT_DEVICE_COOLDOWN: Duration = Duration::from_secs(30);
+
+/// Everything a model pool and its models may be told. `Default`: the user's data dir, the CPU
+/// only, all cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelSettings {
     /// Where installed weights live.
@@ -34,6 +38,12 @@ pub struct ModelSettings {
     /// `[postprocessing] quantize`. Kept as text and parsed when a LLaVA loads, so a bad value
     /// fails that model only.
     pub llava_quantize: Option<String>,
+    /// The devices the pool places models on and routes calls across (`--device`).
+    pub devices: DeviceSet,
+    /// Copies of one model at most, one per device; `None`: one on every device of `devices`.
+    pub max_replicas: Option<usize>,
+    /// How long a failed device is passed over (see [`DEFAULT_DEVICE_COOLDOWN`]).
+    pub device_cooldown: Duration,
 }
 
 impl Default for ModelSettings {
@@ -45,6 +55,9 @@ impl Default for ModelSettings {
             gpu_concurrency: None,
             ort_dylib: None,
             llava_quantize: None,
+            devices: DeviceSet::default(),
+            max_replicas: None,
+            device_cooldown: DEFAULT_DEVICE_COOLDOWN,
         }
     }
 }
@@ -53,8 +66,9 @@ impl ModelSettings {
     /// The settings named by variables, looked up with `var` (empty values count as unset):
     /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
     /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
-    /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH` and
-    /// `HILUM_LLAVA_QUANTIZE`.
+    /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
+    /// `HILUM_LLAVA_QUANTIZE` and `HILUM_MAX_REPLICAS`. The device list is the program's to parse
+    /// (a typo there must stop it, not fall back): Hilum's CLI takes `--device` / `HILUM_DEVICE`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
         let number = |k: &str| set(k).and_then(|v| v.parse::<usize>().ok());
@@ -66,6 +80,8 @@ impl ModelSettings {
             gpu_concurrency: number("HILUM_GPU_CONCURRENCY"),
             ort_dylib: set("ORT_DYLIB_PATH").map(PathBuf::from),
             llava_quantize: set("HILUM_LLAVA_QUANTIZE"),
+            max_replicas: number("HILUM_MAX_REPLICAS"),
+            ..Default::default()
         }
     }
 
@@ -90,6 +106,13 @@ impl ModelSettings {
             _ => self.gpu_concurrency.unwrap_or(1),
         }
         .max(1)
+    }
+
+    /// How many devices may hold one model at once: `max_replicas` within 1..=devices.
+    pub fn replica_budget(&self) -> usize {
+        self.max_replicas
+            .unwrap_or(self.devices.len())
+            .clamp(1, self.devices.len().max(1))
     }
 }
 
@@ -120,6 +143,7 @@ mod tests {
             ("HILUM_GPU_CONCURRENCY", "x"),
             ("ORT_DYLIB_PATH", ""),
             ("HILUM_LLAVA_QUANTIZE", "q4k"),
+            ("HILUM_MAX_REPLICAS", "2"),
         ];
         let s = ModelSettings::from_vars(|k| {
             vars.iter()
@@ -132,6 +156,9 @@ mod tests {
         assert_eq!(s.concurrency(Device::Cuda(0)), 1);
         assert_eq!(s.ort_dylib, None);
         assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
+        assert_eq!(s.max_replicas, Some(2));
+        // One device: one copy, whatever the budget says.
+        assert_eq!(s.replica_budget(), 1);
         assert_eq!(ModelSettings::from_vars(|_| None), ModelSettings::default());
     }
 }
