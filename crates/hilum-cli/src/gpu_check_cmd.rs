@@ -8,11 +8,12 @@ use anyhow::Context;
 use clap::Args;
 
 use hilum_models::devcheck::{self, CheckOptions, CheckRow, Gray};
-use hilum_models::{Device, ModelRegistry};
+use hilum_models::{Device, DeviceSet, ModelRegistry};
 
 #[derive(Args)]
 #[command(after_help = "Examples:\n  hilum gpu-check\n  \
 hilum gpu-check --device cuda:1 --image chest.png --json gpu.json\n  \
+hilum gpu-check --device auto        # every GPU in turn (or a list: cuda:0,cuda:1)\n  \
 hilum gpu-check --dry-run            # no GPU: the CPU against itself, small sizes\n\n\
 Weights are seeded at each architecture's full size (no downloads), except the lung U-Net: its \
 installed weights are used when present (or --unet PATH). A row fails when the target's output \
@@ -21,7 +22,8 @@ Columns: target ms (the device), cpu ms (candle on the CPU, the reference; timed
 native ms (Hilum's own CPU kernels, the CPU default, where the model has them). \
 Exit status 1 when any row fails. scripts/gpu_check.sh builds the CUDA binary and runs this.")]
 pub struct GpuCheckArgs {
-    /// The device to check against the CPU.
+    /// The device to check against the CPU; `auto` or a list (`cuda:0,cuda:1`) checks each
+    /// in turn.
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
     /// No GPU: run the CPU against itself with small sizes and one timed call (plumbing only).
@@ -53,13 +55,15 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
             devcheck::CHECKS.join(", ")
         );
     }
-    let target = if args.dry_run {
-        Device::Cpu
+    let targets = if args.dry_run {
+        DeviceSet::default()
     } else {
-        Device::from_str(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?
+        DeviceSet::from_str(&args.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?
     };
-    // Open the device first: a missing driver or a CPU-only build is one clear error.
-    target.candle().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Open the devices first: a missing driver or a CPU-only build is one clear error.
+    for target in targets.devices() {
+        target.candle().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     let image = match &args.image {
         Some(p) => {
             let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
@@ -80,18 +84,66 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
             .join("model.safetensors");
         p.exists().then_some(p)
     });
-    let opts = CheckOptions {
-        reference: Device::Cpu,
-        target,
-        quick: args.dry_run,
-        iterations: if args.dry_run { 1 } else { args.iterations },
-        image,
-        unet_weights,
-        only: args.only.clone(),
+    let mut docs = Vec::new();
+    let (mut failed, mut checks) = (Vec::new(), 0);
+    for &target in targets.devices() {
+        let opts = CheckOptions {
+            reference: Device::Cpu,
+            target,
+            quick: args.dry_run,
+            iterations: if args.dry_run { 1 } else { args.iterations },
+            image: image.clone(),
+            unet_weights: unet_weights.clone(),
+            only: args.only.clone(),
+        };
+        let rows = check_one(&opts);
+        checks += rows.len();
+        let prefix = if targets.len() > 1 {
+            format!("{target} ")
+        } else {
+            String::new()
+        };
+        failed.extend(
+            rows.iter()
+                .filter(|r| !r.passed)
+                .map(|r| format!("{prefix}{}", r.model)),
+        );
+        docs.push(serde_json::json!({
+            "target": target.to_string(),
+            "reference": "cpu",
+            "dry_run": args.dry_run,
+            "rows": rows,
+        }));
+    }
+    if let Some(path) = &args.json {
+        // One device: its document, as before; several: one document per device.
+        let doc = match <[_; 1]>::try_from(docs) {
+            Ok([one]) => one,
+            Err(docs) => serde_json::json!({
+                "reference": "cpu",
+                "dry_run": args.dry_run,
+                "targets": docs,
+            }),
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    anyhow::ensure!(failed.is_empty(), "failed: {}", failed.join(", "));
+    let on = if targets.len() > 1 {
+        format!(" on {targets}")
+    } else {
+        String::new()
     };
+    eprintln!("all {checks} checks passed{on}");
+    Ok(())
+}
+
+/// One device's table, printed as its rows come.
+fn check_one(opts: &CheckOptions) -> Vec<CheckRow> {
+    let target = opts.target;
     eprintln!(
         "checking {target} against cpu{}",
-        if args.dry_run {
+        if opts.quick {
             " (dry run: small sizes)"
         } else {
             ""
@@ -110,25 +162,7 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         "native ms",
         "ratio"
     );
-    let rows = devcheck::run(&opts, print_row);
-    if let Some(path) = &args.json {
-        let doc = serde_json::json!({
-            "target": target.to_string(),
-            "reference": "cpu",
-            "dry_run": args.dry_run,
-            "rows": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    let failed: Vec<&str> = rows
-        .iter()
-        .filter(|r| !r.passed)
-        .map(|r| r.model.as_str())
-        .collect();
-    anyhow::ensure!(failed.is_empty(), "failed: {}", failed.join(", "));
-    eprintln!("all {} checks passed", rows.len());
-    Ok(())
+    devcheck::run(opts, print_row)
 }
 
 fn print_row(r: &CheckRow) {

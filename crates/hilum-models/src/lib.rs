@@ -33,16 +33,16 @@ pub mod weights;
 pub mod xrv;
 
 pub use backend::Backend;
-pub use device::Device;
+pub use device::{Device, DeviceSet};
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
 pub use import::{import, python, ImportOptions};
 pub use kserve::KserveSettings;
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
-pub use pool::{Model, ModelPool};
+pub use pool::{is_device_failure, Lease, Model, ModelPool};
 pub use registry::{ModelRegistry, ModelStatus, VerifyReport};
-pub use settings::ModelSettings;
+pub use settings::{ModelSettings, DEFAULT_DEVICE_COOLDOWN};
 
 use thiserror::Error;
 
@@ -50,6 +50,8 @@ use thiserror::Error;
 pub enum ModelError {
     #[error("unknown device `{0}`: use cpu, cuda, cuda:N or metal")]
     BadDevice(String),
+    #[error("bad device list `{list}`: {reason}; use --device auto, cpu, cuda:N or a list such as cuda:0,cuda:1")]
+    BadDeviceList { list: String, reason: String },
     #[error("cannot use device {device}: {reason}")]
     Device { device: String, reason: String },
     #[error("unknown model `{id}`; known models: {known} (see `hilum models list`)")]

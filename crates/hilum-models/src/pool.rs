@@ -1,14 +1,23 @@
 //! The model pool: loads each (model, device, backend, type) once, on first use, keeps it warm,
 //! and hands out per-device permits so concurrent tool calls never oversubscribe a device.
+//!
+//! With several devices (`ModelSettings::devices`, `--device cuda:0,cuda:1`) the pool also
+//! routes: [`ModelPool::lease`] picks, for one call of a model, the least-loaded healthy device
+//! already holding it, and places another copy (a replica) on a free device only when every
+//! holder is busy and the replica budget allows. A device whose load or forward pass fails is
+//! passed over for a cool-down while others can take its calls ([`ModelPool::run`] retries
+//! the call there).
 
 use std::any::{Any, TypeId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::{Backend, Device, InstalledModel, Manifest, ModelError, ModelRegistry, ModelSettings};
+use crate::{
+    Backend, Device, DeviceSet, InstalledModel, Manifest, ModelError, ModelRegistry, ModelSettings,
+};
 
 /// A network the pool can load from an installed model, on a device and a backend (a type
 /// that supports only some backends says so with [`Backend::expect`]), with the pool's
@@ -33,6 +42,72 @@ pub struct ModelPool {
     permits: Mutex<HashMap<Device, Arc<Semaphore>>>,
     /// Loads done per (model id, device): the proof that one pool serves the process.
     loads: Mutex<BTreeMap<(String, String), u64>>,
+    routing: Arc<Mutex<Routing>>,
+}
+
+/// What routing decides from: calls per device, where each model is, which devices failed.
+#[derive(Default)]
+struct Routing {
+    /// Calls holding or waiting for a device's permit.
+    in_flight: HashMap<Device, usize>,
+    /// Devices holding each model, or loading it for a call routed there.
+    replicas: HashMap<String, BTreeSet<Device>>,
+    /// Devices passed over until the given time.
+    failed_until: HashMap<Device, Instant>,
+}
+
+impl Routing {
+    fn load(&self, d: Device) -> usize {
+        self.in_flight.get(&d).copied().unwrap_or(0)
+    }
+
+    fn holds(&self, id: &str, d: Device) -> bool {
+        self.replicas.get(id).is_some_and(|r| r.contains(&d))
+    }
+
+    fn cooling(&self, d: Device, now: Instant) -> bool {
+        self.failed_until.get(&d).is_some_and(|t| *t > now)
+    }
+}
+
+/// One call's place: a device chosen by [`ModelPool::lease`] with that device's work permit.
+/// Hold it for the load and the forward pass; dropping it frees the device for the next call.
+pub struct Lease {
+    device: Device,
+    _permit: OwnedSemaphorePermit,
+    _in_flight: InFlight,
+}
+
+impl Lease {
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+/// Counts a routed call against its device from the choice on, so callers choosing at the
+/// same time see it, and uncounts it however the call ends (done, failed, cancelled).
+struct InFlight {
+    device: Device,
+    routing: Arc<Mutex<Routing>>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut r = self.routing.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = r.in_flight.get_mut(&self.device) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// Whether `error` from work on `device` says the device failed rather than the model or the
+/// input: a device error, or a computation error on a GPU (out of memory, a lost context).
+pub fn is_device_failure(device: Device, error: &ModelError) -> bool {
+    match error {
+        ModelError::Device { .. } => true,
+        ModelError::Compute(_) => device.is_gpu(),
+        _ => false,
+    }
 }
 
 impl ModelPool {
@@ -50,6 +125,7 @@ impl ModelPool {
             slots: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             loads: Mutex::new(BTreeMap::new()),
+            routing: Arc::new(Mutex::new(Routing::default())),
         }
     }
 
@@ -109,6 +185,11 @@ impl ModelPool {
             .unwrap_or_else(|p| p.into_inner())
             .entry((id.to_string(), device.to_string()))
             .or_default() += 1;
+        self.routing()
+            .replicas
+            .entry(id.to_string())
+            .or_default()
+            .insert(device);
         Ok(model)
     }
 
@@ -148,6 +229,198 @@ impl ModelPool {
     pub fn evict(&self, id: &str) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         slots.retain(|(k, _, _, _), _| k != id);
+        self.routing().replicas.remove(id);
+    }
+
+    /// The devices calls are routed across.
+    pub fn devices(&self) -> &DeviceSet {
+        &self.settings.devices
+    }
+
+    /// The devices holding a warm copy of `id` (or loading one), in device order.
+    pub fn replicas(&self, id: &str) -> Vec<Device> {
+        let r = self.routing();
+        r.replicas
+            .get(id)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether `device` is taking calls: false for [`ModelSettings::device_cooldown`] after a
+    /// failure reported with [`ModelPool::report_failure`].
+    pub fn is_healthy(&self, device: Device) -> bool {
+        !self.routing().cooling(device, Instant::now())
+    }
+
+    /// A device for one call of model `id`, with its work permit (waiting for it if every
+    /// candidate is busy). Among the set's healthy devices: the least-loaded one holding `id`
+    /// with a free permit; else a free device without it, if `id` has fewer copies than the
+    /// replica budget (the call loads it there); else the least-loaded holder, to queue on. A
+    /// failed device is chosen only when no healthy one is left, so one device never fails
+    /// every call.
+    pub async fn lease(&self, id: &str) -> Result<Lease, ModelError> {
+        self.lease_avoiding(id, &[]).await
+    }
+
+    /// Tells the pool how a call on `device` failed. A device failure ([`is_device_failure`])
+    /// passes the device over for the cool-down and drops its copy of `id` (a lost GPU context
+    /// leaves it unusable), so the next call goes to, or loads on, another device. Returns
+    /// whether it was a device failure.
+    pub fn report_failure(&self, id: &str, device: Device, error: &ModelError) -> bool {
+        if !is_device_failure(device, error) {
+            return false;
+        }
+        let until = Instant::now() + self.settings.device_cooldown;
+        {
+            let mut r = self.routing();
+            r.failed_until.insert(device, until);
+            if let Some(set) = r.replicas.get_mut(id) {
+                set.remove(&device);
+            }
+        }
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.retain(|(k, d, _, _), _| !(k == id && *d == device));
+        true
+    }
+
+    /// Runs one call of model `id` where [`ModelPool::lease`] routes it: loads the model there
+    /// if needed and runs `work` with it on a blocking thread, holding the device's permit. A
+    /// device failure ([`ModelPool::report_failure`]) moves the call to another device, once
+    /// per device of the set; any other error is the call's.
+    pub async fn run<M, R, F>(
+        self: &Arc<Self>,
+        id: &str,
+        backend: Backend,
+        work: F,
+    ) -> Result<R, ModelError>
+    where
+        M: Model,
+        R: Send + 'static,
+        F: Fn(Device, &M) -> Result<R, ModelError> + Send + Sync + 'static,
+    {
+        let work = Arc::new(work);
+        let mut tried: Vec<Device> = Vec::new();
+        loop {
+            let lease = self.lease_avoiding(id, &tried).await?;
+            let device = lease.device();
+            let (pool, work, model_id) = (self.clone(), work.clone(), id.to_string());
+            // The lease moves into the thread: a caller that stops waiting leaves the device
+            // taken until the work it started has finished. A failure is reported before the
+            // lease goes, so no call is routed to the failed device in between.
+            let (result, device_failed) = tokio::task::spawn_blocking(move || {
+                let _lease = lease;
+                let result = match pool.get_or_load::<M>(&model_id, device, backend) {
+                    Ok(model) => work(device, &model),
+                    Err(e) => {
+                        pool.forget_unloaded(&model_id, device);
+                        Err(e)
+                    }
+                };
+                let failed = result
+                    .as_ref()
+                    .is_err_and(|e| pool.report_failure(&model_id, device, e));
+                (result, failed)
+            })
+            .await
+            .map_err(|e| ModelError::Compute(format!("the work on {device} stopped: {e}")))?;
+            if !device_failed {
+                return result;
+            }
+            tried.push(device);
+            if tried.len() >= self.devices().len() {
+                return result;
+            }
+        }
+    }
+
+    async fn lease_avoiding(&self, id: &str, avoid: &[Device]) -> Result<Lease, ModelError> {
+        let in_flight = self.choose(id, avoid).ok_or_else(|| ModelError::Device {
+            device: self.devices().to_string(),
+            reason: format!("every device failed for `{id}`"),
+        })?;
+        let device = in_flight.device;
+        let permit = self.acquire(device).await?;
+        Ok(Lease {
+            device,
+            _permit: permit,
+            _in_flight: in_flight,
+        })
+    }
+
+    /// The routing decision of [`ModelPool::lease`], counted against the chosen device.
+    fn choose(&self, id: &str, avoid: &[Device]) -> Option<InFlight> {
+        let now = Instant::now();
+        let held = self.permits_held();
+        let mut r = self.routing();
+        // A device's load: its routed calls, or the permits taken on it if more (callers of
+        // `acquire` are not routed but still occupy the device).
+        let load = |d: Device| r.load(d).max(held.get(&d).copied().unwrap_or(0));
+        let free = |d: &Device| load(*d) < self.concurrency(*d);
+        // `min_by_key` keeps the first of equals: ties go to the earlier-listed device.
+        let least = |ds: &mut dyn Iterator<Item = Device>| ds.min_by_key(|d| load(*d));
+        let set = self.devices().devices();
+        let open: Vec<Device> = set.iter().copied().filter(|d| !avoid.contains(d)).collect();
+        let healthy: Vec<Device> = open
+            .iter()
+            .copied()
+            .filter(|d| !r.cooling(*d, now))
+            .collect();
+        let candidates = if healthy.is_empty() { open } else { healthy };
+        let copies = set.iter().filter(|d| r.holds(id, **d)).count();
+        let (holders, others): (Vec<Device>, Vec<Device>) =
+            candidates.iter().partition(|d| r.holds(id, **d));
+        let device = least(&mut holders.iter().copied().filter(free))
+            .or_else(|| {
+                if copies < self.settings.replica_budget() {
+                    least(&mut others.iter().copied().filter(free))
+                } else {
+                    None
+                }
+            })
+            .or_else(|| least(&mut holders.iter().copied()))
+            // No usable holder (none yet, or all failed): load where the queue is shortest.
+            .or_else(|| least(&mut others.iter().copied()))?;
+        r.replicas.entry(id.to_string()).or_default().insert(device);
+        *r.in_flight.entry(device).or_default() += 1;
+        Some(InFlight {
+            device,
+            routing: self.routing.clone(),
+        })
+    }
+
+    /// Permits taken per device, by routed calls and [`ModelPool::acquire`] callers alike.
+    fn permits_held(&self) -> HashMap<Device, usize> {
+        let permits = self.permits.lock().unwrap_or_else(|p| p.into_inner());
+        permits
+            .iter()
+            .map(|(d, s)| {
+                (
+                    *d,
+                    self.concurrency(*d).saturating_sub(s.available_permits()),
+                )
+            })
+            .collect()
+    }
+
+    /// Un-places `id` from `device` after a load there failed, unless a copy is warm anyway.
+    fn forget_unloaded(&self, id: &str, device: Device) {
+        let warm = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots
+                .iter()
+                .filter(|((k, d, _, _), _)| k == id && *d == device)
+                // A slot locked by a load in progress counts as warm: that load places it.
+                .any(|(_, slot)| slot.try_lock().map(|g| g.is_some()).unwrap_or(true))
+        };
+        if !warm {
+            if let Some(set) = self.routing().replicas.get_mut(id) {
+                set.remove(&device);
+            }
+        }
+    }
+
+    fn routing(&self) -> std::sync::MutexGuard<'_, Routing> {
+        self.routing.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A permit to run work on `device`; hold it for the duration of the forward pass.

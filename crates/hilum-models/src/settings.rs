@@ -11,12 +11,16 @@
 //! environment per process).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::registry::ModelRegistry;
-use crate::{Device, KserveSettings};
+use crate::{Device, DeviceSet, KserveSettings};
 
-/// Everything a model pool and its models may be told. `Default`: the user's data dir, all
-/// cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
+/// How long a device that failed is passed over while another can take its calls.
+pub const DEFAULT_DEVICE_COOLDOWN: Duration = Duration::from_secs(30);
+
+/// Everything a model pool and its models may be told. `Default`: the user's data dir, the CPU
+/// only, all cores, one forward pass per GPU, no ONNX Runtime, each manifest's own quantization.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelSettings {
     /// Where installed weights live.
@@ -37,6 +41,12 @@ pub struct ModelSettings {
     /// The KServe v2 inference server of the kserve backend; `None`: that backend says how to
     /// configure one.
     pub remote: Option<KserveSettings>,
+    /// The devices the pool places models on and routes calls across (`--device`).
+    pub devices: DeviceSet,
+    /// Copies of one model at most, one per device; `None`: one on every device of `devices`.
+    pub max_replicas: Option<usize>,
+    /// How long a failed device is passed over (see [`DEFAULT_DEVICE_COOLDOWN`]).
+    pub device_cooldown: Duration,
 }
 
 impl Default for ModelSettings {
@@ -49,6 +59,9 @@ impl Default for ModelSettings {
             ort_dylib: None,
             llava_quantize: None,
             remote: None,
+            devices: DeviceSet::default(),
+            max_replicas: None,
+            device_cooldown: DEFAULT_DEVICE_COOLDOWN,
         }
     }
 }
@@ -58,9 +71,11 @@ impl ModelSettings {
     /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
     /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
     /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
-    /// `HILUM_LLAVA_QUANTIZE`, and the kserve backend's `HILUM_KSERVE_URL` with
-    /// `HILUM_KSERVE_TIMEOUT_SECS`, `HILUM_KSERVE_RETRIES` and `HILUM_KSERVE_FALLBACK` (an
-    /// in-process backend; values that do not parse are left at their defaults).
+    /// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS`, and the kserve backend's `HILUM_KSERVE_URL`
+    /// with `HILUM_KSERVE_TIMEOUT_SECS`, `HILUM_KSERVE_RETRIES` and `HILUM_KSERVE_FALLBACK` (an
+    /// in-process backend; values that do not parse are left at their defaults). The device list
+    /// is the program's to parse (a typo there must stop it, not fall back): Hilum's CLI takes
+    /// `--device` / `HILUM_DEVICE`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
         let number = |k: &str| set(k).and_then(|v| v.parse::<usize>().ok());
@@ -85,6 +100,8 @@ impl ModelSettings {
                     .filter(|b| *b != crate::Backend::Kserve);
                 r
             }),
+            max_replicas: number("HILUM_MAX_REPLICAS"),
+            ..Default::default()
         }
     }
 
@@ -109,6 +126,13 @@ impl ModelSettings {
             _ => self.gpu_concurrency.unwrap_or(1),
         }
         .max(1)
+    }
+
+    /// How many devices may hold one model at once: `max_replicas` within 1..=devices.
+    pub fn replica_budget(&self) -> usize {
+        self.max_replicas
+            .unwrap_or(self.devices.len())
+            .clamp(1, self.devices.len().max(1))
     }
 }
 
@@ -142,6 +166,7 @@ mod tests {
             ("HILUM_KSERVE_URL", "http://triton:8000"),
             ("HILUM_KSERVE_RETRIES", "4"),
             ("HILUM_KSERVE_FALLBACK", "native"),
+            ("HILUM_MAX_REPLICAS", "2"),
         ];
         let s = ModelSettings::from_vars(|k| {
             vars.iter()
@@ -154,10 +179,13 @@ mod tests {
         assert_eq!(s.concurrency(Device::Cuda(0)), 1);
         assert_eq!(s.ort_dylib, None);
         assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
-        let remote = s.remote.expect("HILUM_KSERVE_URL");
+        let remote = s.remote.clone().expect("HILUM_KSERVE_URL");
         assert_eq!(remote.url, "http://triton:8000");
         assert_eq!(remote.retries, 4);
         assert_eq!(remote.fallback, Some(crate::Backend::Native));
+        assert_eq!(s.max_replicas, Some(2));
+        // One device: one copy, whatever the budget says.
+        assert_eq!(s.replica_budget(), 1);
         assert_eq!(ModelSettings::from_vars(|_| None), ModelSettings::default());
     }
 }
