@@ -124,15 +124,16 @@ pub fn rel_diff(reference: &[f32], target: &[f32]) -> f32 {
         return f32::INFINITY;
     }
     let scale = reference.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-    let d = reference
-        .iter()
-        .zip(target)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    if d.is_nan() {
-        f32::INFINITY
-    } else {
-        d / scale
+    let mut d = 0.0f32;
+    for (a, b) in reference.iter().zip(target) {
+        let e = (a - b).abs();
+        // f32::max would drop a NaN: a device that produced one has failed.
+        if e.is_nan() {
+            return f32::INFINITY;
+        }
+        d = d.max(e);
     }
+    d / scale
 }
 
 fn mean_ms(
