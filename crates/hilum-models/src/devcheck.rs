@@ -149,6 +149,11 @@ fn mean_ms(
     Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
 }
 
+/// How many leading tokens two decodes share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 fn cpu_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -439,12 +444,7 @@ fn report_model(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     );
     let ga = rn.generate(&rx, &gen)?;
     let gb = tn.generate(&tx, &gen)?;
-    let same = ga
-        .ids
-        .iter()
-        .zip(&gb.ids)
-        .take_while(|(a, b)| a == b)
-        .count();
+    let same = common_prefix(&ga.ids, &gb.ids);
     out.notes.push(format!(
         "greedy tokens equal: first {same} of {} (seeded weights: near-ties may differ)",
         ga.ids.len().max(gb.ids.len())
@@ -539,12 +539,7 @@ fn llava_slice(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let new_tokens = if o.quick { 4 } else { 32 };
     let ga = rm.generate(&ids, Some(&rx), new_tokens, &[], |_| {})?;
     let gb = tm.generate(&ids, Some(&tx), new_tokens, &[], |_| {})?;
-    let same = ga
-        .ids
-        .iter()
-        .zip(&gb.ids)
-        .take_while(|(a, b)| a == b)
-        .count();
+    let same = common_prefix(&ga.ids, &gb.ids);
     out.notes.push(format!(
         "greedy tokens equal: first {same} of {new_tokens} (seeded weights)"
     ));
