@@ -386,3 +386,64 @@ async fn queued_calls_spread_over_the_devices_holding_the_model() {
     drop(on0);
     assert_eq!(third.await.expect("lease").device(), GPU0);
 }
+
+/// A model whose load opens its candle device and whose forward pass computes there.
+#[cfg(feature = "cuda")]
+struct OnDevice(candle_core::Device);
+
+#[cfg(feature = "cuda")]
+impl Model for OnDevice {
+    fn load(
+        _: &Manifest,
+        _: &InstalledModel,
+        device: Device,
+        _: Backend,
+        _: &ModelSettings,
+    ) -> Result<Self, ModelError> {
+        Ok(OnDevice(device.candle()?))
+    }
+}
+
+/// On the GPUs themselves: `auto` is every GPU the driver reports, and calls held at once land
+/// on as many of them, each computing on its own GPU. Needs a CUDA build and a GPU:
+/// `cargo test -p hilum-models --features cuda --test multi_device -- --ignored`.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA GPU"]
+async fn auto_spreads_real_work_over_every_gpu() {
+    let set = DeviceSet::auto();
+    eprintln!("auto = {set}");
+    assert!(
+        set.devices().iter().all(|d| matches!(d, Device::Cuda(_))),
+        "{set}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = ModelRegistry::new(dir.path()).expect("registry");
+    fake_install(&reg, UNET);
+    let settings = ModelSettings {
+        devices: set.clone(),
+        ..Default::default()
+    };
+    let pool = Arc::new(ModelPool::with_settings(Arc::new(reg), settings));
+    let leases: Vec<_> = futures::future::join_all((0..set.len()).map(|_| pool.lease(UNET)))
+        .await
+        .into_iter()
+        .map(|l| l.expect("lease"))
+        .collect();
+    let mut held: Vec<Device> = leases.iter().map(|l| l.device()).collect();
+    held.sort();
+    assert_eq!(held, set.devices());
+    drop(leases);
+    for _ in 0..set.len() {
+        let (device, sum) = pool
+            .run::<OnDevice, _, _>(UNET, Backend::Candle, |d, m| {
+                let t = candle_core::Tensor::arange(0f32, 1024f32, &m.0)?;
+                assert!(t.device().is_cuda());
+                Ok((d, t.sum_all()?.to_scalar::<f32>()?))
+            })
+            .await
+            .expect("run on the GPU");
+        eprintln!("{device}: sum {sum}");
+        assert_eq!(sum, 523_776.0);
+    }
+}
