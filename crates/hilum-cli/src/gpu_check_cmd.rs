@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 
 use hilum_models::devcheck::{self, CheckOptions, CheckRow, Gray};
-use hilum_models::{Device, DeviceSet, ModelRegistry};
+use hilum_models::{Device, DeviceSet};
 
 #[derive(Args)]
 #[command(after_help = "Examples:\n  hilum gpu-check\n  \
@@ -35,7 +35,8 @@ pub struct GpuCheckArgs {
     /// A radiograph (PNG, JPEG, DICOM) for the image models; seeded noise otherwise.
     #[arg(long)]
     pub image: Option<PathBuf>,
-    /// The lung U-Net's model.safetensors (default: the installed lung-unet, if any).
+    /// The lung U-Net's model.safetensors (default: the installed lung-unet, if any, in
+    /// HILUM_MODELS_DIR or the default models dir).
     #[arg(long)]
     pub unet: Option<PathBuf>,
     /// Run only these checks (densenet121, resnet50, lung-unet, pspnet, medsam, report,
@@ -79,7 +80,7 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         None => None,
     };
     let unet_weights = args.unet.clone().or_else(|| {
-        let p = ModelRegistry::default_dir()
+        let p = crate::config::models_dir()
             .join("lung-unet")
             .join("model.safetensors");
         p.exists().then_some(p)
