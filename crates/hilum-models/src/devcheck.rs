@@ -272,17 +272,14 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let s = cfg.input_size;
     let g = gray(o);
     let input = unet::preprocess_gray(&g.pixels, g.width, g.height, s);
-    let run =
-        |net: &unet::LungUnet, d: &candle_core::Device, n: usize| -> Result<Vec<f32>, ModelError> {
-            let x: Vec<f32> = input
-                .iter()
-                .copied()
-                .cycle()
-                .take(input.len() * n)
-                .collect();
-            let x = Tensor::from_vec(x, (n, s, s, 3), d)?;
-            Ok(net.forward(&x)?.flatten_all()?.to_vec1::<f32>()?)
-        };
+    let run = |net: &unet::LungUnet,
+               d: &candle_core::Device,
+               x: &[f32],
+               n: usize|
+     -> Result<Vec<f32>, ModelError> {
+        let x = Tensor::from_slice(x, (n, s, s, 3), d)?;
+        Ok(net.forward(&x)?.flatten_all()?.to_vec1::<f32>()?)
+    };
     let (rd, td) = (o.reference.candle()?, o.target.candle()?);
     let r = unet::LungUnet::load(vb_on(&weights, o.reference)?, &cfg)?;
     let t = unet::LungUnet::load(vb_on(&weights, o.target)?, &cfg)?;
@@ -292,8 +289,8 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         Backend::Native,
         cpu_threads(),
     )?;
-    let a = run(&r, &rd, 1)?;
-    let b = run(&t, &td, 1)?;
+    let a = run(&r, &rd, &input, 1)?;
+    let b = run(&t, &td, &input, 1)?;
     let mut out = row("lung-unet", what, rel_diff(&a, &b), 1e-4);
     let same = a
         .iter()
@@ -306,16 +303,24 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         100.0 * same as f64 / a.len().max(1) as f64
     ));
     for n in if o.quick { vec![1] } else { vec![1, 8] } {
+        // The batch is built before the clock starts: the timings are of the forward passes.
+        let x: Vec<f32> = input
+            .iter()
+            .copied()
+            .cycle()
+            .take(input.len() * n)
+            .collect();
+        let images = vec![input.clone(); n];
         out.timings.push(Timing {
             what: format!("batch {n}"),
-            target_ms: mean_ms(o.iterations, || run(&t, &td, n).map(|_| ()))?,
+            target_ms: mean_ms(o.iterations, || run(&t, &td, &x, n).map(|_| ()))?,
             reference_ms: if n == 1 {
-                Some(mean_ms(ref_iters(o), || run(&r, &rd, n).map(|_| ()))?)
+                Some(mean_ms(ref_iters(o), || run(&r, &rd, &x, n).map(|_| ()))?)
             } else {
                 None
             },
             native_ms: Some(mean_ms(ref_iters(o), || {
-                native.predict(&vec![input.clone(); n]).map(|_| ())
+                native.predict(&images).map(|_| ())
             })?),
         });
     }
