@@ -481,27 +481,32 @@ impl Classifier {
             #[cfg(feature = "onnx")]
             Net::Onnx(g) => {
                 let (_, out) = g.run(&[batch, 1, size, size], input)?;
-                if out.len() != batch * self.classes() {
-                    return Err(ModelError::Onnx(format!(
-                        "the graph returned {} values for {batch} images of {} classes",
-                        out.len(),
-                        self.classes()
-                    )));
-                }
-                Ok(out)
+                self.checked_logits(out, batch, "the graph", ModelError::Onnx)
             }
             Net::Remote(m) => {
                 let (_, out) = m.infer(&[batch, 1, size, size], input)?;
-                if out.len() != batch * self.classes() {
-                    return Err(ModelError::Compute(format!(
-                        "the server returned {} values for {batch} images of {} classes",
-                        out.len(),
-                        self.classes()
-                    )));
-                }
-                Ok(out)
+                self.checked_logits(out, batch, "the server", ModelError::Compute)
             }
         }
+    }
+
+    /// Logits computed outside candle and the native kernels, checked to be `batch` rows of
+    /// this classifier's classes before anything reads them as such.
+    fn checked_logits(
+        &self,
+        out: Vec<f32>,
+        batch: usize,
+        source: &str,
+        error: fn(String) -> ModelError,
+    ) -> Result<Vec<f32>, ModelError> {
+        if out.len() != batch * self.classes() {
+            return Err(error(format!(
+                "{source} returned {} values for {batch} images of {} classes",
+                out.len(),
+                self.classes()
+            )));
+        }
+        Ok(out)
     }
 
     fn candle_logits(
