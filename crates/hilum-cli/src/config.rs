@@ -59,13 +59,11 @@ impl RemoteSection {
         let Some(url) = self.url.as_ref().filter(|u| !u.trim().is_empty()) else {
             return Ok(None);
         };
-        let mut s = hilum_models::KserveSettings::new(url.trim());
-        if let Some(secs) = self.timeout_secs {
-            s.timeout = std::time::Duration::from_secs(secs.max(1));
-        }
-        if let Some(n) = self.retries {
-            s.retries = n.min(10);
-        }
+        let mut s = hilum_models::KserveSettings::bounded(
+            url.trim(),
+            self.timeout_secs,
+            self.retries.map(u64::from),
+        );
         if let Some(b) = &self.fallback {
             let b: hilum_models::Backend = b
                 .parse()

@@ -48,6 +48,23 @@ impl KserveSettings {
             fallback: None,
         }
     }
+
+    /// `url` with a configured answer timeout and retry count, bounded the same way wherever
+    /// they come from: at least 1 s per answer, at most 10 retries.
+    pub fn bounded(
+        url: impl Into<String>,
+        timeout_secs: Option<u64>,
+        retries: Option<u64>,
+    ) -> Self {
+        let mut s = KserveSettings::new(url);
+        if let Some(secs) = timeout_secs {
+            s.timeout = Duration::from_secs(secs.max(1));
+        }
+        if let Some(n) = retries {
+            s.retries = n.min(10) as u32;
+        }
+        s
+    }
 }
 
 /// The configured server of `settings`, or the error that says how to configure one.

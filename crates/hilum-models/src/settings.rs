@@ -88,13 +88,11 @@ impl ModelSettings {
             ort_dylib: set("ORT_DYLIB_PATH").map(PathBuf::from),
             llava_quantize: set("HILUM_LLAVA_QUANTIZE"),
             remote: set("HILUM_KSERVE_URL").map(|url| {
-                let mut r = KserveSettings::new(url);
-                if let Some(secs) = number("HILUM_KSERVE_TIMEOUT_SECS") {
-                    r.timeout = std::time::Duration::from_secs(secs.max(1) as u64);
-                }
-                if let Some(n) = number("HILUM_KSERVE_RETRIES") {
-                    r.retries = n.min(10) as u32;
-                }
+                let mut r = KserveSettings::bounded(
+                    url,
+                    number("HILUM_KSERVE_TIMEOUT_SECS").map(|n| n as u64),
+                    number("HILUM_KSERVE_RETRIES").map(|n| n as u64),
+                );
                 r.fallback = set("HILUM_KSERVE_FALLBACK")
                     .and_then(|b| b.parse().ok())
                     .filter(|b| *b != crate::Backend::Kserve);
