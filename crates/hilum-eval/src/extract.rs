@@ -183,6 +183,76 @@ pub fn option_in_answer(answer: &str, options: &[(char, String)]) -> Option<char
     }
 }
 
+/// The percentages a text states as amounts: `44.5%` counts, a signed difference such as
+/// `+10.9%` does not.
+fn percentages(text: &str) -> Vec<f64> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i].is_ascii_digit() && (i == 0 || !(b[i - 1].is_ascii_digit() || b[i - 1] == b'.')) {
+            let start = i;
+            while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.' || b[i] == b',') {
+                i += 1;
+            }
+            let signed = start > 0 && matches!(b[start - 1], b'+' | b'-');
+            let digits = text[start..i].trim_end_matches(['.', ',']).replace(',', "");
+            if !signed && text[i..].trim_start().starts_with('%') {
+                if let Ok(v) = digits.parse::<f64>() {
+                    out.push(v);
+                }
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The range of percentages an option states: "10% to 20% of the image", "Less than 10%",
+/// "More than 50%" (ends included); `None` for any other option.
+fn percent_range(option: &str) -> Option<(f64, f64)> {
+    let lower = option.to_lowercase();
+    match percentages(&lower).as_slice() {
+        [a, b] if lower.contains(" to ") || lower.contains('-') => Some((a.min(*b), a.max(*b))),
+        [x] if lower.starts_with("less than") || lower.starts_with("under") => {
+            Some((f64::NEG_INFINITY, *x))
+        }
+        [x] if ["more than", "greater than", "over", "above"]
+            .iter()
+            .any(|p| lower.starts_with(p)) =>
+        {
+            Some((*x, f64::INFINITY))
+        }
+        _ => None,
+    }
+}
+
+/// The letter of the only range option holding the percentages of the answer's clause about
+/// the question: "lungs cover 44.5% of the image" reads as "40% to 50% of the image". `None`
+/// when the clause states no percentage, or its percentages fall in no option, in several, or
+/// on a boundary two options share.
+pub fn option_by_number(answer: &str, question: &str, options: &[(char, String)]) -> Option<char> {
+    let ranges: Vec<(char, (f64, f64))> = options
+        .iter()
+        .filter_map(|(l, o)| percent_range(o).map(|r| (*l, r)))
+        .collect();
+    if ranges.is_empty() {
+        return None;
+    }
+    let said = percentages(&relevant_clause(answer, question));
+    let mut found = None;
+    for v in said {
+        let mut holding = ranges.iter().filter(|(_, (lo, hi))| *lo <= v && v <= *hi);
+        match (holding.next(), holding.next(), found) {
+            (Some((l, _)), None, None) => found = Some(*l),
+            (Some((l, _)), None, Some(f)) if f == *l => {}
+            _ => return None,
+        }
+    }
+    found
+}
+
 /// The clause of an answer (split at `;` and line ends) that shares the most content words with
 /// the question (its options left out), when it shares at least two; else the answer's first 300
 /// characters. A small model quotes a whole tool summary; the letter step restates the part of
@@ -313,6 +383,38 @@ mod tests {
             relevant_clause("8-bit; PNG", "What is the modality?"),
             "8-bit; PNG"
         );
+    }
+
+    #[test]
+    fn a_percentage_in_the_answer_names_the_range_holding_it() {
+        let q = "About how much of the image area do the two lung fields cover together? \
+                 A) Less than 10% of the image B) 10% to 20% of the image C) 40% to 50% of the \
+                 image D) More than 50% of the image";
+        let o = option_texts(q);
+        let said = "According to the segment_lungs result: the patient's left lung is larger: \
+                    935,960 vs 844,004 px, +10.9%; 2 lung field(s); lungs cover 44.5% of the image";
+        // The signed difference (+10.9%) is not an amount; the clause about coverage is read.
+        assert_eq!(option_by_number(said, q, &o), Some('C'));
+        assert_eq!(option_by_number("they cover 61% of it", q, &o), Some('D'));
+        assert_eq!(
+            option_by_number("about 7.5% of the image", q, &o),
+            Some('A')
+        );
+        // On a shared boundary, or with no percentage, nothing is read.
+        assert_eq!(
+            option_by_number("lungs cover 10% of the image", q, &o),
+            None
+        );
+        assert_eq!(option_by_number("the lungs are large", q, &o), None);
+        // Two amounts in different ranges name neither.
+        assert_eq!(
+            option_by_number("lungs cover 15% or 45% of the image", q, &o),
+            None
+        );
+        // Options that are not ranges are never read this way.
+        let plain = option_texts("Which? A) 8 bits B) 12 bits");
+        assert_eq!(option_by_number("8% of 12 bits", "Which?", &plain), None);
+        assert_eq!(percentages("1,024.5 % and -3% and 2%"), vec![1024.5, 2.0]);
     }
 
     #[test]

@@ -17,7 +17,8 @@ pub mod score;
 pub use bench::{load_bench, AnswerKind, Question};
 pub use compare::{compare_runs, mcnemar_exact, Comparison};
 pub use extract::{
-    extract_letter, option_in_answer, option_named_by_text, option_texts, score_response,
+    extract_letter, option_by_number, option_in_answer, option_named_by_text, option_texts,
+    score_response,
 };
 pub use record::{read_run, QuestionRecord, RunHeader, RunLog, Status};
 pub use report::{write_reports, Report};

@@ -116,8 +116,9 @@ pub struct QuestionRecord {
     /// The model's reply to the letter step, when it was asked (the letter is read from it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub letter_reply: Option<String>,
-    /// The option whose text the answer contains (the only one it does), when the letter was
-    /// read that way: an answer in words that names no letter.
+    /// The option an answer in words that names no letter was read as, without a letter step:
+    /// the only option whose text it contains (in the whole answer or in its clause about the
+    /// question), or the only range option holding the percentage that clause states.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub option_in_answer: Option<String>,
     /// The messages this question added to its case's conversation (`--memory case` only), so a

@@ -18,8 +18,8 @@ use hilum_imaging::ImageStore;
 
 use crate::bench::{load_bench, AnswerKind, Question};
 use crate::extract::{
-    names_an_option, option_in_answer, option_named_by_text, option_texts, relevant_clause,
-    score_response,
+    names_an_option, option_by_number, option_in_answer, option_named_by_text, option_texts,
+    relevant_clause, score_response,
 };
 use crate::record::{read_run, CallRecord, QuestionRecord, RunHeader, RunLog, RunWriter, Status};
 use crate::EvalError;
@@ -527,8 +527,15 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                     && rec.status == Status::Answered
                     && !names_an_option(answer)
                     && !options.is_empty();
+                // An answer in words is read as an option when it holds one option's text (in
+                // the whole answer or in its clause about the question) or states a percentage
+                // that one range option holds; only then is no letter step needed.
                 let in_answer = if unnamed && !sh.cfg.strict {
                     option_in_answer(answer, &options)
+                        .or_else(|| {
+                            option_in_answer(&relevant_clause(answer, &q.question), &options)
+                        })
+                        .or_else(|| option_by_number(answer, &q.question, &options))
                 } else {
                     None
                 };

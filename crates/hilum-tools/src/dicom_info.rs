@@ -96,18 +96,21 @@ impl TypedTool for DicomInfo {
             "warnings": s.warnings,
         });
         let spacing = match s.pixel_spacing_mm {
-            Some((r, c)) => format!("{r:.3}x{c:.3} mm/px"),
-            None => "spacing unknown".into(),
+            Some((r, c)) => format!("pixel spacing {r:.3} x {c:.3} mm/px (row x column)"),
+            None => "pixel spacing unknown".into(),
         };
+        // Each value beside its attribute's name ("modality CR", "8 bits stored"): questions
+        // name the attribute, and the answer then quotes the clause that holds it.
         let summary = format!(
-            "{id}: DICOM {} {}, view {}, {}x{} px, {}-bit {}, {spacing}{}",
-            s.modality.as_deref().unwrap_or("?"),
-            s.body_part.as_deref().unwrap_or(""),
+            "{id}: DICOM, modality {}, body part {}, view position {}, {} x {} pixels (width x height), {} bits stored ({} allocated), photometric interpretation {}, {spacing}{}",
+            s.modality.as_deref().unwrap_or("unknown"),
+            s.body_part.as_deref().unwrap_or("unknown"),
             s.view_position.as_deref().unwrap_or("unknown"),
             s.columns,
             s.rows,
             s.bits_stored,
-            s.photometric.as_deref().unwrap_or("?"),
+            s.bits_allocated,
+            s.photometric.as_deref().unwrap_or("unknown"),
             match m.window_applied {
                 Some((c, w)) => format!(", window {c}/{w} applied"),
                 None => String::new(),

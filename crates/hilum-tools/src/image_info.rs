@@ -113,10 +113,13 @@ impl TypedTool for ImageInfo {
             "warnings": m.warnings,
             "stats": s,
         });
+        // Spelled in the words questions use ("pixel dimensions", "bit depth"), so a reader,
+        // human or small model, finds the fact without translating "1736x2022 px".
         let summary = format!(
-            "{id}: {}x{} px, {}-bit {}, mean {} (of max {}), std {}",
+            "{id}: {} x {} pixels (width x height), bit depth {} ({}-bit {}), mean {} (of max {}), std {}",
             img.width,
             img.height,
+            m.bit_depth,
             m.bit_depth,
             m.format,
             data["stats"]["mean"],
