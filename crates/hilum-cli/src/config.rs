@@ -35,6 +35,64 @@ pub struct FileConfig {
     /// `[remote]`: the KServe v2 inference server (Triton) of `--backend kserve`.
     #[serde(default)]
     pub remote: RemoteSection,
+    /// `[models]`: where weights live and how models run; each key has a variable that wins
+    /// over it.
+    #[serde(default)]
+    pub models: ModelsSection,
+}
+
+/// The `[models]` table. Each key stands for the variable named beside it, which wins over
+/// it: the file is the site's default, the environment the run's.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelsSection {
+    /// `HILUM_MODELS_DIR`
+    pub dir: Option<PathBuf>,
+    /// `HILUM_CPU_THREADS`
+    pub cpu_threads: Option<usize>,
+    /// `HILUM_CPU_CONCURRENCY`
+    pub cpu_concurrency: Option<usize>,
+    /// `HILUM_GPU_CONCURRENCY`
+    pub gpu_concurrency: Option<usize>,
+    /// `ORT_DYLIB_PATH`: the ONNX Runtime shared library.
+    pub onnxruntime: Option<PathBuf>,
+    /// `HILUM_LLAVA_QUANTIZE`: `none`, `q8_0` or `q4k`.
+    pub llava_quantize: Option<String>,
+    /// `HILUM_MAX_REPLICAS`
+    pub max_replicas: Option<usize>,
+}
+
+impl ModelsSection {
+    /// The value of the variable `name` as this table gives it.
+    fn var(&self, name: &str) -> Option<String> {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        let number = |n: &Option<usize>| n.map(|n| n.to_string());
+        match name {
+            "HILUM_MODELS_DIR" => path(&self.dir),
+            "HILUM_CPU_THREADS" => number(&self.cpu_threads),
+            "HILUM_CPU_CONCURRENCY" => number(&self.cpu_concurrency),
+            "HILUM_GPU_CONCURRENCY" => number(&self.gpu_concurrency),
+            "ORT_DYLIB_PATH" => path(&self.onnxruntime),
+            "HILUM_LLAVA_QUANTIZE" => self.llava_quantize.clone(),
+            "HILUM_MAX_REPLICAS" => number(&self.max_replicas),
+            _ => None,
+        }
+    }
+}
+
+/// The config file's `[models]` table, recorded by the first [`load_file`] (the program reads
+/// its file before the models' settings are made).
+static FILE_MODELS: std::sync::OnceLock<ModelsSection> = std::sync::OnceLock::new();
+
+/// A models' variable: the environment's value (set and not empty), else the `[models]` table's.
+fn models_var(
+    name: &str,
+    env: impl Fn(&str) -> Option<String>,
+    file: Option<&ModelsSection>,
+) -> Option<String> {
+    env(name)
+        .filter(|v| !v.is_empty())
+        .or_else(|| file.and_then(|f| f.var(name)))
 }
 
 /// The `[remote]` table: where `--backend kserve` sends the CNNs' forward passes. When
@@ -226,6 +284,7 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
         .with_context(|| format!("config file {}", path.display()))?;
     // The pool is made after the command read its file: the first file read is the one.
     let _ = FILE_REMOTE.set(remote);
+    let _ = FILE_MODELS.set(file.models.clone());
     Ok(file)
 }
 
@@ -353,20 +412,16 @@ impl LlmChoice {
     }
 }
 
-/// Where models live: `HILUM_MODELS_DIR`, else `<user data dir>/hilum/models` (`XDG_DATA_HOME`
-/// or `~/.local/share`), else `.hilum/models`.
+/// Where models live: `HILUM_MODELS_DIR`, else the `[models]` table's `dir`, else the models
+/// library's default (`<user data dir>/hilum/models`: `XDG_DATA_HOME` or `~/.local/share` on
+/// Linux; one default for every command).
 pub fn models_dir() -> PathBuf {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    if let Some(d) = var("HILUM_MODELS_DIR") {
-        return PathBuf::from(d);
-    }
-    var("XDG_DATA_HOME")
-        .map(PathBuf::from)
-        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".local/share")))
-        .map_or_else(
-            || PathBuf::from(".hilum/models"),
-            |d| d.join("hilum/models"),
-        )
+    models_var(
+        "HILUM_MODELS_DIR",
+        |k| std::env::var(k).ok(),
+        FILE_MODELS.get(),
+    )
+    .map_or_else(hilum_models::ModelRegistry::default_dir, PathBuf::from)
 }
 
 /// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
@@ -431,8 +486,10 @@ pub fn resolve_backends(
 /// `HILUM_CPU_TILE_FLOATS`, `HILUM_CPU_IMAGES_PER_PASS`, `HILUM_UNET_ENGINE`, `HILUM_UNET_ISA`,
 /// `HILUM_CPU_PROFILE`, `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
 /// `HILUM_LLAVA_QUANTIZE` (meanings in README.md).
+/// Each one set in the environment wins over the config file's `[models]` table.
 pub fn model_settings() -> hilum_models::ModelSettings {
-    hilum_models::ModelSettings::from_vars(|k| std::env::var(k).ok())
+    let file = FILE_MODELS.get();
+    hilum_models::ModelSettings::from_vars(|k| models_var(k, |k| std::env::var(k).ok(), file))
 }
 
 /// The tools' shared parts: the process's model pool, and the config file's `[vlm]` table
@@ -525,6 +582,48 @@ mod tests {
             .settings()
             .expect("ok")
             .is_none());
+    }
+
+    #[test]
+    fn models_table_gives_the_settings_and_the_environment_wins() {
+        let file: FileConfig = toml::from_str(
+            "[models]\ndir = \"/srv/hilum/models\"\ncpu_threads = 3\ngpu_concurrency = 2\n\
+             onnxruntime = \"/opt/ort/libonnxruntime.so\"\nllava_quantize = \"q4k\"\n",
+        )
+        .expect("parse");
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let from = |e| {
+            let e = env(e);
+            hilum_models::ModelSettings::from_vars(|k| models_var(k, &e, Some(&file.models)))
+        };
+        let s = from(&[]);
+        assert_eq!(s.models_dir, PathBuf::from("/srv/hilum/models"));
+        assert_eq!(s.cpu.threads, Some(3));
+        assert_eq!(s.gpu_concurrency, Some(2));
+        assert_eq!(
+            s.ort_dylib.as_deref(),
+            Some(Path::new("/opt/ort/libonnxruntime.so"))
+        );
+        assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
+        assert_eq!(s.cpu_concurrency, None);
+        // A variable wins; an empty one counts as unset.
+        let s = from(&[("HILUM_MODELS_DIR", "/tmp/m"), ("HILUM_CPU_THREADS", "")]);
+        assert_eq!(s.models_dir, PathBuf::from("/tmp/m"));
+        assert_eq!(s.cpu.threads, Some(3));
+        // Nothing anywhere: the models library's one default.
+        let s = hilum_models::ModelSettings::from_vars(|k| models_var(k, env(&[]), None));
+        assert_eq!(s.models_dir, hilum_models::ModelRegistry::default_dir());
+        let err = toml::from_str::<FileConfig>("[models]\nthreads = 2\n")
+            .expect_err("unknown key")
+            .to_string();
+        assert!(err.contains("threads"), "{err}");
     }
 
     #[test]

@@ -71,7 +71,8 @@ pub(crate) fn registry() -> &'static Registry {
 static MODEL_SETTINGS: OnceLock<hilum_models::ModelSettings> = OnceLock::new();
 static MODEL_POOL: OnceLock<Arc<hilum_models::ModelPool>> = OnceLock::new();
 
-/// The models' settings, read once from the environment ([`config::model_settings`]).
+/// The models' settings, made once from the environment and the config file's `[models]`
+/// table ([`config::model_settings`]).
 pub(crate) fn model_settings() -> &'static hilum_models::ModelSettings {
     MODEL_SETTINGS.get_or_init(config::model_settings)
 }
@@ -97,9 +98,6 @@ pub(crate) fn toolbox(deps: &ToolDeps) -> anyhow::Result<hilum_agent::Toolbox> {
 /// Runs the `hilum` command line with the tools of `registry`; exits the process on error.
 pub fn main_with(registry: Registry) {
     let _ = REGISTRY.set(registry);
-    // Before any model loads: the CPU kernels' knobs and ONNX Runtime's library are
-    // process-wide.
-    model_settings().apply_process_wide();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -115,6 +113,20 @@ pub fn main_with(registry: Registry) {
 
 async fn run() {
     let cli = Cli::parse();
+    // The config file first: its `[models]` table is part of the models' settings, which are
+    // made once. Then, before any model loads, the process-wide parts (the CPU kernels' knobs,
+    // ONNX Runtime's library).
+    let explicit = match &cli.command {
+        Commands::Analyze(a) => a.config.as_deref(),
+        Commands::Eval(a) => a.config.as_deref(),
+        Commands::Serve(a) => a.config.as_deref(),
+        _ => None,
+    };
+    if let Err(e) = config::load_file(explicit) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+    model_settings().apply_process_wide();
     let result = match cli.command {
         Commands::Analyze(args) => analyze::run(args).await,
         Commands::Tools { cmd } => tools_cmd::run(cmd).await,

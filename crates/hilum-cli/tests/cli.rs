@@ -147,6 +147,49 @@ fn analyze_without_a_model_says_how_to_configure_one() {
 }
 
 #[test]
+fn the_config_files_models_table_sets_the_models_dir_and_a_variable_wins() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let from_file = dir.path().join("site-models");
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!("[models]\ndir = {:?}\n", from_file.display().to_string()),
+    )
+    .expect("write config");
+    let listed_dir = |out: std::process::Output| {
+        assert_succeeded(&out);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines()
+            .next()
+            .and_then(|l| l.strip_prefix("models directory: "))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no models directory line in: {text}"))
+    };
+    let out = hilum()
+        .env_remove("HILUM_MODELS_DIR")
+        .env("HILUM_CONFIG", &config)
+        .args(["models", "list"])
+        .output()
+        .expect("run hilum");
+    assert_eq!(listed_dir(out), from_file.display().to_string());
+    let out = hilum()
+        .env("HILUM_CONFIG", &config)
+        .args(["models", "list"])
+        .output()
+        .expect("run hilum");
+    assert_eq!(listed_dir(out), "/nonexistent-hilum-models");
+    std::fs::write(&config, "[models]\ndirr = \"x\"\n").expect("write config");
+    let out = hilum()
+        .env("HILUM_CONFIG", &config)
+        .args(["models", "list"])
+        .output()
+        .expect("run hilum");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown field `dirr`"), "{err}");
+}
+
+#[test]
 fn tools_list_json_has_schemas() {
     let out = hilum()
         .args(["tools", "list", "--json"])
