@@ -94,11 +94,14 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
                 custom,
                 origin: None,
             };
+            let spinner = import_spinner(&id, &path);
             let inst = tokio::task::spawn_blocking(move || {
                 hilum_models::import(&registry, &id, &path, &opts).map(|i| (id, i))
             })
             .await
-            .context("import task")??;
+            .context("import task");
+            spinner.finish_and_clear();
+            let inst = inst??;
             let (id, inst) = inst;
             println!(
                 "installed {id}{}: {} ({} bytes)\n  sha256 {}\n  source sha256 {} ({})",
@@ -278,6 +281,27 @@ fn human(bytes: u64) -> String {
 }
 
 /// A progress bar on stderr for downloads.
+/// A spinner with the elapsed time while `models import` hashes, converts and copies the file
+/// (the import reports no byte progress). Drawn on stderr only when it is a terminal, so piped
+/// or captured output stays clean.
+fn import_spinner(id: &str, path: &std::path::Path) -> ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} {elapsed}") {
+        bar.set_style(style);
+    }
+    let size = std::fs::metadata(path).map_or(0, |m| m.len());
+    bar.set_message(format!(
+        "importing {id} ({}; checking, converting, installing)",
+        indicatif::HumanBytes(size)
+    ));
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
+}
+
 struct Bar(Option<ProgressBar>);
 
 impl FetchProgress for Bar {

@@ -36,11 +36,13 @@ fn import_without_python(models: &Path, empty_bin: &Path, args: &[&std::ffi::OsS
         .output()
         .expect("run hilum");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "hilum models import {args:?} failed without Python:\n{}{stdout}",
-        String::from_utf8_lossy(&out.stderr)
+        "hilum models import {args:?} failed without Python:\n{stderr}{stdout}"
     );
+    // The progress spinner draws only on a terminal.
+    assert!(stderr.is_empty(), "stderr not a terminal, yet: {stderr:?}");
     stdout
 }
 
