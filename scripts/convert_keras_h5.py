@@ -6,8 +6,9 @@ values unchanged (conv kernels stay HWIO). Needs h5py and numpy (scripts/require
 
 usage: convert_keras_h5.py IN.h5 OUT.safetensors
 
-`hilum models import ID FILE.h5` runs this script (embedded in the binary) with $HILUM_PYTHON
-or python3.
+`hilum models import ID FILE.h5` no longer runs it: Hilum reads .h5 files in Rust
+(crates/hilum-models/src/checkpoint/keras.rs) and writes the same bytes. It stays as the
+reference scripts/make_keras_fixtures.py checks the Rust reader against.
 """
 import json
 import struct

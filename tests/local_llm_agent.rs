@@ -3,10 +3,9 @@
 //! ../shared/data/models/lung_seg_unet) and real radiographs from ../shared/data.
 //!
 //! Needs the model from `scripts/fetch_local_llm.sh` (or `HILUM_LOCAL_LLM=path.gguf`); without
-//! it the tests print why and check nothing. The U-Net import needs `HILUM_PYTHON` or
-//! scripts/.venv-models from scripts/setup_onnxruntime.sh (h5py). ~1-2 min on 2 cores.
+//! it the tests print why and check nothing. ~1-2 min on 2 cores.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use hilum::agent::{
@@ -71,18 +70,9 @@ fn lung_models() -> Arc<ModelPool> {
     POOL.get_or_init(|| {
         let dir = tempfile::tempdir().expect("tempdir");
         let reg = ModelRegistry::new(dir.path()).expect("registry");
-        let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/.venv-models/bin/python");
-        let python = std::env::var_os("HILUM_PYTHON")
-            .map(PathBuf::from)
-            .or_else(|| venv.is_file().then_some(venv));
         let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-        let opts = ImportOptions {
-            python,
-            ..Default::default()
-        };
-        hilum_models::import(&reg, "lung-unet", &h5, &opts).expect(
-            "import lung-unet (run scripts/setup_onnxruntime.sh for h5py, or set HILUM_PYTHON)",
-        );
+        let opts = ImportOptions::default();
+        hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
         (dir, Arc::new(ModelPool::new(Arc::new(reg))))
     })
     .1

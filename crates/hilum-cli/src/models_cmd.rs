@@ -28,16 +28,11 @@ pub enum ModelsCmd {
         /// `fetch_files` are taken from the same folder).
         #[arg(long)]
         url: Option<String>,
-        /// Python with h5py and numpy, used to convert Keras .h5 checkpoints.
-        #[arg(long, env = "HILUM_PYTHON")]
-        python: Option<PathBuf>,
     },
     /// Install weights from a local file: the published checkpoint on a machine without
     /// internet, or a site's own checkpoint of the same architecture with --custom.
-    /// PyTorch .pt/.pth/.bin files are read in Rust: no Python, and nothing in them runs.
-    /// Keras .h5 files are converted by an embedded copy of scripts/convert_keras_h5.py, run with
-    /// $HILUM_PYTHON or python3 (needs h5py and numpy: scripts/setup_onnxruntime.sh makes such
-    /// a venv in scripts/.venv-models).
+    /// PyTorch .pt/.pth/.bin and Keras .h5 files are read in Rust: no Python, and nothing in
+    /// them runs.
     Import {
         /// Model id, e.g. lung-unet.
         id: String,
@@ -47,9 +42,6 @@ pub enum ModelsCmd {
         /// shapes match the architecture; it is marked custom in listings and tool outputs.
         #[arg(long)]
         custom: bool,
-        /// Python with h5py and numpy, used to convert Keras .h5 checkpoints.
-        #[arg(long, env = "HILUM_PYTHON")]
-        python: Option<PathBuf>,
     },
     /// Re-check installed weights: sha256 against the install record, names and shapes against
     /// the architecture. All installed models when no id is given.
@@ -82,13 +74,10 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
     let registry = ModelRegistry::new(&crate::model_settings().models_dir)?;
     match cmd {
         ModelsCmd::List { json } => list(&registry, json),
-        ModelsCmd::Fetch { id, url, python } => {
+        ModelsCmd::Fetch { id, url } => {
             let opts = FetchOptions {
                 url,
-                import: ImportOptions {
-                    python,
-                    ..Default::default()
-                },
+                import: ImportOptions::default(),
             };
             let mut bar = Bar(None);
             let inst = hilum_models::fetch(&registry, &id, &opts, &mut bar).await?;
@@ -100,22 +89,19 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        ModelsCmd::Import {
-            id,
-            path,
-            custom,
-            python,
-        } => {
+        ModelsCmd::Import { id, path, custom } => {
             let opts = ImportOptions {
                 custom,
-                python,
                 origin: None,
             };
+            let spinner = import_spinner(&id, &path);
             let inst = tokio::task::spawn_blocking(move || {
                 hilum_models::import(&registry, &id, &path, &opts).map(|i| (id, i))
             })
             .await
-            .context("import task")??;
+            .context("import task");
+            spinner.finish_and_clear();
+            let inst = inst??;
             let (id, inst) = inst;
             println!(
                 "installed {id}{}: {} ({} bytes)\n  sha256 {}\n  source sha256 {} ({})",
@@ -295,6 +281,27 @@ fn human(bytes: u64) -> String {
 }
 
 /// A progress bar on stderr for downloads.
+/// A spinner with the elapsed time while `models import` hashes, converts and copies the file
+/// (the import reports no byte progress). Drawn on stderr only when it is a terminal, so piped
+/// or captured output stays clean.
+fn import_spinner(id: &str, path: &std::path::Path) -> ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} {elapsed}") {
+        bar.set_style(style);
+    }
+    let size = std::fs::metadata(path).map_or(0, |m| m.len());
+    bar.set_message(format!(
+        "importing {id} ({}; checking, converting, installing)",
+        indicatif::HumanBytes(size)
+    ));
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
+}
+
 struct Bar(Option<ProgressBar>);
 
 impl FetchProgress for Bar {

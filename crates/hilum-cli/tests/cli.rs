@@ -305,48 +305,25 @@ fn bench_times_the_classifier_per_backend_and_batch_and_names_missing_weights() 
 }
 
 /// A models dir holding the real lung U-Net with its ONNX graph, imported by `hilum models
-/// import` (with HILUM_PYTHON or scripts/.venv-models for the .h5) or copied from the user's
-/// installed models; `None` when neither is possible here.
-fn lung_unet_models_dir(dir: &std::path::Path) -> Option<PathBuf> {
+/// import` (the .h5 is read in Rust: no Python).
+fn lung_unet_models_dir(dir: &std::path::Path) -> PathBuf {
     let models = dir.join("models");
-    let venv =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
-    if let Some(python) = python {
-        for file in ["lung_seg_valiou_088.h5", "lung_seg_valiou_088.onnx"] {
-            let out = hilum()
-                .env("HILUM_MODELS_DIR", &models)
-                .args(["models", "import", "lung-unet"])
-                .arg(data(&format!("models/lung_seg_unet/{file}")))
-                .arg("--python")
-                .arg(&python)
-                .output()
-                .expect("run hilum");
-            assert_succeeded(&out);
-        }
-        return Some(models);
+    for file in ["lung_seg_valiou_088.h5", "lung_seg_valiou_088.onnx"] {
+        let out = hilum()
+            .env("HILUM_MODELS_DIR", &models)
+            .args(["models", "import", "lung-unet"])
+            .arg(data(&format!("models/lung_seg_unet/{file}")))
+            .output()
+            .expect("run hilum");
+        assert_succeeded(&out);
     }
-    let installed =
-        PathBuf::from(std::env::var_os("HOME")?).join(".local/share/hilum/models/lung-unet");
-    if !installed.join("model.onnx").is_file() {
-        return None;
-    }
-    std::fs::create_dir_all(models.join("lung-unet")).ok()?;
-    for f in ["install.toml", "model.safetensors", "model.onnx"] {
-        std::fs::copy(installed.join(f), models.join("lung-unet").join(f)).ok()?;
-    }
-    Some(models)
+    models
 }
 
 #[test]
 fn export_triton_writes_the_repository_and_a_down_server_is_a_clear_error_or_the_fallback() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let Some(models) = lung_unet_models_dir(dir.path()) else {
-        eprintln!("SKIPPED: no Python with h5py (HILUM_PYTHON) and no installed lung-unet");
-        return;
-    };
+    let models = lung_unet_models_dir(dir.path());
     let repo = dir.path().join("repo");
     let out = hilum()
         .env("HILUM_MODELS_DIR", &models)

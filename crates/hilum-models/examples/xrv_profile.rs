@@ -4,9 +4,8 @@
 //! (`pspnet [iters]`)
 //! - `densenet` | `resnet`: the classifiers (synthetic weights): native vs ONNX Runtime (when
 //!   `ORT_DYLIB_PATH` is set) on a graph built from the same weights, same threads;
-//! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet; needs
-//!   `HILUM_PYTHON` with h5py, see scripts/setup_onnxruntime.sh): native vs candle vs ONNX
-//!   Runtime (when `ORT_DYLIB_PATH` is set), same threads, with a pause before each run
+//! - `unet`: the real lung U-Net (imported from ../shared/data/models/lung_seg_unet): native
+//!   vs candle vs ONNX Runtime (when `ORT_DYLIB_PATH` is set), same threads, with a pause before each run
 //!   (`HILUM_PROFILE_PAUSE_MS`, default 20; `HILUM_PROFILE_CANDLE=0` leaves candle out);
 //! - `pspnet`: the full-size ChestX-Det PSPNet at 512 px (random weights): native vs candle
 //!   (`HILUM_PROFILE_CANDLE=0` skips candle's ~1 min forward).
@@ -157,11 +156,7 @@ fn unet(settings: &ModelSettings, batch: usize, iters: usize) -> Res<()> {
     let dir = tempfile::tempdir()?;
     let reg = ModelRegistry::new(dir.path())?;
     let h5 = shared_data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-    let opts = ImportOptions {
-        python: std::env::var_os("HILUM_PYTHON").map(Into::into),
-        ..Default::default()
-    };
-    hilum_models::import(&reg, "lung-unet", &h5, &opts)?;
+    hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())?;
     let pool = ModelPool::with_settings(std::sync::Arc::new(reg), settings.clone());
     let on = |backend| {
         pool.get_or_load::<LungSegmenter>("lung-unet", hilum_models::Device::Cpu, backend)

@@ -1,28 +1,18 @@
 //! `hilum models import ID PATH`: installs weights from a local file (air-gapped sites, or a
-//! site's own checkpoint with `--custom`). PyTorch `.pt`/`.pth`/`.bin` checkpoints are read in
-//! Rust ([`crate::checkpoint`]: no Python, and nothing in the file runs). Keras `.h5` files are
-//! converted by `scripts/convert_keras_h5.py` (embedded here), run with `$HILUM_PYTHON` or
-//! `python3`, which needs h5py and numpy.
+//! site's own checkpoint with `--custom`). PyTorch `.pt`/`.pth`/`.bin` and Keras `.h5`
+//! checkpoints are read in Rust ([`crate::checkpoint`]): no Python, and nothing in the file runs.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::registry::check_architecture;
 use crate::{sha256_file, InstallRecord, InstalledModel, ModelError, ModelRegistry};
-
-const KERAS_CONVERTER: &str = include_str!("../../../scripts/convert_keras_h5.py");
-const KERAS_NEEDS: &str = "Python 3 with h5py and numpy: run `scripts/setup_onnxruntime.sh` (it \
-    makes scripts/.venv-models) or `pip install -r scripts/requirements-models.txt`";
 
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
     /// A site's own checkpoint of the architecture: any sha256 is accepted, names and shapes
     /// must still match, and the model is marked custom everywhere.
     pub custom: bool,
-    /// Python interpreter for the Keras converter; `None`: `python3` (Hilum's CLI passes
-    /// `--python` or `HILUM_PYTHON`).
-    pub python: Option<PathBuf>,
     /// Where the file came from, for the record (default: the path).
     pub origin: Option<String>,
 }
@@ -71,15 +61,12 @@ pub fn import(
         "safetensors" => path.to_path_buf(),
         "keras-h5" => {
             let out = work.path().join("model.safetensors");
-            run_converter(
-                KERAS_CONVERTER,
-                "convert_keras_h5.py",
-                path,
-                &out,
-                &[],
-                KERAS_NEEDS,
-                opts,
-            )?;
+            crate::checkpoint::keras_to_safetensors(path, &out).map_err(|e| {
+                ModelError::Convert {
+                    what: path.display().to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
             out
         }
         "pytorch"
@@ -183,52 +170,4 @@ fn format_of(path: &Path, manifest_format: &str) -> String {
         Some("onnx") => "onnx".into(),
         _ => manifest_format.to_string(),
     }
-}
-
-/// Python used by converters: [`ImportOptions::python`], else `python3` on the `PATH` (the
-/// program fills the option: Hilum's CLI from `--python` or `HILUM_PYTHON`).
-pub fn python(opts: &ImportOptions) -> PathBuf {
-    opts.python
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("python3"))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_converter(
-    script: &str,
-    name: &str,
-    input: &Path,
-    output: &Path,
-    extra: &[&str],
-    needs: &str,
-    opts: &ImportOptions,
-) -> Result<(), ModelError> {
-    let dir = output.parent().unwrap_or(Path::new("."));
-    let script_path = dir.join(name);
-    std::fs::write(&script_path, script).map_err(|e| ModelError::io(&script_path, e))?;
-    let py = python(opts);
-    let help = format!(
-        "converting needs {needs}, then set HILUM_PYTHON to that python (tried `{}`)",
-        py.display()
-    );
-    let out = Command::new(&py)
-        .arg(&script_path)
-        .arg(input)
-        .arg(output)
-        .args(extra)
-        .output()
-        .map_err(|e| ModelError::Convert {
-            what: input.display().to_string(),
-            reason: format!("cannot run {}: {e}; {help}", py.display()),
-        })?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        return Err(ModelError::Convert {
-            what: input.display().to_string(),
-            reason: format!("{} ({help})", tail.join(" | ")),
-        });
-    }
-    Ok(())
 }

@@ -37,7 +37,7 @@ pub use device::{Device, DeviceSet};
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
-pub use import::{import, python, ImportOptions};
+pub use import::{import, ImportOptions};
 pub use kserve::KserveSettings;
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
 pub use pool::{is_device_failure, Lease, Model, ModelPool};

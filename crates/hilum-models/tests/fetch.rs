@@ -80,16 +80,9 @@ fn h5() -> PathBuf {
 }
 
 fn opts(url: &str) -> FetchOptions {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     FetchOptions {
         url: Some(url.to_string()),
-        import: ImportOptions {
-            python,
-            ..Default::default()
-        },
+        import: ImportOptions::default(),
     }
 }
 

@@ -1,9 +1,6 @@
 //! The real lung U-Net (../shared/data/models/lung_seg_unet): import of the published Keras
 //! checkpoint, fidelity to the reference output, and Dice against ground-truth lung masks.
-//!
-//! Importing the .h5 runs scripts/convert_keras_h5.py: set HILUM_PYTHON to a Python with h5py
-//! and numpy, or run scripts/setup_onnxruntime.sh (it creates scripts/.venv-models, used
-//! automatically).
+//! The .h5 is read in Rust: no Python.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -11,10 +8,6 @@ use std::sync::{Arc, OnceLock};
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::Backend;
 use hilum_models::{Device, ImportOptions, ModelError, ModelPool, ModelRegistry};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn data() -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
@@ -31,13 +24,8 @@ fn h5() -> PathBuf {
 }
 
 fn import_opts(custom: bool) -> ImportOptions {
-    let venv = repo().join("scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     ImportOptions {
         custom,
-        python,
         origin: None,
     }
 }

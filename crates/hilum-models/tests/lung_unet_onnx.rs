@@ -41,28 +41,13 @@ fn ort_ready() -> bool {
 }
 
 fn import_opts() -> ImportOptions {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
-    ImportOptions {
-        python,
-        ..Default::default()
-    }
+    ImportOptions::default()
 }
 
 fn candle_model(dir: &Path) -> std::sync::Arc<LungSegmenter> {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     let reg = ModelRegistry::new(dir).expect("registry");
     let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-    let opts = ImportOptions {
-        python,
-        ..Default::default()
-    };
-    hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
+    hilum_models::import(&reg, "lung-unet", &h5, &import_opts()).expect("import lung-unet");
     let pool = ModelPool::new(std::sync::Arc::new(reg));
     pool.get_or_load::<LungSegmenter>("lung-unet", Device::Cpu, hilum_models::Backend::Native)
         .expect("load")

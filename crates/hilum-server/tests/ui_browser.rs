@@ -27,19 +27,12 @@ fn chromium() -> PathBuf {
 }
 
 /// A models dir of its own (so a developer's installed models do not change the test) with
-/// the lung model imported if its converter can run here (the .h5 import needs the Python of
-/// scripts/setup_onnxruntime.sh); without it segment_lungs fails and the UI must say why.
+/// the lung model imported if it can be here (the shared data may be missing); without it
+/// segment_lungs fails and the UI must say why.
 fn lung_models(dir: &Path) -> (Arc<ModelPool>, bool) {
     let reg = ModelRegistry::new(dir).expect("models dir in a tempdir");
-    let venv = repo().join("scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     let h5 = data_dir().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-    let opts = ImportOptions {
-        python,
-        ..Default::default()
-    };
+    let opts = ImportOptions::default();
     let installed = match hilum_models::import(&reg, "lung-unet", &h5, &opts) {
         Ok(_) => true,
         Err(e) => {

@@ -161,20 +161,14 @@ async fn bad_input_is_refused_with_a_clear_error() {
     );
 }
 
-/// A models directory with the real lung U-Net imported (needs the Python of
-/// scripts/setup_onnxruntime.sh, or HILUM_PYTHON, to convert the Keras .h5).
+/// A models directory with the real lung U-Net imported.
 fn lung_unet_pool() -> Arc<ModelPool> {
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let h5 = repo.join("../shared/data/models/lung_seg_unet/lung_seg_valiou_088.h5");
-    let venv = repo.join("scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     let dir = std::env::temp_dir().join(format!("hilum-measure-unet-{}", std::process::id()));
     let reg = ModelRegistry::new(&dir).expect("registry");
     let opts = hilum_models::ImportOptions {
         custom: false,
-        python,
         origin: None,
     };
     hilum_models::import(&reg, "lung-unet", &h5, &opts)

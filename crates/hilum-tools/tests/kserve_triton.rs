@@ -6,7 +6,7 @@
 //!
 //! Classifier: seeded DenseNet-121 weights imported as a site checkpoint. Lung U-Net: the real
 //! one, copied from the installed models (HILUM_MODELS_DIR or ~/.local/share/hilum/models) or
-//! imported from ../shared/data/models/lung_seg_unet (needs HILUM_PYTHON or scripts/.venv-models).
+//! imported from ../shared/data/models/lung_seg_unet.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -130,17 +130,10 @@ fn install_lung_unet(registry: &ModelRegistry) {
         }
         return;
     }
-    let venv = root().join("scripts/.venv-models/bin/python");
-    let python = std::env::var_os("HILUM_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| venv.is_file().then_some(venv));
     let dir = shared().join("models/lung_seg_unet");
-    let opts = hilum_models::ImportOptions {
-        python,
-        ..Default::default()
-    };
+    let opts = hilum_models::ImportOptions::default();
     hilum_models::import(registry, LUNGS, &dir.join("lung_seg_valiou_088.h5"), &opts)
-        .expect("import the lung U-Net (.h5; needs HILUM_PYTHON or scripts/.venv-models)");
+        .expect("import the lung U-Net (.h5)");
     hilum_models::import(
         registry,
         LUNGS,

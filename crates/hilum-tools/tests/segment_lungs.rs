@@ -1,6 +1,5 @@
 //! `segment_lungs` on real radiographs with the real lung U-Net (imported from
-//! ../shared/data/models/lung_seg_unet; the import needs HILUM_PYTHON or
-//! scripts/.venv-models from scripts/setup_onnxruntime.sh).
+//! ../shared/data/models/lung_seg_unet).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -26,16 +25,8 @@ fn pool() -> Arc<ModelPool> {
     POOL.get_or_init(|| {
         let dir = tempfile::tempdir().expect("tempdir");
         let reg = ModelRegistry::new(dir.path()).expect("registry");
-        let venv =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-        let python = std::env::var_os("HILUM_PYTHON")
-            .map(PathBuf::from)
-            .or_else(|| venv.is_file().then_some(venv));
         let h5 = data().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
-        let opts = ImportOptions {
-            python,
-            ..Default::default()
-        };
+        let opts = ImportOptions::default();
         hilum_models::import(&reg, "lung-unet", &h5, &opts).expect("import lung-unet");
         (dir, Arc::new(ModelPool::new(Arc::new(reg))))
     })
@@ -158,13 +149,7 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let reg = ModelRegistry::new(dir.path()).expect("registry");
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/.venv-models/bin/python");
-    let opts = ImportOptions {
-        python: std::env::var_os("HILUM_PYTHON")
-            .map(PathBuf::from)
-            .or_else(|| venv.is_file().then_some(venv)),
-        ..Default::default()
-    };
+    let opts = ImportOptions::default();
     let models = data().join("models/lung_seg_unet");
     hilum_models::import(
         &reg,

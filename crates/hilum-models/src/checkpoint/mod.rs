@@ -4,11 +4,16 @@
 //! and legacy layouts. A whole pickled `nn.Module` (how torchxrayvision publishes its DenseNet)
 //! is flattened into `state_dict()` names from its `_parameters`, `_buffers` and `_modules`.
 //!
+//! Keras `.h5` files are read by [`read_keras_h5`] (pure-Rust HDF5; only the weights).
+//!
 //! [`pytorch_to_safetensors`] applies the renaming rules of the Python converters it replaces
 //! (`scripts/convert_xrv.py`, `convert_pspnet.py`, `convert_medsam.py`).
 
+mod keras;
 mod pickle;
 mod torch;
+
+pub use keras::{keras_to_safetensors, read_keras_h5, KerasWeights};
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
