@@ -816,13 +816,17 @@ impl Agent {
                 async move {
                     let result = match prepared {
                         Ok(p) => run_prepared(p, ctx, timeout).await,
-                        Err(failure) => CallResult {
-                            call,
-                            arguments: None,
-                            repaired: false,
-                            result: Err(failure),
-                            ms: 0.0,
-                        },
+                        Err(failure) => {
+                            let r = CallResult {
+                                call,
+                                arguments: None,
+                                repaired: false,
+                                result: Err(failure),
+                                ms: 0.0,
+                            };
+                            crate::toolbox::log_rejected(round, &r);
+                            r
+                        }
                     };
                     (i, result)
                 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use serde::Serialize;
 use serde_json::Value;
+use tracing::Instrument;
 
 use crate::repair::parse_lenient;
 use crate::tool::{Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
@@ -232,14 +233,69 @@ impl Toolbox {
         let started = Instant::now();
         match self.prepare(call, env) {
             Ok(prepared) => run_prepared(prepared, ctx, timeout).await,
-            Err(failure) => CallResult {
-                call: call.clone(),
-                arguments: None,
-                repaired: false,
-                result: Err(failure),
-                ms: started.elapsed().as_secs_f64() * 1e3,
-            },
+            Err(failure) => {
+                let result = CallResult {
+                    call: call.clone(),
+                    arguments: None,
+                    repaired: false,
+                    result: Err(failure),
+                    ms: started.elapsed().as_secs_f64() * 1e3,
+                };
+                log_rejected(ctx.round, &result);
+                result
+            }
         }
+    }
+}
+
+/// The span of one tool call: the tool, the call id and the round. Never its arguments or
+/// results (they may name a patient or carry pixels). An id the model made up is logged only
+/// when it looks like one.
+fn tool_span(name: &str, call_id: &str, round: usize) -> tracing::Span {
+    tracing::info_span!(
+        "tool_call",
+        tool = loggable(name),
+        call_id = loggable(call_id),
+        round
+    )
+}
+
+/// Logs a call that failed before it ran (unknown tool, invalid arguments, a budget). The
+/// name of a tool that does not exist is the model's free text: it is not logged.
+pub(crate) fn log_rejected(round: usize, r: &CallResult) {
+    let unknown = matches!(&r.result, Err(f) if f.kind == FailureKind::UnknownTool);
+    let name = if unknown {
+        "(unknown)"
+    } else {
+        r.call.name.as_str()
+    };
+    log_outcome(&tool_span(name, &r.call.id, round), r);
+}
+
+/// Logs a finished call inside its span: how long it took and whether it worked.
+fn log_outcome(span: &tracing::Span, r: &CallResult) {
+    let ms = r.ms;
+    span.in_scope(|| match &r.result {
+        Ok(_) => tracing::info!(duration_ms = ms, outcome = "ok", "tool call finished"),
+        Err(f) => tracing::warn!(
+            duration_ms = ms,
+            outcome = "error",
+            error_kind = f.kind.as_str(),
+            "tool call failed"
+        ),
+    });
+}
+
+/// `s` when it is a short identifier (a tool name, a call id), else a placeholder: what a
+/// model sends as a name is free text.
+fn loggable(s: &str) -> &str {
+    let ident = s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ident && !s.is_empty() {
+        s
+    } else {
+        "(not an identifier)"
     }
 }
 
@@ -259,10 +315,15 @@ pub async fn run_prepared(
     } = prepared;
     let name = call.name.clone();
     let args = arguments.clone();
-    let task = tokio::spawn(async move {
-        let fut = std::panic::AssertUnwindSafe(tool.call(&ctx, args)).catch_unwind();
-        tokio::time::timeout(timeout, fut).await
-    });
+    let span = tool_span(&call.name, &call.id, ctx.round);
+    // The tool's own lines carry the call's span (and the request's, when there is one).
+    let task = tokio::spawn(
+        async move {
+            let fut = std::panic::AssertUnwindSafe(tool.call(&ctx, args)).catch_unwind();
+            tokio::time::timeout(timeout, fut).await
+        }
+        .instrument(span.clone()),
+    );
     let result = match task.await {
         Ok(Ok(Ok(Ok(output)))) => Ok(output),
         Ok(Ok(Ok(Err(e)))) => Err(CallFailure {
@@ -283,13 +344,15 @@ pub async fn run_prepared(
             message: format!("`{name}` was cancelled: {join}"),
         }),
     };
-    CallResult {
+    let result = CallResult {
         call,
         arguments: Some(arguments),
         repaired,
         result,
         ms: started.elapsed().as_secs_f64() * 1e3,
-    }
+    };
+    log_outcome(&span, &result);
+    result
 }
 
 fn tool_error_message(name: &str, e: &ToolError) -> String {

@@ -10,6 +10,7 @@ use hilum_agent::{Agent, Mode, Protocol, RunInput};
 use hilum_imaging::ImageStore;
 
 use crate::config::{load_file, LlmChoice};
+use crate::logging::LogFormat;
 use crate::render;
 
 #[derive(Args)]
@@ -72,9 +73,19 @@ pub struct AnalyzeArgs {
     /// onnx, kserve; `kserve` for every classifier serves the lung U-Net too); repeatable. Overrides HILUM_BACKEND and the config file's [backends] table.
     #[arg(long)]
     pub backend: Vec<String>,
+    /// Log lines on stderr: -v info, -vv debug, -vvv trace (RUST_LOG, when set, filters
+    /// instead). Without -v nothing is logged.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// How -v's log lines look: text, or one JSON object per line.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
+    if args.verbose > 0 {
+        crate::logging::install(args.log_format, crate::logging::verbosity(args.verbose))?;
+    }
     let file = load_file(args.config.as_deref())?;
     let choice = LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm)?;
     let llm = choice.build()?;

@@ -482,6 +482,13 @@ pub fn resolve_backends(
     parse(&spec.join(","), "[backends] in the config file")
 }
 
+/// `RUST_LOG`, when set: the log filter of `hilum serve`, `hilum mcp` and `hilum analyze -v`.
+pub fn log_filter() -> Option<String> {
+    std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+}
+
 /// The models' settings from the environment: `HILUM_MODELS_DIR`, `HILUM_CPU_THREADS`,
 /// `HILUM_CPU_TILE_FLOATS`, `HILUM_CPU_IMAGES_PER_PASS`, `HILUM_UNET_ENGINE`, `HILUM_UNET_ISA`,
 /// `HILUM_CPU_PROFILE`, `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,

@@ -7,6 +7,7 @@ mod bench_cmd;
 mod config;
 mod eval_cmd;
 mod gpu_check_cmd;
+mod logging;
 mod models_cmd;
 mod render;
 mod serve_cmd;

@@ -15,6 +15,7 @@ use hilum_imaging::ImageStore;
 use hilum_server::{AppState, Db, LlmFactory, RateLimit, ServerConfig};
 
 use crate::config::{load_file, LlmChoice};
+use crate::logging::{self, notice, LogFormat};
 
 const DEFAULT_DB: &str = "sqlite://.hilum/hilum.db";
 
@@ -83,6 +84,10 @@ pub struct ServeArgs {
     /// died: any server marks it `interrupted`. Several heartbeats long.
     #[arg(long, default_value_t = 30.0)]
     pub run_stale_secs: f64,
+    /// Log lines on stderr: text, or one JSON object per line. RUST_LOG filters them
+    /// (default `info`); each line of a request carries its `request_id`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -139,6 +144,10 @@ pub struct McpArgs {
     /// Budget of one tool call, seconds.
     #[arg(long, default_value_t = 300)]
     pub tool_timeout: u64,
+    /// Log lines on stderr (stdout is the MCP channel): text, or one JSON object per line.
+    /// RUST_LOG filters them (default `info`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -217,6 +226,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    logging::install(args.log_format, "info")?;
     let file = load_file(args.config.as_deref())?;
     let llm = match LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm) {
         Ok(choice) => {
@@ -230,7 +240,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             })
         }
         Err(e) => {
-            eprintln!("hilum serve: {e:#}\nhilum serve: continuing without a model: questions will answer 503");
+            notice(&format!("hilum serve: {e:#}"));
+            notice("hilum serve: continuing without a model: questions will answer 503");
             None
         }
     };
@@ -258,10 +269,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     file.agent.apply_grounding(&mut cfg.agent)?;
     if let Some(l) = &llm {
         if !l.local && !cfg.allow_remote_llm {
-            eprintln!(
+            notice(&format!(
                 "hilum serve: `{}` is not on this machine; questions are refused unless --allow-remote-llm",
                 l.name
-            );
+            ));
         }
     }
     cfg.llm = llm;
@@ -273,12 +284,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let server = tokio::spawn(hilum_server::serve(state, shutdown_signal(), Some(tx)));
     if let Ok(addr) = rx.await {
-        eprintln!(
+        notice(&format!(
             "hilum serve: listening on http://{addr} (API /v1, MCP /mcp, docs /openapi.json)"
-        );
+        ));
     }
     server.await.context("the server task failed")??;
-    eprintln!("hilum serve: stopped");
+    notice("hilum serve: stopped");
     Ok(())
 }
 
@@ -308,9 +319,9 @@ async fn shutdown_signal() {
                 }
             }
             Err(e) => {
-                eprintln!(
+                notice(&format!(
                     "hilum serve: cannot listen for SIGTERM ({e}); Ctrl-C still stops the server"
-                );
+                ));
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
@@ -319,11 +330,12 @@ async fn shutdown_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
-    eprintln!("hilum serve: shutting down: no new connections; running runs may finish");
+    notice("hilum serve: shutting down: no new connections; running runs may finish");
 }
 
 pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {
-    // stdout carries the protocol: nothing else may be printed there.
+    // stdout carries the protocol: nothing else may be printed there (logs go to stderr).
+    logging::install(args.log_format, "info")?;
     let file = crate::config::load_file(None)?;
     let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm)?;
     hilum_server::mcp::serve_stdio(

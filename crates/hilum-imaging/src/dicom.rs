@@ -123,7 +123,8 @@ pub(crate) fn parse(bytes: &[u8], what: &str) -> Result<(DicomFile, Vec<String>)
                 "explicit VR little endian"
             }
         );
-        tracing::warn!(what, "{warning}");
+        // Not `what`: a file's name may name the patient.
+        tracing::warn!("{warning}");
         Ok((obj, vec![warning]))
     }));
     guarded.unwrap_or_else(|_| Err(err("malformed DICOM structure".into())))

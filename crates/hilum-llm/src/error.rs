@@ -32,6 +32,25 @@ pub enum LlmError {
 }
 
 impl LlmError {
+    /// A short name of the failure, for logs: the messages may quote what the endpoint sent,
+    /// and some endpoints quote the conversation.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LlmError::Unauthorized => "unauthorized",
+            LlmError::NotFound { .. } => "not_found",
+            LlmError::RateLimited(_) => "rate_limited",
+            LlmError::Http { status, .. } if *status >= 500 => "http_5xx",
+            LlmError::Http { .. } => "http_4xx",
+            LlmError::Unreachable { .. } => "unreachable",
+            LlmError::Timeout { .. } => "timeout",
+            LlmError::BadResponse(_) => "bad_response",
+            LlmError::StreamCut(_) => "stream_cut",
+            LlmError::Repetition { .. } => "repetition",
+            LlmError::Script(_) => "script",
+            LlmError::Other(_) => "other",
+        }
+    }
+
     /// Whether repeating the same request may succeed (rate limits, 5xx, dropped connections).
     pub fn is_transient(&self) -> bool {
         match self {

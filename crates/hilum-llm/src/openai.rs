@@ -156,12 +156,16 @@ impl OpenAiLlm {
                 // A server that does not know `tool_choice: "required"` gets the request without it.
                 Err((
                     LlmError::Http {
-                        status: 400 | 422,
-                        body: text,
+                        status: status @ (400 | 422),
+                        ..
                     },
                     _,
                 )) if body.get("tool_choice").is_some() => {
-                    tracing::info!("model endpoint refused tool_choice \"required\" ({text}); asking without it");
+                    // Not the endpoint's answer: some servers quote the conversation in errors.
+                    tracing::info!(
+                        status,
+                        "model endpoint refused tool_choice \"required\"; asking without it"
+                    );
                     if let Some(o) = body.as_object_mut() {
                         o.remove("tool_choice");
                     }
@@ -172,7 +176,12 @@ impl OpenAiLlm {
                     }
                     attempt += 1;
                     let pause = retry_after.unwrap_or(wait);
-                    tracing::warn!(attempt, ?pause, "model endpoint: {err}; retrying");
+                    tracing::warn!(
+                        attempt,
+                        ?pause,
+                        error = err.kind(),
+                        "model endpoint failed; retrying"
+                    );
                     tokio::time::sleep(pause).await;
                     wait *= 2;
                 }

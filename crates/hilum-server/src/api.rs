@@ -128,7 +128,9 @@ pub(crate) async fn ingest(
     let started = Instant::now();
     let store = space.images.clone();
     let data = bytes.clone();
+    let span = tracing::Span::current();
     let (id, img) = tokio::task::spawn_blocking(move || {
+        let _request = span.enter();
         let id = store.ingest_bytes(data, "upload")?;
         let img = store.get(&id)?;
         Ok::<_, hilum_imaging::ImagingError>((id, img))
@@ -146,22 +148,19 @@ pub(crate) async fn ingest(
         format: img.meta.format.clone(),
         created_ms: now_ms(),
     };
+    let audit = AuditEntry {
+        actor: caller.token_id.clone(),
+        session_id: None,
+        run_id: None,
+        kind: "upload",
+        name: "image".into(),
+        arguments: json!({"image": id, "size": row.size, "format": row.format}),
+        outcome: "ok".into(),
+        duration_ms: started.elapsed().as_secs_f64() * 1e3,
+    };
     state
         .db
-        .insert_image(caller.token_id.clone(), row.clone(), bytes.to_vec())
-        .await?;
-    state
-        .db
-        .append_audit(AuditEntry {
-            actor: caller.token_id.clone(),
-            session_id: None,
-            run_id: None,
-            kind: "upload",
-            name: "image".into(),
-            arguments: json!({"image": id, "size": row.size, "format": row.format}),
-            outcome: "ok".into(),
-            duration_ms: started.elapsed().as_secs_f64() * 1e3,
-        })
+        .insert_image(caller.token_id.clone(), row.clone(), bytes.to_vec(), audit)
         .await?;
     Ok(row)
 }
@@ -571,8 +570,9 @@ pub(crate) async fn direct_call(
             Some(json!({"kind": f.kind.as_str(), "message": f.message})),
         ),
     };
-    state.metrics.tool_call(name, &outcome, result.ms);
     let (rows, refs) = prepare_artifacts(caller, None, None, &call_id, name, &artifacts);
+    // Fail closed: the call, its artifacts and its audit row are one transaction, and a call
+    // whose audit row cannot be written did not happen for the caller: no result.
     state
         .db
         .record_tool_call(
@@ -602,7 +602,9 @@ pub(crate) async fn direct_call(
             },
             None,
         )
-        .await?;
+        .await
+        .map_err(|e| unrecorded(state, name, e))?;
+    state.metrics.tool_call(name, &outcome, result.ms);
     Ok(DirectResult {
         call_id,
         tool: name.to_string(),
@@ -614,6 +616,15 @@ pub(crate) async fn direct_call(
         error,
         artifact_bytes: artifacts,
     })
+}
+
+/// The error of a call that ran but could not be recorded with its audit row.
+fn unrecorded(state: &AppState, tool: &str, e: crate::db::DbError) -> ApiError {
+    state.metrics.error("audit");
+    tracing::error!(tool, error = %e, "tool call not recorded: its result is withheld");
+    ApiError::Internal(format!(
+        "`{tool}` ran, but the call and its audit row could not be recorded, so its result is withheld: {e}"
+    ))
 }
 
 #[utoipa::path(post, path = "/v1/tools/{name}:call", tag = "tools",

@@ -464,13 +464,16 @@ impl Db {
 
     // ---- images ----
 
+    /// Stores an uploaded image and its audit row in one transaction: an upload whose audit
+    /// row cannot be written is not stored.
     pub async fn insert_image(
         &self,
         token_id: String,
         row: ImageRow,
         bytes: Vec<u8>,
+        audit: AuditEntry,
     ) -> Result<(), DbError> {
-        self.run(false, move |c| {
+        self.run(true, move |c| {
             c.execute(
                 "INSERT INTO images (token_id, image_id, media_type, size, width, height, bit_depth, format, bytes, created_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) ON CONFLICT DO NOTHING",
@@ -479,7 +482,7 @@ impl Db {
                     row.bit_depth, row.format, bytes, row.created_ms
                 ],
             )?;
-            Ok(())
+            insert_audit(c, &audit, now_ms())
         })
         .await
     }

@@ -13,6 +13,7 @@ mod error;
 pub mod mcp;
 mod metrics;
 pub mod openapi;
+mod request_id;
 mod run;
 mod web;
 
@@ -37,6 +38,7 @@ pub use auth::RateLimit;
 pub use db::{Caller, Db, DbError, TokenRow};
 pub use error::ApiError;
 pub use metrics::Metrics;
+pub use request_id::{RequestId, REQUEST_ID_HEADER};
 
 /// Builds the reasoning model for one run (a fresh one per run: a script replays from its
 /// first turn, an HTTP client is cheap to make).
@@ -272,7 +274,9 @@ async fn load_images(
 ) -> Result<(), ApiError> {
     for (id, bytes) in stored {
         let store = store.clone();
+        let span = tracing::Span::current();
         let loaded = tokio::task::spawn_blocking(move || {
+            let _request = span.enter();
             store.ingest_bytes(bytes::Bytes::from(bytes), "stored image")
         })
         .await
@@ -359,8 +363,6 @@ pub fn router(state: AppState) -> Router {
         .merge(public)
         .merge(web::routes())
         .layer(DefaultBodyLimit::max(state.cfg.max_json_bytes))
-        // One span per request; handlers and tool calls log inside it.
-        .layer(tower_http::trace::TraceLayer::new_for_http())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,
@@ -379,10 +381,13 @@ pub fn router(state: AppState) -> Router {
                 .allow_headers(tower_http::cors::Any),
         );
     }
-    app.with_state(state)
+    // Outermost: one span per request, with its id; handlers, runs and tool calls log inside it.
+    app.layer(middleware::from_fn(request_id::with_request_id))
+        .with_state(state)
 }
 
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    request_id::record_route(&req);
     let route = req
         .extensions()
         .get::<MatchedPath>()

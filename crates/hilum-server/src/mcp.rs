@@ -19,12 +19,14 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use hilum_agent::{Artifact, Environment, ToolCall, ToolContext, ToolSpec};
 use hilum_imaging::ImageStore;
 
 use crate::api::{direct_call, ingest};
 use crate::db::Caller;
+use crate::request_id::RequestId;
 use crate::{AppState, Space, ToolboxFactory};
 
 const LOAD_IMAGE: &str = "load_image";
@@ -213,6 +215,14 @@ fn success(summary: &str, data: Value, artifacts: &[Artifact]) -> CallToolResult
     result
 }
 
+/// The id of the HTTP request that carried this MCP request.
+fn request_id_of(ctx: &RequestContext<RoleServer>) -> Option<RequestId> {
+    ctx.extensions
+        .get::<axum::http::request::Parts>()
+        .and_then(|p| p.extensions.get::<RequestId>())
+        .cloned()
+}
+
 /// The caller that the auth middleware put on the HTTP request.
 fn caller_of(ctx: &RequestContext<RoleServer>) -> Option<Caller> {
     ctx.extensions
@@ -243,6 +253,18 @@ impl ServerHandler for HilumMcp {
     }
 
     async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        // rmcp runs the call on the MCP session's task, outside the HTTP request's span.
+        let span = crate::request_id::span_for(request_id_of(&ctx).as_ref());
+        self.run_tool_call(request, ctx).instrument(span).await
+    }
+}
+
+impl HilumMcp {
+    async fn run_tool_call(
         &self,
         request: CallToolRequestParams,
         ctx: RequestContext<RoleServer>,

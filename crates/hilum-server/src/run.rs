@@ -24,6 +24,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tracing::Instrument;
 use utoipa::{IntoParams, ToSchema};
 
 use base64::Engine;
@@ -360,15 +361,21 @@ fn start_run(state: &AppState, llm: Arc<dyn hilum_agent::Llm>, s: Start, sse: bo
         resumed: s.resume.is_some(),
     };
     let active = state.runs.enter(state.clone());
-    tokio::spawn(drive(
-        run,
-        agent,
-        s.input,
-        s.resume,
-        history_len,
-        cancel_rx,
-        active,
-    ));
+    // A child of the request's span: the run's lines (tool calls included) carry its id
+    // after the response has started streaming.
+    let span = tracing::info_span!("run", run_id = %run.run_id, resumed = run.resumed);
+    tokio::spawn(
+        drive(
+            run,
+            agent,
+            s.input,
+            s.resume,
+            history_len,
+            cancel_rx,
+            active,
+        )
+        .instrument(span),
+    );
     stream_response(client_rx, cancel_tx, sse)
 }
 
@@ -637,13 +644,17 @@ impl Checkpointer for Recorder {
             duration_ms: r.ms,
         };
         let message = serde_json::to_value(message).map_err(|e| e.to_string())?;
+        // Fail closed: the result, its tool message and its audit row are one transaction. A
+        // call that cannot be recorded is not done: the loop stops and the run fails, so its
+        // result reaches neither the model nor the client.
         self.state
             .db
             .record_tool_call(record, rows, audit, Some(message))
             .await
             .map_err(|e| {
-                self.state.metrics.error("db");
-                e.to_string()
+                self.state.metrics.error("audit");
+                tracing::error!(tool = name, error = %e, "tool call not recorded: the run stops");
+                format!("the call and its audit row could not be recorded, so it does not count as done ({e})")
             })?;
         self.saved.fetch_add(1, Ordering::SeqCst);
         if let Some(refs) = refs {
@@ -679,7 +690,7 @@ impl RunCtx {
             .insert_event(self.run_id.clone(), self.seq, kind, event.clone())
             .await
         {
-            tracing::error!(run = %self.run_id, error = %e, "cannot store event");
+            tracing::error!(error = %e, "cannot store event");
             self.state.metrics.error("db");
         }
         let _ = self.client.send(event);
@@ -706,8 +717,9 @@ impl RunCtx {
     }
 
     /// Records what an event says happened, and returns the JSON to stream. Tool results
-    /// were stored by the recorder before their events were sent.
-    async fn handle(&mut self, ev: RunEvent) -> Value {
+    /// were stored by the recorder before their events were sent. An error: the event's
+    /// audit row could not be written, and the run must stop.
+    async fn handle(&mut self, ev: RunEvent) -> Result<Value, ()> {
         let mut out = serde_json::to_value(&ev)
             .unwrap_or_else(|e| json!({"type": "error", "message": e.to_string()}));
         match &ev.event {
@@ -728,7 +740,7 @@ impl RunCtx {
                     "ok",
                     *llm_ms,
                 );
-                self.store_audit(entry).await;
+                self.store_audit(entry).await?;
             }
             Event::ToolFinished {
                 call_id, name, ms, ..
@@ -746,45 +758,51 @@ impl RunCtx {
                 self.state.metrics.error("run");
                 let entry =
                     self.audit("llm_call", &self.model.clone(), json!({}), "error", ev.t_ms);
-                self.store_audit(entry).await;
+                self.store_audit(entry).await?;
             }
             _ => {}
         }
-        out
+        Ok(out)
     }
 
-    async fn store_audit(&self, entry: AuditEntry) {
-        if let Err(e) = self.state.db.append_audit(entry).await {
-            tracing::error!(run = %self.run_id, error = %e, "cannot append to the audit log");
-            self.state.metrics.error("db");
-        }
+    async fn store_audit(&self, entry: AuditEntry) -> Result<(), ()> {
+        self.state.db.append_audit(entry).await.map_err(|e| {
+            tracing::error!(error = %e, "cannot append to the audit log");
+            self.state.metrics.error("audit");
+        })
     }
 
-    /// Ends a run that stopped before its outcome: the event, the audit row, then the status
+    /// Ends a run that stopped before its outcome (`cancelled`, `interrupted`, or `failed`
+    /// when its audit log could not be written): the event, the audit row, then the status
     /// (last, so that a run that reads stopped has all its records).
     async fn stop(&mut self, status: &'static str, reason: &str, ms: f64) {
         self.seq += 1;
-        let ev = json!({"type": status, "t_ms": ms, "reason": reason});
+        let ev = if status == "failed" {
+            json!({"type": "error", "t_ms": ms, "message": reason})
+        } else {
+            json!({"type": status, "t_ms": ms, "reason": reason})
+        };
         let _ = self
             .state
             .db
             .insert_event(self.run_id.clone(), self.seq, status.into(), ev.clone())
             .await;
         let _ = self.client.send(ev);
-        let kind = if status == "cancelled" {
-            "run_cancelled"
-        } else {
-            "run_interrupted"
+        let kind = match status {
+            "cancelled" => "run_cancelled",
+            "failed" => "run_failed",
+            _ => "run_interrupted",
         };
         let entry = self.audit(kind, &self.model.clone(), json!({}), status, ms);
-        self.store_audit(entry).await;
-        let stored = if status == "cancelled" {
+        // Logged when it fails; the run is ending either way.
+        let _ = self.store_audit(entry).await;
+        let stored = if status != "interrupted" {
             self.state
                 .db
                 .finish_run(
                     self.session_id.clone(),
                     self.run_id.clone(),
-                    "cancelled",
+                    status,
                     None,
                     Some(reason.to_string()),
                     Vec::new(),
@@ -798,11 +816,11 @@ impl RunCtx {
                 .map(|_| ())
         };
         if let Err(e) = stored {
-            tracing::error!(run = %self.run_id, error = %e, "cannot store the run's status");
+            tracing::error!(error = %e, "cannot store the run's status");
             self.state.metrics.error("db");
         }
         self.state.metrics.run_ended(status);
-        tracing::info!(run = %self.run_id, status, reason, "run stopped");
+        tracing::info!(status, reason, "run stopped");
     }
 }
 
@@ -831,6 +849,7 @@ async fn drive(
         "resumed": run.resumed,
     }))
     .await;
+    tracing::info!(model = %run.model, "run started");
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<RunEvent>();
     let recorder: Arc<dyn Checkpointer> = run.recorder.clone();
     // Boxed so that a stopped run's future can be dropped (and the loop stopped) at once.
@@ -847,7 +866,11 @@ async fn drive(
             ev = ev_rx.recv() => match ev {
                 Some(ev) => {
                     let is_complete = matches!(ev.event, Event::Complete { .. });
-                    let value = run.handle(ev).await;
+                    let Ok(value) = run.handle(ev).await else {
+                        // Fail closed: what cannot be audited does not go on.
+                        stopped = Some(("failed", "the audit log cannot be written: the run was stopped"));
+                        break;
+                    };
                     if is_complete {
                         complete = Some(value);
                     } else {
@@ -932,7 +955,7 @@ async fn drive(
         )
         .await
     {
-        tracing::error!(run = %run.run_id, error = %e, "cannot store the run's messages");
+        tracing::error!(error = %e, "cannot store the run's messages");
         run.state.metrics.error("db");
         run.publish(
             json!({"type": "error", "message": format!("the answer could not be stored: {e}")}),
@@ -943,4 +966,11 @@ async fn drive(
         run.publish(c).await;
     }
     run.state.metrics.run_ended(status);
+    tracing::info!(
+        status,
+        rounds = outcome.rounds,
+        tool_calls = outcome.tool_calls,
+        duration_ms = started.elapsed().as_secs_f64() * 1e3,
+        "run finished"
+    );
 }

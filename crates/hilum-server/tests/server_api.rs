@@ -826,3 +826,123 @@ async fn pixels_route_serves_the_canonical_values_at_full_depth() {
     }
     srv.stop().await;
 }
+
+/// Makes every `tool_call` audit row fail to insert, as a full disk or a lost connection
+/// would, with a real trigger in the real database.
+fn break_tool_call_audit(db: &TestDb, srv: &Server) {
+    let sql: &[&str] = if db.is_postgres() {
+        &[
+            "CREATE FUNCTION hilum_test_audit_fails() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'audit storage failed (test trigger)'; END $$",
+            "CREATE TRIGGER audit_fails BEFORE INSERT ON audit FOR EACH ROW
+             WHEN (NEW.kind = 'tool_call') EXECUTE FUNCTION hilum_test_audit_fails()",
+        ]
+    } else {
+        &[
+            "CREATE TRIGGER audit_fails BEFORE INSERT ON audit WHEN NEW.kind = 'tool_call'
+           BEGIN SELECT RAISE(ABORT, 'audit storage failed (test trigger)'); END",
+        ]
+    };
+    for s in sql {
+        srv.state
+            .db()
+            .execute_sql(s)
+            .expect("install the failing trigger");
+    }
+}
+
+on_both_databases!(a_tool_call_whose_audit_row_cannot_be_written_is_not_done);
+async fn a_tool_call_whose_audit_row_cannot_be_written_is_not_done(db: &TestDb) {
+    let script = write_script(db.dir.path(), two_round_script());
+    let srv = start(config_url(&db.url, Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let (img, _) = upload_id(&client, &srv, &tok, IMG).await;
+    break_tool_call_audit(db, &srv);
+
+    // In a run: no result is streamed or stored, the model never sees one, the run fails.
+    let ses = new_session(&client, &srv, &tok).await;
+    let events = ask_ndjson(&client, &srv, &tok, &ses, "How large is it?", &[&img]).await;
+    let t = types(&events);
+    assert!(t.contains(&"tool_started".to_string()), "{t:?}");
+    assert!(
+        !t.iter()
+            .any(|k| k == "tool_finished" || k == "tool_failed" || k == "final"),
+        "an unaudited call must not count as done: {t:?}"
+    );
+    let error = events
+        .iter()
+        .find(|e| e["type"] == "error")
+        .unwrap_or_else(|| panic!("no error event: {t:?}"));
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("audit row could not be recorded") && message.contains("test trigger"),
+        "{message}"
+    );
+    let runs = get_json(&client, srv.url(&format!("/v1/sessions/{ses}/runs")), &tok).await;
+    assert_eq!(runs["runs"][0]["status"], "failed", "{runs}");
+    let messages = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/messages")),
+        &tok,
+    )
+    .await;
+    let stored = messages["messages"].as_array().cloned().unwrap_or_default();
+    assert!(
+        !stored.is_empty() && stored.iter().all(|m| m["role"] != "tool"),
+        "no tool message is stored: {messages}"
+    );
+    let artifacts = get_json(
+        &client,
+        srv.url(&format!("/v1/sessions/{ses}/artifacts")),
+        &tok,
+    )
+    .await;
+    assert_eq!(
+        artifacts["artifacts"].as_array().map(Vec::len),
+        Some(0),
+        "the thumbnail is not stored: {artifacts}"
+    );
+
+    // A direct call: the tool runs, but its result is withheld.
+    let resp = call_tool(&client, &srv, &tok, "image_info", &json!({"image": img})).await;
+    assert_eq!(resp.status(), 500);
+    let body: Value = resp.json().await.expect("json");
+    assert!(body.get("data").is_none(), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("result is withheld")),
+        "{body}"
+    );
+    let audit = srv.state.db().audit_since(0, 1000).expect("audit");
+    assert!(audit.iter().all(|a| a.kind != "tool_call"), "{audit:?}");
+    let metrics = client
+        .get(srv.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        !metrics.contains("tool=\"image_info\",outcome=\"ok\""),
+        "an unrecorded call is not counted as done"
+    );
+
+    // The same call goes through once the audit log can be written again.
+    srv.state
+        .db()
+        .execute_sql("DROP TRIGGER audit_fails")
+        .or_else(|_| {
+            srv.state
+                .db()
+                .execute_sql("DROP TRIGGER audit_fails ON audit")
+        })
+        .expect("drop the trigger");
+    let resp = call_tool(&client, &srv, &tok, "image_info", &json!({"image": img})).await;
+    assert_eq!(resp.status(), 200);
+    let audit = srv.state.db().audit_since(0, 1000).expect("audit");
+    assert_eq!(audit.iter().filter(|a| a.kind == "tool_call").count(), 1);
+    srv.stop().await;
+}
