@@ -150,14 +150,20 @@ fn answered_tools(messages: &[Message]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The user's last question: the last user turn that carries images (the agent's notices and
+/// requests after tool results carry none, and one that names a tool would otherwise draw the
+/// answer's lead to that tool), else the last user turn.
 fn last_question(messages: &[Message]) -> String {
-    messages
-        .iter()
-        .rev()
-        .find_map(|m| match m {
-            Message::User { content, .. } => Some(content.clone()),
+    let users = || {
+        messages.iter().rev().filter_map(|m| match m {
+            Message::User { content, images } => Some((content, images)),
             _ => None,
         })
+    };
+    users()
+        .find(|(_, images)| !images.is_empty())
+        .or_else(|| users().next())
+        .map(|(content, _)| content.clone())
         .unwrap_or_default()
 }
 
@@ -1084,6 +1090,38 @@ mod tests {
                 "lung area?"
             ),
             "According to the measure_chest result:"
+        );
+    }
+
+    /// A DICOM question: the result that names the attribute asked about leads, whichever tool
+    /// was repeated, and a notice after the results (no images) is not taken for the question.
+    #[test]
+    fn the_answer_lead_finds_the_attribute_asked_about_past_a_notice() {
+        let answered: Vec<(String, String)> = [
+            ("image_info", "img_13d3: 1024 x 1024 pixels (width x height), bit depth 8 (8-bit dicom), mean 160.41 (of max 255), std 53.86"),
+            ("dicom_info", "img_13d3: DICOM, modality CR, body part CHEST, view position PA, 1024 x 1024 pixels (width x height), 8 bits stored (8 allocated), photometric interpretation MONOCHROME2, pixel spacing 0.168 x 0.168 mm/px (row x column)"),
+            ("measure_chest", "img_13d3: CTR not measured; heart not measured, thorax 816 px; lung areas: the patient's right lung is larger: 175,966 vs 158,815 px, +10.8% (L/R ratio 0.90)"),
+        ]
+        .iter()
+        .map(|(n, r)| (n.to_string(), r.to_string()))
+        .collect();
+        let q = "What imaging modality does this DICOM file record? A) DX B) CT C) MR D) US \
+                 E) MG F) CR\n\nAnswer with the letter of the correct option (A-F) first.";
+        let messages = vec![
+            Message::system("S"),
+            Message::user(q, vec!["img_13d3".into()]),
+            Message::user("Observation: measure_chest was called twice.", vec![]),
+        ];
+        let asked = last_question(&messages);
+        assert_eq!(asked, q);
+        assert_eq!(
+            answer_lead("measure_chest", &answered, &asked),
+            "According to the dicom_info result:"
+        );
+        // With no images anywhere, the last user turn is the question.
+        assert_eq!(
+            last_question(&messages[2..]),
+            "Observation: measure_chest was called twice."
         );
     }
 
