@@ -10,7 +10,8 @@ Sources (pinned in scripts/requirements-annex-e.txt):
     parsed from the standard's web version when it was released (April 2020; it names no edition).
     For an attribute that file lacks (added to the table since) and whose VR is DA, DT or TM, the
     two date options get the standard's values for every date and time (Rtn. Long. Full Dates K,
-    Rtn. Long. Modif. Dates C); its other option cells stay empty, so the Basic Profile applies.
+    Rtn. Long. Modif. Dates C; by the name's ending where pydicom lacks the VR); its other option
+    cells stay empty, so the Basic Profile applies.
   - VR: pydicom 3.0.2's dictionary (empty when pydicom does not know the attribute; Hilum then
     takes the VR from its own dictionary).
 Private attributes (odd groups) are not a row: Hilum removes them all.
@@ -77,6 +78,13 @@ def key(group, element, gmask=None, emask=None):
     return "".join(c if m == "F" else "x" for c, m in zip(text, mask))
 
 
+def is_temporal(vr, name):
+    """A date, time or date-time; by name where pydicom does not know the attribute."""
+    if vr:
+        return vr in ("DA", "DT", "TM")
+    return re.search(r"(Date|Time|DateTime)$", name) is not None
+
+
 def innolitics_rows():
     files = importlib.metadata.files("dicom-standard") or []
     path = next(f for f in files if f.name == "confidentiality_profile_attributes.json")
@@ -114,7 +122,7 @@ def main():
         cells = []
         for src, _ in OPTIONS:
             value = (opt or {}).get(src, "")
-            if opt is None and vr in ("DA", "DT", "TM"):
+            if opt is None and is_temporal(vr, names[k]):
                 value = {"rtnLongFullDatesOpt": "K", "rtnLongModifDatesOpt": "C"}.get(src, "")
             cells.append(value)
         lines.append("\t".join([k, names[k], vr, rows[k]] + cells))
