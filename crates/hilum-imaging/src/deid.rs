@@ -486,14 +486,19 @@ pub fn deidentify(
         VR::CS,
         PrimitiveValue::from("YES"),
     ));
-    let mut method = String::from("Hilum: PS3.15 E.1-1 2026c Basic Profile");
+    // LO holds 64 characters: the standard's short column names.
+    let mut method = String::from("PS3.15 E 2026c Basic");
     for o in &chosen {
-        method.push_str(&format!("; {o:?}"));
+        method.push_str(match o {
+            ProfileOption::RetainLongModifiedDates => "; Rtn Modif Dates",
+            ProfileOption::RetainPatientCharacteristics => "; Rtn Pat Chars",
+            _ => "; Rtn Dev Id",
+        });
     }
     obj.put(DataElement::new(
         tags::DEIDENTIFICATION_METHOD,
         VR::LO,
-        PrimitiveValue::from(method.chars().take(64).collect::<String>()),
+        PrimitiveValue::from(method),
     ));
     // PS3.16 CID 7050 codes for the profile and each option applied.
     let mut codes = vec![("113100", "Basic Application Confidentiality Profile")];
