@@ -233,7 +233,7 @@ fn parse_annex_e(text: &str) -> Result<AnnexE, String> {
             };
         }
         let index = table.rows.len();
-        let tag = (mask == u32::MAX).then(|| Tag((value >> 16) as u16, value as u16));
+        let tag = (mask == u32::MAX).then_some(Tag((value >> 16) as u16, value as u16));
         match tag {
             Some(t) => {
                 if table.exact.insert(t, index).is_some() {
