@@ -608,7 +608,7 @@ mod tests {
         };
         let from = |e| {
             let e = env(e);
-            hilum_models::ModelSettings::from_vars(|k| models_var(k, &e, Some(&file.models)))
+            hilum_models::ModelSettings::from_vars(|k| models_var(k, e, Some(&file.models)))
         };
         let s = from(&[]);
         assert_eq!(s.models_dir, PathBuf::from("/srv/hilum/models"));

@@ -5,6 +5,7 @@
 mod analyze;
 mod bench_cmd;
 mod config;
+mod deid_cmd;
 mod eval_cmd;
 mod gpu_check_cmd;
 mod logging;
@@ -60,6 +61,8 @@ enum Commands {
     Mcp(serve_cmd::McpArgs),
     /// Every model on a GPU against the CPU (same weights and inputs), timed on both.
     GpuCheck(gpu_check_cmd::GpuCheckArgs),
+    /// De-identified copies of DICOM files (PS3.15 Annex E, with the profile options as flags).
+    Deid(deid_cmd::DeidArgs),
 }
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
@@ -134,6 +137,7 @@ async fn run() {
         Commands::Models { cmd } => models_cmd::run(cmd).await,
         Commands::Bench(args) => bench_cmd::run(args).await,
         Commands::GpuCheck(args) => gpu_check_cmd::run(args),
+        Commands::Deid(args) => deid_cmd::run(args),
         Commands::Eval(args) => eval_cmd::run(args).await,
         Commands::Serve(args) => serve_cmd::run(args).await,
         Commands::Mcp(args) => serve_cmd::run_mcp(args).await,

@@ -396,3 +396,71 @@ fn export_triton_writes_the_repository_and_a_down_server_is_a_clear_error_or_the
         v["data"]
     );
 }
+
+#[test]
+fn deid_writes_deidentified_copies_with_the_chosen_options() {
+    let help = hilum()
+        .args(["deid", "--help"])
+        .output()
+        .expect("run hilum");
+    assert_succeeded(&help);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--retain-modified-dates",
+        "--date-shift-days",
+        "--retain-patient-characteristics",
+        "--retain-device-identity",
+        "--allow-burned-in",
+        "E.1-1",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let inputs = [
+        "cxr/dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm",
+        "cxr/dicom/CR-MONO1-10-chest_noPart10header.dcm",
+    ];
+    let out = hilum()
+        .arg("deid")
+        .args(inputs.iter().map(|p| data(p)))
+        .arg("--out")
+        .arg(dir.path())
+        .args(["--salt", "cli-test", "--retain-modified-dates"])
+        .args([
+            "--date-shift-days",
+            "-7",
+            "--retain-patient-characteristics",
+        ])
+        .output()
+        .expect("run hilum");
+    assert_succeeded(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    for rel in inputs {
+        let name = PathBuf::from(rel);
+        let written = std::fs::read(dir.path().join(name.file_name().expect("name")))
+            .expect("a copy per input");
+        assert_eq!(&written[128..132], b"DICM");
+        let text = String::from_utf8_lossy(&written);
+        assert!(
+            text.contains("PS3.15 E 2026c Basic; Rtn Modif Dates; Rtn Pat Chars"),
+            "{rel}: the method names the options"
+        );
+        let img =
+            hilum_imaging::decode_with(&written, rel, &hilum_imaging::DecodeOptions::default())
+                .expect("the copy still decodes");
+        assert!(img.width > 0);
+    }
+    // Writing over the inputs is refused.
+    let again = hilum()
+        .args(["deid", "--out"])
+        .arg(dir.path())
+        .arg(
+            dir.path()
+                .join("siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm"),
+        )
+        .output()
+        .expect("run hilum");
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("overwrite its own input"));
+}

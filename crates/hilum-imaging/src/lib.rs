@@ -24,7 +24,10 @@ mod transform;
 
 pub use canonical::{CxrImage, DecodeOptions, ImageMeta, Voi};
 pub use decode::{decode, decode_with, sniff_format};
-pub use deid::{deidentify, export_deidentified, DeidOptions, DeidReport};
+pub use deid::{
+    annex_e, deidentify, export_deidentified, AnnexE, AnnexERow, DeidOptions, DeidReport,
+    ProfileOption,
+};
 pub use dicom::{read_dicom, DicomSummary};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageStore, Layer, StoreLimits, StoreStats};
@@ -73,6 +76,10 @@ pub enum ImagingError {
     InvalidTransform(String),
     #[error("cannot write {what}: {reason}")]
     Encode { what: String, reason: String },
+    #[error("{what} says Burned In Annotation = YES: its pixels may show names or IDs that de-identification cannot remove; look at the image, and export it only if it shows none, with the override (`hilum deid --allow-burned-in`, `DeidOptions::allow_burned_in_annotation`)")]
+    BurnedInAnnotation { what: String },
+    #[error("the de-identification table (data/annex_e.tsv) is malformed: {0}; regenerate it with scripts/gen_annex_e.py")]
+    DeidTable(String),
 }
 
 pub type Result<T, E = ImagingError> = std::result::Result<T, E>;
