@@ -5,10 +5,16 @@
 # target/hilum-postgres (or $HILUM_PG_DIR) on first use, starts it on 127.0.0.1 on a free port
 # (every run: servers do not outlive a CI job), creates the database `hilum_test`, and prints
 #   export HILUM_TEST_POSTGRES_URL=postgres://postgres@127.0.0.1:PORT/hilum_test
+#   export HILUM_TEST_POSTGRES_CA=DIR/tls/ca.crt
 # on stdout; progress goes to stderr. Idempotent: a cluster that is already running is reused.
 #
-# Test cluster only: trust authentication on loopback, no TLS, fsync off. Never point it at
-# real data. Stop it with: runuser -u postgres -- pg_ctl -D target/hilum-postgres/data stop
+# TLS: a throwaway CA (DIR/tls/ca.crt) signs the server's certificate for 127.0.0.1 and
+# localhost, and the cluster runs with `ssl = on`, so that the tests can connect with
+# sslmode=verify-full&sslrootcert=$HILUM_TEST_POSTGRES_CA. Plain connections are still
+# accepted (the tests of the other sslmodes use them).
+#
+# Test cluster only: trust authentication on loopback, fsync off. Never point it at real
+# data. Stop it with: runuser -u postgres -- pg_ctl -D target/hilum-postgres/data stop
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -63,11 +69,48 @@ if [ ! -f "$data/PG_VERSION" ]; then
     as_pg "$bindir/initdb" -D "$data" -U postgres --auth=trust --encoding=UTF8 --no-sync >/dev/null
 fi
 
+# The CA and the server certificate (ECDSA P-256: quick to make, and rustls takes it).
+tls="$dir/tls"
+new_cert=0
+if [ ! -f "$tls/server.crt" ] || [ ! -f "$tls/ca.crt" ]; then
+    log "making a test CA and a server certificate in $tls"
+    command -v openssl >/dev/null || { log "error: openssl is needed for the test certificate"; exit 1; }
+    mkdir -p "$tls"
+    ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+    openssl req -x509 "${ec[@]}" -days 3650 -subj "/CN=Hilum test CA" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+        -keyout "$tls/ca.key" -out "$tls/ca.crt" 2>/dev/null
+    openssl req -new "${ec[@]}" -subj "/CN=localhost" \
+        -keyout "$tls/server.key" -out "$tls/server.csr" 2>/dev/null
+    printf '%s\n' "subjectAltName=DNS:localhost,IP:127.0.0.1" "basicConstraints=critical,CA:FALSE" \
+        "keyUsage=critical,digitalSignature" "extendedKeyUsage=serverAuth" >"$tls/server.ext"
+    openssl x509 -req -in "$tls/server.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
+        -days 3650 -extfile "$tls/server.ext" -out "$tls/server.crt" 2>/dev/null
+    new_cert=1
+fi
+# PostgreSQL refuses a key that others can read.
+chown -R "$owner" "$tls"
+chmod 700 "$tls"
+chmod 600 "$tls/server.key" "$tls/ca.key"
+chmod 644 "$tls/ca.crt" "$tls/server.crt"
+conf="$data/postgresql.conf"
+if ! grep -q "^# hilum test TLS" "$conf"; then
+    printf '%s\n' "# hilum test TLS (scripts/setup_postgres.sh)" "ssl = on" \
+        "ssl_cert_file = '$tls/server.crt'" "ssl_key_file = '$tls/server.key'" >>"$conf"
+    new_cert=1
+fi
+
 port=""
 if as_pg "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
     # postmaster.pid: line 4 is the port.
     port="$(sed -n 4p "$data/postmaster.pid")"
     log "reusing the running server on 127.0.0.1:$port"
+    if [ "$new_cert" = 1 ]; then
+        # SSL settings take effect on reload (PostgreSQL 10 and later).
+        log "reloading it to turn TLS on"
+        as_pg "$bindir/pg_ctl" -D "$data" reload >&2
+        sleep 1
+    fi
 else
     port="$(free_port)"
     log "starting PostgreSQL ($("$bindir/postgres" --version)) on 127.0.0.1:$port"
@@ -80,4 +123,9 @@ psql_() { as_pg "$bindir/psql" -X -q -h 127.0.0.1 -p "$port" -U postgres "$@"; }
 if [ "$(psql_ -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'")" != 1 ]; then
     psql_ -d postgres -c "CREATE DATABASE $db" >&2
 fi
+if [ "$(psql_ -d postgres -tAc "SHOW ssl")" != on ]; then
+    log "error: TLS is not on in the server on 127.0.0.1:$port (see $dir/server.log)"
+    exit 1
+fi
 echo "export HILUM_TEST_POSTGRES_URL=postgres://postgres@127.0.0.1:$port/$db"
+echo "export HILUM_TEST_POSTGRES_CA=$tls/ca.crt"

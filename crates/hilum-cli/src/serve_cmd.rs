@@ -37,9 +37,15 @@ pub struct ServeArgs {
     #[arg(long, env = "HILUM_BIND", default_value = "127.0.0.1:8080")]
     pub bind: SocketAddr,
     /// Database URL: sqlite://PATH, or postgres://USER@HOST:PORT/DB for several replicas
-    /// sharing one database (no TLS: loopback, a private network or a TLS proxy).
+    /// sharing one database. PostgreSQL takes libpq's TLS options in the query:
+    /// ?sslmode=disable|prefer|require|verify-ca|verify-full (default prefer) and
+    /// sslrootcert=PATH; on a hospital network use sslmode=verify-full.
     #[arg(long, global = true, env = "HILUM_DB", default_value = DEFAULT_DB)]
     pub db: String,
+    /// CA certificate (PEM) that signed the PostgreSQL server's certificate: the same as
+    /// sslrootcert=PATH in --db (which wins), and sslmode=verify-full unless --db sets one.
+    #[arg(long, global = true, env = "HILUM_DB_CA_FILE")]
+    pub db_ca_file: Option<PathBuf>,
     /// Reasoning model for sessions: openai:MODEL or script:FILE. Without one, uploads and
     /// direct tool calls work and questions answer 503.
     #[arg(long)]
@@ -88,6 +94,35 @@ pub struct ServeArgs {
     /// (default `info`); each line of a request carries its `request_id`.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// `--db`, with `--db-ca-file` put into a PostgreSQL URL's query.
+    pub fn db_url(&self) -> String {
+        let Some(ca) = &self.db_ca_file else {
+            return self.db.clone();
+        };
+        let pg = self.db.starts_with("postgres://") || self.db.starts_with("postgresql://");
+        let query = self.db.split_once('?').map_or("", |(_, q)| q);
+        let has = |key: &str| query.split('&').any(|p| p.starts_with(key));
+        if !pg || has("sslrootcert=") {
+            return self.db.clone();
+        }
+        let mut url = self.db.clone();
+        url.push(if url.contains('?') { '&' } else { '?' });
+        if !has("sslmode=") {
+            url.push_str("sslmode=verify-full&");
+        }
+        // The characters that would end the value early or start an escape.
+        let path = ca
+            .display()
+            .to_string()
+            .replace('%', "%25")
+            .replace('&', "%26")
+            .replace('#', "%23");
+        url.push_str(&format!("sslrootcert={path}"));
+        url
+    }
 }
 
 #[derive(Subcommand)]
@@ -151,11 +186,12 @@ pub struct McpArgs {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let db_url = args.db_url();
     match args.cmd {
         Some(ServeCmd::Token {
             cmd: TokenCmd::Create { name, admin },
         }) => {
-            let db = Db::open(&args.db)?;
+            let db = Db::open(&db_url)?;
             let (id, secret) = db.create_token(&name, admin)?;
             eprintln!(
                 "created token {id} for `{name}`{}; it is shown only once:",
@@ -167,7 +203,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(ServeCmd::Token {
             cmd: TokenCmd::List { json },
         }) => {
-            let db = Db::open(&args.db)?;
+            let db = Db::open(&db_url)?;
             let mut out = std::io::stdout().lock();
             let rows = db.list_tokens()?;
             if json {
@@ -197,7 +233,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(ServeCmd::Token {
             cmd: TokenCmd::Revoke { id },
         }) => {
-            let db = Db::open(&args.db)?;
+            let db = Db::open(&db_url)?;
             if db.revoke_token(&id)? {
                 eprintln!("revoked token {id}; running servers refuse it within a second");
             } else {
@@ -208,7 +244,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(ServeCmd::Audit {
             cmd: AuditCmd::Export { since },
         }) => {
-            let db = Db::open(&args.db)?;
+            let db = Db::open(&db_url)?;
             let mut out = std::io::stdout().lock();
             let mut since = since;
             loop {
@@ -245,7 +281,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             None
         }
     };
-    let mut cfg = ServerConfig::new(args.db.clone());
+    let mut cfg = ServerConfig::new(args.db_url());
     cfg.bind = args.bind;
     cfg.max_upload_bytes = args.max_upload_mb << 20;
     cfg.rate_limit = RateLimit {
@@ -280,7 +316,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm.clone())?;
     cfg.models = Some(shared.models.clone());
     cfg.toolbox = hilum_server::toolbox_factory(crate::registry().clone(), shared);
-    let state = AppState::new(cfg).with_context(|| format!("cannot open {}", args.db))?;
+    let state = AppState::new(cfg)
+        .with_context(|| format!("cannot open {}", hilum_server::db::shown_url(&args.db)))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let server = tokio::spawn(hilum_server::serve(state, shutdown_signal(), Some(tx)));
     if let Ok(addr) = rx.await {

@@ -629,7 +629,12 @@ impl TestDb {
             None => (base.clone(), String::new()),
         };
         let host_end = head.rfind('/').expect("a database in the URL");
-        let url = format!("{}/{name}{query}", &head[..host_end]);
+        let mut url = format!("{}/{name}{query}", &head[..host_end]);
+        // Over verified TLS when the test cluster's CA is known (scripts/setup_postgres.sh).
+        if let Ok(ca) = std::env::var("HILUM_TEST_POSTGRES_CA") {
+            let sep = if query.is_empty() { '?' } else { '&' };
+            url = format!("{url}{sep}sslmode=verify-full&sslrootcert={ca}");
+        }
         Some(TestDb {
             dir: tempfile::tempdir().expect("tempdir"),
             url,
@@ -649,15 +654,24 @@ impl Drop for TestDb {
     }
 }
 
-/// CREATE/DROP DATABASE, on a thread of its own (the synchronous client runs a runtime).
+/// CREATE/DROP DATABASE, on a thread and runtime of its own (it runs in `Drop`).
 fn pg_admin(url: &str, sql: &str) {
     let (url, sql) = (url.to_string(), sql.to_string());
     let done = std::thread::spawn(move || {
-        let mut client = postgres::Client::connect(&url, postgres::NoTls)
-            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
-        client
-            .batch_execute(&sql)
-            .map_err(|e| format!("{sql}: {e}"))
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        rt.block_on(async {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+            tokio::spawn(connection);
+            client
+                .batch_execute(&sql)
+                .await
+                .map_err(|e| format!("{sql}: {e}"))
+        })
     })
     .join();
     match done {

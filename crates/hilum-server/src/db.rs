@@ -5,6 +5,7 @@
 //! acknowledges it, so a restart loses nothing that a client was told had happened.
 
 pub(crate) mod backend;
+pub(crate) mod tls;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -15,7 +16,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use backend::{args, Engine, Exec, PgPool, Row, AUDIT_LOCK};
+use backend::{args, Engine, Exec, Job, PgPool, Row, AUDIT_LOCK};
 
 #[derive(Debug, Error)]
 pub enum DbError {
@@ -26,7 +27,7 @@ pub enum DbError {
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
     #[error("database error: {}", backend::pg_message(.0))]
-    Postgres(#[from] postgres::Error),
+    Postgres(#[from] tokio_postgres::Error),
     #[error("no token `{0}`: `hilum serve token list` shows the ids")]
     UnknownToken(String),
     #[error("database task failed: {0}")]
@@ -61,6 +62,11 @@ pub enum DbUrl {
     Sqlite(PathBuf),
     /// A `postgres://` or `postgresql://` URL, as given.
     Postgres(String),
+}
+
+/// A database URL as messages and logs may show it: without its password.
+pub fn shown_url(url: &str) -> String {
+    backend::redact(url)
 }
 
 /// Parses `--db`: `sqlite://PATH`, `sqlite:PATH`, a bare path, or `postgres://...`.
@@ -257,15 +263,16 @@ enum Backend {
     Postgres(Arc<PgPool>),
 }
 
-/// The database. Cheap to clone; queries run on the blocking pool (SQLite: one at a time on
-/// its connection; PostgreSQL: concurrently on a small pool of connections).
+/// The database. Cheap to clone. SQLite: queries run one at a time on its connection, on
+/// tokio's blocking pool. PostgreSQL: queries run concurrently on a pool of connections, as
+/// futures of the caller's runtime.
 #[derive(Clone)]
 pub struct Db {
     backend: Backend,
 }
 
-/// Runs `f` on a plain thread when called from async code: the synchronous PostgreSQL
-/// client runs a runtime of its own, which tokio forbids inside another runtime's thread.
+/// Runs `f` on a plain thread when called from async code, whose runtime must not be blocked
+/// (nor a second runtime started on its thread).
 fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if tokio::runtime::Handle::try_current().is_err() {
         return f();
@@ -278,7 +285,7 @@ fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 impl Db {
     /// Opens (creating if needed) and migrates the database at `url`: `sqlite://PATH` or
-    /// `postgres://USER@HOST:PORT/DB`.
+    /// `postgres://USER@HOST:PORT/DB` (with `?sslmode=...&sslrootcert=PATH` as in libpq).
     pub fn open(url: &str) -> Result<Db, DbError> {
         match parse_url(url)? {
             DbUrl::Sqlite(path) => Self::open_path(&path),
@@ -309,7 +316,7 @@ impl Db {
 
     fn open_postgres(url: &str) -> Result<Db, DbError> {
         let pool = PgPool::new(url)?;
-        off_runtime(|| backend::migrate_postgres(&pool))?;
+        backend::migrate_postgres(&pool)?;
         Ok(Db {
             backend: Backend::Postgres(Arc::new(pool)),
         })
@@ -323,48 +330,40 @@ impl Db {
         }
     }
 
-    /// Runs `f` on the blocking pool, in one transaction if `tx`.
-    async fn run<R, F>(&self, tx: bool, f: F) -> Result<R, DbError>
+    /// Runs `job`, in one transaction if `tx`.
+    async fn run<R, F>(&self, tx: bool, job: F) -> Result<R, DbError>
     where
-        F: FnOnce(&mut dyn Exec) -> Result<R, DbError> + Send + 'static,
+        F: for<'c> FnOnce(&'c mut dyn Exec) -> Job<'c, R> + Send + 'static,
         R: Send + 'static,
     {
-        let db = self.clone();
-        tokio::task::spawn_blocking(move || db.run_blocking(tx, f))
-            .await
-            .map_err(|e| DbError::Task(e.to_string()))?
+        match &self.backend {
+            Backend::Sqlite(conn) => {
+                let conn = conn.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+                    backend::run_sqlite(&mut guard, tx, job)
+                })
+                .await
+                .map_err(|e| DbError::Task(e.to_string()))?
+            }
+            Backend::Postgres(pool) => pool.with(tx, job).await,
+        }
     }
 
-    fn run_blocking<R>(
+    /// Runs `job` on the calling thread (the CLI's one-shot commands, tests).
+    fn run_sync<R: Send + 'static>(
         &self,
         tx: bool,
-        f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError>,
+        job: impl for<'c> FnOnce(&'c mut dyn Exec) -> Job<'c, R> + Send + 'static,
     ) -> Result<R, DbError> {
         match &self.backend {
             Backend::Sqlite(conn) => {
                 let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-                if tx {
-                    let t = guard.transaction()?;
-                    let r = f(&mut backend::SqliteExec(&t))?;
-                    t.commit()?;
-                    Ok(r)
-                } else {
-                    f(&mut backend::SqliteExec(&guard))
-                }
+                backend::run_sqlite(&mut guard, tx, job)
             }
-            Backend::Postgres(pool) => pool.with(tx, f),
-        }
-    }
-
-    /// Runs `f` on the calling thread (the CLI's one-shot commands, tests).
-    fn run_sync<R: Send>(
-        &self,
-        tx: bool,
-        f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError> + Send,
-    ) -> Result<R, DbError> {
-        match &self.backend {
-            Backend::Sqlite(_) => self.run_blocking(tx, f),
-            Backend::Postgres(_) => off_runtime(|| self.run_blocking(tx, f)),
+            Backend::Postgres(pool) => pool.with_own_connection(move |client| {
+                Box::pin(async move { backend::run_pg(client, tx, job).await })
+            }),
         }
     }
 
@@ -372,7 +371,10 @@ impl Db {
     /// For maintenance and tests; the server itself never builds SQL from input. (Each `?`
     /// becomes `$` on PostgreSQL, as in every query here.)
     pub fn execute_sql(&self, sql: &str) -> Result<u64, DbError> {
-        self.run_sync(false, |c| c.execute(sql, &[]))
+        let sql = sql.to_string();
+        self.run_sync(false, move |c| {
+            Box::pin(async move { c.execute(&sql, &[]).await })
+        })
     }
 
     // ---- tokens ----
@@ -384,23 +386,23 @@ impl Db {
         let secret = format!("hlm_{}", hex::encode(rand::random::<[u8; 32]>()));
         let hash = hash_token(&secret);
         let (id2, name) = (id.clone(), name.to_string());
-        self.run_sync(false, move |c| {
+        self.run_sync(false, move |c| Box::pin(async move {
             c.execute(
                 "INSERT INTO tokens (id, name, hash, admin, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
                 &args![id2, name, hash, admin, now_ms()],
-            )?;
+            ).await?;
             Ok(())
-        })?;
+        }))?;
         Ok((id, secret))
     }
 
     /// Every token, oldest first, without secrets.
     pub fn list_tokens(&self) -> Result<Vec<TokenRow>, DbError> {
-        self.run_sync(false, |c| {
+        self.run_sync(false, move |c| Box::pin(async move {
             c.query(
                 "SELECT id, name, admin, created_ms, revoked_ms FROM tokens ORDER BY created_ms, id",
                 &[],
-            )?
+            ).await?
             .into_iter()
             .map(|mut r| {
                 Ok(TokenRow {
@@ -412,52 +414,65 @@ impl Db {
                 })
             })
             .collect()
-        })
+        }))
     }
 
     /// Revokes a token for good. `Ok(false)` if it was already revoked.
     pub fn revoke_token(&self, id: &str) -> Result<bool, DbError> {
         let id = id.to_string();
         self.run_sync(true, move |c| {
-            let changed = c.execute(
-                "UPDATE tokens SET revoked_ms = ?2 WHERE id = ?1 AND revoked_ms IS NULL",
-                &args![&id, now_ms()],
-            )?;
-            if changed > 0 {
-                return Ok(true);
-            }
-            match c.query_opt("SELECT id FROM tokens WHERE id = ?1", &args![&id])? {
-                Some(_) => Ok(false),
-                None => Err(DbError::UnknownToken(id)),
-            }
+            Box::pin(async move {
+                let changed = c
+                    .execute(
+                        "UPDATE tokens SET revoked_ms = ?2 WHERE id = ?1 AND revoked_ms IS NULL",
+                        &args![&id, now_ms()],
+                    )
+                    .await?;
+                if changed > 0 {
+                    return Ok(true);
+                }
+                match c
+                    .query_opt("SELECT id FROM tokens WHERE id = ?1", &args![&id])
+                    .await?
+                {
+                    Some(_) => Ok(false),
+                    None => Err(DbError::UnknownToken(id)),
+                }
+            })
         })
     }
 
     /// Ids of revoked tokens (for servers to drop them from their authentication caches).
     pub async fn revoked_token_ids(&self) -> Result<Vec<String>, DbError> {
-        self.run(false, |c| {
-            c.query("SELECT id FROM tokens WHERE revoked_ms IS NOT NULL", &[])?
-                .into_iter()
-                .map(|mut r| r.get(0))
-                .collect()
+        self.run(false, move |c| {
+            Box::pin(async move {
+                c.query("SELECT id FROM tokens WHERE revoked_ms IS NOT NULL", &[])
+                    .await?
+                    .into_iter()
+                    .map(|mut r| r.get(0))
+                    .collect()
+            })
         })
         .await
     }
 
     pub async fn caller_for_hash(&self, hash: String) -> Result<Option<Caller>, DbError> {
         self.run(false, move |c| {
-            c.query_opt(
-                "SELECT id, name, admin FROM tokens WHERE hash = ?1 AND revoked_ms IS NULL",
-                &args![hash],
-            )?
-            .map(|mut r| {
-                Ok(Caller {
-                    token_id: r.get(0)?,
-                    name: r.get(1)?,
-                    admin: r.get(2)?,
+            Box::pin(async move {
+                c.query_opt(
+                    "SELECT id, name, admin FROM tokens WHERE hash = ?1 AND revoked_ms IS NULL",
+                    &args![hash],
+                )
+                .await?
+                .map(|mut r| {
+                    Ok(Caller {
+                        token_id: r.get(0)?,
+                        name: r.get(1)?,
+                        admin: r.get(2)?,
+                    })
                 })
+                .transpose()
             })
-            .transpose()
         })
         .await
     }
@@ -473,7 +488,7 @@ impl Db {
         bytes: Vec<u8>,
         audit: AuditEntry,
     ) -> Result<(), DbError> {
-        self.run(true, move |c| {
+        self.run(true, move |c| Box::pin(async move {
             c.execute(
                 "INSERT INTO images (token_id, image_id, media_type, size, width, height, bit_depth, format, bytes, created_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) ON CONFLICT DO NOTHING",
@@ -481,19 +496,20 @@ impl Db {
                     token_id, row.id, row.media_type, row.size, row.width, row.height,
                     row.bit_depth, row.format, bytes, row.created_ms
                 ],
-            )?;
-            insert_audit(c, &audit, now_ms())
-        })
+            ).await?;
+            insert_audit(c, &audit, now_ms()).await
+        }))
         .await
     }
 
     pub async fn list_images(&self, token_id: String) -> Result<Vec<ImageRow>, DbError> {
         self.run(false, move |c| {
-            c.query(
+            Box::pin(async move {
+                c.query(
                 "SELECT image_id, media_type, size, width, height, bit_depth, format, created_ms
                  FROM images WHERE token_id = ?1 ORDER BY created_ms, image_id",
                 &args![token_id],
-            )?
+            ).await?
             .into_iter()
             .map(|mut r| {
                 Ok(ImageRow {
@@ -508,6 +524,7 @@ impl Db {
                 })
             })
             .collect()
+            })
         })
         .await
     }
@@ -520,23 +537,27 @@ impl Db {
         except: Vec<String>,
     ) -> Result<Vec<(String, Vec<u8>)>, DbError> {
         self.run(false, move |c| {
-            let ids = c.query(
+            Box::pin(async move {
+                let ids = c.query(
                 "SELECT image_id FROM images WHERE token_id = ?1 ORDER BY created_ms, image_id",
                 &args![&token_id],
-            )?;
-            let mut out = Vec::new();
-            for mut r in ids {
-                let id: String = r.get(0)?;
-                if except.contains(&id) {
-                    continue;
+            ).await?;
+                let mut out = Vec::new();
+                for mut r in ids {
+                    let id: String = r.get(0)?;
+                    if except.contains(&id) {
+                        continue;
+                    }
+                    let mut row = c
+                        .query_one(
+                            "SELECT bytes FROM images WHERE token_id = ?1 AND image_id = ?2",
+                            &args![&token_id, &id],
+                        )
+                        .await?;
+                    out.push((id, row.get(0)?));
                 }
-                let mut row = c.query_one(
-                    "SELECT bytes FROM images WHERE token_id = ?1 AND image_id = ?2",
-                    &args![&token_id, &id],
-                )?;
-                out.push((id, row.get(0)?));
-            }
-            Ok(out)
+                Ok(out)
+            })
         })
         .await
     }
@@ -548,7 +569,7 @@ impl Db {
         token_id: String,
         title: String,
     ) -> Result<SessionRow, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             let now = now_ms();
             let row = SessionRow {
                 id: new_id("ses"),
@@ -559,9 +580,9 @@ impl Db {
             c.execute(
                 "INSERT INTO sessions (id, token_id, title, created_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?4)",
                 &args![&row.id, token_id, &row.title, now],
-            )?;
+            ).await?;
             Ok(row)
-        })
+        }))
         .await
     }
 
@@ -571,27 +592,27 @@ impl Db {
         token_id: String,
         id: String,
     ) -> Result<Option<SessionRow>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             c.query_opt(
                 "SELECT id, title, created_ms, updated_ms FROM sessions WHERE id = ?1 AND token_id = ?2",
                 &args![id, token_id],
-            )?
+            ).await?
             .map(session_row)
             .transpose()
-        })
+        }))
         .await
     }
 
     pub async fn list_sessions(&self, token_id: String) -> Result<Vec<SessionRow>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             c.query(
                 "SELECT id, title, created_ms, updated_ms FROM sessions WHERE token_id = ?1 ORDER BY created_ms, id",
                 &args![token_id],
-            )?
+            ).await?
             .into_iter()
             .map(session_row)
             .collect()
-        })
+        }))
         .await
     }
 
@@ -605,7 +626,7 @@ impl Db {
         model: String,
         owner: String,
     ) -> Result<(), DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             let images =
                 serde_json::to_string(&images).map_err(|e| DbError::Corrupt(e.to_string()))?;
             let now = now_ms();
@@ -613,9 +634,9 @@ impl Db {
                 "INSERT INTO runs (id, session_id, question, images, model, status, started_ms, owner, heartbeat_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?6)",
                 &args![run_id, session_id, question, images, model, now, owner],
-            )?;
+            ).await?;
             Ok(())
-        })
+        }))
         .await
     }
 
@@ -628,13 +649,16 @@ impl Db {
         progress: Value,
     ) -> Result<(), DbError> {
         self.run(true, move |c| {
-            let now = now_ms();
-            append_messages(c, &session_id, &run_id, &messages, now)?;
-            c.execute(
-                "UPDATE runs SET progress = ?2 WHERE id = ?1",
-                &args![&run_id, progress.to_string()],
-            )?;
-            Ok(())
+            Box::pin(async move {
+                let now = now_ms();
+                append_messages(c, &session_id, &run_id, &messages, now).await?;
+                c.execute(
+                    "UPDATE runs SET progress = ?2 WHERE id = ?1",
+                    &args![&run_id, progress.to_string()],
+                )
+                .await?;
+                Ok(())
+            })
         })
         .await
     }
@@ -642,10 +666,13 @@ impl Db {
     /// Refreshes the heartbeat of the runs `owner` is running. Returns how many it touched.
     pub async fn heartbeat(&self, owner: String) -> Result<u64, DbError> {
         self.run(false, move |c| {
-            c.execute(
-                "UPDATE runs SET heartbeat_ms = ?2 WHERE owner = ?1 AND status = 'running'",
-                &args![owner, now_ms()],
-            )
+            Box::pin(async move {
+                c.execute(
+                    "UPDATE runs SET heartbeat_ms = ?2 WHERE owner = ?1 AND status = 'running'",
+                    &args![owner, now_ms()],
+                )
+                .await
+            })
         })
         .await
     }
@@ -658,13 +685,16 @@ impl Db {
         stale_before: i64,
     ) -> Result<u64, DbError> {
         self.run(false, move |c| {
-            c.execute(
-                "UPDATE runs SET status = 'interrupted', finished_ms = ?3,
+            Box::pin(async move {
+                c.execute(
+                    "UPDATE runs SET status = 'interrupted', finished_ms = ?3,
                         error = 'the server running it stopped; POST .../resume continues it'
                  WHERE status = 'running' AND (owner IS NULL OR owner <> ?1)
                    AND (heartbeat_ms IS NULL OR heartbeat_ms < ?2)",
-                &args![owner, stale_before, now_ms()],
-            )
+                    &args![owner, stale_before, now_ms()],
+                )
+                .await
+            })
         })
         .await
     }
@@ -673,12 +703,16 @@ impl Db {
     /// not running.
     pub async fn interrupt_run(&self, run_id: String, reason: String) -> Result<bool, DbError> {
         self.run(false, move |c| {
-            let n = c.execute(
-                "UPDATE runs SET status = 'interrupted', error = ?2, finished_ms = ?3
+            Box::pin(async move {
+                let n = c
+                    .execute(
+                        "UPDATE runs SET status = 'interrupted', error = ?2, finished_ms = ?3
                  WHERE id = ?1 AND status = 'running'",
-                &args![run_id, reason, now_ms()],
-            )?;
-            Ok(n > 0)
+                        &args![run_id, reason, now_ms()],
+                    )
+                    .await?;
+                Ok(n > 0)
+            })
         })
         .await
     }
@@ -692,14 +726,16 @@ impl Db {
         owner: String,
     ) -> Result<bool, DbError> {
         self.run(false, move |c| {
-            let now = now_ms();
-            let n = c.execute(
+            Box::pin(async move {
+                let now = now_ms();
+                let n = c.execute(
                 "UPDATE runs SET status = 'running', owner = ?3, heartbeat_ms = ?4, error = NULL,
                         finished_ms = NULL
                  WHERE id = ?1 AND session_id = ?2 AND status = 'interrupted'",
                 &args![run_id, session_id, owner, now],
-            )?;
-            Ok(n > 0)
+            ).await?;
+                Ok(n > 0)
+            })
         })
         .await
     }
@@ -711,12 +747,12 @@ impl Db {
         session_id: String,
         run_id: String,
     ) -> Result<Option<StoredRun>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             let Some(mut r) = c.query_opt(
                 "SELECT id, question, images, model, status, answer, error, started_ms, finished_ms, progress
                  FROM runs WHERE id = ?1 AND session_id = ?2",
                 &args![&run_id, &session_id],
-            )?
+            ).await?
             else {
                 return Ok(None);
             };
@@ -734,7 +770,7 @@ impl Db {
             for mut m in c.query(
                 "SELECT seq, body FROM messages WHERE session_id = ?1 AND run_id = ?2 ORDER BY seq",
                 &args![&session_id, &run_id],
-            )? {
+            ).await? {
                 let seq: i64 = m.get(0)?;
                 first_seq = first_seq.min(seq);
                 let body: String = m.get(1)?;
@@ -743,13 +779,13 @@ impl Db {
                         .map_err(|e| DbError::Corrupt(format!("message {seq}: {e}")))?,
                 );
             }
-            let history = history_rows(c, &session_id, first_seq)?;
+            let history = history_rows(c, &session_id, first_seq).await?;
             let mut calls = Vec::new();
             for mut t in c.query(
                 "SELECT round, call_id, tool, arguments, ok, error_kind, ms, result
                  FROM tool_calls WHERE run_id = ?1 ORDER BY id",
                 &args![&run_id],
-            )? {
+            ).await? {
                 let round: Option<i64> = t.get(0)?;
                 let arguments: String = t.get(3)?;
                 let result: String = t.get(7)?;
@@ -772,15 +808,17 @@ impl Db {
                 history,
                 calls,
             }))
-        })
+        }))
         .await
     }
 
     /// The session's conversation as a new question sees it: the messages of its finished
     /// (completed or failed) runs, in order.
     pub async fn history(&self, session_id: String) -> Result<Vec<Value>, DbError> {
-        self.run(false, move |c| history_rows(c, &session_id, i64::MAX))
-            .await
+        self.run(false, move |c| {
+            Box::pin(async move { history_rows(c, &session_id, i64::MAX).await })
+        })
+        .await
     }
 
     /// Ends a run and appends its new messages, in one transaction.
@@ -793,38 +831,40 @@ impl Db {
         error: Option<String>,
         new_messages: Vec<Value>,
     ) -> Result<(), DbError> {
-        self.run(true, move |c| {
+        self.run(true, move |c| Box::pin(async move {
             let now = now_ms();
-            append_messages(c, &session_id, &run_id, &new_messages, now)?;
+            append_messages(c, &session_id, &run_id, &new_messages, now).await?;
             c.execute(
                 "UPDATE runs SET status = ?2, answer = ?3, error = ?4, finished_ms = ?5 WHERE id = ?1",
                 &args![run_id.clone(), status, answer, error, now],
-            )?;
+            ).await?;
             Ok(())
-        })
+        }))
         .await
     }
 
     pub async fn runs(&self, session_id: String) -> Result<Vec<RunRow>, DbError> {
         self.run(false, move |c| {
-            c.query(
+            Box::pin(async move {
+                c.query(
                 "SELECT id, question, images, model, status, answer, error, started_ms, finished_ms
                  FROM runs WHERE session_id = ?1 ORDER BY started_ms, id",
                 &args![session_id],
-            )?
+            ).await?
             .into_iter()
             .map(run_row)
             .collect()
+            })
         })
         .await
     }
 
     pub async fn messages(&self, session_id: String) -> Result<Vec<MessageRow>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             c.query(
                 "SELECT seq, run_id, role, body, created_ms FROM messages WHERE session_id = ?1 ORDER BY seq",
                 &args![session_id],
-            )?
+            ).await?
             .into_iter()
             .map(|mut r| {
                 let seq: i64 = r.get(0)?;
@@ -840,7 +880,7 @@ impl Db {
                 })
             })
             .collect()
-        })
+        }))
         .await
     }
 
@@ -852,11 +892,14 @@ impl Db {
         body: Value,
     ) -> Result<(), DbError> {
         self.run(false, move |c| {
-            c.execute(
-                "INSERT INTO events (run_id, seq, type, body) VALUES (?1, ?2, ?3, ?4)",
-                &args![run_id, seq, kind, body.to_string()],
-            )?;
-            Ok(())
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO events (run_id, seq, type, body) VALUES (?1, ?2, ?3, ?4)",
+                    &args![run_id, seq, kind, body.to_string()],
+                )
+                .await?;
+                Ok(())
+            })
         })
         .await
     }
@@ -864,17 +907,20 @@ impl Db {
     /// Events of a run of the session (none if the run is not the session's).
     pub async fn events(&self, session_id: String, run_id: String) -> Result<Vec<Value>, DbError> {
         self.run(false, move |c| {
-            c.query(
-                "SELECT e.body FROM events e JOIN runs r ON r.id = e.run_id
+            Box::pin(async move {
+                c.query(
+                    "SELECT e.body FROM events e JOIN runs r ON r.id = e.run_id
                  WHERE e.run_id = ?1 AND r.session_id = ?2 ORDER BY e.seq",
-                &args![run_id, session_id],
-            )?
-            .into_iter()
-            .map(|mut r| {
-                let body: String = r.get(0)?;
-                serde_json::from_str(&body).map_err(|e| DbError::Corrupt(e.to_string()))
+                    &args![run_id, session_id],
+                )
+                .await?
+                .into_iter()
+                .map(|mut r| {
+                    let body: String = r.get(0)?;
+                    serde_json::from_str(&body).map_err(|e| DbError::Corrupt(e.to_string()))
+                })
+                .collect()
             })
-            .collect()
         })
         .await
     }
@@ -890,12 +936,12 @@ impl Db {
         audit: AuditEntry,
         message: Option<Value>,
     ) -> Result<(), DbError> {
-        self.run(true, move |c| {
+        self.run(true, move |c| Box::pin(async move {
             let now = now_ms();
             if let (Some(m), Some(session_id), Some(run_id)) =
                 (&message, &call.session_id, &call.run_id)
             {
-                append_messages(c, session_id, run_id, std::slice::from_ref(m), now)?;
+                append_messages(c, session_id, run_id, std::slice::from_ref(m), now).await?;
             }
             c.execute(
                 "INSERT INTO tool_calls (token_id, session_id, run_id, call_id, tool, arguments, ok, error_kind, ms, result, created_ms, round)
@@ -905,7 +951,7 @@ impl Db {
                     call.arguments.to_string(), call.ok, call.error_kind, call.ms,
                     call.result.to_string(), now, call.round
                 ],
-            )?;
+            ).await?;
             for a in artifacts {
                 c.execute(
                     "INSERT INTO artifacts (id, token_id, session_id, run_id, call_id, tool, name, media_type, kind, bytes, created_ms)
@@ -914,17 +960,19 @@ impl Db {
                         a.id, a.token_id, a.session_id, a.run_id, a.call_id, a.tool, a.name,
                         a.media_type, a.kind, a.bytes, now
                     ],
-                )?;
+                ).await?;
             }
             // Last: on PostgreSQL the audit lock is then held only until the commit.
-            insert_audit(c, &audit, now)
-        })
+            insert_audit(c, &audit, now).await
+        }))
         .await
     }
 
     pub async fn append_audit(&self, entry: AuditEntry) -> Result<(), DbError> {
-        self.run(true, move |c| insert_audit(c, &entry, now_ms()))
-            .await
+        self.run(true, move |c| {
+            Box::pin(async move { insert_audit(c, &entry, now_ms()).await })
+        })
+        .await
     }
 
     /// Artifact metadata of a token, optionally of one session.
@@ -933,16 +981,16 @@ impl Db {
         token_id: String,
         session_id: Option<String>,
     ) -> Result<Vec<ArtifactRow>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             c.query(
                 "SELECT id, session_id, run_id, call_id, tool, name, media_type, kind, length(bytes), created_ms
                  FROM artifacts WHERE token_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR session_id = ?2) ORDER BY created_ms, id",
                 &args![token_id, session_id],
-            )?
+            ).await?
             .into_iter()
             .map(artifact_row)
             .collect()
-        })
+        }))
         .await
     }
 
@@ -952,24 +1000,26 @@ impl Db {
         token_id: String,
         id: String,
     ) -> Result<Option<(ArtifactRow, Vec<u8>)>, DbError> {
-        self.run(false, move |c| {
+        self.run(false, move |c| Box::pin(async move {
             c.query_opt(
                 "SELECT id, session_id, run_id, call_id, tool, name, media_type, kind, length(bytes), created_ms, bytes
                  FROM artifacts WHERE token_id = ?1 AND id = ?2",
                 &args![token_id, id],
-            )?
+            ).await?
             .map(|mut r| {
                 let bytes: Vec<u8> = r.get(10)?;
                 Ok((artifact_row(r)?, bytes))
             })
             .transpose()
-        })
+        }))
         .await
     }
 
     /// Audit rows after `since` (a `seq`), oldest first.
     pub fn audit_since(&self, since: i64, limit: i64) -> Result<Vec<AuditRow>, DbError> {
-        self.run_sync(false, move |c| audit_rows(c, since, limit))
+        self.run_sync(false, move |c| {
+            Box::pin(async move { audit_rows(c, since, limit).await })
+        })
     }
 
     /// Audit rows after `since`, on the blocking pool.
@@ -978,7 +1028,10 @@ impl Db {
         since: i64,
         limit: i64,
     ) -> Result<Vec<AuditRow>, DbError> {
-        self.run(false, move |c| audit_rows(c, since, limit)).await
+        self.run(false, move |c| {
+            Box::pin(async move { audit_rows(c, since, limit).await })
+        })
+        .await
     }
 }
 
@@ -1000,7 +1053,7 @@ fn run_row(mut r: Row) -> Result<RunRow, DbError> {
 /// Appends messages of a run to its session; call inside a transaction. The session's row is
 /// updated first so that on PostgreSQL its lock orders runs of one session writing at once on
 /// different replicas (message seqs stay unique).
-fn append_messages(
+async fn append_messages(
     c: &mut dyn Exec,
     session_id: &str,
     run_id: &str,
@@ -1010,7 +1063,8 @@ fn append_messages(
     c.execute(
         "UPDATE sessions SET updated_ms = ?2 WHERE id = ?1",
         &args![session_id, now],
-    )?;
+    )
+    .await?;
     if messages.is_empty() {
         return Ok(());
     }
@@ -1018,14 +1072,15 @@ fn append_messages(
         .query_one(
             "SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1",
             &args![session_id],
-        )?
+        )
+        .await?
         .get(0)?;
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("unknown");
         c.execute(
             "INSERT INTO messages (session_id, seq, run_id, role, body, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             &args![session_id, next + 1 + i as i64, run_id, role, m.to_string(), now],
-        )?;
+        ).await?;
     }
     Ok(())
 }
@@ -1033,7 +1088,7 @@ fn append_messages(
 /// Messages of the session's finished runs before `before_seq`, in order: what a question
 /// sees of the conversation. Running, cancelled and interrupted runs leave gaps (a decision
 /// without its results would confuse a model).
-fn history_rows(
+async fn history_rows(
     c: &mut dyn Exec,
     session_id: &str,
     before_seq: i64,
@@ -1043,7 +1098,8 @@ fn history_rows(
          WHERE m.session_id = ?1 AND m.seq < ?2 AND r.status IN ('completed', 'failed')
          ORDER BY m.seq",
         &args![session_id, before_seq],
-    )?
+    )
+    .await?
     .into_iter()
     .map(|mut r| {
         let seq: i64 = r.get(0)?;
@@ -1077,12 +1133,13 @@ fn artifact_row(mut r: Row) -> Result<ArtifactRow, DbError> {
     })
 }
 
-fn audit_rows(c: &mut dyn Exec, since: i64, limit: i64) -> Result<Vec<AuditRow>, DbError> {
+async fn audit_rows(c: &mut dyn Exec, since: i64, limit: i64) -> Result<Vec<AuditRow>, DbError> {
     c.query(
         "SELECT seq, ts_ms, actor, session_id, run_id, kind, name, arguments, outcome, duration_ms
          FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2",
         &args![since, limit],
-    )?
+    )
+    .await?
     .into_iter()
     .map(|mut r| {
         let args: String = r.get(7)?;
@@ -1105,9 +1162,10 @@ fn audit_rows(c: &mut dyn Exec, since: i64, limit: i64) -> Result<Vec<AuditRow>,
 /// Appends an audit row; call inside a transaction. On PostgreSQL appends take a lock held
 /// to the commit, so rows become visible in `seq` order and an export that resumes after a
 /// seq never skips a row committed later by another replica.
-fn insert_audit(c: &mut dyn Exec, a: &AuditEntry, now: i64) -> Result<(), DbError> {
+async fn insert_audit(c: &mut dyn Exec, a: &AuditEntry, now: i64) -> Result<(), DbError> {
     if c.engine() == Engine::Postgres {
-        c.execute("SELECT pg_advisory_xact_lock(?1)", &args![AUDIT_LOCK])?;
+        c.execute("SELECT pg_advisory_xact_lock(?1)", &args![AUDIT_LOCK])
+            .await?;
     }
     c.execute(
         "INSERT INTO audit (ts_ms, actor, session_id, run_id, kind, name, arguments, outcome, duration_ms)
@@ -1123,7 +1181,7 @@ fn insert_audit(c: &mut dyn Exec, a: &AuditEntry, now: i64) -> Result<(), DbErro
             &a.outcome,
             a.duration_ms
         ],
-    )?;
+    ).await?;
     Ok(())
 }
 
@@ -1148,8 +1206,10 @@ mod tests {
     fn audit_rows_cannot_be_changed_or_deleted() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Db::open_path(&dir.path().join("a.db")).expect("open");
-        db.run_sync(true, |c| insert_audit(c, &entry(), 1))
-            .expect("insert");
+        db.run_sync(true, |c| {
+            Box::pin(async move { insert_audit(c, &entry(), 1).await })
+        })
+        .expect("insert");
         let upd = db.execute_sql("UPDATE audit SET outcome = 'x'");
         assert!(upd.is_err(), "update must be refused");
         let del = db.execute_sql("DELETE FROM audit");
@@ -1168,8 +1228,11 @@ mod tests {
         let hash = hash_token(&secret);
         let found: String = db
             .run_sync(false, move |c| {
-                c.query_one("SELECT id FROM tokens WHERE hash = ?1", &args![hash])?
-                    .get(0)
+                Box::pin(async move {
+                    c.query_one("SELECT id FROM tokens WHERE hash = ?1", &args![hash])
+                        .await?
+                        .get(0)
+                })
             })
             .expect("lookup");
         assert_eq!(found, id);

@@ -267,19 +267,11 @@ async fn a_version_1_database_upgrades_and_its_running_runs_become_interrupted(d
         INSERT INTO runs (id, session_id, question, images, model, status, answer, started_ms, finished_ms)
             VALUES ('run_done', 'ses_old', 'q', '[]', 'm', 'completed', 'a', 1, 2);";
     if db.is_postgres() {
-        let (url, sql) = (
-            db.url.clone(),
-            format!(
-                "{}; {rows}",
-                include_str!("../migrations/postgres/0001_init.sql")
-            ),
-        );
-        std::thread::spawn(move || {
-            let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("connect");
-            c.batch_execute(&sql).expect("version 1 schema");
-        })
-        .join()
-        .expect("thread");
+        db.pg_batch(&format!(
+            "{}; {rows}",
+            include_str!("../migrations/postgres/0001_init.sql")
+        ))
+        .expect("version 1 schema");
     } else {
         let path = db.url.trim_start_matches("sqlite://");
         let c = rusqlite::Connection::open(path).expect("open");

@@ -1,17 +1,23 @@
-//! The two database engines behind [`super::Db`]: SQLite (one connection, rusqlite) and
-//! PostgreSQL (a small pool of synchronous `postgres` clients). Both run on tokio's blocking
-//! pool, and both are driven through [`Exec`], so every query of the server is written once,
-//! with `?1`-style placeholders that become `$1` for PostgreSQL.
+//! The two database engines behind [`super::Db`]: SQLite (one connection, rusqlite, on
+//! tokio's blocking pool) and PostgreSQL (tokio-postgres on the server's runtime, pooled by
+//! deadpool, TLS by rustls). Both are driven through the async [`Exec`], so every query of
+//! the server is written once, with `?1`-style placeholders that become `$1` for PostgreSQL.
 
-use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use bytes::BytesMut;
-use postgres::types::{to_sql_checked, IsNull, ToSql as PgToSql, Type};
+use deadpool_postgres::{
+    Client, GenericClient, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod,
+};
 use rusqlite::types::{ToSqlOutput, ValueRef};
+use tokio_postgres::types::{to_sql_checked, IsNull, ToSql as PgToSql, Type};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::tls::{self, SslMode};
 use super::{now_ms, DbError};
 
 /// One schema version in both dialects. The version list is this one list.
@@ -225,22 +231,27 @@ impl Row {
 // ---- executing ----
 
 /// What a query needs from a connection or transaction of either engine.
-pub(crate) trait Exec {
+#[async_trait]
+pub(crate) trait Exec: Send {
     /// Runs a statement; returns the number of rows changed.
-    fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError>;
-    fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError>;
+    async fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError>;
+    async fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError>;
     /// `sqlite` or `postgres`, for the few statements that differ.
     fn engine(&self) -> Engine;
 
-    fn query_opt(&mut self, sql: &str, args: &[P]) -> Result<Option<Row>, DbError> {
-        Ok(self.query(sql, args)?.into_iter().next())
+    async fn query_opt(&mut self, sql: &str, args: &[P]) -> Result<Option<Row>, DbError> {
+        Ok(self.query(sql, args).await?.into_iter().next())
     }
 
-    fn query_one(&mut self, sql: &str, args: &[P]) -> Result<Row, DbError> {
-        self.query_opt(sql, args)?
+    async fn query_one(&mut self, sql: &str, args: &[P]) -> Result<Row, DbError> {
+        self.query_opt(sql, args)
+            .await?
             .ok_or_else(|| DbError::Corrupt("the query returned no row".into()))
     }
 }
+
+/// The work of one `Db` call on one connection: `|c| Box::pin(async move { ... })`.
+pub(crate) type Job<'c, R> = Pin<Box<dyn Future<Output = Result<R, DbError>> + Send + 'c>>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Engine {
@@ -248,16 +259,18 @@ pub(crate) enum Engine {
     Postgres,
 }
 
-/// The SQLite connection (or a transaction on it), seen through [`Exec`].
-pub(crate) struct SqliteExec<'a>(pub(crate) &'a rusqlite::Connection);
+/// The SQLite connection, seen through [`Exec`]. Its futures never wait: each query runs to
+/// the end when first polled.
+pub(crate) struct SqliteExec<'a>(&'a mut rusqlite::Connection);
 
+#[async_trait]
 impl Exec for SqliteExec<'_> {
-    fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError> {
+    async fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError> {
         let mut st = self.0.prepare_cached(sql)?;
         Ok(st.execute(rusqlite::params_from_iter(args.iter()))? as u64)
     }
 
-    fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError> {
+    async fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError> {
         let mut st = self.0.prepare_cached(sql)?;
         let n = st.column_count();
         let mut rows = st.query(rusqlite::params_from_iter(args.iter()))?;
@@ -283,49 +296,58 @@ impl Exec for SqliteExec<'_> {
     }
 }
 
+/// Runs `job` on the SQLite connection, in one transaction if `tx`. Blocking (the job's
+/// futures complete when first polled).
+pub(crate) fn run_sqlite<R>(
+    conn: &mut rusqlite::Connection,
+    tx: bool,
+    job: impl for<'c> FnOnce(&'c mut dyn Exec) -> Job<'c, R>,
+) -> Result<R, DbError> {
+    // A job that panicked mid-transaction left it open: end it before anything else.
+    if !conn.is_autocommit() {
+        conn.execute_batch("ROLLBACK")?;
+    }
+    if !tx {
+        return futures::executor::block_on(job(&mut SqliteExec(conn)));
+    }
+    // BEGIN/COMMIT by hand: rusqlite's `Transaction` borrows the connection shared, which
+    // is not `Send`, and every `Exec` must be.
+    conn.execute_batch("BEGIN")?;
+    let result = futures::executor::block_on(job(&mut SqliteExec(conn))).and_then(|r| {
+        conn.execute_batch("COMMIT")
+            .map(|()| r)
+            .map_err(DbError::from)
+    });
+    if result.is_err() && !conn.is_autocommit() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    result
+}
+
 /// `?1` → `$1`: the server's queries use SQLite's numbered placeholders, which PostgreSQL
 /// spells with a dollar. (None of the queries has a `?` inside a string literal.)
 fn pg_sql(sql: &str) -> String {
     sql.replace('?', "$")
 }
 
-/// A PostgreSQL connection with its prepared statements (one round trip per query after the
-/// first).
-pub(crate) struct PgConn {
-    client: postgres::Client,
-    statements: HashMap<String, postgres::Statement>,
+/// A pooled PostgreSQL connection or a transaction on it, seen through [`Exec`]; statements
+/// are prepared once per connection (deadpool's statement cache).
+pub(crate) struct PgExec<'a, C: GenericClient>(&'a C);
+
+fn pg_params(args: &[P]) -> Vec<&(dyn PgToSql + Sync)> {
+    args.iter().map(|a| a as &(dyn PgToSql + Sync)).collect()
 }
 
-/// A PostgreSQL connection or transaction, seen through [`Exec`].
-pub(crate) struct PgExec<'a, C: postgres::GenericClient> {
-    client: &'a mut C,
-    statements: &'a mut HashMap<String, postgres::Statement>,
-}
-
-impl<C: postgres::GenericClient> PgExec<'_, C> {
-    fn statement(&mut self, sql: &str) -> Result<postgres::Statement, DbError> {
-        if let Some(st) = self.statements.get(sql) {
-            return Ok(st.clone());
-        }
-        let st = self.client.prepare(&pg_sql(sql))?;
-        self.statements.insert(sql.to_string(), st.clone());
-        Ok(st)
+#[async_trait]
+impl<C: GenericClient> Exec for PgExec<'_, C> {
+    async fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError> {
+        let st = self.0.prepare_cached(&pg_sql(sql)).await?;
+        Ok(self.0.execute(&st, &pg_params(args)).await?)
     }
 
-    fn params(args: &[P]) -> Vec<&(dyn PgToSql + Sync)> {
-        args.iter().map(|a| a as &(dyn PgToSql + Sync)).collect()
-    }
-}
-
-impl<C: postgres::GenericClient> Exec for PgExec<'_, C> {
-    fn execute(&mut self, sql: &str, args: &[P]) -> Result<u64, DbError> {
-        let st = self.statement(sql)?;
-        Ok(self.client.execute(&st, &Self::params(args))?)
-    }
-
-    fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError> {
-        let st = self.statement(sql)?;
-        let rows = self.client.query(&st, &Self::params(args))?;
+    async fn query(&mut self, sql: &str, args: &[P]) -> Result<Vec<Row>, DbError> {
+        let st = self.0.prepare_cached(&pg_sql(sql)).await?;
+        let rows = self.0.query(&st, &pg_params(args)).await?;
         rows.iter().map(pg_row).collect()
     }
 
@@ -334,7 +356,7 @@ impl<C: postgres::GenericClient> Exec for PgExec<'_, C> {
     }
 }
 
-fn pg_row(r: &postgres::Row) -> Result<Row, DbError> {
+fn pg_row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
     let mut cells = Vec::with_capacity(r.len());
     for (i, col) in r.columns().iter().enumerate() {
         let ty = col.type_();
@@ -365,29 +387,46 @@ fn pg_row(r: &postgres::Row) -> Result<Row, DbError> {
     Ok(Row(cells))
 }
 
-// ---- PostgreSQL pool ----
-
-/// A bounded pool of connections. Clients hold a small tokio runtime of their own, which
-/// must not be dropped on an async thread: the pool hands its clients to a plain thread when
-/// it goes away.
-pub(crate) struct PgPool {
-    config: postgres::Config,
-    /// What to show in messages: the URL without its password.
-    pub(crate) display: String,
-    state: Mutex<PoolState>,
-    freed: Condvar,
+/// Runs `job` on a connection, in one transaction if `tx`. A transaction dropped unfinished
+/// (the caller went away) is rolled back by tokio-postgres before the connection is reused.
+pub(crate) async fn run_pg<R>(
+    client: &mut Client,
+    tx: bool,
+    job: impl for<'c> FnOnce(&'c mut dyn Exec) -> Job<'c, R>,
+) -> Result<R, DbError> {
+    if !tx {
+        return job(&mut PgExec(&*client)).await;
+    }
+    let t = client.transaction().await?;
+    let r = job(&mut PgExec(&t)).await?;
+    t.commit().await?;
+    Ok(r)
 }
 
-struct PoolState {
-    idle: Vec<PgConn>,
-    open: usize,
+// ---- PostgreSQL pool ----
+
+/// A bounded pool of connections (deadpool) on the runtime that uses them.
+pub(crate) struct PgPool {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+    mode: SslMode,
+    /// What to show in messages: the URL without its password.
+    pub(crate) display: String,
 }
 
 impl PgPool {
     pub(crate) fn new(url: &str) -> Result<PgPool, DbError> {
-        let mut config = postgres::Config::from_str(url).map_err(|e| DbError::Open {
-            path: redact(url),
-            reason: format!("not a PostgreSQL URL ({e}); use postgres://USER@HOST:PORT/DB"),
+        let display = redact(url);
+        let open_err = |reason: String| DbError::Open {
+            path: display.clone(),
+            reason,
+        };
+        let (pg_url, opts) = tls::split_url(url).map_err(open_err)?;
+        let mut config = tokio_postgres::Config::from_str(&pg_url).map_err(|e| {
+            open_err(format!(
+                "not a PostgreSQL URL ({e}); use postgres://USER@HOST:PORT/DB"
+            ))
         })?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(10));
@@ -395,116 +434,111 @@ impl PgPool {
         if config.get_application_name().is_none() {
             config.application_name("hilum-serve");
         }
-        let pool = PgPool {
+        config.ssl_mode(opts.mode.negotiation());
+        let tls = tls::connector(&opts).map_err(open_err)?;
+        let pool = new_pool(&config, &tls, PG_MAX_CONNECTIONS).map_err(open_err)?;
+        Ok(PgPool {
+            pool,
             config,
-            display: redact(url),
-            state: Mutex::new(PoolState {
-                idle: Vec::new(),
-                open: 0,
-            }),
-            freed: Condvar::new(),
-        };
-        Ok(pool)
-    }
-
-    fn connect(&self) -> Result<PgConn, DbError> {
-        let client = self
-            .config
-            .connect(postgres::NoTls)
-            .map_err(|e| DbError::Open {
-                path: self.display.clone(),
-                reason: format!(
-                    "{} (is PostgreSQL running and does the database exist? scripts/setup_postgres.sh starts a local one for tests)",
-                    pg_message(&e)
-                ),
-            })?;
-        Ok(PgConn {
-            client,
-            statements: HashMap::new(),
+            tls,
+            mode: opts.mode,
+            display,
         })
     }
 
-    /// Runs `f` on a pooled connection, inside a transaction if `tx`. Blocking.
-    pub(crate) fn with<R>(
+    /// Runs `job` on a pooled connection, in one transaction if `tx`.
+    pub(crate) async fn with<R>(
         &self,
         tx: bool,
-        f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError>,
+        job: impl for<'c> FnOnce(&'c mut dyn Exec) -> Job<'c, R>,
     ) -> Result<R, DbError> {
-        let mut conn = self.take()?;
-        let result = run_pg(&mut conn, tx, f);
-        self.give_back(conn);
-        result
+        let mut client = self.pool.get().await.map_err(|e| self.pool_error(e))?;
+        run_pg(&mut client, tx, job).await
     }
 
-    fn take(&self) -> Result<PgConn, DbError> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(c) = st.idle.pop() {
-                return Ok(c);
-            }
-            if st.open < PG_MAX_CONNECTIONS {
-                st.open += 1;
-                drop(st);
-                return self.connect().inspect_err(|_| {
-                    let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                    st.open -= 1;
-                    self.freed.notify_one();
-                });
-            }
-            st = self.freed.wait(st).unwrap_or_else(|p| p.into_inner());
+    /// Runs `job` on a connection of its own, on a runtime of its own, and closes both:
+    /// for the blocking entry points (one-shot CLI commands, migrations at startup), which
+    /// must not use pooled connections whose tasks run on a runtime they may be blocking.
+    pub(crate) fn with_own_connection<R: Send>(
+        &self,
+        job: impl for<'c> FnOnce(&'c mut Client) -> Job<'c, R> + Send,
+    ) -> Result<R, DbError> {
+        super::off_runtime(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| DbError::Task(format!("cannot start a runtime: {e}")))?;
+            // A pool of one, so that the job sees the same client type as pooled jobs do.
+            let pool = new_pool(&self.config, &self.tls, 1).map_err(|reason| DbError::Open {
+                path: self.display.clone(),
+                reason,
+            })?;
+            rt.block_on(async {
+                let mut client = pool.get().await.map_err(|e| self.pool_error(e))?;
+                job(&mut client).await
+            })
+        })
+    }
+
+    fn pool_error(&self, e: PoolError) -> DbError {
+        match e {
+            PoolError::Backend(e) => self.connect_error(&e),
+            other => DbError::Open {
+                path: self.display.clone(),
+                reason: other.to_string(),
+            },
         }
     }
 
-    fn give_back(&self, conn: PgConn) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if conn.client.is_closed() {
-            // A broken connection is dropped here (a blocking thread) and replaced on demand.
-            st.open -= 1;
-            drop(st);
-            drop(conn);
+    /// A failed connection, with what to do about it.
+    fn connect_error(&self, e: &tokio_postgres::Error) -> DbError {
+        let msg = pg_message(e);
+        let reason = if msg.contains("server does not support TLS") {
+            format!(
+                "the server does not offer TLS, and sslmode={} requires it: turn `ssl = on` with a \
+                 certificate in its postgresql.conf (scripts/setup_postgres.sh does so for the test \
+                 cluster), or, on a network you trust, connect with sslmode=disable",
+                self.mode
+            )
+        } else if msg.contains("certificate") {
+            format!(
+                "{msg} (sslmode={} refused the server's TLS certificate: give the CA that signed it \
+                 with sslrootcert=PATH in the URL or --db-ca-file, and connect to a host name the \
+                 certificate names)",
+                self.mode
+            )
         } else {
-            st.idle.push(conn);
-            drop(st);
-        }
-        self.freed.notify_one();
-    }
-}
-
-impl Drop for PgPool {
-    fn drop(&mut self) {
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        let idle = std::mem::take(&mut st.idle);
-        if !idle.is_empty() {
-            // Dropping a client drops its runtime, which panics on an async thread.
-            let _ = std::thread::Builder::new()
-                .name("hilum-pg-close".into())
-                .spawn(move || drop(idle));
+            format!(
+                "{msg} (is PostgreSQL running and does the database exist? scripts/setup_postgres.sh starts a local one for tests)"
+            )
+        };
+        DbError::Open {
+            path: self.display.clone(),
+            reason,
         }
     }
 }
 
-fn run_pg<R>(
-    conn: &mut PgConn,
-    tx: bool,
-    f: impl FnOnce(&mut dyn Exec) -> Result<R, DbError>,
-) -> Result<R, DbError> {
-    if !tx {
-        return f(&mut PgExec {
-            client: &mut conn.client,
-            statements: &mut conn.statements,
-        });
-    }
-    let mut t = conn.client.transaction()?;
-    let r = f(&mut PgExec {
-        client: &mut t,
-        statements: &mut conn.statements,
-    })?;
-    t.commit()?;
-    Ok(r)
+fn new_pool(
+    config: &tokio_postgres::Config,
+    tls: &MakeRustlsConnect,
+    size: usize,
+) -> Result<Pool, String> {
+    let manager = Manager::from_config(
+        config.clone(),
+        tls.clone(),
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .build()
+        .map_err(|e| format!("cannot build the connection pool: {e}"))
 }
 
 /// The message of a PostgreSQL error, with the server's own text when there is one.
-pub(crate) fn pg_message(e: &postgres::Error) -> String {
+pub(crate) fn pg_message(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{}: {}", db.severity(), db.message()),
         None => {
@@ -519,17 +553,29 @@ pub(crate) fn pg_message(e: &postgres::Error) -> String {
     }
 }
 
-/// The URL without a password, for messages and logs.
+/// The URL without a password (in the user part or a `password=` option), for messages and
+/// logs.
 pub(crate) fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => {
+            let kept: Vec<&str> = q
+                .split('&')
+                .filter(|p| !p.starts_with("password="))
+                .collect();
+            (r, format!("?{}", kept.join("&")))
+        }
+        None => (rest, String::new()),
+    };
+    let query = if query == "?" { String::new() } else { query };
     match rest.rsplit_once('@') {
         Some((userinfo, host)) => {
             let user = userinfo.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}@{host}")
+            format!("{scheme}://{user}@{host}{query}")
         }
-        None => url.to_string(),
+        None => format!("{scheme}://{rest}{query}"),
     }
 }
 
@@ -556,32 +602,35 @@ pub(crate) fn migrate_sqlite(conn: &rusqlite::Connection) -> Result<(), DbError>
 }
 
 pub(crate) fn migrate_postgres(pool: &PgPool) -> Result<(), DbError> {
-    let mut conn = pool.take()?;
-    let result = (|| {
-        let mut t = conn.client.transaction()?;
-        // Replicas starting together: one migrates, the others wait and then see it done.
-        t.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
-        t.batch_execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, applied_ms BIGINT NOT NULL)",
-        )?;
-        let current: i64 = t
-            .query_one(
-                "SELECT COALESCE(MAX(version), 0)::BIGINT FROM schema_migrations",
-                &[],
-            )?
-            .try_get(0)?;
-        for m in MIGRATIONS.iter().filter(|m| m.version > current) {
-            t.batch_execute(m.postgres)?;
-            t.execute(
-                "INSERT INTO schema_migrations (version, applied_ms) VALUES ($1, $2)",
-                &[&m.version, &now_ms()],
-            )?;
-        }
-        t.commit()?;
-        Ok::<_, DbError>(())
-    })();
-    pool.give_back(conn);
-    result
+    pool.with_own_connection(|client| {
+        Box::pin(async move {
+            let t = client.transaction().await?;
+            // Replicas starting together: one migrates, the others wait and then see it done.
+            t.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+                .await?;
+            t.batch_execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, applied_ms BIGINT NOT NULL)",
+            )
+            .await?;
+            let current: i64 = t
+                .query_one(
+                    "SELECT COALESCE(MAX(version), 0)::BIGINT FROM schema_migrations",
+                    &[],
+                )
+                .await?
+                .try_get(0)?;
+            for m in MIGRATIONS.iter().filter(|m| m.version > current) {
+                t.batch_execute(m.postgres).await?;
+                t.execute(
+                    "INSERT INTO schema_migrations (version, applied_ms) VALUES ($1, $2)",
+                    &[&m.version, &now_ms()],
+                )
+                .await?;
+            }
+            t.commit().await?;
+            Ok(())
+        })
+    })
 }
 
 #[cfg(test)]
@@ -609,6 +658,14 @@ mod tests {
         assert_eq!(
             redact("postgres://hilum@db.local/hilum"),
             "postgres://hilum@db.local/hilum"
+        );
+        assert_eq!(
+            redact("postgres://hilum@db.local/h?password=s3cret&sslmode=require"),
+            "postgres://hilum@db.local/h?sslmode=require"
+        );
+        assert_eq!(
+            redact("postgres://db.local/h?password=x"),
+            "postgres://db.local/h"
         );
     }
 }

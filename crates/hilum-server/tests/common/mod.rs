@@ -287,12 +287,19 @@ impl TestDb {
         let name = format!("hilum_t_{}", hex_id());
         pg_admin(&base, &format!("CREATE DATABASE {name}"))
             .unwrap_or_else(|e| panic!("HILUM_TEST_POSTGRES_URL: {e}"));
-        let url = with_database(&base, &name);
+        let url = with_test_tls(&with_database(&base, &name));
         Some(TestDb {
             dir: tempfile::tempdir().expect("tempdir"),
             url,
             pg: Some((base, name)),
         })
+    }
+
+    /// Runs SQL on this PostgreSQL database with a plain client of the test's own.
+    #[allow(dead_code)]
+    pub fn pg_batch(&self, sql: &str) -> Result<(), String> {
+        let (base, name) = self.pg.as_ref().ok_or("not a PostgreSQL test database")?;
+        pg_admin(&with_database(base, name), sql)
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -348,19 +355,43 @@ fn with_database(url: &str, db: &str) -> String {
     format!("{}/{db}{query}", &base[..host_end])
 }
 
-/// Runs SQL outside any transaction (CREATE/DROP DATABASE) on a thread of its own: the
-/// synchronous client may not run on an async thread.
+/// Runs SQL outside any transaction (CREATE/DROP DATABASE) on a thread and runtime of its
+/// own: it runs in `Drop`, possibly inside a test's runtime.
 fn pg_admin(url: &str, sql: &str) -> Result<(), String> {
     let (url, sql) = (url.to_string(), sql.to_string());
     std::thread::spawn(move || {
-        let mut client = postgres::Client::connect(&url, postgres::NoTls)
-            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
-        client
-            .batch_execute(&sql)
-            .map_err(|e| format!("{sql}: {e:?}"))
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        rt.block_on(async {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+            tokio::spawn(connection);
+            client
+                .batch_execute(&sql)
+                .await
+                .map_err(|e| format!("{sql}: {e:?}"))
+        })
     })
     .join()
     .map_err(|_| "the PostgreSQL admin thread panicked".to_string())?
+}
+
+/// `url` with `sslmode=verify-full` and the test cluster's CA when `HILUM_TEST_POSTGRES_CA`
+/// names it (scripts/setup_postgres.sh prints both), so that the tests run over verified TLS.
+pub fn with_test_tls(url: &str) -> String {
+    match std::env::var("HILUM_TEST_POSTGRES_CA") {
+        Ok(ca) if !ca.is_empty() => {
+            let sep = if url.contains('?') { '&' } else { '?' };
+            format!("{url}{sep}sslmode=verify-full&sslrootcert={ca}")
+        }
+        _ => {
+            eprintln!("note: HILUM_TEST_POSTGRES_CA is not set: PostgreSQL tests run without verified TLS");
+            url.to_string()
+        }
+    }
 }
 
 /// Runs an async test `fn NAME(db: &TestDb)` twice: `NAME::sqlite` and `NAME::postgres` (which
