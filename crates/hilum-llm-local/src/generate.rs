@@ -90,6 +90,9 @@ struct Prepared {
     answered_tools: Vec<(String, String)>,
     /// The user's last question (the answer lead points at the result most about it).
     question: String,
+    /// The turn comes right after tool results: a prose answer opens with the lead that points
+    /// at the result it must come from.
+    lead_after_results: bool,
     /// The prompt plus a user note that the results are in, for a model that repeats a call.
     repeat_prompt: Option<Vec<u32>>,
     shortened: usize,
@@ -279,15 +282,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         None
     } else {
         let mut msgs = req.messages.clone();
-        let question = req
-            .messages
-            .iter()
-            .rev()
-            .find_map(|m| match m {
-                Message::User { content, .. } => Some(content.as_str()),
-                _ => None,
-            })
-            .unwrap_or_default();
+        let question = last_question(&req.messages);
         msgs.push(Message::user(
             format!("{question}\n\n{RESULTS_ARE_IN}"),
             vec![],
@@ -322,6 +317,9 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         } else {
             None
         };
+    let lead_after_results = choices.is_empty()
+        && matches!(req.messages.last(), Some(Message::Tool { .. }))
+        && !answered_tools(&req.messages).is_empty();
     Ok(Prepared {
         tokens,
         prefix_len,
@@ -334,6 +332,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         previous_calls,
         answered_tools: answered_tools(&req.messages),
         question: last_question(&req.messages),
+        lead_after_results,
         repeat_prompt,
         shortened,
         started,
@@ -532,6 +531,43 @@ fn send(tx: &mpsc::Sender<Result<ChatDelta, LlmError>>, d: ChatDelta) -> bool {
     tx.blocking_send(Ok(d)).is_ok()
 }
 
+/// Restarts the answer from the prompt: with the user's question restated after the tool
+/// results and a note that they are in ([`Prepared::repeat_prompt`], when it fits; only the
+/// tokens after the part shared with the cache are run), else from the prompt itself. Returns
+/// the logits for the answer's first token and the new prompt length.
+fn restate_question(
+    st: &mut crate::State,
+    prep: &Prepared,
+    prompt_len: usize,
+    prompt_logits: &Tensor,
+) -> Result<(Tensor, usize), LocalError> {
+    match &prep.repeat_prompt {
+        Some(p) if !p.is_empty() => {
+            let keep = st.cached[..prompt_len]
+                .iter()
+                .zip(p)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(p.len() - 1);
+            st.model.truncate_cache(keep)?;
+            st.cached.truncate(keep);
+            let mut logits = None;
+            for chunk in p[keep..].chunks(PREFILL_CHUNK) {
+                logits = Some(st.model.forward(chunk)?);
+                st.cached.extend_from_slice(chunk);
+            }
+            let logits = logits
+                .ok_or_else(|| LocalError::Inference("the restated prompt ran no token".into()))?;
+            Ok((logits, st.cached.len()))
+        }
+        _ => {
+            st.model.truncate_cache(prompt_len)?;
+            st.cached.truncate(prompt_len);
+            Ok((prompt_logits.clone(), prompt_len))
+        }
+    }
+}
+
 fn run(
     inner: &Inner,
     prep: Prepared,
@@ -634,6 +670,8 @@ fn decode(
     let mut calls = 0usize;
     let mut seen_calls: Vec<(String, Option<Value>)> = Vec::new();
     let mut finish = FinishReason::Stop;
+    // Whether the answer's lead was decided (see `Prepared::lead_after_results`).
+    let mut led = false;
     let t_decode = Instant::now();
     loop {
         if generated.len() >= prep.max_new {
@@ -748,6 +786,40 @@ fn decode(
                     // Any other control token (`<|im_start|>`, `</tool_call>` out of place) ends the turn.
                     break;
                 }
+                if prep.lead_after_results && !led && text.text.trim().is_empty() {
+                    let bytes = tok.token_bytes(next);
+                    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+                    if let Some(b) = first {
+                        led = true;
+                        if !matches!(b, b'{' | b'[' | b'`' | b'<') {
+                            // A prose answer after the results opens by pointing at the result it
+                            // comes from, in place of its first token: a 0.5B model otherwise
+                            // often writes a bare option letter (the first option) and stops.
+                            // The question is restated after the results first, as after a
+                            // repeated call: the model then quotes the result the lead names, not
+                            // the one it read last.
+                            let lead = answer_lead("", &prep.answered_tools, &prep.question);
+                            let lead_tokens = tok.encode(&lead)?;
+                            if !lead_tokens.is_empty() {
+                                stats.rewound_tokens += generated.len();
+                                generated.clear();
+                                text.text.clear();
+                                text.sent = 0;
+                                utf8 = Utf8Stream::default();
+                                (_, prompt_len) =
+                                    restate_question(st, prep, prompt_len, &prompt_logits)?;
+                                logits = st.model.forward(&lead_tokens)?;
+                                st.cached.extend_from_slice(&lead_tokens);
+                                generated.extend_from_slice(&lead_tokens);
+                                let (out, _) = text.push(&lead);
+                                if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+                                    return Ok(());
+                                }
+                                continue;
+                            }
+                        }
+                    }
+                }
                 let piece = utf8.push(tok.token_bytes(next));
                 let (mut out, hit) = text.push(&piece);
                 if text.hold_all && !hit {
@@ -818,30 +890,8 @@ fn decode(
                         utf8 = Utf8Stream::default();
                         mode = Mode::Free;
                         prose_only = true;
-                        match &prep.repeat_prompt {
-                            Some(p) => {
-                                // Tell it the results are in (a user note after the tool
-                                // results); only the tokens after the shared prefix are run.
-                                let keep = st.cached[..prompt_len]
-                                    .iter()
-                                    .zip(p)
-                                    .take_while(|(a, b)| a == b)
-                                    .count()
-                                    .min(p.len() - 1);
-                                st.model.truncate_cache(keep)?;
-                                st.cached.truncate(keep);
-                                for chunk in p[keep..].chunks(PREFILL_CHUNK) {
-                                    logits = st.model.forward(chunk)?;
-                                    st.cached.extend_from_slice(chunk);
-                                }
-                                prompt_len = st.cached.len();
-                            }
-                            None => {
-                                st.model.truncate_cache(prompt_len)?;
-                                st.cached.truncate(prompt_len);
-                                logits = prompt_logits.clone();
-                            }
-                        }
+                        (logits, prompt_len) =
+                            restate_question(st, prep, prompt_len, &prompt_logits)?;
                         // The answer starts by pointing at the result it must come from; a
                         // 0.5B model then quotes it instead of writing a vague sentence.
                         let lead = answer_lead(&call.name, &prep.answered_tools, &prep.question);
