@@ -39,6 +39,31 @@ pub struct FileConfig {
     /// over it.
     #[serde(default)]
     pub models: ModelsSection,
+    /// `[serve]`: settings of `hilum serve` that its flags override.
+    #[serde(default)]
+    pub serve: ServeSection,
+}
+
+/// The `[serve]` table.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeSection {
+    /// `--max-image-memory-mb`: memory each token's images may hold, MiB (0: no bound).
+    pub max_image_memory_mb: Option<u64>,
+}
+
+/// Default of `--max-image-memory-mb`: a few dozen decoded radiographs per token.
+pub const DEFAULT_MAX_IMAGE_MEMORY_MB: u64 = 256;
+
+impl ServeSection {
+    /// The per-token image memory bound in bytes: the flag, else the file, else the default.
+    pub fn max_image_memory_bytes(&self, flag: Option<u64>) -> anyhow::Result<u64> {
+        let mb = flag
+            .or(self.max_image_memory_mb)
+            .unwrap_or(DEFAULT_MAX_IMAGE_MEMORY_MB);
+        mb.checked_mul(1 << 20)
+            .with_context(|| format!("--max-image-memory-mb {mb} is too large"))
+    }
 }
 
 /// The `[models]` table. Each key stands for the variable named beside it, which wins over
@@ -544,6 +569,24 @@ fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::Tool
 mod tests {
     use super::*;
     use hilum_models::Backend;
+
+    #[test]
+    fn serve_table_sets_the_image_bound_and_the_flag_wins() {
+        let none = ServeSection::default();
+        assert_eq!(
+            none.max_image_memory_bytes(None).expect("default"),
+            256 << 20
+        );
+        let file: FileConfig =
+            toml::from_str("[serve]\nmax_image_memory_mb = 64\n").expect("valid config");
+        assert_eq!(
+            file.serve.max_image_memory_bytes(None).expect("file"),
+            64 << 20
+        );
+        assert_eq!(file.serve.max_image_memory_bytes(Some(0)).expect("flag"), 0);
+        assert!(file.serve.max_image_memory_bytes(Some(u64::MAX)).is_err());
+        assert!(toml::from_str::<FileConfig>("[serve]\nmax_images = 3\n").is_err());
+    }
 
     #[test]
     fn backends_table_parses_and_flags_win() {

@@ -66,6 +66,12 @@ pub struct ServeArgs {
     /// Largest upload, MiB.
     #[arg(long, default_value_t = 64)]
     pub max_upload_mb: usize,
+    /// Memory each token's images may hold in the server, MiB (files, decoded pixels,
+    /// preprocessed variants; 0: no bound). Least recently used images are dropped and read
+    /// again from the database when named. Default 256, or `max_image_memory_mb` in the
+    /// config file's [serve] table.
+    #[arg(long)]
+    pub max_image_memory_mb: Option<u64>,
     /// Requests per second per token (0 turns the limit off).
     #[arg(long, default_value_t = 20.0)]
     pub rate_limit: f64,
@@ -284,6 +290,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut cfg = ServerConfig::new(args.db_url());
     cfg.bind = args.bind;
     cfg.max_upload_bytes = args.max_upload_mb << 20;
+    cfg.max_image_memory_bytes = file
+        .serve
+        .max_image_memory_bytes(args.max_image_memory_mb)?;
     cfg.rate_limit = RateLimit {
         per_sec: args.rate_limit,
         burst: args.rate_burst,

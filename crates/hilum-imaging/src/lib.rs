@@ -30,7 +30,7 @@ pub use deid::{
 };
 pub use dicom::{read_dicom, DicomSummary};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
-pub use store::{ImageStore, Layer, StoreLimits, StoreStats};
+pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
 pub use transform::{prepare, resize, Filter, Fit, Geometry, Layout, Norm, Prepared, Preprocess};
 
 use thiserror::Error;

@@ -76,7 +76,19 @@ pub struct StoreStats {
     pub hits: u64,
     pub evictions: u64,
     pub cached_bytes: u64,
+    /// Images whose file is in memory (with a loader, evicted ones are not counted).
+    pub resident_images: u64,
+    /// Bytes of those files; with a loader they count against `cache_bytes` too.
+    pub source_bytes: u64,
+    /// Whole images dropped from memory (file and pixels), to be fetched again by the loader.
+    pub images_evicted: u64,
+    /// Evicted (or [`ImageStore::add_known`]) images brought back into memory.
+    pub reloads: u64,
 }
+
+/// Where a store gets back an image it evicted: the stored file of `id`, or `None` when
+/// there is none (the caller does not own it). With one, whole images are evicted.
+pub type ImageLoader = Arc<dyn Fn(&str) -> Result<Option<Bytes>, String> + Send + Sync>;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Key {
@@ -110,6 +122,7 @@ struct CacheEntry {
 struct Source {
     bytes: Bytes,
     what: String,
+    last_used: u64,
 }
 
 #[derive(Default)]
@@ -117,6 +130,8 @@ struct Inner {
     sources: HashMap<String, Source>,
     layers: HashMap<String, (String, Arc<Layer>)>,
     cache: HashMap<Key, CacheEntry>,
+    /// Ids evicted with a loader: still this store's, fetched again on use.
+    evicted: std::collections::BTreeSet<String>,
     tick: u64,
     stats: StoreStats,
 }
@@ -125,6 +140,7 @@ struct Inner {
 /// Tools resolve image ids only through the store, never as paths.
 pub struct ImageStore {
     limits: StoreLimits,
+    loader: Option<ImageLoader>,
     inner: Mutex<Inner>,
 }
 
@@ -138,8 +154,39 @@ impl ImageStore {
     pub fn new(limits: StoreLimits) -> Self {
         ImageStore {
             limits,
+            loader: None,
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    /// A store whose whole images (file, pixels, variants) share `limits.cache_bytes`:
+    /// least recently used ones are dropped and fetched again through `loader` when named.
+    /// Ids are content hashes, so a reloaded image has its old id and pixels.
+    pub fn with_loader(limits: StoreLimits, loader: ImageLoader) -> Self {
+        ImageStore {
+            limits,
+            loader: Some(loader),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Ids the loader can fetch, listed by [`Self::ids`] before their first use (a server's
+    /// stored images after a restart). Without a loader this does nothing.
+    pub fn add_known(&self, ids: impl IntoIterator<Item = String>) {
+        if self.loader.is_none() {
+            return;
+        }
+        let mut inner = self.lock();
+        for id in ids {
+            if !inner.sources.contains_key(&id) {
+                inner.evicted.insert(id);
+            }
+        }
+    }
+
+    /// Whether the image's file is in memory now (not evicted, not unknown).
+    pub fn is_resident(&self, id: &str) -> bool {
+        self.lock().sources.contains_key(id)
     }
 
     pub fn limits(&self) -> &StoreLimits {
@@ -174,13 +221,9 @@ impl ImageStore {
                 },
                 || self.decode_source(&src, &what_owned).map(Cached::Image),
             )?;
-            self.lock().sources.insert(
-                id.clone(),
-                Source {
-                    bytes,
-                    what: what.to_string(),
-                },
-            );
+            let mut inner = self.lock();
+            self.insert_source(&mut inner, &id, bytes, what);
+            self.evict(&mut inner, &Key::Decoded(id.clone()));
         }
         Ok(id)
     }
@@ -238,13 +281,77 @@ impl ImageStore {
         }
     }
 
-    /// The original file's bytes and the name it came with (for DICOM metadata and export).
+    /// The original file's bytes and the name it came with (for DICOM metadata and export);
+    /// an evicted image is fetched again through the loader.
     pub fn source(&self, id: &str) -> Result<(Bytes, String), ImagingError> {
-        self.lock()
-            .sources
-            .get(id)
-            .map(|s| (s.bytes.clone(), s.what.clone()))
-            .ok_or_else(|| ImagingError::UnknownId(id.to_string()))
+        {
+            let mut inner = self.lock();
+            inner.tick += 1;
+            let tick = inner.tick;
+            if let Some(s) = inner.sources.get_mut(id) {
+                s.last_used = tick;
+                return Ok((s.bytes.clone(), s.what.clone()));
+            }
+        }
+        self.reload(id)
+    }
+
+    /// Fetches an image that is not in memory from the loader (outside the lock: it may be
+    /// slow). Bytes whose hash is not the id are refused, so a reload cannot change pixels.
+    fn reload(&self, id: &str) -> Result<(Bytes, String), ImagingError> {
+        let unknown = || ImagingError::UnknownId(id.to_string());
+        let Some(loader) = &self.loader else {
+            return Err(unknown());
+        };
+        if !id.starts_with("img_") {
+            return Err(unknown());
+        }
+        let bytes = match loader(id) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Err(unknown()),
+            Err(reason) => {
+                return Err(ImagingError::Io {
+                    path: id.to_string(),
+                    reason: format!("cannot fetch the stored image: {reason}"),
+                })
+            }
+        };
+        if Self::id_for(&bytes) != id {
+            return Err(ImagingError::Io {
+                path: id.to_string(),
+                reason: "the stored image's bytes do not match its id".into(),
+            });
+        }
+        let what = "stored image";
+        let mut inner = self.lock();
+        if !inner.sources.contains_key(id) {
+            self.insert_source(&mut inner, id, bytes.clone(), what);
+            // Keep what is being asked for; make room among the rest.
+            self.evict(&mut inner, &Key::Decoded(id.to_string()));
+        }
+        Ok((bytes, what.to_string()))
+    }
+
+    fn insert_source(&self, inner: &mut Inner, id: &str, bytes: Bytes, what: &str) {
+        inner.tick += 1;
+        let last_used = inner.tick;
+        inner.stats.source_bytes += bytes.len() as u64;
+        inner.stats.resident_images += 1;
+        if inner.evicted.remove(id) {
+            inner.stats.reloads += 1;
+        }
+        let old = inner.sources.insert(
+            id.to_string(),
+            Source {
+                bytes,
+                what: what.to_string(),
+                last_used,
+            },
+        );
+        if let Some(old) = old {
+            inner.stats.source_bytes -= old.bytes.len() as u64;
+            inner.stats.resident_images -= 1;
+        }
     }
 
     /// A de-identified copy of a DICOM source, ready to leave the machine.
@@ -257,9 +364,17 @@ impl ImageStore {
         crate::export_deidentified(&bytes, &what, opts).map(|(out, _)| out)
     }
 
+    /// The store's image ids, evicted ones included.
     pub fn ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.lock().sources.keys().cloned().collect();
+        let inner = self.lock();
+        let mut ids: Vec<String> = inner
+            .sources
+            .keys()
+            .chain(inner.evicted.iter())
+            .cloned()
+            .collect();
         ids.sort();
+        ids.dedup();
         ids
     }
 
@@ -396,9 +511,32 @@ impl ImageStore {
         result
     }
 
-    /// Drops least recently used entries until the cache fits its budget (never `keep`).
+    /// Bytes held against `cache_bytes`: decoded pixels and variants, and with a loader the
+    /// files too.
+    fn held(&self, inner: &Inner) -> u64 {
+        let files = if self.loader.is_some() {
+            inner.stats.source_bytes
+        } else {
+            0
+        };
+        inner.stats.cached_bytes + files
+    }
+
+    /// Drops least recently used entries until the store fits its budget (never `keep`).
+    /// With a loader the unit is the whole image (file, pixels, variants; never `keep`'s),
+    /// last used when any part of it was. Callers holding an `Arc` of an evicted image keep
+    /// it alive until they drop it.
     fn evict(&self, inner: &mut Inner, keep: &Key) {
-        while inner.stats.cached_bytes > self.limits.cache_bytes {
+        let keep_id = match keep {
+            Key::Decoded(id) | Key::Variant(id, _) => id.clone(),
+        };
+        while self.held(inner) > self.limits.cache_bytes {
+            if self.loader.is_some() {
+                if let Some(id) = Self::lru_image(inner, &keep_id) {
+                    self.evict_image(inner, &id);
+                    continue;
+                }
+            }
             let victim = inner
                 .cache
                 .iter()
@@ -407,6 +545,46 @@ impl ImageStore {
                 .map(|(k, _)| k.clone());
             let Some(victim) = victim else { break };
             if let Some(e) = inner.cache.remove(&victim) {
+                inner.stats.cached_bytes -= e.bytes;
+                inner.stats.evictions += 1;
+            }
+        }
+    }
+
+    /// The resident image, other than `keep`, whose last use is the oldest.
+    fn lru_image(inner: &Inner, keep: &str) -> Option<String> {
+        let mut last: HashMap<&str, u64> = inner
+            .sources
+            .iter()
+            .filter(|(id, _)| id.as_str() != keep)
+            .map(|(id, s)| (id.as_str(), s.last_used))
+            .collect();
+        for (k, e) in &inner.cache {
+            let (Key::Decoded(id) | Key::Variant(id, _)) = k;
+            if let Some(t) = last.get_mut(id.as_str()) {
+                *t = (*t).max(e.last_used);
+            }
+        }
+        last.into_iter()
+            .min_by_key(|(_, t)| *t)
+            .map(|(id, _)| id.to_string())
+    }
+
+    fn evict_image(&self, inner: &mut Inner, id: &str) {
+        if let Some(s) = inner.sources.remove(id) {
+            inner.stats.source_bytes -= s.bytes.len() as u64;
+            inner.stats.resident_images -= 1;
+            inner.stats.images_evicted += 1;
+            inner.evicted.insert(id.to_string());
+        }
+        let keys: Vec<Key> = inner
+            .cache
+            .keys()
+            .filter(|k| matches!(k, Key::Decoded(i) | Key::Variant(i, _) if i == id))
+            .cloned()
+            .collect();
+        for k in keys {
+            if let Some(e) = inner.cache.remove(&k) {
                 inner.stats.cached_bytes -= e.bytes;
                 inner.stats.evictions += 1;
             }

@@ -305,3 +305,84 @@ fn file_without_file_meta_exports_as_part10() {
     let img = decode_with(&out, "cr.dcm", &DecodeOptions::default()).unwrap();
     assert_eq!((img.width, img.height, img.meta.bit_depth), (440, 440, 10));
 }
+
+#[test]
+fn loader_store_evicts_whole_images_and_reloads_the_same_pixels() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    // The "database": every file ever ingested, by id; it counts fetches.
+    let files: Arc<Mutex<HashMap<String, Bytes>>> = Arc::default();
+    let fetches = Arc::new(Mutex::new(0usize));
+    let loader: hilum_imaging::ImageLoader = {
+        let (files, fetches) = (files.clone(), fetches.clone());
+        Arc::new(move |id: &str| {
+            *fetches.lock().unwrap() += 1;
+            Ok(files.lock().unwrap().get(id).cloned())
+        })
+    };
+    let names = [
+        "images/nih_00009745_000_cardiomegaly.png",
+        "images/nih_00015649_000_mass.png",
+        "images/nih_00000284_000_hernia.png",
+    ];
+    // Room for the largest image (pixels and file), never for two.
+    let sizes: Vec<u64> = names
+        .iter()
+        .map(|n| {
+            let s = ImageStore::default();
+            let bytes = data(n);
+            s.ingest_bytes(Bytes::from(bytes.clone()), n).unwrap();
+            s.stats().cached_bytes + bytes.len() as u64
+        })
+        .collect();
+    let budget = *sizes.iter().max().unwrap();
+    assert!(sizes.iter().all(|s| s * 2 > budget), "{sizes:?}");
+    let store = ImageStore::with_loader(
+        StoreLimits {
+            cache_bytes: budget,
+            ..Default::default()
+        },
+        loader,
+    );
+    let mut ids = Vec::new();
+    for n in names {
+        let bytes = Bytes::from(data(n));
+        files
+            .lock()
+            .unwrap()
+            .insert(ImageStore::id_for(&bytes), bytes.clone());
+        ids.push(store.ingest_bytes(bytes, n).unwrap());
+    }
+    let first = decode_with(&data(names[0]), "a", &DecodeOptions::default()).unwrap();
+    let s = store.stats();
+    assert_eq!(s.resident_images, 1, "{s:?}");
+    assert!(s.cached_bytes + s.source_bytes <= budget, "{s:?}");
+    assert!(s.images_evicted >= 2, "{s:?}");
+    assert!(!store.is_resident(&ids[0]));
+    // Evicted ids stay listed.
+    let mut all = ids.clone();
+    all.sort();
+    assert_eq!(store.ids(), all);
+    // Naming an evicted image fetches it again: same id, same pixels.
+    let img = store.get(&ids[0]).unwrap();
+    assert_eq!(img.pixels, first.pixels);
+    assert_eq!(store.stats().reloads, 1);
+    assert!(store.is_resident(&ids[0]));
+    assert_eq!(store.stats().resident_images, 1);
+    // An Arc held across an eviction stays valid.
+    store.get(&ids[1]).unwrap();
+    assert!(!store.is_resident(&ids[0]));
+    assert_eq!(img.pixels, first.pixels);
+    // Ids the loader does not know stay unknown; bytes that do not match the id are refused.
+    assert!(matches!(
+        store.get("img_000000000000"),
+        Err(ImagingError::UnknownId(_))
+    ));
+    files
+        .lock()
+        .unwrap()
+        .insert(ids[2].clone(), Bytes::from(data(names[0])));
+    assert!(!store.is_resident(&ids[2]));
+    assert!(matches!(store.get(&ids[2]), Err(ImagingError::Io { .. })));
+    assert!(*fetches.lock().unwrap() >= 2);
+}

@@ -52,6 +52,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
             if let Some(pool) = &state.cfg.models {
                 text.push_str(&crate::metrics::model_loads(&pool.load_counts()));
             }
+            text.push_str(&crate::metrics::image_memory(state.image_memory().await));
             text
         },
     )

@@ -40,18 +40,84 @@ struct Bucket {
     last: Instant,
 }
 
-/// Token buckets, one per API token.
+/// Most buckets kept; past it the least recently used goes (which only lets its token
+/// burst again).
+const MAX_BUCKETS: usize = 100_000;
+
+/// Token buckets, one per API token. A bucket idle for its window (the time to refill from
+/// empty) is full, the same as a new one, so it is dropped: on [`Limiter::prune`] and when
+/// the map has grown since the last pruning.
 pub struct Limiter {
     limit: RateLimit,
-    buckets: Mutex<HashMap<String, Bucket>>,
+    max_buckets: usize,
+    buckets: Mutex<Buckets>,
+}
+
+struct Buckets {
+    map: HashMap<String, Bucket>,
+    /// Size at which an insert prunes first.
+    prune_at: usize,
 }
 
 impl Limiter {
     pub fn new(limit: RateLimit) -> Self {
+        Self::with_max_buckets(limit, MAX_BUCKETS)
+    }
+
+    fn with_max_buckets(limit: RateLimit, max_buckets: usize) -> Self {
         Limiter {
             limit,
-            buckets: Mutex::new(HashMap::new()),
+            max_buckets: max_buckets.max(1),
+            buckets: Mutex::new(Buckets {
+                map: HashMap::new(),
+                prune_at: 1024.min(max_buckets.max(1)),
+            }),
         }
+    }
+
+    /// How long a bucket takes to refill from empty.
+    fn window(&self) -> Duration {
+        Duration::from_secs_f64((self.limit.burst.max(1.0) / self.limit.per_sec).min(1e9))
+    }
+
+    /// Drops the buckets idle for their window; returns how many it dropped.
+    pub fn prune(&self) -> usize {
+        let mut b = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        self.prune_locked(&mut b, Instant::now())
+    }
+
+    fn prune_locked(&self, b: &mut Buckets, now: Instant) -> usize {
+        if self.limit.per_sec <= 0.0 {
+            let n = b.map.len();
+            b.map.clear();
+            return n;
+        }
+        let window = self.window();
+        let before = b.map.len();
+        b.map.retain(|_, v| now.duration_since(v.last) < window);
+        // Busy tokens past the cap: the least recently used go.
+        while b.map.len() >= self.max_buckets {
+            let oldest = b
+                .map
+                .iter()
+                .min_by_key(|(_, v)| v.last)
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => b.map.remove(&k),
+                None => break,
+            };
+        }
+        b.prune_at = (b.map.len() * 2).clamp(1024.min(self.max_buckets), self.max_buckets);
+        before - b.map.len()
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.buckets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .len()
     }
 
     /// Takes one request from the token's bucket, or says how long to wait.
@@ -59,9 +125,12 @@ impl Limiter {
         if self.limit.per_sec <= 0.0 {
             return Ok(());
         }
-        let mut map = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
-        let b = map.entry(key.to_string()).or_insert(Bucket {
+        if !buckets.map.contains_key(key) && buckets.map.len() >= buckets.prune_at {
+            self.prune_locked(&mut buckets, now);
+        }
+        let b = buckets.map.entry(key.to_string()).or_insert(Bucket {
             tokens: self.limit.burst,
             last: now,
         });
@@ -172,5 +241,39 @@ mod tests {
         assert!(wait > Duration::from_millis(500), "{wait:?}");
         // Another token has its own bucket.
         assert!(l.check("b").is_ok());
+    }
+
+    #[test]
+    fn idle_buckets_are_pruned_and_the_map_is_bounded() {
+        // Window: 2 / 100 per second = 20 ms.
+        let l = Limiter::new(RateLimit {
+            per_sec: 100.0,
+            burst: 2.0,
+        });
+        for i in 0..50 {
+            l.check(&format!("tok_{i}")).unwrap();
+        }
+        assert_eq!(l.len(), 50);
+        assert_eq!(l.prune(), 0, "nothing is idle yet");
+        std::thread::sleep(Duration::from_millis(40));
+        l.check("tok_busy").unwrap();
+        assert_eq!(l.prune(), 50);
+        assert_eq!(l.len(), 1);
+
+        // A slow refill (nothing goes idle) and many tokens: the cap holds, on insert.
+        let l = Limiter::with_max_buckets(
+            RateLimit {
+                per_sec: 0.001,
+                burst: 5.0,
+            },
+            16,
+        );
+        for i in 0..1000 {
+            l.check(&format!("tok_{i}")).unwrap();
+            assert!(l.len() <= 16, "{} buckets", l.len());
+        }
+        // The newest token kept its bucket: its second request takes from it.
+        l.check("tok_999").unwrap();
+        assert!(l.len() <= 16);
     }
 }

@@ -529,32 +529,31 @@ impl Db {
         .await
     }
 
-    /// The bytes of a token's images, all of them or only those not in `except` (to build
-    /// or refresh its image store).
-    pub async fn image_bytes_of(
+    /// The bytes of one of a token's images, on the calling thread (an image store's loader
+    /// runs inside tool code, which is not async). `None` when the token has no such image.
+    pub fn image_bytes_blocking(
         &self,
         token_id: String,
-        except: Vec<String>,
+        image_id: String,
+    ) -> Result<Option<Vec<u8>>, DbError> {
+        self.run_sync(false, move |c| {
+            Box::pin(async move { image_bytes(c, &token_id, &image_id).await })
+        })
+    }
+
+    /// The bytes of those of `ids` the token owns (to bring evicted images back before a call).
+    pub async fn image_bytes_by_id(
+        &self,
+        token_id: String,
+        ids: Vec<String>,
     ) -> Result<Vec<(String, Vec<u8>)>, DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
-                let ids = c.query(
-                "SELECT image_id FROM images WHERE token_id = ?1 ORDER BY created_ms, image_id",
-                &args![&token_id],
-            ).await?;
                 let mut out = Vec::new();
-                for mut r in ids {
-                    let id: String = r.get(0)?;
-                    if except.contains(&id) {
-                        continue;
+                for id in ids {
+                    if let Some(b) = image_bytes(c, &token_id, &id).await? {
+                        out.push((id, b));
                     }
-                    let mut row = c
-                        .query_one(
-                            "SELECT bytes FROM images WHERE token_id = ?1 AND image_id = ?2",
-                            &args![&token_id, &id],
-                        )
-                        .await?;
-                    out.push((id, row.get(0)?));
                 }
                 Ok(out)
             })
@@ -1183,6 +1182,23 @@ async fn insert_audit(c: &mut dyn Exec, a: &AuditEntry, now: i64) -> Result<(), 
         ],
     ).await?;
     Ok(())
+}
+
+async fn image_bytes(
+    c: &mut dyn Exec,
+    token_id: &str,
+    image_id: &str,
+) -> Result<Option<Vec<u8>>, DbError> {
+    let rows = c
+        .query(
+            "SELECT bytes FROM images WHERE token_id = ?1 AND image_id = ?2",
+            &args![token_id, image_id],
+        )
+        .await?;
+    match rows.into_iter().next() {
+        Some(mut r) => Ok(Some(r.get(0)?)),
+        None => Ok(None),
+    }
 }
 
 #[cfg(test)]

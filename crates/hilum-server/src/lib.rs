@@ -31,7 +31,7 @@ use axum::Router;
 use tokio::sync::Mutex as AsyncMutex;
 
 use hilum_agent::{AgentConfig, Environment, Llm, Toolbox};
-use hilum_imaging::ImageStore;
+use hilum_imaging::{ImageStore, StoreLimits};
 use hilum_tools::{Registry, ToolDeps};
 
 pub use auth::RateLimit;
@@ -101,6 +101,10 @@ pub struct ServerConfig {
     /// Largest JSON request body, bytes.
     pub max_json_bytes: usize,
     pub rate_limit: RateLimit,
+    /// Memory each token's images may hold (files, decoded pixels, preprocessed variants);
+    /// least recently used images are dropped and read again from the database when named.
+    /// 0: no bound.
+    pub max_image_memory_bytes: u64,
     /// `None`: sessions cannot ask questions (tools and uploads still work).
     pub llm: Option<LlmFactory>,
     /// The policy switch: unless true, no run may send pixels or image metadata (which tool
@@ -145,6 +149,7 @@ impl ServerConfig {
             max_upload_bytes: 64 << 20,
             max_json_bytes: 1 << 20,
             rate_limit: RateLimit::default(),
+            max_image_memory_bytes: 256 << 20,
             llm: None,
             allow_remote_llm: false,
             send_pixels: false,
@@ -212,18 +217,31 @@ impl AppState {
         &self.db
     }
 
-    /// The caller's space, rebuilt from the database on first use after a start.
+    /// The caller's space. Its images are read from the database when first named (after a
+    /// start, after an eviction) and dropped, least recently used first, beyond
+    /// `max_image_memory_bytes`.
     pub async fn space(&self, caller: &Caller) -> Result<Arc<Space>, ApiError> {
         let mut spaces = self.spaces.lock().await;
         if let Some(s) = spaces.get(&caller.token_id) {
             return Ok(s.clone());
         }
-        let images = Arc::new(ImageStore::default());
-        let stored = self
-            .db
-            .image_bytes_of(caller.token_id.clone(), Vec::new())
-            .await?;
-        load_images(&images, stored).await?;
+        let bound = match self.cfg.max_image_memory_bytes {
+            0 => u64::MAX,
+            n => n,
+        };
+        let limits = StoreLimits {
+            cache_bytes: bound,
+            ..StoreLimits::default()
+        };
+        let (db, token) = (self.db.clone(), caller.token_id.clone());
+        let loader: hilum_imaging::ImageLoader = Arc::new(move |id: &str| {
+            db.image_bytes_blocking(token.clone(), id.to_string())
+                .map(|b| b.map(bytes::Bytes::from))
+                .map_err(|e| e.to_string())
+        });
+        let images = Arc::new(ImageStore::with_loader(limits, loader));
+        let stored = self.db.list_images(caller.token_id.clone()).await?;
+        images.add_known(stored.into_iter().map(|r| r.id));
         let toolbox = (self.cfg.toolbox)(images.clone()).map_err(ApiError::Internal)?;
         let space = Arc::new(Space {
             images,
@@ -233,23 +251,42 @@ impl AppState {
         Ok(space)
     }
 
-    /// Makes sure the space holds the given image ids if the caller owns them: an image
-    /// uploaded through another replica after this one built the space is loaded now.
-    /// Ids the caller does not own stay unknown.
+    /// Brings the given image ids into memory if the caller owns them (evicted, or uploaded
+    /// through another replica), decoding off the runtime; tools would otherwise read them
+    /// through the store's blocking loader. Ids the caller does not own stay unknown.
     pub(crate) async fn ensure_images(
         &self,
         caller: &Caller,
         space: &Space,
         ids: &[String],
     ) -> Result<(), ApiError> {
-        if ids.iter().all(|id| space.images.source(id).is_ok()) {
+        let missing: Vec<String> = ids
+            .iter()
+            .filter(|id| !space.images.is_resident(id))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
             return Ok(());
         }
-        let missing = self
+        let stored = self
             .db
-            .image_bytes_of(caller.token_id.clone(), space.images.ids())
+            .image_bytes_by_id(caller.token_id.clone(), missing)
             .await?;
-        load_images(&space.images, missing).await
+        load_images(&space.images, stored).await
+    }
+
+    /// Images in memory over all tokens: (images, bytes held, images evicted, reloads).
+    pub(crate) async fn image_memory(&self) -> (u64, u64, u64, u64) {
+        let spaces = self.spaces.lock().await;
+        spaces.values().fold((0, 0, 0, 0), |acc, s| {
+            let st = s.images.stats();
+            (
+                acc.0 + st.resident_images,
+                acc.1 + st.cached_bytes + st.source_bytes,
+                acc.2 + st.images_evicted,
+                acc.3 + st.reloads,
+            )
+        })
     }
 
     /// Revokes a token in the database and at once in this server's cache.
@@ -301,7 +338,8 @@ pub(crate) fn image_ids_in(args: &serde_json::Value, out: &mut Vec<String>) {
 }
 
 /// Every `interval`, drops revoked tokens from the authentication cache, so a revocation
-/// made anywhere (the CLI, another replica) takes effect here within one interval.
+/// made anywhere (the CLI, another replica) takes effect here within one interval, and
+/// prunes the rate limiter's idle buckets.
 async fn watch_revocations(state: AppState) {
     let mut tick = tokio::time::interval(state.cfg.revocation_poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -312,6 +350,8 @@ async fn watch_revocations(state: AppState) {
             Ok(n) => tracing::info!(tokens = n, "revoked tokens dropped from the cache"),
             Err(e) => tracing::warn!(error = %e, "cannot read revoked tokens"),
         }
+        // Idle tokens' rate buckets (full again) go, so the map holds only active tokens.
+        state.limiter.prune();
     }
 }
 

@@ -24,6 +24,43 @@ pub fn model_loads(loads: &BTreeMap<(String, String), u64>) -> String {
     out
 }
 
+/// The images held in memory over all tokens (see `ServerConfig::max_image_memory_bytes`):
+/// images, bytes, whole images evicted, images read again from the database.
+pub fn image_memory((images, bytes, evicted, reloads): (u64, u64, u64, u64)) -> String {
+    let mut out = String::new();
+    for (name, kind, help, v) in [
+        (
+            "hilum_images_resident",
+            "gauge",
+            "Images in memory, all tokens.",
+            images,
+        ),
+        (
+            "hilum_image_memory_bytes",
+            "gauge",
+            "Bytes those images hold (files, pixels, variants).",
+            bytes,
+        ),
+        (
+            "hilum_image_evictions_total",
+            "counter",
+            "Images dropped from memory over the per-token bound.",
+            evicted,
+        ),
+        (
+            "hilum_image_reloads_total",
+            "counter",
+            "Images read again from the database when named.",
+            reloads,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        let _ = writeln!(out, "{name} {v}");
+    }
+    out
+}
+
 /// Histogram bucket upper bounds in seconds: 1 ms … 5 min, for tools and models alike.
 const BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,

@@ -946,3 +946,107 @@ async fn a_tool_call_whose_audit_row_cannot_be_written_is_not_done(db: &TestDb) 
     assert_eq!(audit.iter().filter(|a| a.kind == "tool_call").count(), 1);
     srv.stop().await;
 }
+
+/// One line of the `/metrics` text, as a number.
+async fn metric(client: &reqwest::Client, srv: &Server, name: &str) -> f64 {
+    let text = client
+        .get(srv.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+}
+
+on_both_databases!(image_memory_is_bounded_per_token_and_evicted_images_come_back);
+async fn image_memory_is_bounded_per_token_and_evicted_images_come_back(db: &TestDb) {
+    let script_path = db.path("script.json");
+    let mut cfg = config_url(&db.url, Some(&script_path));
+    // Room for two decoded 1024x1024 radiographs (4 MiB of f32 each, plus their files).
+    let bound = 10u64 << 20;
+    cfg.max_image_memory_bytes = bound;
+    let srv = start(cfg).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let names = [
+        "nih_00009745_000_cardiomegaly.png",
+        "nih_00015649_000_mass.png",
+        "nih_00000284_000_hernia.png",
+        "nih_00000353_000_emphysema.png",
+        "nih_00001968_000_pneumothorax.png",
+        "nih_00004296_000_atelectasis.png",
+    ];
+    let (first, _) = upload_id(&client, &srv, &tok, names[0]).await;
+    let info = |img: String| {
+        let (client, srv, tok) = (&client, &srv, &tok);
+        async move {
+            let resp = call_tool(client, srv, tok, "image_info", &json!({"image": img})).await;
+            assert_eq!(resp.status(), 200);
+            let body: Value = resp.json().await.expect("json");
+            assert!(body["data"]["width"].is_number(), "{body}");
+            (body["summary"].clone(), body["data"].clone())
+        }
+    };
+    let before = info(first.clone()).await;
+    let mut ids = vec![first.clone()];
+    for n in &names[1..] {
+        ids.push(upload_id(&client, &srv, &tok, n).await.0);
+        let resident = metric(&client, &srv, "hilum_images_resident").await;
+        let bytes = metric(&client, &srv, "hilum_image_memory_bytes").await;
+        assert!(resident <= 2.0, "{resident} images resident");
+        assert!(bytes <= bound as f64, "{bytes} bytes resident");
+    }
+    assert!(metric(&client, &srv, "hilum_image_evictions_total").await >= 4.0);
+    let reloads = metric(&client, &srv, "hilum_image_reloads_total").await;
+
+    // A direct call naming the evicted image reads it back: same id, same pixels, same stats.
+    assert_eq!(info(first.clone()).await, before);
+    assert_eq!(
+        metric(&client, &srv, "hilum_image_reloads_total").await,
+        reloads + 1.0
+    );
+    // Every image is still listed.
+    let listed: Value = get_json(&client, srv.url("/v1/images"), &tok).await;
+    assert_eq!(listed["images"].as_array().map(Vec::len), Some(names.len()));
+
+    // Another token cannot bring it back through its own space.
+    let eve = token(&srv.state, "eve");
+    let stolen = call_tool(&client, &srv, &eve, "image_info", &json!({"image": first})).await;
+    // As for any id the caller does not own (see another_tokens_…_are_404).
+    assert_eq!(stolen.status(), 422);
+
+    // A run whose model names an evicted image the question did not list: the tool reads it
+    // through the store's loader (the blocking path) and gets the same result.
+    let second = ids[1].clone();
+    write_script(
+        db.dir.path(),
+        json!([
+            {"content": "", "tool_calls": [{"name": "image_info", "arguments": {"image": second}}]},
+            {"content": "done"}
+        ]),
+    );
+    assert_eq!(script_path, db.path("script.json"));
+    let direct_second = info(second.clone()).await;
+    // Evict it again by touching the two newest images.
+    info(ids[5].clone()).await;
+    info(ids[4].clone()).await;
+    let reloads = metric(&client, &srv, "hilum_image_reloads_total").await;
+    let ses = new_session(&client, &srv, &tok).await;
+    let events = ask_ndjson(&client, &srv, &tok, &ses, "Describe it.", &[]).await;
+    assert_eq!(
+        metric(&client, &srv, "hilum_image_reloads_total").await,
+        reloads + 1.0
+    );
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "tool_finished" && e["name"] == "image_info")
+        .unwrap_or_else(|| panic!("no image_info result: {events:?}"));
+    assert_eq!(done["data"], direct_second.1, "{done}");
+    assert!(metric(&client, &srv, "hilum_images_resident").await <= 2.0);
+    srv.stop().await;
+}
