@@ -531,16 +531,41 @@ fn send(tx: &mpsc::Sender<Result<ChatDelta, LlmError>>, d: ChatDelta) -> bool {
     tx.blocking_send(Ok(d)).is_ok()
 }
 
+/// Opens the answer with `lead` (run through the model and streamed): the logits for the token
+/// after it, or `None` when the receiver is gone.
+fn open_with(
+    st: &mut crate::State,
+    tok: &crate::tokenizer::GgufTokenizer,
+    lead: &str,
+    generated: &mut Vec<u32>,
+    text: &mut TextOut,
+    tx: &mpsc::Sender<Result<ChatDelta, LlmError>>,
+) -> Result<Option<Tensor>, LocalError> {
+    let lead_tokens = tok.encode(lead)?;
+    if lead_tokens.is_empty() {
+        return Err(LocalError::Inference(
+            "the answer lead encodes to no token".into(),
+        ));
+    }
+    let logits = st.model.forward(&lead_tokens)?;
+    st.cached.extend_from_slice(&lead_tokens);
+    generated.extend_from_slice(&lead_tokens);
+    let (out, _) = text.push(lead);
+    if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+        return Ok(None);
+    }
+    Ok(Some(logits))
+}
+
 /// Restarts the answer from the prompt: with the user's question restated after the tool
 /// results and a note that they are in ([`Prepared::repeat_prompt`], when it fits; only the
 /// tokens after the part shared with the cache are run), else from the prompt itself. Returns
-/// the logits for the answer's first token and the new prompt length.
+/// the new prompt length; the caller runs the answer's lead next.
 fn restate_question(
     st: &mut crate::State,
     prep: &Prepared,
     prompt_len: usize,
-    prompt_logits: &Tensor,
-) -> Result<(Tensor, usize), LocalError> {
+) -> Result<usize, LocalError> {
     match &prep.repeat_prompt {
         Some(p) if !p.is_empty() => {
             let keep = st.cached[..prompt_len]
@@ -551,19 +576,16 @@ fn restate_question(
                 .min(p.len() - 1);
             st.model.truncate_cache(keep)?;
             st.cached.truncate(keep);
-            let mut logits = None;
             for chunk in p[keep..].chunks(PREFILL_CHUNK) {
-                logits = Some(st.model.forward(chunk)?);
+                st.model.forward(chunk)?;
                 st.cached.extend_from_slice(chunk);
             }
-            let logits = logits
-                .ok_or_else(|| LocalError::Inference("the restated prompt ran no token".into()))?;
-            Ok((logits, st.cached.len()))
+            Ok(st.cached.len())
         }
         _ => {
             st.model.truncate_cache(prompt_len)?;
             st.cached.truncate(prompt_len);
-            Ok((prompt_logits.clone(), prompt_len))
+            Ok(prompt_len)
         }
     }
 }
@@ -648,8 +670,6 @@ fn decode(
     if !prep.choices.is_empty() {
         return choose(inner, prep, st, tx, logits, stats);
     }
-    // Kept to restart the answer from the prompt (a repeated call becomes a prose answer).
-    let prompt_logits = logits.clone();
     // Prose only: no tool call, and no answer that opens like JSON or a code fence. True when
     // the request has no tools (a synthesis turn) or after the model repeated an earlier call.
     let mut prose_only = !prep.has_tools;
@@ -799,24 +819,20 @@ fn decode(
                             // repeated call: the model then quotes the result the lead names, not
                             // the one it read last.
                             let lead = answer_lead("", &prep.answered_tools, &prep.question);
-                            let lead_tokens = tok.encode(&lead)?;
-                            if !lead_tokens.is_empty() {
-                                stats.rewound_tokens += generated.len();
-                                generated.clear();
-                                text.text.clear();
-                                text.sent = 0;
-                                utf8 = Utf8Stream::default();
-                                (_, prompt_len) =
-                                    restate_question(st, prep, prompt_len, &prompt_logits)?;
-                                logits = st.model.forward(&lead_tokens)?;
-                                st.cached.extend_from_slice(&lead_tokens);
-                                generated.extend_from_slice(&lead_tokens);
-                                let (out, _) = text.push(&lead);
-                                if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
-                                    return Ok(());
-                                }
-                                continue;
+                            stats.rewound_tokens += generated.len();
+                            generated.clear();
+                            text.text.clear();
+                            text.sent = 0;
+                            utf8 = Utf8Stream::default();
+                            prompt_len = restate_question(st, prep, prompt_len)?;
+                            if let Some(l) =
+                                open_with(st, tok, &lead, &mut generated, &mut text, tx)?
+                            {
+                                logits = l;
+                            } else {
+                                return Ok(());
                             }
+                            continue;
                         }
                     }
                 }
@@ -890,20 +906,13 @@ fn decode(
                         utf8 = Utf8Stream::default();
                         mode = Mode::Free;
                         prose_only = true;
-                        (logits, prompt_len) =
-                            restate_question(st, prep, prompt_len, &prompt_logits)?;
+                        prompt_len = restate_question(st, prep, prompt_len)?;
                         // The answer starts by pointing at the result it must come from; a
                         // 0.5B model then quotes it instead of writing a vague sentence.
                         let lead = answer_lead(&call.name, &prep.answered_tools, &prep.question);
-                        let lead_tokens = tok.encode(&lead)?;
-                        if !lead_tokens.is_empty() {
-                            logits = st.model.forward(&lead_tokens)?;
-                            st.cached.extend_from_slice(&lead_tokens);
-                            generated.extend_from_slice(&lead_tokens);
-                            let (out, _) = text.push(&lead);
-                            if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
-                                return Ok(());
-                            }
+                        match open_with(st, tok, &lead, &mut generated, &mut text, tx)? {
+                            Some(l) => logits = l,
+                            None => return Ok(()),
                         }
                         continue;
                     }
