@@ -74,7 +74,13 @@ tls="$dir/tls"
 new_cert=0
 if [ ! -f "$tls/server.crt" ] || [ ! -f "$tls/ca.crt" ]; then
     log "making a test CA and a server certificate in $tls"
-    command -v openssl >/dev/null || { log "error: openssl is needed for the test certificate"; exit 1; }
+    if ! command -v openssl >/dev/null; then
+        log "installing Debian's openssl package (apt-get), for the test certificate"
+        if [ "$(id -u)" -eq 0 ]; then sudo=(); else sudo=(sudo); fi
+        export DEBIAN_FRONTEND=noninteractive
+        "${sudo[@]}" apt-get update -qq >&2
+        "${sudo[@]}" apt-get install -y -qq --no-install-recommends openssl >&2
+    fi
     mkdir -p "$tls"
     ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
     openssl req -x509 "${ec[@]}" -days 3650 -subj "/CN=Hilum test CA" \
