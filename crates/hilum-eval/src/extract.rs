@@ -228,11 +228,11 @@ fn percent_range(option: &str) -> Option<(f64, f64)> {
     }
 }
 
-/// The letter of the only range option holding the percentages of the answer's clause about
-/// the question: "lungs cover 44.5% of the image" reads as "40% to 50% of the image". `None`
-/// when the clause states no percentage, or its percentages fall in no option, in several, or
-/// on a boundary two options share.
-pub fn option_by_number(answer: &str, question: &str, options: &[(char, String)]) -> Option<char> {
+/// The letter of the only range option holding the percentages `said` states (the answer's
+/// clause about the question, [`relevant_clause`]): "lungs cover 44.5% of the image" reads as
+/// "40% to 50% of the image". `None` when it states no percentage, or its percentages fall in
+/// no option, in several, or on a boundary two options share.
+pub fn option_by_number(said: &str, options: &[(char, String)]) -> Option<char> {
     let ranges: Vec<(char, (f64, f64))> = options
         .iter()
         .filter_map(|(l, o)| percent_range(o).map(|r| (*l, r)))
@@ -240,9 +240,8 @@ pub fn option_by_number(answer: &str, question: &str, options: &[(char, String)]
     if ranges.is_empty() {
         return None;
     }
-    let said = percentages(&relevant_clause(answer, question));
     let mut found = None;
-    for v in said {
+    for v in percentages(said) {
         let mut holding = ranges.iter().filter(|(_, (lo, hi))| *lo <= v && v <= *hi);
         match (holding.next(), holding.next(), found) {
             (Some((l, _)), None, None) => found = Some(*l),
@@ -394,26 +393,18 @@ mod tests {
         let said = "According to the segment_lungs result: the patient's left lung is larger: \
                     935,960 vs 844,004 px, +10.9%; 2 lung field(s); lungs cover 44.5% of the image";
         // The signed difference (+10.9%) is not an amount; the clause about coverage is read.
-        assert_eq!(option_by_number(said, q, &o), Some('C'));
-        assert_eq!(option_by_number("they cover 61% of it", q, &o), Some('D'));
-        assert_eq!(
-            option_by_number("about 7.5% of the image", q, &o),
-            Some('A')
-        );
+        let read = |answer: &str| option_by_number(&relevant_clause(answer, q), &o);
+        assert_eq!(read(said), Some('C'));
+        assert_eq!(read("they cover 61% of it"), Some('D'));
+        assert_eq!(read("about 7.5% of the image"), Some('A'));
         // On a shared boundary, or with no percentage, nothing is read.
-        assert_eq!(
-            option_by_number("lungs cover 10% of the image", q, &o),
-            None
-        );
-        assert_eq!(option_by_number("the lungs are large", q, &o), None);
+        assert_eq!(read("lungs cover 10% of the image"), None);
+        assert_eq!(read("the lungs are large"), None);
         // Two amounts in different ranges name neither.
-        assert_eq!(
-            option_by_number("lungs cover 15% or 45% of the image", q, &o),
-            None
-        );
+        assert_eq!(read("lungs cover 15% or 45% of the image"), None);
         // Options that are not ranges are never read this way.
         let plain = option_texts("Which? A) 8 bits B) 12 bits");
-        assert_eq!(option_by_number("8% of 12 bits", "Which?", &plain), None);
+        assert_eq!(option_by_number("8% of 12 bits", &plain), None);
         assert_eq!(percentages("1,024.5 % and -3% and 2%"), vec![1024.5, 2.0]);
     }
 

@@ -254,7 +254,7 @@ async fn letter_step(
     messages: &[Message],
     tools: Vec<hilum_agent::llm::ToolSpec>,
     answer: &str,
-    question: &str,
+    said: &str,
     options: &[(char, String)],
     temperature: Option<f32>,
 ) -> Option<(String, f64)> {
@@ -262,9 +262,8 @@ async fn letter_step(
     let mut messages = messages.to_vec();
     push_final_answer(&mut messages, answer);
     let listed: Vec<String> = options.iter().map(|(l, o)| format!("{l}) {o}")).collect();
-    // The answer is restated after the options, its clause about the question only: a small
-    // model leans to whatever it read last.
-    let said = relevant_clause(answer, question);
+    // The answer is restated after the options, its clause about the question only (`said`): a
+    // small model leans to whatever it read last.
     messages.push(Message::user(
         format!(
             "Options:\n{}\n\nYour answer: {said}\nWhich option matches your answer? Reply with the option only.",
@@ -530,12 +529,13 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                 // An answer in words is read as an option when it holds one option's text (in
                 // the whole answer or in its clause about the question) or states a percentage
                 // that one range option holds; only then is no letter step needed.
+                // The answer's clause about the question: read for an option here, and
+                // restated in the letter step.
+                let said = relevant_clause(answer, &q.question);
                 let in_answer = if unnamed && !sh.cfg.strict {
                     option_in_answer(answer, &options)
-                        .or_else(|| {
-                            option_in_answer(&relevant_clause(answer, &q.question), &options)
-                        })
-                        .or_else(|| option_by_number(answer, &q.question, &options))
+                        .or_else(|| option_in_answer(&said, &options))
+                        .or_else(|| option_by_number(&said, &options))
                 } else {
                     None
                 };
@@ -552,7 +552,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                         &out.messages,
                         tool_specs,
                         answer,
-                        &q.question,
+                        &said,
                         &options,
                         sh.cfg.agent.temperature,
                     )

@@ -317,9 +317,10 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         } else {
             None
         };
+    let answered_tools = answered_tools(&req.messages);
     let lead_after_results = choices.is_empty()
         && matches!(req.messages.last(), Some(Message::Tool { .. }))
-        && !answered_tools(&req.messages).is_empty();
+        && !answered_tools.is_empty();
     Ok(Prepared {
         tokens,
         prefix_len,
@@ -330,7 +331,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         choices,
         has_tools: !req.tools.is_empty(),
         previous_calls,
-        answered_tools: answered_tools(&req.messages),
+        answered_tools,
         question: last_question(&req.messages),
         lead_after_results,
         repeat_prompt,
