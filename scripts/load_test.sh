@@ -7,6 +7,13 @@
 # what the server answered: audit rows == calls made, nothing lost.
 #
 # Usage: scripts/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
+#        scripts/load_test.sh --soak [SECONDS=300] [SESSIONS=30]
+#   --soak: SESSIONS concurrent sessions (one thread each, scripts/soak.py) ask for SECONDS, one
+#   question after another, questions whose scripted model calls the real lung U-Net
+#   (`segment_lungs`) on eight shared radiographs, with a 64 MiB image bound
+#   (SOAK_IMAGE_MB) so images are evicted and read back. Checks: 0 errors, every run completed,
+#   audit rows = tool calls = runs, peak RSS <= SOAK_MAX_RSS_MB (default 1024) and no growth
+#   after warm-up (the last third's highest sample <= the middle third's + 10% + 32 MiB).
 # Env:   HILUM_BIN (default: target/release/hilum, built if missing), IMAGE (a radiograph),
 #        LOAD_POSTGRES_URL (a PostgreSQL server, e.g. $HILUM_TEST_POSTGRES_URL from
 #        scripts/setup_postgres.sh: the test then runs on a fresh database there, dropped at
@@ -15,12 +22,14 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-secs="${1:-10}"
-conns="${2:-8}"
+soak=""
+if [ "${1:-}" = "--soak" ]; then soak=1; shift; fi
+secs="${1:-$([ -n "$soak" ] && echo 300 || echo 10)}"
+conns="${2:-$([ -n "$soak" ] && echo 30 || echo 8)}"
 image="${IMAGE:-$root/../shared/data/cxr/images/nih_00000001_000_cardiomegaly.png}"
 bin="${HILUM_BIN:-$root/target/release/hilum}"
 
-command -v wrk >/dev/null || { echo "wrk is missing: run scripts/setup_load_test.sh" >&2; exit 1; }
+[ -n "$soak" ] || command -v wrk >/dev/null || { echo "wrk is missing: run scripts/setup_load_test.sh" >&2; exit 1; }
 [ -f "$image" ] || { echo "test image not found: $image" >&2; exit 1; }
 if [ ! -x "$bin" ]; then
     echo "building $bin ..." >&2
@@ -46,6 +55,100 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
+
+wait_idle() {
+    # Let requests still in flight finish, then read the server's counters.
+    for _ in $(seq 1 100); do
+        sleep 0.2
+        metrics="$(curl -fsS "$base/metrics" | grep -v 'route="/metrics"')"
+        if grep -q '^hilum_runs_active 0$' <<<"$metrics" \
+            && [ "$metrics" = "$(curl -fsS "$base/metrics" | grep -v 'route="/metrics"')" ]; then
+            break
+        fi
+    done
+}
+
+if [ -n "$soak" ]; then
+    shared="$root/../shared/data"
+    weights="$shared/models/lung_seg_unet/lung_seg_valiou_088.h5"
+    [ -f "$weights" ] || { echo "the lung U-Net is missing: $weights" >&2; exit 1; }
+    export HILUM_MODELS_DIR="$work/models"
+    "$bin" models import lung-unet "$weights" >&2
+    cat > "$work/script.json" <<'JSON'
+[
+  {"content": "Segmenting.", "tool_calls": [{"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}]},
+  {"content": "The segment_lungs result gives each lung's area."}
+]
+JSON
+    token="$("$bin" serve token create --name soak --admin --db "$db" 2>/dev/null)"
+    "$bin" serve --db "$db" --bind "127.0.0.1:$port" --llm "script:$work/script.json" \
+        --rate-limit 0 --max-image-memory-mb "${SOAK_IMAGE_MB:-64}" > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 1 100); do
+        curl -fsS "$base/healthz" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    curl -fsS "$base/healthz" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
+    auth="Authorization: Bearer $token"
+    images=""
+    for f in covid_0a7faa2a.jpg covid_2c35005f.jpg derived_RG1_chest_pa_16bit.png \
+        kermany_IM-0025-0001_normal.jpeg medrax_normal1.jpg nih_00000001_000_cardiomegaly.png \
+        nih_00004387_000_effusion.png tbx11k_h0001_healthy.png; do
+        id="$(curl -fsS -H "$auth" -F "file=@$shared/cxr/images/$f" "$base/v1/images" \
+            | python3 -c 'import json,sys; print(json.load(sys.stdin)["images"][0]["id"])')"
+        images="$images$id,"
+    done
+    sessions=""
+    for _ in $(seq 1 "$conns"); do
+        sid="$(curl -fsS -H "$auth" -H 'content-type: application/json' -d '{"title":"soak"}' "$base/v1/sessions" \
+            | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')"
+        sessions="$sessions$sid,"
+    done
+    echo "# hilum soak: $conns sessions x ${secs}s of segment_lungs runs, $(nproc) cores, loopback, database ${db%%://*}" >&2
+    soak_json="$(python3 "$root/scripts/soak.py" "$base" "$token" "$server_pid" "$secs" "${sessions%,}" "${images%,}")"
+    wait_idle
+    kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+    "$bin" serve audit export --db "$db" > "$work/audit.jsonl"
+    python3 - "$work/audit.jsonl" "$soak_json" "$metrics" "${SOAK_MAX_RSS_MB:-1024}" <<'PY'
+import json, re, sys
+audit = [json.loads(l) for l in open(sys.argv[1])]
+soak, metrics, max_rss = json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+
+def metric(name, labels=""):
+    m = re.search(r'^%s%s (\d+(?:\.\d+)?)$' % (re.escape(name), re.escape(labels)), metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+completed = int(metric("hilum_runs_total", '{status="completed"}'))
+executed = sum(int(v) for v in re.findall(r'^hilum_tool_call_duration_seconds_count\{[^}]*\} (\d+)$', metrics, re.M))
+tool_rows = sum(1 for a in audit if a["kind"] == "tool_call")
+seg_rows = sum(1 for a in audit if a["kind"] == "tool_call" and a["name"] == "segment_lungs")
+llm_rows = sum(1 for a in audit if a["kind"] == "llm_call")
+rss = [s[1] for s in soak["rss_mib_samples"]]
+third = max(1, len(rss) // 3)
+middle, last = rss[third:2 * third] or rss, rss[2 * third:] or rss
+evictions = {k: v for k, v in re.findall(r'^(hilum_image\w*) (\d+)$', metrics, re.M)}
+soak["server"] = {
+    "runs_completed": completed,
+    "runs_failed": int(metric("hilum_runs_total", '{status="failed"}')),
+    "runs_cancelled": int(metric("hilum_runs_total", '{status="cancelled"}')),
+    "tool_calls_executed": executed,
+    "image_metrics": evictions,
+}
+soak["audit"] = {"tool_calls": tool_rows, "segment_lungs": seg_rows, "llm_calls": llm_rows}
+soak["rss_mib_samples"] = ["%.0f s: %.0f MiB after %d runs" % tuple(s) for s in soak["rss_mib_samples"][::max(1, len(rss) // 12)]]
+checks = {
+    "zero_errors": not soak["errors"] and soak["server"]["runs_failed"] == 0 and soak["server"]["runs_cancelled"] == 0,
+    "every_answer_is_a_completed_run": soak["runs_ok"] == completed > 0,
+    "audit_rows_equal_calls": tool_rows == seg_rows == executed == completed and llm_rows == 2 * completed,
+    "peak_rss_within_bound": 0 < soak["peak_rss_mib"] <= max_rss,
+    "no_growth_after_warm_up": max(last) <= max(middle) * 1.10 + 32,
+}
+soak["checks"] = checks
+print(json.dumps(soak, indent=2))
+sys.exit(0 if all(checks.values()) else 1)
+PY
+    exit $?
+fi
 
 cat > "$work/script.json" <<'JSON'
 [
@@ -113,14 +216,7 @@ tools_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/tool.lua" 
 sessions_json="$(wrk -t2 -c"$conns" -d"${secs}s" --timeout 30s -s "$work/session.lua" "$base" | tail -1)"
 
 # Let requests still in flight when wrk stopped finish, then read the server's counters.
-for _ in $(seq 1 100); do
-    sleep 0.2
-    metrics="$(curl -fsS "$base/metrics" | grep -v 'route="/metrics"')"
-    if grep -q '^hilum_runs_active 0$' <<<"$metrics" \
-        && [ "$metrics" = "$(curl -fsS "$base/metrics" | grep -v 'route="/metrics"')" ]; then
-        break
-    fi
-done
+wait_idle
 # Stop the server, then read its audit log from the database.
 kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
 "$bin" serve audit export --db "$db" > "$work/audit.jsonl"
