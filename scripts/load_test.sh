@@ -109,7 +109,8 @@ JSON
     wait_idle
     kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
     "$bin" serve audit export --db "$db" > "$work/audit.jsonl"
-    python3 - "$work/audit.jsonl" "$soak_json" "$metrics" "${SOAK_MAX_RSS_MB:-1024}" <<'PY'
+    rc=0
+    python3 - "$work/audit.jsonl" "$soak_json" "$metrics" "${SOAK_MAX_RSS_MB:-1024}" <<'PY' || rc=$?
 import json, re, sys
 audit = [json.loads(l) for l in open(sys.argv[1])]
 soak, metrics, max_rss = json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
@@ -147,7 +148,11 @@ soak["checks"] = checks
 print(json.dumps(soak, indent=2))
 sys.exit(0 if all(checks.values()) else 1)
 PY
-    exit $?
+    if [ "$rc" != 0 ]; then
+        cp "$work/server.log" "$root/target/soak-server.log" 2>/dev/null \
+            && echo "soak failed; the server's log is in target/soak-server.log" >&2
+    fi
+    exit "$rc"
 fi
 
 cat > "$work/script.json" <<'JSON'

@@ -10,6 +10,7 @@ not cut, so every run the server starts is a completed run. Meanwhile the server
 Prints one JSON object: the runs, errors, latency, RSS samples and peak (VmHWM).
 """
 import json
+import os
 import sys
 import threading
 import time
@@ -72,7 +73,7 @@ def main():
             image = images[(i + n) % len(images)]
             n += 1
             t0 = time.monotonic()
-            ok, why = ask(base, token, sessions[i], image, timeout=300)
+            ok, why = ask(base, token, sessions[i], image, timeout=float(os.environ.get("SOAK_REQUEST_TIMEOUT", "300")))
             ms = (time.monotonic() - t0) * 1e3
             with lock:
                 if ok:

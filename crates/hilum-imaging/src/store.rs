@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -84,6 +84,9 @@ pub struct StoreStats {
     pub images_evicted: u64,
     /// Evicted (or [`ImageStore::add_known`]) images brought back into memory.
     pub reloads: u64,
+    /// Evicted pixels or variants asked for again while a caller still held them: handed out
+    /// again (and counted against the budget again) instead of being computed a second time.
+    pub reattached: u64,
 }
 
 /// Where a store gets back an image it evicted: the stored file of `id`, or `None` when
@@ -100,6 +103,35 @@ enum Key {
 enum Cached {
     Image(Arc<CxrImage>),
     Prepared(Arc<Prepared>),
+}
+
+/// An evicted entry that callers may still hold.
+enum Detached {
+    Image(Weak<CxrImage>),
+    Prepared(Weak<Prepared>),
+}
+
+impl Detached {
+    fn of(c: &Cached) -> Self {
+        match c {
+            Cached::Image(i) => Detached::Image(Arc::downgrade(i)),
+            Cached::Prepared(p) => Detached::Prepared(Arc::downgrade(p)),
+        }
+    }
+
+    fn upgrade(&self) -> Option<Cached> {
+        match self {
+            Detached::Image(w) => w.upgrade().map(Cached::Image),
+            Detached::Prepared(w) => w.upgrade().map(Cached::Prepared),
+        }
+    }
+
+    fn alive(&self) -> bool {
+        match self {
+            Detached::Image(w) => w.strong_count() > 0,
+            Detached::Prepared(w) => w.strong_count() > 0,
+        }
+    }
 }
 
 impl Cached {
@@ -132,6 +164,11 @@ struct Inner {
     cache: HashMap<Key, CacheEntry>,
     /// Ids evicted with a loader: still this store's, fetched again on use.
     evicted: std::collections::BTreeSet<String>,
+    /// Entries evicted while callers (tools still running) held them. Asking for one again
+    /// hands out the same pixels: many concurrent calls on an image the budget cannot keep
+    /// then share one copy instead of decoding one each, so memory stays near the budget plus
+    /// the images actually in use.
+    detached: HashMap<Key, Detached>,
     tick: u64,
     stats: StoreStats,
 }
@@ -466,6 +503,22 @@ impl ImageStore {
             let hit = inner.cache.contains_key(&key);
             if hit {
                 inner.stats.hits += 1;
+            } else if let Some(held) = inner.detached.remove(&key).and_then(|d| d.upgrade()) {
+                let size = held.size();
+                let slot: Slot = Arc::new(OnceLock::new());
+                let _ = slot.set(Ok(held.clone()));
+                inner.cache.insert(
+                    key.clone(),
+                    CacheEntry {
+                        slot,
+                        last_used: tick,
+                        bytes: size,
+                    },
+                );
+                inner.stats.reattached += 1;
+                inner.stats.cached_bytes += size;
+                self.evict(&mut inner, &key);
+                return Ok(held);
             }
             let entry = inner
                 .cache
@@ -544,9 +597,18 @@ impl ImageStore {
                 .min_by_key(|(_, e)| e.last_used)
                 .map(|(k, _)| k.clone());
             let Some(victim) = victim else { break };
-            if let Some(e) = inner.cache.remove(&victim) {
-                inner.stats.cached_bytes -= e.bytes;
-                inner.stats.evictions += 1;
+            Self::remove_entry(inner, &victim);
+        }
+        inner.detached.retain(|_, d| d.alive());
+    }
+
+    /// Drops a cache entry, remembering it as detached for callers that still hold it.
+    fn remove_entry(inner: &mut Inner, key: &Key) {
+        if let Some(e) = inner.cache.remove(key) {
+            inner.stats.cached_bytes -= e.bytes;
+            inner.stats.evictions += 1;
+            if let Some(Ok(v)) = e.slot.get() {
+                inner.detached.insert(key.clone(), Detached::of(v));
             }
         }
     }
@@ -584,10 +646,7 @@ impl ImageStore {
             .cloned()
             .collect();
         for k in keys {
-            if let Some(e) = inner.cache.remove(&k) {
-                inner.stats.cached_bytes -= e.bytes;
-                inner.stats.evictions += 1;
-            }
+            Self::remove_entry(inner, &k);
         }
     }
 

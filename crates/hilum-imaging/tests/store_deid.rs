@@ -373,6 +373,23 @@ fn loader_store_evicts_whole_images_and_reloads_the_same_pixels() {
     store.get(&ids[1]).unwrap();
     assert!(!store.is_resident(&ids[0]));
     assert_eq!(img.pixels, first.pixels);
+    // Asked for again while a caller still holds it, the evicted image is the same copy (the
+    // file is fetched again, the pixels are not decoded again).
+    let decodes = store.stats().decodes;
+    let again = store.get(&ids[0]).unwrap();
+    assert!(Arc::ptr_eq(&again, &img));
+    let s = store.stats();
+    assert_eq!((s.decodes, s.reattached), (decodes, 1), "{s:?}");
+    assert!(s.cached_bytes + s.source_bytes <= budget, "{s:?}");
+    // Once nobody holds it, an evicted image is decoded afresh.
+    drop((again, img));
+    store.get(&ids[1]).unwrap();
+    assert!(!store.is_resident(&ids[0]));
+    let decodes = store.stats().decodes;
+    let img = store.get(&ids[0]).unwrap();
+    assert_eq!(store.stats().decodes, decodes + 1);
+    assert_eq!(store.stats().reattached, 1);
+    assert_eq!(img.pixels, first.pixels);
     // Ids the loader does not know stay unknown; bytes that do not match the id are refused.
     assert!(matches!(
         store.get("img_000000000000"),

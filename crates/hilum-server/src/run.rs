@@ -866,7 +866,8 @@ async fn drive(
             ev = ev_rx.recv() => match ev {
                 Some(ev) => {
                     let is_complete = matches!(ev.event, Event::Complete { .. });
-                    let Ok(value) = run.handle(ev).await else {
+                    let handled = alongside(run.handle(ev), &mut agent_run, &mut outcome).await;
+                    let Ok(value) = handled else {
                         // Fail closed: what cannot be audited does not go on.
                         stopped = Some(("failed", "the audit log cannot be written: the run was stopped"));
                         break;
@@ -874,7 +875,7 @@ async fn drive(
                     if is_complete {
                         complete = Some(value);
                     } else {
-                        run.publish(value).await;
+                        alongside(run.publish(value), &mut agent_run, &mut outcome).await;
                     }
                 }
                 // The agent finished and dropped its sender: every event has been handled.
@@ -973,4 +974,24 @@ async fn drive(
         duration_ms = started.elapsed().as_secs_f64() * 1e3,
         "run finished"
     );
+}
+
+/// Awaits `work` (an event's database writes) while the agent's future goes on being polled.
+/// The agent may itself be inside a database job (the recorder storing a tool result) holding
+/// a pooled connection; left unpolled while `work` waits for a connection, it would never
+/// finish that job, and with as many runs as the pool has connections every run would wait
+/// for every other (seen with 30 sessions on a 16-connection PostgreSQL pool).
+async fn alongside<W: std::future::Future, A: std::future::Future + ?Sized>(
+    work: W,
+    agent: &mut std::pin::Pin<Box<A>>,
+    outcome: &mut Option<A::Output>,
+) -> W::Output {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            biased;
+            r = &mut work => return r,
+            out = agent.as_mut(), if outcome.is_none() => *outcome = Some(out),
+        }
+    }
 }
