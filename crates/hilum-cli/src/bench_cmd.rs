@@ -40,6 +40,8 @@ Triton: `--backend native,kserve --concurrent 16` (with HILUM_KSERVE_URL or [rem
 times bursts of 16 concurrent classify_chest_xray calls per backend, the backends interleaved; \
 the server's dynamic batching batches a burst.")]
 pub struct BenchArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     /// Image file(s) to run the tools on; calls cycle over them.
     #[arg(long, required = true)]
     pub image: Vec<PathBuf>,
