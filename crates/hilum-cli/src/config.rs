@@ -526,9 +526,7 @@ pub fn model_settings(devices: hilum_models::DeviceSet) -> hilum_models::ModelSe
     let file = FILE_MODELS.get();
     hilum_models::ModelSettings {
         devices,
-        ..hilum_models::ModelSettings::from_vars(|k| {
-            models_var(k, |k| std::env::var(k).ok(), file)
-        })
+        ..hilum_models::ModelSettings::from_vars(|k| models_var(k, |k| std::env::var(k).ok(), file))
     }
 }
 
@@ -561,8 +559,7 @@ fn device_set_from(
         (None, None, Some(d)) => (d, "[models] device in the config file"),
         (None, None, None) => return Ok(hilum_models::DeviceSet::default()),
     };
-    text.parse()
-        .map_err(|e| anyhow::anyhow!("{from}: {e}"))
+    text.parse().map_err(|e| anyhow::anyhow!("{from}: {e}"))
 }
 
 /// The tools' shared parts: the process's model pool, and the config file's `[vlm]` table
@@ -749,7 +746,10 @@ mod tests {
         assert!(err(None, "gpu0", None).starts_with("HILUM_DEVICE:"));
         let bad: FileConfig = toml::from_str("[models]\ndevice = \"cpu,cuda:1\"\n").expect("parse");
         let e = err(None, "", Some(&bad.models));
-        assert!(e.starts_with("[models] device") && e.contains("different kinds"), "{e}");
+        assert!(
+            e.starts_with("[models] device") && e.contains("different kinds"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -73,16 +73,29 @@ fn the_device_list_reaches_the_tools_and_bad_lists_stop_the_command() {
     let err = segment(hilum(&models).env("HILUM_DEVICE", "cuda:7")).expect_err("cuda:7");
     assert!(err.contains("cuda:7"), "{err}");
     // The flag wins over the variable.
-    let flag = segment(hilum(&models).env("HILUM_DEVICE", "cuda:7").args(["--device", "cpu"]))
-        .expect("--device cpu over HILUM_DEVICE");
+    let flag = segment(
+        hilum(&models)
+            .env("HILUM_DEVICE", "cuda:7")
+            .args(["--device", "cpu"]),
+    )
+    .expect("--device cpu over HILUM_DEVICE");
     assert_eq!(flag, plain);
 
     let err = segment(hilum(&models).args(["--device", "cuda:0,cuda:0"])).expect_err("dup");
-    assert!(err.contains("--device:") && err.contains("listed twice"), "{err}");
+    assert!(
+        err.contains("--device:") && err.contains("listed twice"),
+        "{err}"
+    );
     let err = segment(hilum(&models).env("HILUM_DEVICE", "cpu,cuda:1")).expect_err("mixed");
-    assert!(err.contains("HILUM_DEVICE:") && err.contains("different kinds"), "{err}");
+    assert!(
+        err.contains("HILUM_DEVICE:") && err.contains("different kinds"),
+        "{err}"
+    );
     let config = dir.path().join("config.toml");
     std::fs::write(&config, "[models]\ndevice = \"tpu:0\"\n").expect("write config");
     let err = segment(hilum(&models).env("HILUM_CONFIG", &config)).expect_err("file");
-    assert!(err.contains("[models] device") && err.contains("tpu:0"), "{err}");
+    assert!(
+        err.contains("[models] device") && err.contains("tpu:0"),
+        "{err}"
+    );
 }

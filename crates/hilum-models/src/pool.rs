@@ -479,10 +479,12 @@ impl ModelPool {
         pin: Option<Device>,
         avoid: &[Device],
     ) -> Result<Lease, ModelError> {
-        let in_flight = self.choose(id, pin, avoid).ok_or_else(|| ModelError::Device {
-            device: pin.map_or_else(|| self.devices().to_string(), |d| d.to_string()),
-            reason: format!("every device failed for `{id}`"),
-        })?;
+        let in_flight = self
+            .choose(id, pin, avoid)
+            .ok_or_else(|| ModelError::Device {
+                device: pin.map_or_else(|| self.devices().to_string(), |d| d.to_string()),
+                reason: format!("every device failed for `{id}`"),
+            })?;
         let device = in_flight.device;
         let permit = self.acquire(device).await?;
         {

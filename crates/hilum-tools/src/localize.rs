@@ -395,11 +395,7 @@ impl LocalizeFinding {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(LocalizeFinding {
-            store,
-            models,
-            pin,
-        })
+        Typed::new(LocalizeFinding { store, models, pin })
     }
 }
 
@@ -455,8 +451,12 @@ impl TypedTool for LocalizeFinding {
         let (finding, threshold) = (args.finding, args.threshold);
         let image = img.clone();
         let candle = |_: &_, _| hilum_models::Backend::Candle;
-        let (loc, label, installed, t0) =
-            run_model(&self.models, MODEL_ID, self.pin, candle, move |p: Placed<'_, CamNet>, installed| {
+        let (loc, label, installed, t0) = run_model(
+            &self.models,
+            MODEL_ID,
+            self.pin,
+            candle,
+            move |p: Placed<'_, CamNet>, installed| {
                 let net = p.model;
                 let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
                     ToolError::InvalidArguments(format!(
@@ -465,9 +465,15 @@ impl TypedTool for LocalizeFinding {
                     ))
                 })?;
                 let loc = localize(net, &image, class, threshold)?;
-                Ok((loc, net.spec.labels[class].clone(), installed.clone(), p.since))
-            })
-            .await?;
+                Ok((
+                    loc,
+                    net.spec.labels[class].clone(),
+                    installed.clone(),
+                    p.since,
+                ))
+            },
+        )
+        .await?;
         let png = overlay_png(&img, &loc)?;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let boxes: Vec<Value> = loc

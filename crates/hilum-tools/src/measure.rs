@@ -9,8 +9,8 @@ use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
-use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::pspnet::AnatomySegmenter;
+use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Backend, Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -333,11 +333,7 @@ impl MeasureChest {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(MeasureChest {
-            store,
-            models,
-            pin,
-        })
+        Typed::new(MeasureChest { store, models, pin })
     }
 }
 
@@ -428,7 +424,11 @@ impl TypedTool for MeasureChest {
                     heart: None,
                     mediastinum: None,
                 };
-                Ok((m, format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"), p.since))
+                Ok((
+                    m,
+                    format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"),
+                    p.since,
+                ))
             };
             run_model(&self.models, LUNG_MODEL_ID, self.pin, default, work).await?
         };

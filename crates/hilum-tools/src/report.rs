@@ -14,7 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::common::{model_error, run_model, ImageId};
+use crate::common::{model_error, run_model, Fail, ImageId};
 
 pub const FINDINGS_MODEL: &str = "chexpert-report-findings";
 pub const IMPRESSION_MODEL: &str = "chexpert-report-impression";
@@ -76,11 +76,7 @@ impl GenerateReport {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(GenerateReport {
-            store,
-            models,
-            pin,
-        })
+        Typed::new(GenerateReport { store, models, pin })
     }
 }
 /// One generated section.
@@ -154,15 +150,17 @@ impl TypedTool for GenerateReport {
         for (name, model_id) in wanted {
             let (store, image) = (self.store.clone(), image_id.clone());
             let candle = |_: &_, _| hilum_models::Backend::Candle;
-            let section = run_model(&self.models, model_id, self.pin, candle, move |p: Placed<'_, ReportModel>, _| {
+            let work = move |p: Placed<'_, ReportModel>, _: &_| -> Result<Section, Fail> {
                 let (model, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
                 let size = model.input_size as u32;
                 let prepared = store
                     .prepared(&image, &Preprocess::imagenet(size))
                     .map_err(|e| ToolError::Unprocessable(e.to_string()))?;
                 let t = Instant::now();
-                let gen = model
-                    .generate_from_pixels(&prepared.data, &model.generation(num_beams, max_length))?;
+                let gen = model.generate_from_pixels(
+                    &prepared.data,
+                    &model.generation(num_beams, max_length),
+                )?;
                 let seconds = t.elapsed().as_secs_f64();
                 let capped_at =
                     (max_length > model.max_length_limit()).then(|| model.max_length_limit());
@@ -180,8 +178,8 @@ impl TypedTool for GenerateReport {
                     capped_at,
                     device: p.device,
                 })
-            })
-            .await?;
+            };
+            let section = run_model(&self.models, model_id, self.pin, candle, work).await?;
             done.push(section);
         }
 

@@ -230,11 +230,7 @@ impl SegmentAnatomy {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(SegmentAnatomy {
-            store,
-            models,
-            pin,
-        })
+        Typed::new(SegmentAnatomy { store, models, pin })
     }
 }
 

@@ -245,13 +245,13 @@ impl VlmSettings {
         match t.backend.as_deref().map(str::trim) {
             None | Some("served") => Ok(self.endpoint(tool)?.map(Backend::Served)),
             Some("native") => {
-                let device = match t.device.as_deref() {
-                    None => None,
-                    Some(d) => Some(
-                        d.parse()
-                            .map_err(|e: hilum_models::ModelError| VlmError::Config(e.to_string()))?,
-                    ),
-                };
+                let device =
+                    match t.device.as_deref() {
+                        None => None,
+                        Some(d) => Some(d.parse().map_err(|e: hilum_models::ModelError| {
+                            VlmError::Config(e.to_string())
+                        })?),
+                    };
                 Ok(Some(Backend::Native(NativeModel {
                     model: t.model.unwrap_or_else(|| NATIVE_DEFAULT_MODEL.to_string()),
                     device,

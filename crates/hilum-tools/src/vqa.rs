@@ -81,32 +81,36 @@ impl AnswerVisualQuestion {
         let spec = native.clone();
         let q = question.to_string();
         let candle = |_: &_, _| hilum_models::Backend::Candle;
-        let (answer, load_ms, device) =
-            run_model(models, &native.model, native.device, candle, move |p: Placed<'_, NativeVlm>, _| {
+        let (answer, load_ms, device) = run_model(
+            models,
+            &native.model,
+            native.device,
+            candle,
+            move |p: Placed<'_, NativeVlm>, _| {
                 let (m, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
                 let gray = vlm::to_gray8(&img).map_err(ToolError::from)?;
-                let a = m
-                    .answer(
-                        gray.as_raw(),
-                        img.width as usize,
-                        img.height as usize,
-                        &q,
-                        Some(spec.max_tokens as usize),
-                    )?;
+                let a = m.answer(
+                    gray.as_raw(),
+                    img.width as usize,
+                    img.height as usize,
+                    &q,
+                    Some(spec.max_tokens as usize),
+                )?;
                 Ok((a, load_ms, p.device))
-            })
-            .await
-            // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
-            .map_err(|e| match e {
-                ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
-                    fix: format!(
-                        "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
+            },
+        )
+        .await
+        // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
+        .map_err(|e| match e {
+            ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
+                fix: format!(
+                    "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
                      import {model} OUT_DIR/model.safetensors"
-                    ),
-                    model,
-                },
-                other => other,
-            })?;
+                ),
+                model,
+            },
+            other => other,
+        })?;
         let g = &answer.generation;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let data = json!({

@@ -109,7 +109,7 @@ impl Tools {
         for c in calls {
             let r = c.await.expect("task");
             let out = r.result.unwrap_or_else(|e| panic!("{tool}: {}", e.message));
-            let bytes = out.artifacts.iter().map(|a| a.bytes.clone()).collect();
+            let bytes = out.artifacts.iter().map(|a| a.bytes.to_vec()).collect();
             outs.push((without_timings(out.data), bytes));
         }
         outs
@@ -165,12 +165,19 @@ async fn concurrent_tool_calls_spread_over_the_devices_within_their_permits() {
     let (a, b) = (stats(&pool, Device::Cuda(0)), stats(&pool, Device::Cuda(1)));
     eprintln!("{a:?}\n{b:?}");
     assert_eq!(a.calls + b.calls, 8);
-    assert!(a.calls >= 2 && b.calls >= 2, "calls did not spread: {a:?} {b:?}");
+    assert!(
+        a.calls >= 2 && b.calls >= 2,
+        "calls did not spread: {a:?} {b:?}"
+    );
     assert_eq!((a.peak, b.peak), (1, 1), "a GPU ran two passes at once");
     assert_eq!(pool.replicas(UNET), vec![Device::Cuda(0), Device::Cuda(1)]);
     let loads = pool.load_counts();
     for d in ["cuda:0", "cuda:1"] {
-        assert_eq!(loads.get(&(UNET.to_string(), d.to_string())), Some(&1), "{d}");
+        assert_eq!(
+            loads.get(&(UNET.to_string(), d.to_string())),
+            Some(&1),
+            "{d}"
+        );
     }
     assert_eq!(a.models, vec![UNET.to_string()]);
 }
@@ -199,7 +206,10 @@ async fn a_device_that_fails_to_load_moves_tool_calls_to_another_device() {
     );
     eprintln!("{bad:?}\n{a:?}\n{b:?}");
     assert_eq!(bad.calls, 1, "a cooling device took another call");
-    assert!(a.calls >= 1 && b.calls >= 1, "calls did not spread: {a:?} {b:?}");
+    assert!(
+        a.calls >= 1 && b.calls >= 1,
+        "calls did not spread: {a:?} {b:?}"
+    );
     assert_eq!(a.calls + b.calls, 5);
     assert!(a.peak <= 1 && b.peak <= 1);
     assert_eq!(pool.replicas(UNET), vec![Device::Cuda(0), Device::Cuda(2)]);
@@ -213,11 +223,15 @@ async fn a_tool_pinned_to_a_device_stays_there() {
         .ingest_file(&data().join("cxr/images/covid_2c35005f.jpg"))
         .expect("ingest");
     let native = Some(Backend::Native);
-    let tool = hilum_tools::SegmentLungs::on_device(store, pool.clone(), Some(Device::Cuda(1)), native);
+    let tool =
+        hilum_tools::SegmentLungs::on_device(store, pool.clone(), Some(Device::Cuda(1)), native);
     let out = hilum_agent::Tool::call(&tool, &ToolContext::default(), json!({ "image": image }))
         .await
         .expect("call");
-    assert_eq!(without_timings(out.data), reference("segment_lungs").await.0);
+    assert_eq!(
+        without_timings(out.data),
+        reference("segment_lungs").await.0
+    );
     assert_eq!(stats(&pool, Device::Cuda(1)).calls, 1);
     assert_eq!(stats(&pool, Device::Cuda(0)).calls, 0);
 }
