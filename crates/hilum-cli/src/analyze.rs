@@ -21,6 +21,8 @@ assistant turns, e.g. [{\"tool_calls\":[{\"name\":\"image_info\",\"arguments\":{
 {\"content\":\"The image is 8-bit.\"}]; $IMAGE stands for the first image's id."
 )]
 pub struct AnalyzeArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     /// Radiographs: PNG, JPEG (8/16-bit, gray or colour) or DICOM.
     #[arg(required = true)]
     pub images: Vec<PathBuf>,

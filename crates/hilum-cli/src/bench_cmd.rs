@@ -40,6 +40,8 @@ Triton: `--backend native,kserve --concurrent 16` (with HILUM_KSERVE_URL or [rem
 times bursts of 16 concurrent classify_chest_xray calls per backend, the backends interleaved; \
 the server's dynamic batching batches a burst.")]
 pub struct BenchArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     /// Image file(s) to run the tools on; calls cycle over them.
     #[arg(long, required = true)]
     pub image: Vec<PathBuf>,
@@ -86,6 +88,35 @@ struct ToolResult {
     error: Option<String>,
     /// Decode speed of generating tools (their `tokens_per_second`), per timed call.
     tokens_per_s: Vec<f64>,
+    /// Routed calls per device during this row (the pool's leases).
+    devices: Vec<(String, u64)>,
+}
+
+/// Routed calls so far per device of the pool.
+fn calls_per_device(pool: &hilum_models::ModelPool) -> Vec<(String, u64)> {
+    pool.device_stats()
+        .iter()
+        .map(|s| (s.device.to_string(), s.calls))
+        .collect()
+}
+
+/// The pool's devices: calls, time busy, the most calls at once, failures and models held.
+fn device_rows(pool: &hilum_models::ModelPool) -> Vec<Value> {
+    pool.device_stats()
+        .iter()
+        .map(|s| {
+            let busy_ms = s.busy.as_secs_f64() * 1e3;
+            json!({
+                "device": s.device.to_string(),
+                "calls": s.calls,
+                "busy_ms": finite(busy_ms),
+                "mean_ms": finite(busy_ms / s.calls as f64),
+                "peak": s.peak,
+                "failures": s.failures,
+                "models": s.models,
+            })
+        })
+        .collect()
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -232,7 +263,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             times: Vec::new(),
             error: None,
             tokens_per_s: Vec::new(),
+            devices: Vec::new(),
         };
+        let before = calls_per_device(&deps.models);
         match call(toolbox, &env, name, &per_image[0]).await {
             Err(e) => res.error = Some(e),
             Ok(ms) => {
@@ -254,6 +287,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 }
             }
         }
+        res.devices = calls_per_device(&deps.models)
+            .into_iter()
+            .zip(before)
+            .map(|((d, n), (_, was))| (d, n.saturating_sub(was)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
         results.push(res);
     }
 
@@ -344,6 +383,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "images_per_s": finite(1e3 / mean),
                 "load_ms_estimate": finite(r.first_ms - percentile(&t, 50.0)),
                 "tokens_per_s_p50": finite(percentile(&tps, 50.0)),
+                "devices": r.devices.iter().map(|(d, n)| (d.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
             })
         })
         .collect();
@@ -355,6 +395,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "batched": batched,
         "concurrent": bursts,
         "round": round,
+        "devices": device_rows(&deps.models),
         "peak_rss_mib": peak_rss_mib(),
     });
     if let Some(path) = &args.plot {
@@ -413,6 +454,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             note
         );
     }
+    print_devices(&report["devices"]);
     batch::print(&batched, crate::model_settings().cpu.threads());
     concurrent::print(&bursts);
     if let Some(r) = &report["round"].as_object() {
@@ -431,6 +473,34 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 const CLASSIFY: &str = "classify_chest_xray";
+
+/// The per-device table, when there are several devices (one device took every call).
+fn print_devices(devices: &Value) {
+    let Some(rows) = devices.as_array().filter(|r| r.len() > 1) else {
+        return;
+    };
+    println!(
+        "\n{:<10} {:>7} {:>10} {:>9} {:>5} {:>8}  models",
+        "device", "calls", "busy ms", "mean ms", "peak", "failures"
+    );
+    for r in rows {
+        let f = |k: &str| r[k].as_f64().map_or("-".into(), |v| format!("{v:.1}"));
+        let models: Vec<&str> = r["models"]
+            .as_array()
+            .map(|m| m.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        println!(
+            "{:<10} {:>7} {:>10} {:>9} {:>5} {:>8}  {}",
+            r["device"].as_str().unwrap_or(""),
+            r["calls"],
+            f("busy_ms"),
+            f("mean_ms"),
+            r["peak"],
+            r["failures"],
+            models.join(", ")
+        );
+    }
+}
 
 fn finite(v: f64) -> Value {
     if v.is_finite() {

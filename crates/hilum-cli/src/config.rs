@@ -85,6 +85,8 @@ pub struct ModelsSection {
     pub llava_quantize: Option<String>,
     /// `HILUM_MAX_REPLICAS`
     pub max_replicas: Option<usize>,
+    /// `HILUM_DEVICE`: `auto`, `cpu`, `cuda:N` or a list (`cuda:0,cuda:1`).
+    pub device: Option<String>,
 }
 
 impl ModelsSection {
@@ -100,6 +102,7 @@ impl ModelsSection {
             "ORT_DYLIB_PATH" => path(&self.onnxruntime),
             "HILUM_LLAVA_QUANTIZE" => self.llava_quantize.clone(),
             "HILUM_MAX_REPLICAS" => number(&self.max_replicas),
+            "HILUM_DEVICE" => self.device.clone(),
             _ => None,
         }
     }
@@ -517,11 +520,46 @@ pub fn log_filter() -> Option<String> {
 /// The models' settings from the environment: `HILUM_MODELS_DIR`, `HILUM_CPU_THREADS`,
 /// `HILUM_CPU_TILE_FLOATS`, `HILUM_CPU_IMAGES_PER_PASS`, `HILUM_UNET_ENGINE`, `HILUM_UNET_ISA`,
 /// `HILUM_CPU_PROFILE`, `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
-/// `HILUM_LLAVA_QUANTIZE` (meanings in README.md).
-/// Each one set in the environment wins over the config file's `[models]` table.
-pub fn model_settings() -> hilum_models::ModelSettings {
+/// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS` (meanings in README.md), on `devices` (see
+/// [`device_set`]). Each one set in the environment wins over the config file's `[models]` table.
+pub fn model_settings(devices: hilum_models::DeviceSet) -> hilum_models::ModelSettings {
     let file = FILE_MODELS.get();
-    hilum_models::ModelSettings::from_vars(|k| models_var(k, |k| std::env::var(k).ok(), file))
+    hilum_models::ModelSettings {
+        devices,
+        ..hilum_models::ModelSettings::from_vars(|k| models_var(k, |k| std::env::var(k).ok(), file))
+    }
+}
+
+/// `--device` on the commands that run tools (one flag, flattened into each).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct DeviceFlag {
+    /// Devices the models run on: auto (every CUDA GPU, else the CPU), cpu, cuda:N, or a list
+    /// (cuda:0,cuda:1) that each call is routed across. Overrides HILUM_DEVICE and the config
+    /// file's [models] device; default cpu.
+    #[arg(long, value_name = "DEVICES")]
+    pub device: Option<String>,
+}
+
+/// The devices the process's model pool routes across: `--device`, else `HILUM_DEVICE`, else
+/// the config file's `[models] device`, else the CPU. A list that does not parse stops the
+/// program (a typo must not fall back to another device), naming where it came from.
+pub fn device_set(flag: Option<&str>) -> anyhow::Result<hilum_models::DeviceSet> {
+    device_set_from(flag, |k| std::env::var(k).ok(), FILE_MODELS.get())
+}
+
+fn device_set_from(
+    flag: Option<&str>,
+    env: impl Fn(&str) -> Option<String>,
+    file: Option<&ModelsSection>,
+) -> anyhow::Result<hilum_models::DeviceSet> {
+    let env = env("HILUM_DEVICE").filter(|v| !v.is_empty());
+    let (text, from) = match (flag, env, file.and_then(|f| f.device.clone())) {
+        (Some(f), _, _) => (f.to_string(), "--device"),
+        (None, Some(e), _) => (e, "HILUM_DEVICE"),
+        (None, None, Some(d)) => (d, "[models] device in the config file"),
+        (None, None, None) => return Ok(hilum_models::DeviceSet::default()),
+    };
+    text.parse().map_err(|e| anyhow::anyhow!("{from}: {e}"))
 }
 
 /// The tools' shared parts: the process's model pool, and the config file's `[vlm]` table
@@ -674,6 +712,44 @@ mod tests {
             .expect_err("unknown key")
             .to_string();
         assert!(err.contains("threads"), "{err}");
+    }
+
+    #[test]
+    fn device_list_comes_from_the_flag_then_the_environment_then_the_file() {
+        use hilum_models::{Device, DeviceSet};
+        let file: FileConfig =
+            toml::from_str("[models]\ndevice = \"cuda:0,cuda:1\"\n").expect("parse");
+        let none = |_: &str| None;
+        let env = |k: &str| (k == "HILUM_DEVICE").then(|| "cuda:2".to_string());
+        let two = device_set_from(None, none, Some(&file.models)).expect("file");
+        assert_eq!(two.devices(), &[Device::Cuda(0), Device::Cuda(1)]);
+        let one = device_set_from(None, env, Some(&file.models)).expect("env");
+        assert_eq!(one.devices(), &[Device::Cuda(2)]);
+        let flag = device_set_from(Some("cpu"), env, Some(&file.models)).expect("flag");
+        assert_eq!(flag, DeviceSet::default());
+        assert_eq!(
+            device_set_from(None, none, None).expect("default"),
+            DeviceSet::default()
+        );
+        let empty = |k: &str| (k == "HILUM_DEVICE").then(String::new);
+        assert_eq!(
+            device_set_from(None, empty, None).expect("empty = unset"),
+            DeviceSet::default()
+        );
+        let err = |flag, env: &'static str, file: Option<&ModelsSection>| {
+            let var = move |k: &str| (k == "HILUM_DEVICE").then(|| env.to_string());
+            device_set_from(flag, var, file)
+                .expect_err("bad list")
+                .to_string()
+        };
+        assert!(err(Some("cuda:0,cuda:0"), "", None).starts_with("--device:"));
+        assert!(err(None, "gpu0", None).starts_with("HILUM_DEVICE:"));
+        let bad: FileConfig = toml::from_str("[models]\ndevice = \"cpu,cuda:1\"\n").expect("parse");
+        let e = err(None, "", Some(&bad.models));
+        assert!(
+            e.starts_with("[models] device") && e.contains("different kinds"),
+            "{e}"
+        );
     }
 
     #[test]

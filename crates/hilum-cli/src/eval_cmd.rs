@@ -36,6 +36,8 @@ in the denominator; unparsed answers, timeouts and errors count as wrong.\n\n\
 its own scripted turns."
 )]
 pub struct EvalArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     #[command(subcommand)]
     pub cmd: Option<EvalCmd>,
     /// The question file (metadata.jsonl or plain JSONL).

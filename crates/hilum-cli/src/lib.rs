@@ -76,9 +76,11 @@ static MODEL_SETTINGS: OnceLock<hilum_models::ModelSettings> = OnceLock::new();
 static MODEL_POOL: OnceLock<Arc<hilum_models::ModelPool>> = OnceLock::new();
 
 /// The models' settings, made once from the environment and the config file's `[models]`
-/// table ([`config::model_settings`]).
+/// table ([`config::model_settings`]) on the command's devices (set by [`main_with`]).
 pub(crate) fn model_settings() -> &'static hilum_models::ModelSettings {
-    MODEL_SETTINGS.get_or_init(config::model_settings)
+    // `run` checked the device list already; this default serves callers made before it.
+    MODEL_SETTINGS
+        .get_or_init(|| config::model_settings(config::device_set(None).unwrap_or_default()))
 }
 
 /// The process's one model pool over [`model_settings`] (with the config file's `[remote]`
@@ -129,6 +131,28 @@ async fn run() {
     if let Err(e) = config::load_file(explicit) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+    // The devices the one pool routes across: the command's `--device`, else the environment
+    // or the file. A list that does not parse stops here, before any model loads.
+    let flag = match &cli.command {
+        Commands::Analyze(a) => &a.devices,
+        Commands::Tools {
+            cmd: tools_cmd::ToolsCmd::Call { devices, .. },
+        } => devices,
+        Commands::Bench(a) => &a.devices,
+        Commands::Eval(a) => &a.devices,
+        Commands::Serve(a) => &a.devices,
+        Commands::Mcp(a) => &a.devices,
+        _ => &config::DeviceFlag::default(),
+    };
+    match config::device_set(flag.device.as_deref()) {
+        Ok(devices) => {
+            let _ = MODEL_SETTINGS.set(config::model_settings(devices));
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
     }
     model_settings().apply_process_wide();
     let result = match cli.command {

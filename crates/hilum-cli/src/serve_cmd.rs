@@ -31,6 +31,8 @@ hilum serve --llm script:tests/fixtures/scripts/info.json --bind 127.0.0.1:8080\
 hilum serve audit export > audit.jsonl"
 )]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     #[command(subcommand)]
     pub cmd: Option<ServeCmd>,
     /// Address to listen on. Loopback by default; anything else should sit behind TLS.
@@ -182,6 +184,8 @@ pub enum AuditCmd {
 
 #[derive(Args)]
 pub struct McpArgs {
+    #[command(flatten)]
+    pub devices: crate::config::DeviceFlag,
     /// Budget of one tool call, seconds.
     #[arg(long, default_value_t = 300)]
     pub tool_timeout: u64,

@@ -40,6 +40,8 @@ pub enum ToolsCmd {
         /// Seconds before the call is stopped.
         #[arg(long, default_value_t = 300)]
         timeout: u64,
+        #[command(flatten)]
+        devices: crate::config::DeviceFlag,
     },
 }
 
@@ -85,6 +87,7 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
             image,
             out,
             timeout,
+            devices: _,
         } => {
             let mut args: Value = serde_json::from_str(&args)
                 .context("--args must be a JSON object, e.g. '{\"image\": \"img_…\"}'")?;

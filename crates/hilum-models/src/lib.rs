@@ -40,7 +40,7 @@ pub use hilum_kernels as kernels;
 pub use import::{import, ImportOptions};
 pub use kserve::KserveSettings;
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
-pub use pool::{is_device_failure, Lease, Model, ModelPool};
+pub use pool::{is_device_failure, DeviceStats, Lease, Model, ModelPool, Placed};
 pub use registry::{ModelRegistry, ModelStatus, VerifyReport};
 pub use settings::{ModelSettings, DEFAULT_DEVICE_COOLDOWN};
 

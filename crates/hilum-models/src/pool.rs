@@ -6,7 +6,7 @@
 //! already holding it, and places another copy (a replica) on a free device only when every
 //! holder is busy and the replica budget allows. A device whose load or forward pass fails is
 //! passed over for a cool-down while others can take its calls ([`ModelPool::run`] retries
-//! the call there).
+//! the call there). [`ModelPool::device_stats`] says how the calls spread.
 
 use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -54,6 +54,40 @@ struct Routing {
     replicas: HashMap<String, BTreeSet<Device>>,
     /// Devices passed over until the given time.
     failed_until: HashMap<Device, Instant>,
+    /// Leases granted and not yet dropped.
+    running: HashMap<Device, usize>,
+    /// What each device has done since the pool was made.
+    stats: HashMap<Device, DeviceStats>,
+}
+
+/// What one device did since the pool was made: routed calls (leases), time they held it,
+/// the most held at once, failures, and the models it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceStats {
+    pub device: Device,
+    /// Leases granted on it that have ended (the call finished, failed or was cancelled).
+    pub calls: u64,
+    /// Time those leases held it (model loads and forward passes).
+    pub busy: Duration,
+    /// The most leases held on it at once: never above its permits.
+    pub peak: usize,
+    /// Device failures reported on it ([`ModelPool::report_failure`]).
+    pub failures: u64,
+    /// Models it holds a copy of (or is loading).
+    pub models: Vec<String>,
+}
+
+impl DeviceStats {
+    fn new(device: Device) -> Self {
+        DeviceStats {
+            device,
+            calls: 0,
+            busy: Duration::ZERO,
+            peak: 0,
+            failures: 0,
+            models: Vec::new(),
+        }
+    }
 }
 
 impl Routing {
@@ -74,14 +108,51 @@ impl Routing {
 /// Hold it for the load and the forward pass; dropping it frees the device for the next call.
 pub struct Lease {
     device: Device,
+    since: Instant,
     _permit: OwnedSemaphorePermit,
-    _in_flight: InFlight,
+    in_flight: InFlight,
 }
 
 impl Lease {
     pub fn device(&self) -> Device {
         self.device
     }
+
+    /// When the device became this call's (after any wait for its permit).
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut r = self
+            .in_flight
+            .routing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = r.running.get_mut(&self.device) {
+            *n = n.saturating_sub(1);
+        }
+        let st = r
+            .stats
+            .entry(self.device)
+            .or_insert_with(|| DeviceStats::new(self.device));
+        st.calls += 1;
+        st.busy += self.since.elapsed();
+    }
+}
+
+/// What the work of a call run by [`ModelPool::run_on`] is given.
+pub struct Placed<'a, M> {
+    /// The device the call was routed to; its permit is held while the work runs.
+    pub device: Device,
+    /// The warm copy on that device.
+    pub model: &'a Arc<M>,
+    /// When the device became the call's (after any wait for its permit).
+    pub since: Instant,
+    /// How long this call spent getting the copy (its load, or waiting for another call's).
+    pub load: Duration,
 }
 
 /// Counts a routed call against its device from the choice on, so callers choosing at the
@@ -174,7 +245,7 @@ impl ModelPool {
         let model = Arc::new(M::load(
             manifest,
             &installed,
-            device,
+            self.settings.runs_on(device),
             backend,
             &self.settings,
         )?);
@@ -259,7 +330,7 @@ impl ModelPool {
     /// failed device is chosen only when no healthy one is left, so one device never fails
     /// every call.
     pub async fn lease(&self, id: &str) -> Result<Lease, ModelError> {
-        self.lease_avoiding(id, &[]).await
+        self.lease_among(id, None, &[]).await
     }
 
     /// Tells the pool how a call on `device` failed. A device failure ([`is_device_failure`])
@@ -274,6 +345,10 @@ impl ModelPool {
         {
             let mut r = self.routing();
             r.failed_until.insert(device, until);
+            r.stats
+                .entry(device)
+                .or_insert_with(|| DeviceStats::new(device))
+                .failures += 1;
             if let Some(set) = r.replicas.get_mut(id) {
                 set.remove(&device);
             }
@@ -298,19 +373,50 @@ impl ModelPool {
         R: Send + 'static,
         F: Fn(Device, &M) -> Result<R, ModelError> + Send + Sync + 'static,
     {
+        self.run_on(id, None, backend, move |p: Placed<'_, M>| {
+            work(p.device, p.model)
+        })
+        .await
+    }
+
+    /// [`ModelPool::run`] with the call's place given to `work` ([`Placed`]), routed across
+    /// the set, or, with `pin`, on that one device (in the set or not) with its permit.
+    pub async fn run_on<M, R, F>(
+        self: &Arc<Self>,
+        id: &str,
+        pin: Option<Device>,
+        backend: Backend,
+        work: F,
+    ) -> Result<R, ModelError>
+    where
+        M: Model,
+        R: Send + 'static,
+        F: Fn(Placed<'_, M>) -> Result<R, ModelError> + Send + Sync + 'static,
+    {
         let work = Arc::new(work);
+        let candidates = if pin.is_some() {
+            1
+        } else {
+            self.devices().len()
+        };
         let mut tried: Vec<Device> = Vec::new();
         loop {
-            let lease = self.lease_avoiding(id, &tried).await?;
-            let device = lease.device();
+            let lease = self.lease_among(id, pin, &tried).await?;
+            let (device, since) = (lease.device(), lease.since());
             let (pool, work, model_id) = (self.clone(), work.clone(), id.to_string());
             // The lease moves into the thread: a caller that stops waiting leaves the device
             // taken until the work it started has finished. A failure is reported before the
             // lease goes, so no call is routed to the failed device in between.
             let (result, device_failed) = tokio::task::spawn_blocking(move || {
                 let _lease = lease;
+                let t = Instant::now();
                 let result = match pool.get_or_load::<M>(&model_id, device, backend) {
-                    Ok(model) => work(device, &model),
+                    Ok(model) => work(Placed {
+                        device,
+                        model: &model,
+                        since,
+                        load: t.elapsed(),
+                    }),
                     Err(e) => {
                         pool.forget_unloaded(&model_id, device);
                         Err(e)
@@ -327,28 +433,82 @@ impl ModelPool {
                 return result;
             }
             tried.push(device);
-            if tried.len() >= self.devices().len() {
+            if tried.len() >= candidates {
                 return result;
             }
         }
     }
 
-    async fn lease_avoiding(&self, id: &str, avoid: &[Device]) -> Result<Lease, ModelError> {
-        let in_flight = self.choose(id, avoid).ok_or_else(|| ModelError::Device {
-            device: self.devices().to_string(),
-            reason: format!("every device failed for `{id}`"),
-        })?;
+    /// What each device has done: the set's devices in order, then any other device a pinned
+    /// call used.
+    pub fn device_stats(&self) -> Vec<DeviceStats> {
+        let r = self.routing();
+        let set = self.devices().devices();
+        let mut devices: Vec<Device> = set.to_vec();
+        let mut others: Vec<Device> = r
+            .stats
+            .keys()
+            .copied()
+            .filter(|d| !set.contains(d))
+            .collect();
+        others.sort();
+        devices.extend(others);
+        devices
+            .into_iter()
+            .map(|d| {
+                let mut st = r
+                    .stats
+                    .get(&d)
+                    .cloned()
+                    .unwrap_or_else(|| DeviceStats::new(d));
+                st.models = r
+                    .replicas
+                    .iter()
+                    .filter(|(_, held)| held.contains(&d))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                st.models.sort();
+                st
+            })
+            .collect()
+    }
+
+    async fn lease_among(
+        &self,
+        id: &str,
+        pin: Option<Device>,
+        avoid: &[Device],
+    ) -> Result<Lease, ModelError> {
+        let in_flight = self
+            .choose(id, pin, avoid)
+            .ok_or_else(|| ModelError::Device {
+                device: pin.map_or_else(|| self.devices().to_string(), |d| d.to_string()),
+                reason: format!("every device failed for `{id}`"),
+            })?;
         let device = in_flight.device;
         let permit = self.acquire(device).await?;
+        {
+            let mut r = self.routing();
+            let running = r.running.entry(device).or_default();
+            *running += 1;
+            let now = *running;
+            let st = r
+                .stats
+                .entry(device)
+                .or_insert_with(|| DeviceStats::new(device));
+            st.peak = st.peak.max(now);
+        }
         Ok(Lease {
             device,
+            since: Instant::now(),
             _permit: permit,
-            _in_flight: in_flight,
+            in_flight,
         })
     }
 
-    /// The routing decision of [`ModelPool::lease`], counted against the chosen device.
-    fn choose(&self, id: &str, avoid: &[Device]) -> Option<InFlight> {
+    /// The routing decision of [`ModelPool::lease`] (among the set, or `pin` alone), counted
+    /// against the chosen device.
+    fn choose(&self, id: &str, pin: Option<Device>, avoid: &[Device]) -> Option<InFlight> {
         let now = Instant::now();
         let held = self.permits_held();
         let mut r = self.routing();
@@ -358,7 +518,11 @@ impl ModelPool {
         let free = |d: &Device| load(*d) < self.concurrency(*d);
         // `min_by_key` keeps the first of equals: ties go to the earlier-listed device.
         let least = |ds: &mut dyn Iterator<Item = Device>| ds.min_by_key(|d| load(*d));
-        let set = self.devices().devices();
+        let pinned = pin.map(|d| [d]);
+        let set: &[Device] = match &pinned {
+            Some(one) => one,
+            None => self.devices().devices(),
+        };
         let open: Vec<Device> = set.iter().copied().filter(|d| !avoid.contains(d)).collect();
         let healthy: Vec<Device> = open
             .iter()

@@ -10,6 +10,7 @@
 //! [`hilum_kernels::configure`]) and the ONNX Runtime library (ONNX Runtime allows one
 //! environment per process).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -47,6 +48,10 @@ pub struct ModelSettings {
     pub max_replicas: Option<usize>,
     /// How long a failed device is passed over (see [`DEFAULT_DEVICE_COOLDOWN`]).
     pub device_cooldown: Duration,
+    /// Listed devices whose copies load on another device: calls are routed, counted and
+    /// permitted per listed device, but each copy is made on its stand-in (`cuda:1` → `cpu`).
+    /// For testing the routing on a machine without those GPUs; empty: each device is itself.
+    pub stand_ins: BTreeMap<Device, Device>,
 }
 
 impl Default for ModelSettings {
@@ -62,6 +67,7 @@ impl Default for ModelSettings {
             devices: DeviceSet::default(),
             max_replicas: None,
             device_cooldown: DEFAULT_DEVICE_COOLDOWN,
+            stand_ins: BTreeMap::new(),
         }
     }
 }
@@ -124,6 +130,11 @@ impl ModelSettings {
             _ => self.gpu_concurrency.unwrap_or(1),
         }
         .max(1)
+    }
+
+    /// Where a copy routed to `device` is made: its stand-in, else itself.
+    pub fn runs_on(&self, device: Device) -> Device {
+        self.stand_ins.get(&device).copied().unwrap_or(device)
     }
 
     /// How many devices may hold one model at once: `max_replicas` within 1..=devices.

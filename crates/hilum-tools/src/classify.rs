@@ -12,7 +12,7 @@ use hilum_imaging::ImageStore;
 
 use hilum_models::xrv::{self, LabelScore, OnnxSource};
 use hilum_models::Backend;
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -25,7 +25,8 @@ pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
 pub struct ClassifyChestXray {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each call routed across the pool's devices.
+    pin: Option<Device>,
     /// Backend per model id (`*`: every model); absent: the device's default. An `Err` is a
     /// setting that did not parse, reported by each call.
     backends: Result<BTreeMap<String, Backend>, String>,
@@ -80,9 +81,9 @@ pub fn parse_backends(spec: &str) -> Result<BTreeMap<String, Backend>, String> {
 }
 
 impl ClassifyChestXray {
-    /// The tool on the CPU with each model on the device's default backend.
+    /// The tool on the pool's devices with each model on the device's default backend.
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu, Ok(BTreeMap::new()))
+        Self::on_device(store, models, None, Ok(BTreeMap::new()))
     }
 
     /// Every model on `backend`.
@@ -92,20 +93,21 @@ impl ClassifyChestXray {
         backend: Backend,
     ) -> Typed<Self> {
         let all = [("*".to_string(), backend)].into_iter().collect();
-        Self::on_device(store, models, Device::Cpu, Ok(all))
+        Self::on_device(store, models, None, Ok(all))
     }
 
-    /// Backends per model id (`*`: every model); see [`crate::ToolSettings`].
+    /// Backends per model id (`*`: every model); see [`crate::ToolSettings`]. `pin`: one
+    /// device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
         backends: Result<BTreeMap<String, Backend>, String>,
     ) -> Typed<Self> {
         Typed::new(ClassifyChestXray {
             store,
             models,
-            device,
+            pin,
             backends,
         })
     }
@@ -140,7 +142,7 @@ impl crate::BuildTool for ClassifyChestXray {
         Arc::new(ClassifyChestXray::on_device(
             deps.images.clone(),
             deps.models.clone(),
-            Device::Cpu,
+            None,
             deps.settings.classifier_backends.clone(),
         ))
     }
@@ -174,16 +176,14 @@ impl TypedTool for ClassifyChestXray {
         let image_id = args.image.0;
         let model_id = args.model.id().to_string();
         let backend = self.backend_for(&model_id)?;
-        let (device, mid) = (self.device, model_id.clone());
-        let ((scores, custom, model, infer_ms, load_ms), fallback) = run_model_on(
+        let ((scores, custom, model, infer_ms, load_ms, device), fallback) = run_model_on(
             &self.models,
             &model_id,
-            device,
+            self.pin,
             backend,
-            move |models, _, b| {
-                let t_load = Instant::now();
-                let model = xrv::pooled(models, &mid, device, b)?;
-                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+            |_, d| Backend::default_for(d),
+            move |p: Placed<'_, xrv::Classifier>, _| {
+                let (model, load_ms) = (p.model.clone(), p.load.as_secs_f64() * 1e3);
                 let t = Instant::now();
                 let scores = model.classify(
                     &img.pixels,
@@ -192,7 +192,7 @@ impl TypedTool for ClassifyChestXray {
                     img.max_value(),
                 )?;
                 let ms = t.elapsed().as_secs_f64() * 1e3;
-                Ok((scores, model.custom, model, ms, load_ms))
+                Ok((scores, model.custom, model, ms, load_ms, p.device))
             },
         )
         .await?;
@@ -236,7 +236,7 @@ impl TypedTool for ClassifyChestXray {
                 OnnxSource::Built => "built from the installed safetensors",
                 OnnxSource::Imported => "imported model.onnx",
             }),
-            "device": format!("{:?}", self.device).to_lowercase(),
+            "device": format!("{device:?}").to_lowercase(),
             "calibration": "torchxrayvision op_norm: 0.5 = published operating point",
             "findings": findings.iter().map(|s| s.label.clone()).collect::<Vec<_>>(),
             "scores": scores.iter().map(score_json).collect::<Vec<_>>(),

@@ -1,8 +1,9 @@
 use std::sync::Arc;
+use std::time::Instant;
 
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError};
-use hilum_models::{Backend, Device, InstalledModel, ModelError, ModelPool};
+use hilum_models::{Backend, Device, InstalledModel, Model, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde_json::{json, Value};
 
@@ -83,103 +84,135 @@ pub(crate) fn model_error(models: &ModelPool, e: ModelError) -> ToolError {
     }
 }
 
+/// What a tool's model work fails with: a model error, which may say that the device failed
+/// (the call then moves to another device holding the model), or the tool's own error.
+pub(crate) enum Fail {
+    Model(ModelError),
+    Tool(ToolError),
+}
+
+impl From<ModelError> for Fail {
+    fn from(e: ModelError) -> Self {
+        Fail::Model(e)
+    }
+}
+
+impl From<ToolError> for Fail {
+    fn from(e: ToolError) -> Self {
+        Fail::Tool(e)
+    }
+}
+
 /// The way every tool runs a model: check that `id` is installed (failing fast, naming the
-/// install command, before waiting for the device), take a work permit on `device` so parallel
-/// calls never oversubscribe it, and run `work` (weights load, forward pass) on a blocking
-/// thread with the pool and the installed model.
-pub(crate) async fn run_model<R, F>(
+/// install command, before waiting for a device), then let the pool place the call
+/// ([`ModelPool::run_on`]): routed to the least-loaded of its devices holding the model
+/// (`pin: None`), or on the pinned device, with that device's permit, the model loaded there
+/// once, and `work` on a blocking thread. `backend` picks the backend from the installed model
+/// and the device the copies are made on (one choice for the whole set: its devices are of one
+/// kind). A device failure moves the call to another device; other errors are the call's.
+pub(crate) async fn run_model<M, R, F>(
     models: &Arc<ModelPool>,
     id: &str,
-    device: Device,
+    pin: Option<Device>,
+    backend: impl FnOnce(&InstalledModel, Device) -> Backend,
     work: F,
 ) -> Result<R, ToolError>
 where
+    M: Model,
     R: Send + 'static,
-    F: FnOnce(&ModelPool, InstalledModel) -> Result<R, ToolError> + Send + 'static,
+    F: Fn(Placed<'_, M>, &InstalledModel) -> Result<R, Fail> + Send + Sync + 'static,
 {
     let installed = models
         .registry()
         .installed(id)
         .map_err(|e| model_error(models, e))?;
-    let pool = models.clone();
-    run_blocking(Some((models, device)), move || work(&pool, installed)).await
+    let made_on = models
+        .settings()
+        .runs_on(pin.unwrap_or(models.devices().first()));
+    let backend = backend(&installed, made_on);
+    // A tool's own error is a result to the pool, so only model errors can move the call.
+    models
+        .run_on::<M, _, _>(id, pin, backend, move |p| match work(p, &installed) {
+            Ok(r) => Ok(Ok(r)),
+            Err(Fail::Model(e)) => Err(e),
+            Err(Fail::Tool(e)) => Ok(Err(e)),
+        })
+        .await
+        .map_err(|e| model_error(models, e))?
 }
 
-/// [`run_model`] for a network that may be served: `work` gets the backend to load (`None`: the
-/// tool's own choice). With the kserve backend the forward pass goes to the inference server
+/// [`run_model`] for a network that may be served: `chosen` is the tool's backend (`None`:
+/// `default`'s choice). With the kserve backend the forward pass goes to the inference server
 /// without a local device permit (the server queues and batches); when that server does not
 /// answer and the pool's settings name a fallback (`[remote] fallback`), the call runs here on
-/// that backend instead, with the device permit, and the second value says why.
-pub(crate) async fn run_model_on<R, F>(
+/// that backend instead, routed like any other, and the second value says why.
+pub(crate) async fn run_model_on<M, R, F>(
     models: &Arc<ModelPool>,
     id: &str,
-    device: Device,
-    backend: Option<Backend>,
+    pin: Option<Device>,
+    chosen: Option<Backend>,
+    default: impl FnOnce(&InstalledModel, Device) -> Backend,
     work: F,
 ) -> Result<(R, Option<String>), ToolError>
 where
+    M: Model,
     R: Send + 'static,
-    F: Fn(&ModelPool, InstalledModel, Option<Backend>) -> Result<R, ModelError>
-        + Send
-        + Sync
-        + 'static,
+    F: Fn(Placed<'_, M>, &InstalledModel) -> Result<R, Fail> + Send + Sync + 'static,
 {
     let work = Arc::new(work);
-    let mut local = backend;
+    let mut local = chosen;
     let mut note = None;
-    if backend == Some(Backend::Kserve) {
+    if chosen == Some(Backend::Kserve) {
         let installed = models
             .registry()
             .installed(id)
             .map_err(|e| model_error(models, e))?;
-        let (pool, w) = (models.clone(), work.clone());
-        let served = run_blocking(None, move || Ok(w(&pool, installed, backend))).await?;
+        let (pool, w, mid) = (models.clone(), work.clone(), id.to_string());
+        let device = pin.unwrap_or(models.devices().first());
+        let served = run_blocking(move || {
+            let since = Instant::now();
+            Ok(match pool.get_or_load::<M>(&mid, device, Backend::Kserve) {
+                Ok(model) => w(
+                    Placed {
+                        device,
+                        model: &model,
+                        since,
+                        load: since.elapsed(),
+                    },
+                    &installed,
+                ),
+                Err(e) => Err(Fail::Model(e)),
+            })
+        })
+        .await?;
         let fallback = models.settings().remote.as_ref().and_then(|r| r.fallback);
         match (served, fallback) {
             (Ok(r), _) => return Ok((r, None)),
-            (Err(ModelError::RemoteDown { url, reason }), Some(b)) => {
+            (Err(Fail::Model(ModelError::RemoteDown { url, reason })), Some(b)) => {
                 note = Some(format!(
                     "the inference server at {url} did not answer ({reason}); ran in process on \
                      the {b} backend ([remote] fallback)"
                 ));
                 local = Some(b);
             }
-            (Err(e), _) => return Err(model_error(models, e)),
+            (Err(Fail::Model(e)), _) => return Err(model_error(models, e)),
+            (Err(Fail::Tool(e)), _) => return Err(e),
         }
     }
-    let r = run_model(models, id, device, move |pool, installed| {
-        work(pool, installed, local).map_err(|e| model_error(pool, e))
-    })
-    .await?;
+    let backend = move |i: &InstalledModel, d: Device| local.unwrap_or_else(|| default(i, d));
+    let r = run_model(models, id, pin, backend, move |p, i| work(p, i)).await?;
     Ok((r, note))
 }
 
-/// Runs `work` on a blocking thread, holding a work permit on the device when one is given.
-/// The permit moves into the thread: a call that times out stops waiting, but the device stays
-/// taken until the work it started has finished.
-pub(crate) async fn run_blocking<R, F>(
-    device: Option<(&ModelPool, Device)>,
-    work: F,
-) -> Result<R, ToolError>
+/// Runs `work` on a blocking thread (decoding, drawing: work that needs no device permit).
+pub(crate) async fn run_blocking<R, F>(work: F) -> Result<R, ToolError>
 where
     R: Send + 'static,
     F: FnOnce() -> Result<R, ToolError> + Send + 'static,
 {
-    let permit = match device {
-        Some((models, device)) => Some(
-            models
-                .acquire(device)
-                .await
-                .map_err(|e| ToolError::Internal(e.to_string()))?,
-        ),
-        None => None,
-    };
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        work()
-    })
-    .await
-    .map_err(|e| ToolError::Internal(e.to_string()))?
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ToolError::Internal(e.to_string()))?
 }
 
 /// Smallest side, in pixels, on which a measurement means anything.

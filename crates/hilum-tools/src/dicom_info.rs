@@ -62,7 +62,7 @@ impl TypedTool for DicomInfo {
             )));
         }
         // The file name is the user's; the model sees only the id.
-        let s = run_blocking(None, move || {
+        let s = run_blocking(move || {
             read_dicom(&bytes, "image")
                 .map_err(|e: ImagingError| ToolError::Unprocessable(e.to_string()))
         })

@@ -94,7 +94,7 @@ impl TypedTool for ImageInfo {
         let img = args.image.load(&self.store)?;
         let id = args.image.0;
         let pixels = img.clone();
-        let s = run_blocking(None, move || Ok(stats(&pixels))).await?;
+        let s = run_blocking(move || Ok(stats(&pixels))).await?;
         let m = &img.meta;
         let data = json!({
             "image": id,

@@ -9,7 +9,6 @@
 //! only CAM is computed.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use async_trait::async_trait;
 use candle_core::Tensor;
@@ -19,13 +18,13 @@ use hilum_agent::{
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::densenet::DenseNet;
 use hilum_models::xrv::{self, Arch, XrvSpec};
-use hilum_models::{Device, ModelError, ModelPool};
+use hilum_models::{Device, ModelError, ModelPool, Placed};
 use hilum_models::{InstalledModel, Manifest};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{model_error, run_model, ImageId};
+use crate::common::{run_model, ImageId};
 use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
 
 pub const NAME: &str = "localize_finding";
@@ -358,7 +357,8 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
 pub struct LocalizeFinding {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each call routed across the pool's devices.
+    pin: Option<Device>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -386,19 +386,16 @@ fn half() -> f32 {
 impl LocalizeFinding {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu)
+        Self::on_device(store, models, None)
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(LocalizeFinding {
-            store,
-            models,
-            device,
-        })
+        Typed::new(LocalizeFinding { store, models, pin })
     }
 }
 
@@ -452,24 +449,31 @@ impl TypedTool for LocalizeFinding {
         let img = args.image.load(&self.store)?;
         let id = args.image.0;
         let (finding, threshold) = (args.finding, args.threshold);
-        let (device, image) = (self.device, img.clone());
-        let (loc, label, installed, t0) =
-            run_model(&self.models, MODEL_ID, device, move |models, installed| {
-                let t0 = Instant::now();
-                let net = models
-                    .get_or_load::<CamNet>(MODEL_ID, device, hilum_models::Backend::Candle)
-                    .map_err(|e| model_error(models, e))?;
+        let image = img.clone();
+        let candle = |_: &_, _| hilum_models::Backend::Candle;
+        let (loc, label, installed, t0) = run_model(
+            &self.models,
+            MODEL_ID,
+            self.pin,
+            candle,
+            move |p: Placed<'_, CamNet>, installed| {
+                let net = p.model;
                 let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
                     ToolError::InvalidArguments(format!(
                         "`{finding}` is not one of the model's labels: {}",
                         net.spec.labels.join(", ")
                     ))
                 })?;
-                let loc = localize(&net, &image, class, threshold)
-                    .map_err(|e| ToolError::Internal(e.to_string()))?;
-                Ok((loc, net.spec.labels[class].clone(), installed, t0))
-            })
-            .await?;
+                let loc = localize(net, &image, class, threshold)?;
+                Ok((
+                    loc,
+                    net.spec.labels[class].clone(),
+                    installed.clone(),
+                    p.since,
+                ))
+            },
+        )
+        .await?;
         let png = overlay_png(&img, &loc)?;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let boxes: Vec<Value> = loc

@@ -3,20 +3,20 @@
 //! masks; the tool gets them from the anatomy PSPNet when installed, else from the lung U-Net.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
+use hilum_models::pspnet::AnatomySegmenter;
 use hilum_models::unet::{self, LungSegmenter};
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Backend, Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{model_error, run_blocking, ImageId};
+use crate::common::{run_model, Fail, ImageId};
 pub use crate::common::{ChestMasks, MIN_SIDE};
 use crate::segment_lungs::regions;
 
@@ -217,27 +217,13 @@ fn parse_view(s: &str) -> View {
 }
 
 /// Lung mask at the original resolution from the lung U-Net.
-fn lung_unet_mask(
-    models: &ModelPool,
-    device: Device,
-    image: &CxrImage,
-) -> Result<Vec<bool>, ToolError> {
-    let model = models
-        .get_or_load::<LungSegmenter>(
-            LUNG_MODEL_ID,
-            device,
-            hilum_models::Backend::default_for(device),
-        )
-        .map_err(|e| model_error(models, e))?;
+fn lung_unet_mask(model: &LungSegmenter, image: &CxrImage) -> Result<Vec<bool>, Fail> {
     let (w, h) = (image.width as usize, image.height as usize);
     let scale = 255.0 / image.max_value().max(1.0);
     let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
     let size = model.config().input_size;
     let x = unet::preprocess_gray(&gray, w, h, size);
-    let prob = model
-        .predict(&[x])
-        .map_err(|e| ToolError::Internal(e.to_string()))?
-        .remove(0);
+    let prob = model.predict(&[x])?.remove(0);
     Ok(unet::mask_at(&prob, size, w, h, 0.5))
 }
 
@@ -308,7 +294,8 @@ fn mask_png(m: &[bool], w: usize, h: usize) -> Result<Vec<u8>, ToolError> {
 pub struct MeasureChest {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each call routed across the pool's devices.
+    pin: Option<Device>,
 }
 
 /// The projection as the model may state it.
@@ -337,19 +324,16 @@ pub struct Args {
 impl MeasureChest {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu)
+        Self::on_device(store, models, None)
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(MeasureChest {
-            store,
-            models,
-            device,
-        })
+        Typed::new(MeasureChest { store, models, pin })
     }
 }
 
@@ -421,27 +405,33 @@ impl TypedTool for MeasureChest {
                 ),
             });
         }
-        let (models, device, image) = (self.models.clone(), self.device, img.clone());
         // The models were checked above: the either-or install is this tool's own.
-        let (masks, source, t0) = run_blocking(Some((&self.models, device)), move || {
-            let t0 = Instant::now();
-            let (w, h) = (image.width as usize, image.height as usize);
-            if anatomy {
-                let a = crate::segment_anatomy::anatomy_masks(&models, device, &image)?;
-                Ok((a, format!("anatomy model {ANATOMY_MODEL_ID}"), t0))
-            } else {
-                let lungs = lung_unet_mask(&models, device, &image)?;
+        let (image, default) = (img.clone(), |_: &_, d| Backend::default_for(d));
+        let (masks, source, t0) = if anatomy {
+            let work = move |p: Placed<'_, AnatomySegmenter>, _: &_| {
+                let a = crate::segment_anatomy::anatomy_masks(p.model, &image)?;
+                Ok((a, format!("anatomy model {ANATOMY_MODEL_ID}"), p.since))
+            };
+            run_model(&self.models, ANATOMY_MODEL_ID, self.pin, default, work).await?
+        } else {
+            let work = move |p: Placed<'_, LungSegmenter>, _: &_| {
+                let (width, height) = (image.width as usize, image.height as usize);
+                let lungs = lung_unet_mask(p.model, &image)?;
                 let m = ChestMasks {
-                    width: w,
-                    height: h,
+                    width,
+                    height,
                     lungs,
                     heart: None,
                     mediastinum: None,
                 };
-                Ok((m, format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"), t0))
-            }
-        })
-        .await?;
+                Ok((
+                    m,
+                    format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"),
+                    p.since,
+                ))
+            };
+            run_model(&self.models, LUNG_MODEL_ID, self.pin, default, work).await?
+        };
 
         let r = measure(&masks);
         let spacing = img.meta.pixel_spacing_mm;

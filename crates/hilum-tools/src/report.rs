@@ -9,12 +9,12 @@ use async_trait::async_trait;
 use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::{ImageStore, Preprocess};
 use hilum_models::report::ReportModel;
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::common::{model_error, run_model, ImageId};
+use crate::common::{model_error, run_model, Fail, ImageId};
 
 pub const FINDINGS_MODEL: &str = "chexpert-report-findings";
 pub const IMPRESSION_MODEL: &str = "chexpert-report-impression";
@@ -25,7 +25,8 @@ pub const DEFAULT_NUM_BEAMS: u32 = 1;
 pub struct GenerateReport {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each section's call routed across the pool's devices.
+    pin: Option<Device>,
 }
 
 /// Which sections to write.
@@ -66,19 +67,16 @@ fn default_max_length() -> u32 {
 impl GenerateReport {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu)
+        Self::on_device(store, models, None)
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(GenerateReport {
-            store,
-            models,
-            device,
-        })
+        Typed::new(GenerateReport { store, models, pin })
     }
 }
 /// One generated section.
@@ -92,6 +90,7 @@ struct Section {
     custom: bool,
     /// The model's position table was shorter than `max_length`: generation stopped here.
     capped_at: Option<usize>,
+    device: Device,
 }
 
 impl crate::BuildTool for GenerateReport {
@@ -149,21 +148,19 @@ impl TypedTool for GenerateReport {
 
         let mut done = Vec::new();
         for (name, model_id) in wanted {
-            let (store, device, image) = (self.store.clone(), self.device, image_id.clone());
-            let section = run_model(&self.models, model_id, device, move |models, _| {
-                let t_load = Instant::now();
-                let model = models
-                    .get_or_load::<ReportModel>(model_id, device, hilum_models::Backend::Candle)
-                    .map_err(|e| model_error(models, e))?;
-                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+            let (store, image) = (self.store.clone(), image_id.clone());
+            let candle = |_: &_, _| hilum_models::Backend::Candle;
+            let work = move |p: Placed<'_, ReportModel>, _: &_| -> Result<Section, Fail> {
+                let (model, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
                 let size = model.input_size as u32;
                 let prepared = store
                     .prepared(&image, &Preprocess::imagenet(size))
                     .map_err(|e| ToolError::Unprocessable(e.to_string()))?;
                 let t = Instant::now();
-                let gen = model
-                    .generate_from_pixels(&prepared.data, &model.generation(num_beams, max_length))
-                    .map_err(|e| ToolError::Internal(e.to_string()))?;
+                let gen = model.generate_from_pixels(
+                    &prepared.data,
+                    &model.generation(num_beams, max_length),
+                )?;
                 let seconds = t.elapsed().as_secs_f64();
                 let capped_at =
                     (max_length > model.max_length_limit()).then(|| model.max_length_limit());
@@ -179,9 +176,10 @@ impl TypedTool for GenerateReport {
                     load_ms,
                     custom: model.custom,
                     capped_at,
+                    device: p.device,
                 })
-            })
-            .await?;
+            };
+            let section = run_model(&self.models, model_id, self.pin, candle, work).await?;
             done.push(section);
         }
 
@@ -193,6 +191,9 @@ impl TypedTool for GenerateReport {
             0.0
         };
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
+        // Each section's call is routed on its own: say every device the sections ran on.
+        let mut devices: Vec<String> = done.iter().map(|s| format!("{:?}", s.device)).collect();
+        devices.dedup();
         let mut summary = format!("{image_id}: machine-drafted report (check against the image)\n");
         let mut data = json!({
             "image": image_id,
@@ -201,7 +202,7 @@ impl TypedTool for GenerateReport {
             "tokens_generated": tokens,
             "generation_seconds": r2(seconds),
             "tokens_per_second": r2(rate),
-            "device": format!("{:?}", self.device).to_lowercase(),
+            "device": devices.join(",").to_lowercase(),
             "models": done.iter().map(|s| s.model).collect::<Vec<_>>(),
             "note": "draft text from a research model trained on public report datasets; not a radiologist's report",
         });

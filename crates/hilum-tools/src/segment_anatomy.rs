@@ -2,7 +2,6 @@
 //! mask at the original resolution and its measurements, plus one overlay with a legend.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{
@@ -10,12 +9,12 @@ use hilum_agent::{
 };
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::{self, AnatomySegmenter, TARGETS};
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{model_error, round2, run_model, ImageId};
+use crate::common::{round2, run_model, ImageId};
 use crate::common::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
@@ -96,18 +95,7 @@ pub fn run(
 }
 
 /// The masks `measure_chest` needs: both lungs, heart and mediastinum.
-pub fn anatomy_masks(
-    models: &ModelPool,
-    device: Device,
-    img: &CxrImage,
-) -> Result<ChestMasks, ToolError> {
-    let model = models
-        .get_or_load::<AnatomySegmenter>(
-            MODEL_ID,
-            device,
-            hilum_models::Backend::default_for(device),
-        )
-        .map_err(|e| model_error(models, e))?;
+pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMasks, ToolError> {
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
         idx("Left Lung"),
@@ -115,7 +103,7 @@ pub fn anatomy_masks(
         idx("Heart"),
         idx("Mediastinum"),
     ];
-    let maps = run(&model, img, &which)?;
+    let maps = run(model, img, &which)?;
     let mask = |m: &StructureMap| m.prob.iter().map(|&p| p > THRESHOLD).collect::<Vec<bool>>();
     let lungs = mask(&maps[0])
         .into_iter()
@@ -211,7 +199,8 @@ pub fn mask_png(m: &StructureMap, w: u32, h: u32) -> Result<Vec<u8>, ToolError> 
 pub struct SegmentAnatomy {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each call routed across the pool's devices.
+    pin: Option<Device>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -232,19 +221,16 @@ fn structure_names(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 impl SegmentAnatomy {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu)
+        Self::on_device(store, models, None)
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(SegmentAnatomy {
-            store,
-            models,
-            device,
-        })
+        Typed::new(SegmentAnatomy { store, models, pin })
     }
 }
 
@@ -292,18 +278,14 @@ impl TypedTool for SegmentAnatomy {
                 img.width, img.height
             )));
         }
-        let (device, image) = (self.device, img.clone());
-        let (maps, t0) = run_model(&self.models, MODEL_ID, device, move |models, _| {
-            let t0 = Instant::now();
-            let model = models
-                .get_or_load::<AnatomySegmenter>(
-                    MODEL_ID,
-                    device,
-                    hilum_models::Backend::default_for(device),
-                )
-                .map_err(|e| model_error(models, e))?;
-            Ok((run(&model, &image, &which)?, t0))
-        })
+        let image = img.clone();
+        let (maps, t0) = run_model(
+            &self.models,
+            MODEL_ID,
+            self.pin,
+            |_, d| hilum_models::Backend::default_for(d),
+            move |p: Placed<'_, AnatomySegmenter>, _| Ok((run(p.model, &image, &which)?, p.since)),
+        )
         .await?;
         let latency = t0.elapsed().as_secs_f64() * 1e3;
         let out = assemble(&id, &img, &maps, latency)?;

@@ -10,7 +10,7 @@ use hilum_agent::{
 };
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::unet::{self, LungSegmenter};
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -24,7 +24,8 @@ const OVERLAY_MAX_SIDE: u32 = 1024;
 pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
-    device: Device,
+    /// `None`: each call routed across the pool's devices.
+    pin: Option<Device>,
     /// `None`: [`unet::auto_backend`] — the native CPU kernels where their AVX2/AVX-512 engine
     /// runs, else ONNX Runtime when installed, else the native kernels (candle on GPUs).
     backend: Option<hilum_models::Backend>,
@@ -45,9 +46,9 @@ fn half() -> f32 {
 }
 
 impl SegmentLungs {
-    /// The tool on the CPU, its backend chosen per machine.
+    /// The tool on the pool's devices, its backend chosen per machine.
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu, None)
+        Self::on_device(store, models, None, None)
     }
 
     /// The tool with its U-Net on `backend`.
@@ -56,19 +57,20 @@ impl SegmentLungs {
         models: Arc<ModelPool>,
         backend: hilum_models::Backend,
     ) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu, Some(backend))
+        Self::on_device(store, models, None, Some(backend))
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
         backend: Option<hilum_models::Backend>,
     ) -> Typed<Self> {
         Typed::new(SegmentLungs {
             store,
             models,
-            device,
+            pin,
             backend,
         })
     }
@@ -211,7 +213,7 @@ impl crate::BuildTool for SegmentLungs {
         Arc::new(SegmentLungs::on_device(
             deps.images.clone(),
             deps.models.clone(),
-            Device::Cpu,
+            None,
             deps.settings.lung_unet_backend,
         ))
     }
@@ -243,29 +245,26 @@ impl TypedTool for SegmentLungs {
         let img = args.image.load(&self.store)?;
         let id = args.image.0;
         let threshold = args.threshold;
-        let (device, image) = (self.device, img.clone());
+        let image = img.clone();
         let ((mask, infer_ms, installed, backend, t0), fallback) = run_model_on(
             &self.models,
             MODEL_ID,
-            device,
+            self.pin,
             self.backend,
-            move |models, installed, chosen| {
+            unet::auto_backend,
+            move |p: Placed<'_, LungSegmenter>, installed| {
                 // Latency counts from when the device was ours, not from the queue.
-                let t0 = Instant::now();
-                let backend = chosen.unwrap_or_else(|| unet::auto_backend(&installed, device));
+                let t0 = p.since;
                 let (w, h) = (image.width as usize, image.height as usize);
                 let scale = 255.0 / image.max_value().max(1.0);
                 let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
                 let size = unet::Config::lung_seg_valiou_088().input_size;
                 let t = Instant::now();
                 let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-                let prob = models
-                    .get_or_load::<LungSegmenter>(MODEL_ID, device, backend)?
-                    .predict(&x)?
-                    .remove(0);
-                let ms = t.elapsed().as_secs_f64() * 1e3;
+                let prob = p.model.predict(&x)?.remove(0);
+                let ms = (t.elapsed() + p.load).as_secs_f64() * 1e3;
                 let mask = unet::mask_at(&prob, size, w, h, threshold);
-                Ok((mask, ms, installed, backend, t0))
+                Ok((mask, ms, installed.clone(), p.model.backend(), t0))
             },
         )
         .await?;

@@ -14,12 +14,12 @@ use hilum_agent::{
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::sam::{self, Prompt, Sam};
-use hilum_models::{Device, ModelPool};
+use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::common::{model_error, round2, run_blocking, run_model, ImageId};
+use crate::common::{round2, run_blocking, run_model, Fail, ImageId};
 
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
@@ -274,7 +274,8 @@ pub fn decode(
 enum Source {
     Pool {
         models: Arc<ModelPool>,
-        device: Device,
+        /// `None`: each call routed across the pool's devices.
+        pin: Option<Device>,
     },
     Fixed(Arc<Sam>),
 }
@@ -300,15 +301,16 @@ pub struct Args {
 impl SegmentRegion {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, Device::Cpu)
+        Self::on_device(store, models, None)
     }
 
+    /// `pin`: one device for every call; `None`: routed across the pool's devices.
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
-        device: Device,
+        pin: Option<Device>,
     ) -> Typed<Self> {
-        Self::build(store, Source::Pool { models, device })
+        Self::build(store, Source::Pool { models, pin })
     }
 
     /// The tool over an already loaded network instead of the registry's `medsam-vit-b`.
@@ -412,19 +414,14 @@ impl TypedTool for SegmentRegion {
             Ok((map, timing))
         };
         let (map, timing) = match &self.source {
-            Source::Pool { models, device } => {
-                let device = *device;
-                run_model(models, MODEL_ID, device, move |models, _| {
-                    let model = models
-                        .get_or_load::<Sam>(MODEL_ID, device, hilum_models::Backend::Candle)
-                        .map_err(|e| model_error(models, e))?;
-                    work(&model)
-                })
-                .await?
+            Source::Pool { models, pin } => {
+                let candle = |_: &_, _| hilum_models::Backend::Candle;
+                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model).map_err(Fail::Tool);
+                run_model(models, MODEL_ID, *pin, candle, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();
-                run_blocking(None, move || work(&model)).await?
+                run_blocking(move || work(&model)).await?
             }
         };
         assemble(&id, &img, &prompt, &map, &label, timing)

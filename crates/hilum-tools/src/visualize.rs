@@ -170,7 +170,7 @@ impl TypedTool for Visualize {
         let n_masks = overlay.masks.len();
         let n_heat = overlay.heatmaps.len();
         let n_boxes = overlay.boxes.len();
-        let png = run_blocking(None, move || {
+        let png = run_blocking(move || {
             overlay
                 .render_png(&img)
                 .map_err(|e| ToolError::Unprocessable(e.to_string()))

@@ -97,7 +97,8 @@ impl From<VlmError> for ToolError {
 pub struct EndpointTable {
     /// `served` (default) or `native`.
     pub backend: Option<String>,
-    /// Native backend: where the model runs (`cpu`, `cuda:0`, …; default cpu).
+    /// Native backend: the one device the model runs on (`cpu`, `cuda:0`, …); default: routed
+    /// across the pool's devices (`--device`; the CPU unless told otherwise).
     pub device: Option<String>,
     pub base_url: Option<String>,
     pub model: Option<String>,
@@ -163,7 +164,8 @@ pub struct Endpoint {
 pub struct NativeModel {
     /// Registry id, e.g. `llava-med-v1.5`.
     pub model: String,
-    pub device: hilum_models::Device,
+    /// `None`: routed across the pool's devices.
+    pub device: Option<hilum_models::Device>,
     pub max_tokens: u32,
 }
 
@@ -243,12 +245,13 @@ impl VlmSettings {
         match t.backend.as_deref().map(str::trim) {
             None | Some("served") => Ok(self.endpoint(tool)?.map(Backend::Served)),
             Some("native") => {
-                let device = match t.device.as_deref() {
-                    None => hilum_models::Device::Cpu,
-                    Some(d) => d
-                        .parse()
-                        .map_err(|e: hilum_models::ModelError| VlmError::Config(e.to_string()))?,
-                };
+                let device =
+                    match t.device.as_deref() {
+                        None => None,
+                        Some(d) => Some(d.parse().map_err(|e: hilum_models::ModelError| {
+                            VlmError::Config(e.to_string())
+                        })?),
+                    };
                 Ok(Some(Backend::Native(NativeModel {
                     model: t.model.unwrap_or_else(|| NATIVE_DEFAULT_MODEL.to_string()),
                     device,
@@ -353,7 +356,7 @@ pub async fn prepare_image_blocking(
     img: std::sync::Arc<CxrImage>,
     ep: Endpoint,
 ) -> Result<SentImage, ToolError> {
-    crate::common::run_blocking(None, move || Ok(prepare_image(&img, &ep)?)).await
+    crate::common::run_blocking(move || Ok(prepare_image(&img, &ep)?)).await
 }
 
 /// Resizes the radiograph for `ep` and encodes it as PNG. For Qwen2.5-VL the size sent is

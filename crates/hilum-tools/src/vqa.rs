@@ -11,12 +11,12 @@ use hilum_agent::{
 };
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::llava::NativeVlm;
-use hilum_models::ModelPool;
+use hilum_models::{ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{model_error, run_model, ImageId};
+use crate::common::{run_model, ImageId};
 use crate::vlm::{self, Backend, NativeModel, VlmSettings};
 
 pub const NAME: &str = "answer_visual_question";
@@ -80,47 +80,43 @@ impl AnswerVisualQuestion {
         })?;
         let spec = native.clone();
         let q = question.to_string();
-        let (answer, load_ms) =
-            run_model(models, &native.model, native.device, move |models, _| {
-                let t0 = std::time::Instant::now();
-                let m = models
-                    .get_or_load::<NativeVlm>(
-                        &spec.model,
-                        spec.device,
-                        hilum_models::Backend::Candle,
-                    )
-                    .map_err(|e| model_error(models, e))?;
-                let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-                let gray = vlm::to_gray8(&img)?;
-                let a = m
-                    .answer(
-                        gray.as_raw(),
-                        img.width as usize,
-                        img.height as usize,
-                        &q,
-                        Some(spec.max_tokens as usize),
-                    )
-                    .map_err(|e| ToolError::Internal(e.to_string()))?;
-                Ok((a, load_ms))
-            })
-            .await
-            // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
-            .map_err(|e| match e {
-                ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
-                    fix: format!(
-                        "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
+        let candle = |_: &_, _| hilum_models::Backend::Candle;
+        let (answer, load_ms, device) = run_model(
+            models,
+            &native.model,
+            native.device,
+            candle,
+            move |p: Placed<'_, NativeVlm>, _| {
+                let (m, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
+                let gray = vlm::to_gray8(&img).map_err(ToolError::from)?;
+                let a = m.answer(
+                    gray.as_raw(),
+                    img.width as usize,
+                    img.height as usize,
+                    &q,
+                    Some(spec.max_tokens as usize),
+                )?;
+                Ok((a, load_ms, p.device))
+            },
+        )
+        .await
+        // A LLaVA snapshot is sharded: say how to turn it into the one file `import` takes.
+        .map_err(|e| match e {
+            ToolError::ModelMissing { model, .. } => ToolError::ModelMissing {
+                fix: format!(
+                    "python3 scripts/convert_llava.py HF_SNAPSHOT_DIR OUT_DIR && hilum models \
                      import {model} OUT_DIR/model.safetensors"
-                    ),
-                    model,
-                },
-                other => other,
-            })?;
+                ),
+                model,
+            },
+            other => other,
+        })?;
         let g = &answer.generation;
         let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let data = json!({
             "model": native.model,
             "backend": "native",
-            "device": native.device.to_string(),
+            "device": device.to_string(),
             "prompt_tokens": g.prompt_tokens,
             "completion_tokens": g.ids.len(),
             "stopped": if g.stopped { "stop_token" } else { "max_tokens" },

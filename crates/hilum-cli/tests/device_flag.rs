@@ -1,0 +1,102 @@
+//! `--device` / `HILUM_DEVICE` / `[models] device` reach the process's one model pool: the
+//! tools run where the list says, the flag wins, and a list that does not parse stops the
+//! command naming where it came from.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn data(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data")
+        .join(rel)
+}
+
+fn hilum(models: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hilum"));
+    c.env_remove("OPENAI_API_KEY")
+        .env_remove("HILUM_LLM")
+        .env_remove("HILUM_DEVICE")
+        .env("HILUM_CONFIG", "/dev/null")
+        .env("HOME", "/nonexistent-hilum-home")
+        .env("HILUM_MODELS_DIR", models);
+    c
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `hilum tools call segment_lungs` on one radiograph, with `flags`; its JSON output without
+/// the timings.
+fn segment(cmd: &mut Command, flags: &[&str]) -> Result<Value, String> {
+    let out = cmd
+        .args(["tools", "call", "segment_lungs", "--image"])
+        .arg(data("cxr/images/covid_2c35005f.jpg"))
+        .args(flags)
+        .output()
+        .expect("run hilum");
+    if !out.status.success() {
+        return Err(stderr(&out));
+    }
+    let mut v: Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+    strip_ms(&mut v);
+    Ok(v)
+}
+
+fn strip_ms(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            m.retain(|k, _| k != "ms" && !k.ends_with("_ms"));
+            m.values_mut().for_each(strip_ms);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_ms),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_device_list_reaches_the_tools_and_bad_lists_stop_the_command() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let models = dir.path().join("models");
+    let out = hilum(&models)
+        .args(["models", "import", "lung-unet"])
+        .arg(data("models/lung_seg_unet/lung_seg_valiou_088.h5"))
+        .output()
+        .expect("run hilum models import");
+    assert!(out.status.success(), "import: {}", stderr(&out));
+
+    let plain = segment(&mut hilum(&models), &[]).expect("no --device");
+    let cpu = segment(&mut hilum(&models), &["--device", "cpu"]).expect("--device cpu");
+    assert_eq!(plain, cpu);
+
+    // A GPU no machine here has: the call fails on that device, so the list reached the pool.
+    let err = segment(hilum(&models).env("HILUM_DEVICE", "cuda:7"), &[]).expect_err("cuda:7");
+    assert!(err.contains("cuda:7"), "{err}");
+    // The flag wins over the variable.
+    let flag = segment(
+        hilum(&models).env("HILUM_DEVICE", "cuda:7"),
+        &["--device", "cpu"],
+    )
+    .expect("--device cpu over HILUM_DEVICE");
+    assert_eq!(flag, plain);
+
+    let err = segment(&mut hilum(&models), &["--device", "cuda:0,cuda:0"]).expect_err("dup");
+    assert!(
+        err.contains("--device:") && err.contains("listed twice"),
+        "{err}"
+    );
+    let err = segment(hilum(&models).env("HILUM_DEVICE", "cpu,cuda:1"), &[]).expect_err("mixed");
+    assert!(
+        err.contains("HILUM_DEVICE:") && err.contains("different kinds"),
+        "{err}"
+    );
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "[models]\ndevice = \"tpu:0\"\n").expect("write config");
+    let err = segment(hilum(&models).env("HILUM_CONFIG", &config), &[]).expect_err("file");
+    assert!(
+        err.contains("[models] device") && err.contains("tpu:0"),
+        "{err}"
+    );
+}
