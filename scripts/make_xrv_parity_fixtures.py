@@ -16,7 +16,7 @@ For each image (JPEG, 8-bit PNG gray/RGB/RGBA, 16-bit PNG) it writes to tests/fi
   <stem>.medsam1024.u8 MedSAM_Inference.py's `img_1024` before min-max scaling (8-bit files
                       only): `skimage.transform.resize(img_3c, (1024, 1024), order=3,
                       preserve_range=True, anti_aliasing=True).astype(np.uint8)`, channel 0,
-                      the manifest's rows only.
+                      the manifest's rows only (its whole-image min and max are in the manifest).
   manifest.json       per image: size, kind, max value, the files above, the logits and the
                       calibrated scores (`op_norm`, published thresholds) of a full-size
                       torchxrayvision DenseNet-121 (`densenet121-res224-all` architecture) with
@@ -183,9 +183,13 @@ def main():
         }
         if kind != "png16":
             rows1024 = sampled_rows(1024)
-            medsam_1024(path)[rows1024].tofile(os.path.join(OUT, f"{stem}.medsam1024.u8"))
+            m1024 = medsam_1024(path)
+            m1024[rows1024].tofile(os.path.join(OUT, f"{stem}.medsam1024.u8"))
             rec["medsam1024"] = f"{stem}.medsam1024.u8"
             rec["medsam1024_rows"] = rows1024
+            # The min-max scaling that follows uses the whole image's range.
+            rec["medsam1024_min"] = int(m1024.min())
+            rec["medsam1024_max"] = int(m1024.max())
         records.append(rec)
         print(f"{name}: {w}x{h} {kind}; logits {logits.min():.3f}..{logits.max():.3f}; "
               f"scores {scores.min():.3f}..{scores.max():.3f}")
