@@ -19,6 +19,7 @@ mod dicom;
 pub mod font;
 pub mod regions;
 mod render;
+pub mod skresize;
 mod store;
 mod transform;
 

@@ -19,6 +19,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::skresize::Region;
 use crate::{CxrImage, ImagingError};
 
 /// Resampling filter.
@@ -34,6 +35,11 @@ pub enum Filter {
     /// Exact pixel-area averaging when downscaling (like `cv2.INTER_AREA`); bilinear when
     /// upscaling.
     Area,
+    /// `skimage.transform.resize(order=1, mode="constant", anti_aliasing=True)` on the
+    /// normalised values, as torchxrayvision's `XRayResizer` does (Gaussian anti-aliasing, then
+    /// linear interpolation; skimage's `cval=0` is the value the recipe's `norm` maps to 0, e.g.
+    /// mid-grey for [`Norm::Xrv`]; clipped to the input's range). See [`crate::skresize`].
+    SkimageLinear,
 }
 
 /// How the image's aspect ratio meets the target size.
@@ -109,11 +115,13 @@ impl Preprocess {
         }
     }
 
-    /// torchxrayvision's pipeline: centre crop to a square, `size` px, [-1024, 1024], 1 channel.
+    /// torchxrayvision's pipeline: centre crop to a square, `size` px with its skimage resize,
+    /// [-1024, 1024], 1 channel.
     pub fn xrv(size: u32) -> Self {
         Self::stretch(size, size)
             .fit(Fit::CenterCrop)
             .norm(Norm::Xrv)
+            .filter(Filter::SkimageLinear)
     }
 
     /// ImageNet-pretrained CNNs: `size` px stretched, 3 channels, ImageNet mean/std, planar.
@@ -300,9 +308,33 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
         )));
     }
     let (dw, dh) = (p.width as usize, p.height as usize);
+    let max = img.max_value();
+    // The raw value the norm maps to 0: what skimage's cval=0 pads with.
+    let pad = if p.norm == Norm::Xrv { max / 2.0 } else { 0.0 };
+    let resize_region = |region: Region, w: usize, h: usize| -> Vec<f32> {
+        if p.filter == Filter::SkimageLinear {
+            return crate::skresize::resize_linear_constant(&img.pixels, sw, region, w, h, pad);
+        }
+        if region.x0 == 0 && region.y0 == 0 && region.width == sw && region.height == sh {
+            return resize(&img.pixels, sw, sh, w, h, p.filter);
+        }
+        let mut crop = Vec::with_capacity(region.width * region.height);
+        for y in region.y0..region.y0 + region.height {
+            crop.extend_from_slice(
+                &img.pixels[y * sw + region.x0..y * sw + region.x0 + region.width],
+            );
+        }
+        resize(&crop, region.width, region.height, w, h, p.filter)
+    };
+    let whole = Region {
+        x0: 0,
+        y0: 0,
+        width: sw,
+        height: sh,
+    };
     let (plane, geometry) = match p.fit {
         Fit::Stretch => (
-            resize(&img.pixels, sw, sh, dw, dh, p.filter),
+            resize_region(whole, dw, dh),
             Geometry {
                 src_width: img.width,
                 src_height: img.height,
@@ -319,7 +351,7 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             let rw = ((sw as f64 * s).round() as usize).clamp(1, dw);
             let rh = ((sh as f64 * s).round() as usize).clamp(1, dh);
             let (ox, oy) = ((dw - rw) / 2, (dh - rh) / 2);
-            let small = resize(&img.pixels, sw, sh, rw, rh, p.filter);
+            let small = resize_region(whole, rw, rh);
             let mut plane = vec![0.0f32; dw * dh];
             for y in 0..rh {
                 plane[(y + oy) * dw + ox..(y + oy) * dw + ox + rw]
@@ -349,13 +381,15 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             // Same origin as torchxrayvision's XRayCenterCrop (differs from (sw - cw) / 2 by one
             // pixel for some odd sizes).
             let (x0, y0) = (sw / 2 - cw / 2, sh / 2 - ch / 2);
-            let mut crop = Vec::with_capacity(cw * ch);
-            for y in y0..y0 + ch {
-                crop.extend_from_slice(&img.pixels[y * sw + x0..y * sw + x0 + cw]);
-            }
             let (sx, sy) = (dw as f64 / cw as f64, dh as f64 / ch as f64);
+            let region = Region {
+                x0,
+                y0,
+                width: cw,
+                height: ch,
+            };
             (
-                resize(&crop, cw, ch, dw, dh, p.filter),
+                resize_region(region, dw, dh),
                 Geometry {
                     src_width: img.width,
                     src_height: img.height,
@@ -369,7 +403,6 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             )
         }
     };
-    let max = img.max_value();
     let channels = p.channels as usize;
     let scaled: Vec<Vec<f32>> = (0..channels)
         .map(|c| {
@@ -431,7 +464,7 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                         .collect();
                     normalised(start, weights)
                 }
-                Filter::Bilinear | Filter::Area => {
+                Filter::Bilinear | Filter::Area | Filter::SkimageLinear => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
                     let start = ((center - support + 0.5).floor().max(0.0)) as usize;
@@ -461,6 +494,15 @@ fn normalised(start: usize, weights: Vec<f64>) -> Taps {
 pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: Filter) -> Vec<f32> {
     if sw == dw && sh == dh {
         return src[..sw * sh].to_vec();
+    }
+    if filter == Filter::SkimageLinear {
+        let whole = Region {
+            x0: 0,
+            y0: 0,
+            width: sw,
+            height: sh,
+        };
+        return crate::skresize::resize_linear_constant(src, sw, whole, dw, dh, 0.0);
     }
     let hx = taps(sw, dw, filter);
     let mut tmp = vec![0.0f32; sh * dw];

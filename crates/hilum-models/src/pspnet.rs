@@ -393,8 +393,9 @@ impl AnatomySegmenter {
 }
 
 /// torchxrayvision's PSPNet input for a whole image: values to the xrv range, resized to
-/// `size` x `size` (bilinear; the image is stretched, not cropped, so masks map back onto the
-/// whole image), `(x + 1024) / 2048`, repeated to 3 channels with ImageNet normalisation.
+/// `size` x `size` by its `XRayResizer` (skimage's resize: Gaussian anti-aliasing, linear
+/// interpolation, mid-grey padding; the image is stretched, not cropped, so masks map back onto
+/// the whole image), `(x + 1024) / 2048`, repeated to 3 channels with ImageNet normalisation.
 pub fn preprocess(
     gray: &[f32],
     width: usize,
@@ -402,8 +403,17 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    let resized = crate::unet::resize_bilinear(gray, width, height, 1, size, size);
-    let scale = 1.0 / max_value.max(1.0);
+    let whole = hilum_imaging::skresize::Region {
+        x0: 0,
+        y0: 0,
+        width,
+        height,
+    };
+    let max = max_value.max(1.0);
+    // skimage pads with 0 in xrv units, i.e. with max / 2 in raw units.
+    let resized =
+        hilum_imaging::skresize::resize_linear_constant(gray, width, whole, size, size, max / 2.0);
+    let scale = 1.0 / max;
     const MEAN: [f32; 3] = [0.485, 0.456, 0.406];
     const STD: [f32; 3] = [0.229, 0.224, 0.225];
     let mut out = Vec::with_capacity(3 * size * size);

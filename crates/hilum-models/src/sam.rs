@@ -1118,9 +1118,10 @@ impl Sam {
 }
 
 /// MedSAM's input for a whole grayscale image (`MedSAM_Inference.py`): the image on an 8-bit
-/// scale, stretched to `size` x `size`, truncated to integers (`astype(np.uint8)`), min-max
-/// scaled to 0..1 over the resized image, repeated to 3 channels (CHW). The resize is Hilum's
-/// antialiased bilinear, where MedSAM uses skimage's anti-aliased cubic spline.
+/// scale, stretched to `size` x `size` by skimage's resize as MedSAM calls it (order 3,
+/// `mode="reflect"`, anti-aliasing; `hilum_imaging::skresize::resize_cubic_mirror`), truncated
+/// to integers (`astype(np.uint8)`), min-max scaled to 0..1 over the resized image, repeated to
+/// 3 channels (CHW).
 pub fn preprocess(
     gray: &[f32],
     width: usize,
@@ -1130,10 +1131,10 @@ pub fn preprocess(
 ) -> Vec<f32> {
     let scale = 255.0 / max_value.max(1.0);
     let eight: Vec<f32> = gray.iter().map(|&v| v * scale).collect();
-    let resized = crate::unet::resize_bilinear(&eight, width, height, 1, size, size);
+    let resized = hilum_imaging::skresize::resize_cubic_mirror(&eight, width, height, size, size);
     let quant: Vec<f32> = resized
         .iter()
-        .map(|v| v.clamp(0.0, 255.0).trunc())
+        .map(|v| v.clamp(0.0, 255.0).trunc() as f32)
         .collect();
     let (lo, hi) = quant
         .iter()

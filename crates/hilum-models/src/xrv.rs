@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::{densenet, native, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
+use hilum_imaging::skresize::{resize_linear_constant, Region};
 use hilum_kernels::{CpuError, NativeDenseNet, NativeResNet};
 
 /// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
@@ -193,10 +194,10 @@ pub fn op_norm(p: f32, t: Option<f32>) -> f32 {
     }
 }
 
-/// torchxrayvision's input: `(2 * v / max_value - 1) * 1024`, the centred square crop of the
-/// shorter side (`XRayCenterCrop`), resized to `size` x `size`. The resize is area averaging
-/// (torchxrayvision's `XRayResizer(engine="cv2")`, `INTER_AREA`) when shrinking and bilinear
-/// when enlarging. Returns `size * size` values, row-major.
+/// torchxrayvision's input: the centred square crop of the shorter side (`XRayCenterCrop`),
+/// `(2 * v / max_value - 1) * 1024`, resized to `size` x `size` the way its `XRayResizer` does
+/// (skimage's resize: Gaussian anti-aliasing, linear interpolation, mid-grey padding; see
+/// `hilum_imaging::skresize`). Returns `size * size` values, row-major.
 pub fn preprocess(
     pixels: &[f32],
     width: usize,
@@ -206,63 +207,20 @@ pub fn preprocess(
 ) -> Vec<f32> {
     let crop = width.min(height);
     // Same offsets as `x // 2 - crop // 2`.
-    let (x0, y0) = (width / 2 - crop / 2, height / 2 - crop / 2);
-    let scale = 2.0 / max_value.max(1.0);
-    let cropped: Vec<f32> = (0..crop)
-        .flat_map(|y| {
-            let row = &pixels[(y0 + y) * width + x0..][..crop];
-            row.iter().map(move |&v| (v * scale - 1.0) * 1024.0)
-        })
-        .collect();
-    let wx = resample_weights(crop, size);
-    // Separable: rows first (crop x size), then columns (size x size).
-    let mut tmp = vec![0f32; crop * size];
-    for y in 0..crop {
-        let src = &cropped[y * crop..(y + 1) * crop];
-        for (ox, taps) in wx.iter().enumerate() {
-            tmp[y * size + ox] = taps.iter().map(|&(i, w)| src[i] * w).sum();
-        }
-    }
-    let mut out = vec![0f32; size * size];
-    for (oy, taps) in wx.iter().enumerate() {
-        for ox in 0..size {
-            out[oy * size + ox] = taps.iter().map(|&(i, w)| tmp[i * size + ox] * w).sum();
-        }
+    let region = Region {
+        x0: width / 2 - crop / 2,
+        y0: height / 2 - crop / 2,
+        width: crop,
+        height: crop,
+    };
+    let max = max_value.max(1.0);
+    // skimage pads with 0 in xrv units, i.e. with max / 2 in raw units.
+    let mut out = resize_linear_constant(pixels, width, region, size, size, max / 2.0);
+    let scale = 2.0 / max;
+    for v in out.iter_mut() {
+        *v = (*v * scale - 1.0) * 1024.0;
     }
     out
-}
-
-/// Per output index, the (source index, weight) taps of a 1-D resize from `n` to `m`.
-fn resample_weights(n: usize, m: usize) -> Vec<Vec<(usize, f32)>> {
-    let s = n as f64 / m as f64;
-    (0..m)
-        .map(|o| {
-            if s >= 1.0 {
-                // Area: the fraction of each source pixel inside [o*s, (o+1)*s).
-                let (a, b) = (o as f64 * s, (o + 1) as f64 * s);
-                let mut taps = Vec::new();
-                let mut i = a.floor() as usize;
-                while (i as f64) < b && i < n {
-                    let cover = (b.min(i as f64 + 1.0) - a.max(i as f64)) / s;
-                    if cover > 0.0 {
-                        taps.push((i, cover as f32));
-                    }
-                    i += 1;
-                }
-                taps
-            } else {
-                // Bilinear with half-pixel centres, clamped at the edges.
-                let x = ((o as f64 + 0.5) * s - 0.5).clamp(0.0, (n - 1) as f64);
-                let i = x.floor() as usize;
-                let f = (x - i as f64) as f32;
-                if i + 1 < n {
-                    vec![(i, 1.0 - f), (i + 1, f)]
-                } else {
-                    vec![(i, 1.0)]
-                }
-            }
-        })
-        .collect()
 }
 
 /// Where the ONNX Runtime backend's graph came from.
