@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import gguf
 import torch
 from PIL import Image
 from safetensors.torch import save_file, load_file
@@ -210,7 +211,7 @@ def make_tiny():
 
     rgb, grey = test_images()
     proc = Gemma3ImageProcessor(size={"height": 32, "width": 32})
-    pil = [Image.fromarray(rgb, "RGB"), Image.fromarray(grey, "L")]
+    pil = [Image.fromarray(rgb), Image.fromarray(grey)]  # RGB and L
     pixel_values = proc(images=pil, return_tensors="pt")["pixel_values"].float()
     assert pixel_values.shape == (2, 3, 32, 32), pixel_values.shape
 
@@ -274,9 +275,137 @@ def make_tiny():
         )
         + "\n"
     )
+    make_gguf(model, cfg, d)
     print(
         f"tiny: {sum(p.numel() for p in model.parameters())} parameters, prompt {len(ids)} tokens,"
         f" greedy {greedy} (min margin {margin:.3f}), mask effect {float((causal - logits).abs().max()):.3f}"
+    )
+
+
+def vocab():
+    tokens = [f"<unused{i}>" for i in range(VOCAB)]
+    for i, t in [(PAD, "<pad>"), (EOS, "<eos>"), (BOS, "<bos>"), (START_TURN, "<start_of_turn>"),
+                 (END_TURN, "<end_of_turn>"), (NL, "\n"), (NL2, "\n\n"), (BOI, "<start_of_image>"),
+                 (EOI, "<end_of_image>"), (IMAGE, "<image_soft_token>")]:
+        tokens[i] = t
+    return tokens
+
+
+def write_gguf(path, arch, kv, tensors):
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, (kind, val) in kv.items():
+        if "." in key:
+            getattr(w, f"add_{kind}")(key, val)  # a raw key
+        else:
+            getattr(w, f"add_{key}")(val)  # the writer's helper for `{arch}.<key>`
+    for name, t in tensors:
+        w.add_tensor(name, t.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_gguf(model, cfg, d):
+    """The tiny model in llama.cpp's layout (convert_hf_to_gguf.py's Gemma3Model and
+    Gemma3VisionModel, f32): a text GGUF (norm weights stored as 1 + w) and an mmproj GGUF (SigLIP
+    names mapped to v.*, only mm.soft_emb_norm stored as 1 + w)."""
+    t, v = cfg.text_config, cfg.vision_config
+    sd = {k: p for k, p in model.state_dict().items()}
+    text = []
+    lm = "model.language_model."
+    norms = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    }
+    mats = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    text.append(("token_embd.weight", sd[lm + "embed_tokens.weight"]))
+    text.append(("output_norm.weight", sd[lm + "norm.weight"] + 1))
+    for i in range(t.num_hidden_layers):
+        for hf, gg in norms.items():
+            text.append((f"blk.{i}.{gg}.weight", sd[f"{lm}layers.{i}.{hf}.weight"] + 1))
+        for hf, gg in mats.items():
+            text.append((f"blk.{i}.{gg}.weight", sd[f"{lm}layers.{i}.{hf}.weight"]))
+    write_gguf(
+        d / "text.gguf",
+        "gemma3",
+        {
+            "context_length": ("uint32", t.max_position_embeddings),
+            "embedding_length": ("uint32", t.hidden_size),
+            "block_count": ("uint32", t.num_hidden_layers),
+            "feed_forward_length": ("uint32", t.intermediate_size),
+            "head_count": ("uint32", t.num_attention_heads),
+            "head_count_kv": ("uint32", t.num_key_value_heads),
+            "key_length": ("uint32", t.head_dim),
+            "value_length": ("uint32", t.head_dim),
+            "layer_norm_rms_eps": ("float32", t.rms_norm_eps),
+            "rope_freq_base": ("float32", t.rope_theta),
+            "sliding_window": ("uint32", t.sliding_window),
+            "rope_scaling_type": ("", gguf.RopeScalingType.LINEAR),
+            "rope_scaling_factor": ("float32", t.rope_scaling["factor"]),
+            # Not written by llama.cpp's converter (it assumes 10 000 and every sixth layer).
+            "gemma3.rope.freq_base_swa": ("float32", t.rope_local_base_freq),
+            "gemma3.attention.sliding_window_pattern": ("uint32", 2),
+            # Placeholder pieces; only the special tokens' ids are read.
+            "tokenizer.ggml.tokens": ("array", vocab()),
+        },
+        text,
+    )
+    vm = "model.vision_tower.vision_model."
+    vis = [
+        ("v.patch_embd.weight", sd[vm + "embeddings.patch_embedding.weight"]),
+        ("v.patch_embd.bias", sd[vm + "embeddings.patch_embedding.bias"]),
+        ("v.position_embd.weight", sd[vm + "embeddings.position_embedding.weight"]),
+        ("v.post_ln.weight", sd[vm + "post_layernorm.weight"]),
+        ("v.post_ln.bias", sd[vm + "post_layernorm.bias"]),
+        ("mm.input_projection.weight", sd["model.multi_modal_projector.mm_input_projection_weight"]),
+        ("mm.soft_emb_norm.weight", sd["model.multi_modal_projector.mm_soft_emb_norm.weight"] + 1),
+    ]
+    blk = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.out_proj": "attn_out",
+        "layer_norm1": "ln1",
+        "layer_norm2": "ln2",
+        "mlp.fc1": "ffn_up",
+        "mlp.fc2": "ffn_down",
+    }
+    for i in range(v.num_hidden_layers):
+        for hf, gg in blk.items():
+            for kind in ("weight", "bias"):
+                vis.append((f"v.blk.{i}.{gg}.{kind}", sd[f"{vm}encoder.layers.{i}.{hf}.{kind}"]))
+    write_gguf(
+        d / "mmproj.gguf",
+        "clip",
+        {
+            "clip.projector_type": ("string", "gemma3"),
+            "clip.has_vision_encoder": ("bool", True),
+            "clip.vision.image_size": ("uint32", v.image_size),
+            "clip.vision.patch_size": ("uint32", v.patch_size),
+            "clip.vision.embedding_length": ("uint32", v.hidden_size),
+            "clip.vision.feed_forward_length": ("uint32", v.intermediate_size),
+            "clip.vision.projection_dim": ("uint32", t.hidden_size),
+            "clip.vision.block_count": ("uint32", v.num_hidden_layers),
+            "clip.vision.attention.head_count": ("uint32", v.num_attention_heads),
+            "clip.vision.attention.layer_norm_epsilon": ("float32", v.layer_norm_eps),
+            "clip.vision.image_mean": ("array", [0.5, 0.5, 0.5]),
+            "clip.vision.image_std": ("array", [0.5, 0.5, 0.5]),
+            "clip.vision.projector.scale_factor": ("uint32", 2),
+        },
+        vis,
     )
 
 

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use hilum_llm_local::model::argmax;
+use hilum_llm_local::model::{argmax, MatmulMode};
 use hilum_llm_local::vlm::{check_parameters, Gemma3Vlm, VlmConfig};
 use serde_json::Value;
 
@@ -107,6 +107,57 @@ fn tiny_model_matches_transformers() {
         got.push(argmax(&l).unwrap());
     }
     assert_eq!(got, want, "greedy tokens differ from transformers' generate");
+}
+
+/// llama.cpp's pair of files (text GGUF + mmproj, written from the same tiny model by the
+/// fixture script with the `gguf` package) give what the safetensors snapshot gives.
+#[test]
+fn gguf_and_mmproj_match_the_safetensors_model() {
+    let (r, j) = reference();
+    let dir = fixtures().join("tiny");
+    let dev = Device::Cpu;
+    let mut st = Gemma3Vlm::load(&dir, 256, &dev).expect("safetensors");
+    let mut gg = Gemma3Vlm::load_gguf(
+        &dir.join("text.gguf"),
+        &dir.join("mmproj.gguf"),
+        256,
+        MatmulMode::Dense,
+        &dev,
+    )
+    .expect("gguf + mmproj");
+    // llama.cpp derives the query scale from the head size (equal to query_pre_attn_scalar on
+    // every published Gemma 3 but 27B); the tiny model's differs on purpose.
+    assert_eq!(gg.cfg.text.query_pre_attn_scalar.round(), 20.0);
+    gg.decoder_mut().cfg.attn_scale = 1.0 / 24f64.sqrt();
+    assert_eq!(
+        (gg.cfg.image_token, gg.cfg.boi_token, gg.cfg.eoi_token, gg.cfg.mm_tokens_per_image),
+        (st.cfg.image_token, st.cfg.boi_token, st.cfg.eoi_token, st.cfg.mm_tokens_per_image)
+    );
+    let mut feats = Vec::new();
+    let mut feat_diff = 0f32;
+    for i in 0..2 {
+        let px = r["pixel_values"].i(i).unwrap();
+        let a = st.image_features(&px).unwrap();
+        let b = gg.image_features(&px).unwrap();
+        feat_diff = feat_diff.max(max_diff(&a, &b));
+        feats.push(b);
+    }
+    let prompt = ids(&j["prompt_ids"]);
+    let la = st.prefill(&prompt, &feats).unwrap();
+    let lb = gg.prefill(&prompt, &feats).unwrap();
+    let logit_diff = max_diff(&la, &lb);
+    let ref_diff = max_diff(&lb, &r["logits"]);
+    eprintln!(
+        "gguf vs safetensors: features {feat_diff:e}, logits {logit_diff:e}; gguf vs transformers: logits {ref_diff:e}"
+    );
+    assert!(feat_diff <= 1e-5 && logit_diff <= 1e-5 && ref_diff <= TOL);
+    let want = ids(&j["greedy"]);
+    let mut got = vec![argmax(&lb.i(prompt.len() - 1).unwrap()).unwrap()];
+    while got.len() < want.len() {
+        let l = gg.decoder_mut().forward(&[*got.last().unwrap()]).unwrap();
+        got.push(argmax(&l).unwrap());
+    }
+    assert_eq!(got, want);
 }
 
 #[test]

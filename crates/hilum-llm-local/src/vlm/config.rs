@@ -184,7 +184,7 @@ impl VlmConfig {
         Ok(cfg)
     }
 
-    fn check(&self) -> Result<(), String> {
+    pub(crate) fn check(&self) -> Result<(), String> {
         let (t, v) = (&self.text, &self.vision);
         if t.heads == 0 || t.kv_heads == 0 || !t.heads.is_multiple_of(t.kv_heads) || t.head_dim % 2 != 0
         {

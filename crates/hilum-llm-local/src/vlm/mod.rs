@@ -12,6 +12,7 @@
 //! attending to each other in both directions, causal attention elsewhere.
 
 pub mod config;
+mod gguf;
 pub mod preprocess;
 mod siglip;
 
@@ -55,7 +56,8 @@ fn published_name(name: &str) -> String {
     name.to_string()
 }
 
-/// The safetensors files of a snapshot directory, in name order.
+/// The weight files of a snapshot directory: `model.safetensors` or its shards
+/// (`model-00001-of-00002.safetensors`, ...), in name order.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LocalError> {
     let io = |reason: String| LocalError::Io {
         path: dir.display().to_string(),
@@ -64,11 +66,15 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LocalError> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| io(e.to_string()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors"))
+        })
         .collect();
     files.sort();
     if files.is_empty() {
-        return Err(io("no .safetensors files in this directory".into()));
+        return Err(io("no model*.safetensors files in this directory".into()));
     }
     Ok(files)
 }
@@ -122,16 +128,26 @@ impl Gemma3Vlm {
         max_positions: usize,
         dev: &Device,
     ) -> Result<Self, LocalError> {
-        let vision = VisionTower::load(&cfg, &mut |n| {
-            get(&format!("vision_tower.vision_model.{n}"))
-        })?;
-        let projector = Projector::load(&cfg, &mut |n| get(&format!("multi_modal_projector.{n}")))?;
         let decoder = Gemma3::from_dense(
             cfg.decoder(),
             &mut |n| get(&format!("language_model.model.{n}")),
             max_positions,
             dev,
         )?;
+        Self::assemble(cfg, get, decoder, dev)
+    }
+
+    /// The vision tower and projector from `get(published name)` around a loaded decoder.
+    fn assemble(
+        cfg: VlmConfig,
+        get: &mut dyn FnMut(&str) -> candle_core::Result<Tensor>,
+        decoder: Gemma3,
+        dev: &Device,
+    ) -> Result<Self, LocalError> {
+        let vision = VisionTower::load(&cfg, &mut |n| {
+            get(&format!("vision_tower.vision_model.{n}"))
+        })?;
+        let projector = Projector::load(&cfg, &mut |n| get(&format!("multi_modal_projector.{n}")))?;
         Ok(Gemma3Vlm {
             cfg,
             vision,
