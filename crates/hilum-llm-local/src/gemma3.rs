@@ -110,7 +110,9 @@ impl Gemma3Config {
                 .collect(),
             attn_scale: 1.0 / (scale_dim as f64).sqrt(),
             // llama.cpp's converter writes Gemma 3 4B+'s linear factor 8 here.
-            rope_scale_global: match md(ct, "gemma3.rope.scaling.type").and_then(|v| v.to_string().cloned()) {
+            rope_scale_global: match md(ct, "gemma3.rope.scaling.type")
+                .and_then(|v| v.to_string().cloned())
+            {
                 Ok(t) if t == "linear" => opt_f("rope.scaling.factor").unwrap_or(1.0),
                 _ => 1.0,
             },

@@ -106,7 +106,10 @@ fn tiny_model_matches_transformers() {
         let l = vlm.decoder_mut().forward(&[last]).expect("decode step");
         got.push(argmax(&l).unwrap());
     }
-    assert_eq!(got, want, "greedy tokens differ from transformers' generate");
+    assert_eq!(
+        got, want,
+        "greedy tokens differ from transformers' generate"
+    );
 }
 
 /// llama.cpp's pair of files (text GGUF + mmproj, written from the same tiny model by the
@@ -130,8 +133,18 @@ fn gguf_and_mmproj_match_the_safetensors_model() {
     assert_eq!(gg.cfg.text.query_pre_attn_scalar.round(), 20.0);
     gg.decoder_mut().cfg.attn_scale = 1.0 / 24f64.sqrt();
     assert_eq!(
-        (gg.cfg.image_token, gg.cfg.boi_token, gg.cfg.eoi_token, gg.cfg.mm_tokens_per_image),
-        (st.cfg.image_token, st.cfg.boi_token, st.cfg.eoi_token, st.cfg.mm_tokens_per_image)
+        (
+            gg.cfg.image_token,
+            gg.cfg.boi_token,
+            gg.cfg.eoi_token,
+            gg.cfg.mm_tokens_per_image
+        ),
+        (
+            st.cfg.image_token,
+            st.cfg.boi_token,
+            st.cfg.eoi_token,
+            st.cfg.mm_tokens_per_image
+        )
     );
     let mut feats = Vec::new();
     let mut feat_diff = 0f32;
@@ -173,7 +186,10 @@ fn wrong_image_count_is_a_clear_error() {
         .err()
         .expect("one image for two blocks must fail")
         .to_string();
-    assert!(err.contains("32 image tokens but 1 image(s) of 16"), "{err}");
+    assert!(
+        err.contains("32 image tokens but 1 image(s) of 16"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -227,7 +243,10 @@ fn medgemma_4b_parameter_list_matches_transformers() {
     let globals: Vec<usize> = (0..34).filter(|&i| !cfg.text.local[i]).collect();
     assert_eq!(globals, [5, 11, 17, 23, 29]);
     assert_eq!(cfg.text.rope_linear_factor, 8.0);
-    assert_eq!((cfg.vision.patches_per_side(), cfg.tokens_per_side()), (64, 16));
+    assert_eq!(
+        (cfg.vision.patches_per_side(), cfg.tokens_per_side()),
+        (64, 16)
+    );
 }
 
 #[test]
@@ -235,10 +254,7 @@ fn loader_names_what_is_wrong_with_a_checkpoint() {
     let (cfg, _) = medgemma_config();
     let mut found: BTreeMap<String, Vec<usize>> = cfg.parameters().into_iter().collect();
     found.remove("multi_modal_projector.mm_soft_emb_norm.weight");
-    found.insert(
-        "language_model.model.norm.weight".into(),
-        vec![2304],
-    );
+    found.insert("language_model.model.norm.weight".into(), vec![2304]);
     found.insert("lm_head.weight".into(), vec![262_208, 2560]);
     let err = check_parameters(&cfg.parameters(), &found).unwrap_err();
     for part in [

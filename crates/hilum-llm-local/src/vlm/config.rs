@@ -107,10 +107,7 @@ impl VlmConfig {
             None => (0..layers).map(|i| (i + 1) % pattern != 0).collect(),
         };
         if local.len() != layers {
-            return Err(format!(
-                "{} layer types for {layers} layers",
-                local.len()
-            ));
+            return Err(format!("{} layer types for {layers} layers", local.len()));
         }
         let rope_linear_factor = match t.get("rope_scaling") {
             None | Some(Value::Null) => 1.0,
@@ -153,11 +150,18 @@ impl VlmConfig {
             .flatten()
         {
             if act.as_str() != Some("gelu_pytorch_tanh") {
-                return Err(format!("activation {act} is not supported (gelu_pytorch_tanh)"));
+                return Err(format!(
+                    "activation {act} is not supported (gelu_pytorch_tanh)"
+                ));
             }
         }
-        if t.get("use_bidirectional_attention").and_then(Value::as_bool) == Some(true) {
-            return Err("a text model with bidirectional attention is not Gemma 3's decoder".into());
+        if t.get("use_bidirectional_attention")
+            .and_then(Value::as_bool)
+            == Some(true)
+        {
+            return Err(
+                "a text model with bidirectional attention is not Gemma 3's decoder".into(),
+            );
         }
         if vis.get("vision_use_head").and_then(Value::as_bool) == Some(true) {
             return Err("a vision tower with a pooling head is not Gemma 3's".into());
@@ -186,7 +190,10 @@ impl VlmConfig {
 
     pub(crate) fn check(&self) -> Result<(), String> {
         let (t, v) = (&self.text, &self.vision);
-        if t.heads == 0 || t.kv_heads == 0 || !t.heads.is_multiple_of(t.kv_heads) || t.head_dim % 2 != 0
+        if t.heads == 0
+            || t.kv_heads == 0
+            || !t.heads.is_multiple_of(t.kv_heads)
+            || t.head_dim % 2 != 0
         {
             return Err(format!(
                 "inconsistent attention shapes ({} heads, {} kv heads, head size {})",
@@ -251,7 +258,12 @@ impl VlmConfig {
         let mut out: Vec<(String, Vec<usize>)> = Vec::new();
         let mut add = |name: String, shape: &[usize]| out.push((name, shape.to_vec()));
         let lm = "language_model.model";
-        let (d, hd, q, kv) = (t.hidden, t.head_dim, t.heads * t.head_dim, t.kv_heads * t.head_dim);
+        let (d, hd, q, kv) = (
+            t.hidden,
+            t.head_dim,
+            t.heads * t.head_dim,
+            t.kv_heads * t.head_dim,
+        );
         add(format!("{lm}.embed_tokens.weight"), &[t.vocab, d]);
         add(format!("{lm}.norm.weight"), &[d]);
         for i in 0..t.layers {

@@ -113,9 +113,7 @@ impl Gemma3Vlm {
             .and_then(|v| v.to_string().cloned())
             .map_err(|e| bad_v(e.to_string()))?;
         if projector != "gemma3" {
-            return Err(bad_v(format!(
-                "projector type `{projector}` is not gemma3"
-            )));
+            return Err(bad_v(format!("projector type `{projector}` is not gemma3")));
         }
         let decoder = Gemma3::load(&tct, &mut tf, max_positions, mode, dev)?;
         let dc = decoder.cfg.clone();
@@ -124,7 +122,8 @@ impl Gemma3Vlm {
             .get("token_embd.weight")
             .map(|t| t.shape.dims()[0])
             .unwrap_or(0);
-        let u = |k: &str| meta_u(&vct, &format!("clip.vision.{k}")).map_err(|e| bad_v(e.to_string()));
+        let u =
+            |k: &str| meta_u(&vct, &format!("clip.vision.{k}")).map_err(|e| bad_v(e.to_string()));
         let vision = VisionConfig {
             hidden: u("embedding_length")?,
             intermediate: u("feed_forward_length")?,
@@ -175,7 +174,10 @@ impl Gemma3Vlm {
             let name = mmproj_name(published).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no mmproj name for {published}"))
             })?;
-            let t = vct.tensor(&mut vf, &name, dev)?.dequantize(dev)?.to_dtype(DType::F32)?;
+            let t = vct
+                .tensor(&mut vf, &name, dev)?
+                .dequantize(dev)?
+                .to_dtype(DType::F32)?;
             // Back to the checkpoint's `w` (the projector multiplies by 1 + w).
             if name == "mm.soft_emb_norm.weight" {
                 t - 1.0

@@ -261,7 +261,8 @@ pub fn check_parameters(
             _ => {}
         }
     }
-    let known: std::collections::BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    let known: std::collections::BTreeSet<&str> =
+        expected.iter().map(|(n, _)| n.as_str()).collect();
     for name in found.keys().filter(|n| !known.contains(n.as_str())) {
         problems.push(format!("unexpected {name}"));
     }

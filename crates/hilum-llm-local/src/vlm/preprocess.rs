@@ -26,7 +26,9 @@ fn taps(in_size: usize, out_size: usize) -> Vec<Taps> {
             let center = (o as f64 + 0.5) * scale;
             // C's (int) truncation toward zero of a value >= -0.5 + ...: clamp at 0 first.
             let lo = ((center - support + 0.5) as i64).max(0) as usize;
-            let hi = ((center + support + 0.5) as i64).min(in_size as i64).max(lo as i64) as usize;
+            let hi = ((center + support + 0.5) as i64)
+                .min(in_size as i64)
+                .max(lo as i64) as usize;
             let w: Vec<f64> = (lo..hi)
                 .map(|i| {
                     let x = ((i as f64 - center + 0.5) / filterscale).abs();
