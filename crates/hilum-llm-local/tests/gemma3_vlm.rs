@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{Device, IndexOp, Tensor};
 use hilum_llm_local::model::{argmax, MatmulMode};
 use hilum_llm_local::vlm::{check_parameters, Gemma3Vlm, VlmConfig};
 use serde_json::Value;
@@ -181,11 +181,10 @@ fn wrong_image_count_is_a_clear_error() {
     let f = vlm
         .image_features(&r["pixel_values"].i(0).unwrap())
         .unwrap();
-    let err = vlm
-        .prefill(&ids(&j["prompt_ids"]), &[f])
-        .err()
-        .expect("one image for two blocks must fail")
-        .to_string();
+    let Err(err) = vlm.prefill(&ids(&j["prompt_ids"]), &[f]) else {
+        panic!("one image for two blocks must fail");
+    };
+    let err = err.to_string();
     assert!(
         err.contains("32 image tokens but 1 image(s) of 16"),
         "{err}"
@@ -264,5 +263,4 @@ fn loader_names_what_is_wrong_with_a_checkpoint() {
     ] {
         assert!(err.contains(part), "{err}");
     }
-    let _ = DType::F32;
 }
