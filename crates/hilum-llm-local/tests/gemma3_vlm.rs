@@ -112,6 +112,29 @@ fn tiny_model_matches_transformers() {
     );
 }
 
+/// A prompt run in two calls (the text before the first image, then the rest with both
+/// images) gives the one-call logits: image blocks are placed at their absolute positions.
+#[test]
+fn prefill_after_cached_text_matches() {
+    let (r, j) = reference();
+    let mut vlm =
+        Gemma3Vlm::load(&fixtures().join("tiny"), 256, &Device::Cpu).expect("load tiny model");
+    let prompt = ids(&j["prompt_ids"]);
+    let feats: Vec<Tensor> = (0..2)
+        .map(|i| {
+            vlm.image_features(&r["pixel_values"].i(i).unwrap())
+                .unwrap()
+        })
+        .collect();
+    let k = 4; // <bos><start_of_turn>user\n
+    let first = vlm.prefill(&prompt[..k], &[]).expect("text prefix");
+    let rest = vlm.prefill(&prompt[k..], &feats).expect("the rest");
+    let d1 = max_diff(&first, &r["logits"].narrow(0, 0, k).unwrap());
+    let d2 = max_diff(&rest, &r["logits"].narrow(0, k, prompt.len() - k).unwrap());
+    eprintln!("two-call prefill: max |diff| {d1:e} / {d2:e}");
+    assert!(d1 <= TOL && d2 <= TOL);
+}
+
 /// llama.cpp's pair of files (text GGUF + mmproj, written from the same tiny model by the
 /// fixture script with the `gguf` package) give what the safetensors snapshot gives.
 #[test]
