@@ -11,6 +11,10 @@
 //!
 //! The KV cache keeps every position of every layer, so it can be truncated to any prefix like
 //! the Qwen/Llama model's; local layers only read their window of it.
+//!
+//! The same decoder runs on f32 weights from a Hugging Face checkpoint ([`Gemma3::from_dense`],
+//! used by the multimodal model in [`crate::vlm`]), where it also takes input embeddings and
+//! runs the image blocks of a prompt bidirectionally ([`Gemma3::forward_embeds`]).
 
 use std::borrow::Cow;
 
@@ -19,7 +23,8 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 
 use crate::model::{
     attend, attention_mask, blocks, check_span, gated_ffn, linear_weights, logits_one, md,
-    one_token_ready, rope_halves, rotary_tables, KvCache, Linear, MatmulMode, RmsNorm,
+    one_token_ready, rope_halves, rotary_tables, rotary_tables_scaled, KvCache, Linear, MatmulMode,
+    RmsNorm,
 };
 use crate::qmatvec;
 
@@ -41,10 +46,15 @@ pub struct Gemma3Config {
     pub rope_base_global: f32,
     pub rope_base_local: f32,
     pub sliding_window: usize,
-    /// Layer `i` is global when `i % swa_pattern == swa_pattern - 1`.
-    pub swa_pattern: usize,
+    /// Per layer: attends only to its sliding window (from a GGUF: every layer but each
+    /// `sliding_window_pattern`-th).
+    pub local: Vec<bool>,
     /// Factor applied to the queries before attention.
     pub attn_scale: f64,
+    /// Linear rotary scaling of the global layers (positions divided by it; 1 = none).
+    pub rope_scale_global: f32,
+    /// `tanh` cap of the final logits (Gemma 2's; Gemma 3 checkpoints leave it unset).
+    pub final_softcap: Option<f32>,
 }
 
 impl Gemma3Config {
@@ -95,14 +105,24 @@ impl Gemma3Config {
             rope_base_global: opt_f("rope.freq_base").unwrap_or(1_000_000.0),
             rope_base_local: opt_f("rope.freq_base_swa").unwrap_or(DEFAULT_LOCAL_ROPE_BASE),
             sliding_window: sliding_window.max(1),
-            swa_pattern,
+            local: (0..n_layer)
+                .map(|i| i % swa_pattern < swa_pattern - 1)
+                .collect(),
             attn_scale: 1.0 / (scale_dim as f64).sqrt(),
+            // llama.cpp's converter writes Gemma 3 4B+'s linear factor 8 here.
+            rope_scale_global: match md(ct, "gemma3.rope.scaling.type")
+                .and_then(|v| v.to_string().cloned())
+            {
+                Ok(t) if t == "linear" => opt_f("rope.scaling.factor").unwrap_or(1.0),
+                _ => 1.0,
+            },
+            final_softcap: None,
         })
     }
 
     /// Whether layer `i` attends only to its sliding window.
     pub fn is_local(&self, i: usize) -> bool {
-        i % self.swa_pattern < self.swa_pattern - 1
+        self.local.get(i).copied().unwrap_or(false)
     }
 }
 
@@ -131,9 +151,30 @@ impl Layer {
     }
 }
 
-/// The embedding matrix kept in its GGUF blocks (262k x 640 would be 671 MB as f32); the rows
-/// of a batch are dequantized on lookup.
-struct Embedding {
+/// The embedding matrix: kept in its GGUF blocks (262k x 640 would be 671 MB as f32), the rows
+/// of a batch dequantized on lookup; or an f32 matrix from a safetensors checkpoint.
+enum Embedding {
+    Blocks(BlockEmbedding),
+    Dense(Tensor),
+}
+
+impl Embedding {
+    /// The f32 rows of `tokens`: (tokens, n_embd).
+    fn rows(&self, tokens: &[u32], dev: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Embedding::Blocks(b) => b.rows(tokens, dev),
+            Embedding::Dense(w) => {
+                let n = w.dim(0)?;
+                if let Some(t) = tokens.iter().find(|&&t| t as usize >= n) {
+                    candle_core::bail!("token id {t} is outside the vocabulary of {n}");
+                }
+                w.index_select(&Tensor::new(tokens, w.device())?, 0)
+            }
+        }
+    }
+}
+
+struct BlockEmbedding {
     blocks: Vec<u8>,
     dtype: GgmlDType,
     row_bytes: usize,
@@ -141,7 +182,7 @@ struct Embedding {
     n_embd: usize,
 }
 
-impl Embedding {
+impl BlockEmbedding {
     fn load(
         ct: &gguf_file::Content,
         r: &mut std::fs::File,
@@ -165,7 +206,7 @@ impl Embedding {
                 rows * row_bytes
             );
         }
-        Ok(Embedding {
+        Ok(BlockEmbedding {
             blocks,
             dtype,
             row_bytes,
@@ -223,7 +264,7 @@ impl Gemma3 {
         let eps = cfg.rms_eps as f32;
         let norm = |r: &mut std::fs::File, n: &str| RmsNorm::load(ct, r, n, eps, dev);
         let lin = |r: &mut std::fs::File, n: &str| linear_weights(ct, r, n, mode, dev);
-        let embed = Embedding::load(ct, r, cfg.n_embd, dev)?;
+        let embed = Embedding::Blocks(BlockEmbedding::load(ct, r, cfg.n_embd, dev)?);
         // Only the last position reaches the output layer: one row, so quantized unless Dense.
         let out_mode = match mode {
             MatmulMode::Dense => MatmulMode::Dense,
@@ -256,8 +297,79 @@ impl Gemma3 {
             });
         }
         let norm_out = norm(r, "output_norm.weight")?;
+        Self::assemble(cfg, embed, layers, norm_out, output, max_positions, dev)
+    }
+
+    /// A decoder on f32 weights in Hugging Face's layout (the `language_model.model.*` tensors
+    /// of a `Gemma3ForConditionalGeneration` checkpoint): `get(name)` returns the tensor `name`
+    /// under the decoder's prefix (the caller checks names and shapes). Gemma's RMSNorm weights
+    /// are stored as `w` and multiply as `1 + w`; the output layer is the embedding matrix (tied).
+    pub fn from_dense(
+        cfg: Gemma3Config,
+        get: &mut dyn FnMut(&str) -> candle_core::Result<Tensor>,
+        max_positions: usize,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let eps = cfg.rms_eps as f32;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let mut w = |s: &str| get(&format!("layers.{i}.{s}.weight"));
+            let mut norm = |s: &str| RmsNorm::from_weight((w(s)? + 1.0)?, eps);
+            let attn_norm = norm("input_layernorm")?;
+            let q_norm = norm("self_attn.q_norm")?;
+            let k_norm = norm("self_attn.k_norm")?;
+            let post_attn_norm = norm("post_attention_layernorm")?;
+            let ffn_norm = norm("pre_feedforward_layernorm")?;
+            let post_ffn_norm = norm("post_feedforward_layernorm")?;
+            let mut lin = |s: &str| Ok::<_, candle_core::Error>(Linear::from_dense(w(s)?));
+            layers.push(Layer {
+                attn_norm,
+                wq: lin("self_attn.q_proj")?,
+                wk: lin("self_attn.k_proj")?,
+                wv: lin("self_attn.v_proj")?,
+                q_norm,
+                k_norm,
+                wo: lin("self_attn.o_proj")?,
+                post_attn_norm,
+                ffn_norm,
+                gate: lin("mlp.gate_proj")?,
+                up: lin("mlp.up_proj")?,
+                down: lin("mlp.down_proj")?,
+                post_ffn_norm,
+                local: cfg.is_local(i),
+            });
+        }
+        let norm_out = RmsNorm::from_weight((get("norm.weight")? + 1.0)?, eps)?;
+        let embed = get("embed_tokens.weight")?;
+        let output = Linear::from_dense(embed.clone());
+        Self::assemble(
+            cfg,
+            Embedding::Dense(embed),
+            layers,
+            norm_out,
+            output,
+            max_positions,
+            dev,
+        )
+    }
+
+    fn assemble(
+        cfg: Gemma3Config,
+        embed: Embedding,
+        layers: Vec<Layer>,
+        norm_out: RmsNorm,
+        output: Linear,
+        max_positions: usize,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
         let positions = max_positions.min(cfg.context_length).max(1);
-        let rope_global = rotary_tables(cfg.head_dim, cfg.rope_base_global, positions, dev)?;
+        let rope_global = rotary_tables_scaled(
+            cfg.head_dim,
+            cfg.rope_base_global,
+            cfg.rope_scale_global,
+            positions,
+            dev,
+        )?;
         let rope_local = rotary_tables(cfg.head_dim, cfg.rope_base_local, positions, dev)?;
         let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
         let slices = |(c, s): &(Tensor, Tensor)| -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
@@ -326,29 +438,83 @@ impl Gemma3 {
         if t == 1 && self.one_token_path {
             return self.forward_one(tokens[0]);
         }
+        let x = self.embed_tokens(tokens)?;
+        let last = self.hidden(x, &[])?.i(t - 1..t)?;
+        self.logits(&last)?.squeeze(0)
+    }
+
+    /// The input embeddings of `tokens` (scaled by sqrt(n_embd)): (tokens, n_embd).
+    pub fn embed_tokens(&self, tokens: &[u32]) -> candle_core::Result<Tensor> {
+        self.embed.rows(tokens, &self.device)? * (self.cfg.n_embd as f64).sqrt()
+    }
+
+    /// Runs input embeddings `x` (t, n_embd) appended after the cached positions and returns
+    /// the logits of every position (t, vocab), or of the last one (vocab) when `all` is false.
+    /// `image_blocks` are absolute position ranges `start..end` of image soft tokens: each
+    /// attends to the whole of its own block, in both directions and past the sliding window
+    /// (transformers' `token_type_ids` mask); a block must lie within this call's positions.
+    pub fn forward_embeds(
+        &mut self,
+        x: &Tensor,
+        image_blocks: &[(usize, usize)],
+        all: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (t, _) = x.dims2()?;
+        let pos = self.cache.len();
+        check_span(pos, t, self.max_positions())?;
+        if let Some(&(s, e)) = image_blocks
+            .iter()
+            .find(|&&(s, e)| s < pos || e > pos + t || s >= e)
+        {
+            candle_core::bail!(
+                "image block {s}..{e} is not inside the positions {pos}..{} of this call",
+                pos + t
+            );
+        }
+        let h = self.hidden(x.clone(), image_blocks)?;
+        if all {
+            self.logits(&h)
+        } else {
+            self.logits(&h.i(t - 1..t)?)?.squeeze(0)
+        }
+    }
+
+    /// Final norm, output layer and (if set) the logit cap of hidden states (rows, n_embd).
+    fn logits(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.output.forward(&self.norm.forward(h)?)?;
+        match self.cfg.final_softcap {
+            Some(c) => (logits / c as f64)?.tanh()? * c as f64,
+            None => Ok(logits),
+        }
+    }
+
+    /// The decoder layers over `x` (t, n_embd) after the cached positions; returns the hidden
+    /// states before the final norm and counts the positions in the cache.
+    fn hidden(
+        &mut self,
+        mut x: Tensor,
+        image_blocks: &[(usize, usize)],
+    ) -> candle_core::Result<Tensor> {
+        let t = x.dim(0)?;
+        let pos = self.cache.len();
         let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
         let group = nh / nkv;
         let window = self.cfg.sliding_window;
-        let mut x = (self.embed.rows(tokens, &self.device)? * (self.cfg.n_embd as f64).sqrt())?;
         // Keys a layer reads start at `kv_start`: 0 for global layers, the window start of the
-        // first query for local ones.
+        // first query for local ones (image blocks lie after it: they are inside this call).
         let local_start = (pos + 1).saturating_sub(window);
-        let global_mask = if t > 1 {
-            Some(attention_mask(t, pos, 0, None, &self.device)?)
-        } else {
-            None
+        let mask = |start: usize, window: Option<usize>| -> candle_core::Result<Option<Tensor>> {
+            if t == 1 {
+                return Ok(None);
+            }
+            let m = attention_mask(t, pos, start, window, &self.device)?;
+            if image_blocks.is_empty() {
+                return Ok(Some(m));
+            }
+            Ok(Some(open_image_blocks(m, pos, start, image_blocks)?))
         };
-        let local_mask = if t > 1 {
-            Some(attention_mask(
-                t,
-                pos,
-                local_start,
-                Some(window),
-                &self.device,
-            )?)
-        } else {
-            None
-        };
+        let global_mask = mask(0, None)?;
+        let local_mask = mask(local_start, Some(window))?;
         let rope = |local: bool| {
             let (c, s) = if local {
                 &self.rope_local
@@ -409,8 +575,7 @@ impl Gemma3 {
             x = (x + f)?;
         }
         self.cache.advance(t);
-        let last = self.norm.forward(&x.i(t - 1..t)?)?;
-        self.output.forward(&last)?.squeeze(0)
+        Ok(x)
     }
 
     /// One token after the cached positions, on slices: `forward`'s arithmetic without a tensor
@@ -489,6 +654,27 @@ impl Gemma3 {
         self.norm.forward_slice(&x, &mut h);
         logits_one(&h, &self.output, &self.device)
     }
+}
+
+/// `mask` (t, keys from `kv_start`) for queries from `pos`, with every image block made visible
+/// to its own queries (transformers' `or` of the causal/sliding mask and the image-block mask).
+fn open_image_blocks(
+    mask: Tensor,
+    pos: usize,
+    kv_start: usize,
+    blocks: &[(usize, usize)],
+) -> candle_core::Result<Tensor> {
+    let (t, kv) = mask.dims2()?;
+    let dev = mask.device().clone();
+    let mut m = mask.flatten_all()?.to_vec1::<f32>()?;
+    for &(s, e) in blocks {
+        for q in s.max(pos)..e.min(pos + t) {
+            for k in s.max(kv_start)..e.min(kv_start + kv) {
+                m[(q - pos) * kv + (k - kv_start)] = 0.0;
+            }
+        }
+    }
+    Tensor::from_vec(m, (t, kv), &dev)
 }
 
 /// GELU, tanh approximation (as candle's `gelu` and llama.cpp's Gemma graph).

@@ -19,6 +19,7 @@ mod spm;
 mod template;
 pub mod tokenizer;
 pub mod toolcall;
+pub mod vlm;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -144,6 +144,17 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    /// A layer on an f32 matrix (out, in) alone, e.g. from a safetensors checkpoint.
+    pub(crate) fn from_dense(w: Tensor) -> Self {
+        Linear {
+            dense: Some(w),
+            quant: None,
+            blocks: None,
+            b: None,
+            b_v: None,
+        }
+    }
+
     /// Whether the GGUF blocks are kept for the one-row kernels.
     pub(crate) fn has_blocks(&self) -> bool {
         self.blocks.is_some()
@@ -196,6 +207,15 @@ impl RmsNorm {
         dev: &Device,
     ) -> candle_core::Result<Self> {
         let alpha = dense(ct, r, name, dev)?;
+        Ok(RmsNorm {
+            w: alpha.to_vec1()?,
+            alpha,
+            eps,
+        })
+    }
+
+    /// A norm whose weight multiplies as given (a GGUF's Gemma norms already hold "1 + w").
+    pub(crate) fn from_weight(alpha: Tensor, eps: f32) -> candle_core::Result<Self> {
         Ok(RmsNorm {
             w: alpha.to_vec1()?,
             alpha,
@@ -813,8 +833,20 @@ pub(crate) fn rotary_tables(
     positions: usize,
     dev: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    rotary_tables_scaled(head_dim, base, 1.0, positions, dev)
+}
+
+/// Rotary tables with linear position scaling: position `p` turns as `p / factor` (Gemma 3 4B and
+/// larger scale their global layers by 8).
+pub(crate) fn rotary_tables_scaled(
+    head_dim: usize,
+    base: f32,
+    factor: f32,
+    positions: usize,
+    dev: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 1.0 / base.powf(2.0 * i as f32 / head_dim as f32))
+        .map(|i| 1.0 / base.powf(2.0 * i as f32 / head_dim as f32) / factor)
         .collect();
     let inv = Tensor::new(inv.as_slice(), dev)?.unsqueeze(0)?;
     let p = Tensor::arange(0u32, positions as u32, dev)?
