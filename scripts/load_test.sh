@@ -12,7 +12,7 @@
 #   question after another, questions whose scripted model calls the real lung U-Net
 #   (`segment_lungs`) on eight shared radiographs, with a 64 MiB image bound
 #   (SOAK_IMAGE_MB) so images are evicted and read back. Checks: 0 errors, every run completed,
-#   audit rows = tool calls = runs, peak RSS <= SOAK_MAX_RSS_MB (default 1024) and no growth
+#   audit rows = tool calls = runs, peak RSS <= SOAK_MAX_RSS_MB (default 1536) and no growth
 #   after warm-up (the last third's highest sample <= the middle third's + 10% + 32 MiB).
 # Env:   HILUM_BIN (default: target/release/hilum, built if missing), IMAGE (a radiograph),
 #        LOAD_POSTGRES_URL (a PostgreSQL server, e.g. $HILUM_TEST_POSTGRES_URL from
@@ -110,7 +110,7 @@ JSON
     kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
     "$bin" serve audit export --db "$db" > "$work/audit.jsonl"
     rc=0
-    python3 - "$work/audit.jsonl" "$soak_json" "$metrics" "${SOAK_MAX_RSS_MB:-1024}" <<'PY' || rc=$?
+    python3 - "$work/audit.jsonl" "$soak_json" "$metrics" "${SOAK_MAX_RSS_MB:-1536}" <<'PY' || rc=$?
 import json, re, sys
 audit = [json.loads(l) for l in open(sys.argv[1])]
 soak, metrics, max_rss = json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
