@@ -68,6 +68,28 @@ wait_idle() {
     done
 }
 
+# start_server NAME [FLAGS...]: a token named NAME, then `hilum serve` with the script model
+# ($work/script.json) and FLAGS, waited for until it answers.
+start_server() {
+    local name="$1"; shift
+    token="$("$bin" serve token create --name "$name" --admin --db "$db" 2>/dev/null)"
+    "$bin" serve --db "$db" --bind "127.0.0.1:$port" --llm "script:$work/script.json" \
+        --rate-limit 0 "$@" > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 1 100); do
+        curl -fsS "$base/healthz" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    curl -fsS "$base/healthz" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
+    auth="Authorization: Bearer $token"
+}
+
+# upload FILE: prints the image id.
+upload() {
+    curl -fsS -H "$auth" -F "file=@$1" "$base/v1/images" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["images"][0]["id"])'
+}
+
 if [ -n "$soak" ]; then
     shared="$root/../shared/data"
     weights="$shared/models/lung_seg_unet/lung_seg_valiou_088.h5"
@@ -80,23 +102,12 @@ if [ -n "$soak" ]; then
   {"content": "The segment_lungs result gives each lung's area."}
 ]
 JSON
-    token="$("$bin" serve token create --name soak --admin --db "$db" 2>/dev/null)"
-    "$bin" serve --db "$db" --bind "127.0.0.1:$port" --llm "script:$work/script.json" \
-        --rate-limit 0 --max-image-memory-mb "${SOAK_IMAGE_MB:-64}" > "$work/server.log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 1 100); do
-        curl -fsS "$base/healthz" >/dev/null 2>&1 && break
-        sleep 0.1
-    done
-    curl -fsS "$base/healthz" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
-    auth="Authorization: Bearer $token"
+    start_server soak --max-image-memory-mb "${SOAK_IMAGE_MB:-64}"
     images=""
     for f in covid_0a7faa2a.jpg covid_2c35005f.jpg derived_RG1_chest_pa_16bit.png \
         kermany_IM-0025-0001_normal.jpeg medrax_normal1.jpg nih_00000001_000_cardiomegaly.png \
         nih_00004387_000_effusion.png tbx11k_h0001_healthy.png; do
-        id="$(curl -fsS -H "$auth" -F "file=@$shared/cxr/images/$f" "$base/v1/images" \
-            | python3 -c 'import json,sys; print(json.load(sys.stdin)["images"][0]["id"])')"
-        images="$images$id,"
+        images="$images$(upload "$shared/cxr/images/$f"),"
     done
     sessions=""
     for _ in $(seq 1 "$conns"); do
@@ -162,18 +173,8 @@ cat > "$work/script.json" <<'JSON'
 ]
 JSON
 
-token="$("$bin" serve token create --name load-test --admin --db "$db" 2>/dev/null)"
-"$bin" serve --db "$db" --bind "127.0.0.1:$port" --llm "script:$work/script.json" \
-    --rate-limit 0 > "$work/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 1 100); do
-    curl -fsS "$base/healthz" >/dev/null 2>&1 && break
-    sleep 0.1
-done
-curl -fsS "$base/healthz" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
-
-auth="Authorization: Bearer $token"
-img_id="$(curl -fsS -H "$auth" -F "file=@$image" "$base/v1/images" | python3 -c 'import json,sys; print(json.load(sys.stdin)["images"][0]["id"])')"
+start_server load-test
+img_id="$(upload "$image")"
 
 # Sessions are spread so no single conversation history grows without bound.
 nsessions=$((conns * 4))
