@@ -8,7 +8,7 @@
 //! quantization) come from the variables `hilum_models::ModelSettings::from_vars` names.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
@@ -110,7 +110,7 @@ impl ModelsSection {
 
 /// The config file's `[models]` table, recorded by the first [`load_file`] (the program reads
 /// its file before the models' settings are made).
-static FILE_MODELS: std::sync::OnceLock<ModelsSection> = std::sync::OnceLock::new();
+static FILE_MODELS: OnceLock<ModelsSection> = OnceLock::new();
 
 /// A models' variable: the environment's value (set and not empty), else the `[models]` table's.
 fn models_var(
@@ -298,13 +298,29 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
             },
         },
     };
-    let file: FileConfig = match std::fs::read_to_string(&path) {
-        Ok(text) => toml::from_str(&text)
-            .with_context(|| format!("config file {} is not valid", path.display()))?,
-        Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => FileConfig::default(),
-        Err(e) => {
-            return Err(e).with_context(|| format!("cannot read config file {}", path.display()))
+    // The program reads the file once, before any command runs; a command that asks again
+    // gets that same text, so a file edited meanwhile cannot give the command other settings
+    // than the ones the models were set up with.
+    static READ: OnceLock<(PathBuf, Option<String>)> = OnceLock::new();
+    let text = match READ.get() {
+        Some((p, text)) if *p == path => text.clone(),
+        _ => {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(text) => Some(text),
+                Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("cannot read config file {}", path.display()))
+                }
+            };
+            let _ = READ.set((path.clone(), text.clone()));
+            text
         }
+    };
+    let file: FileConfig = match text {
+        Some(text) => toml::from_str(&text)
+            .with_context(|| format!("config file {} is not valid", path.display()))?,
+        None => FileConfig::default(),
     };
     let remote = file
         .remote
