@@ -275,16 +275,18 @@ impl AppState {
         load_images(&space.images, stored).await
     }
 
-    /// Images in memory over all tokens: (images, bytes held, images evicted, reloads).
-    pub(crate) async fn image_memory(&self) -> (u64, u64, u64, u64) {
+    /// Images in memory over all tokens: (images, bytes held, images evicted, reloads,
+    /// reattached).
+    pub(crate) async fn image_memory(&self) -> (u64, u64, u64, u64, u64) {
         let spaces = self.spaces.lock().await;
-        spaces.values().fold((0, 0, 0, 0), |acc, s| {
+        spaces.values().fold((0, 0, 0, 0, 0), |acc, s| {
             let st = s.images.stats();
             (
                 acc.0 + st.resident_images,
                 acc.1 + st.cached_bytes + st.source_bytes,
                 acc.2 + st.images_evicted,
                 acc.3 + st.reloads,
+                acc.4 + st.reattached,
             )
         })
     }

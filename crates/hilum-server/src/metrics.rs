@@ -25,8 +25,11 @@ pub fn model_loads(loads: &BTreeMap<(String, String), u64>) -> String {
 }
 
 /// The images held in memory over all tokens (see `ServerConfig::max_image_memory_bytes`):
-/// images, bytes, whole images evicted, images read again from the database.
-pub fn image_memory((images, bytes, evicted, reloads): (u64, u64, u64, u64)) -> String {
+/// images, bytes, whole images evicted, images read again from the database, evicted pixels
+/// or variants handed out again because a running tool still held them.
+pub fn image_memory(
+    (images, bytes, evicted, reloads, reattached): (u64, u64, u64, u64, u64),
+) -> String {
     let mut out = String::new();
     for (name, kind, help, v) in [
         (
@@ -52,6 +55,12 @@ pub fn image_memory((images, bytes, evicted, reloads): (u64, u64, u64, u64)) -> 
             "counter",
             "Images read again from the database when named.",
             reloads,
+        ),
+        (
+            "hilum_image_reattached_total",
+            "counter",
+            "Evicted pixels or variants handed out again (a running tool still held them).",
+            reattached,
         ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}");
