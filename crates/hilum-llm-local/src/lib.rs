@@ -233,15 +233,7 @@ impl LocalLlm {
     /// Reads the GGUF, builds its tokenizer and template and dequantizes the weights (a few
     /// seconds for a 0.5B model).
     pub fn load(cfg: LocalConfig) -> Result<Self, LocalError> {
-        let path_s = cfg.path.display().to_string();
-        let mut file = std::fs::File::open(&cfg.path).map_err(|e| LocalError::Io {
-            path: path_s.clone(),
-            reason: e.to_string(),
-        })?;
-        let ct = gguf_file::Content::read(&mut file).map_err(|e| LocalError::BadGguf {
-            path: path_s.clone(),
-            reason: e.to_string(),
-        })?;
+        let (ct, mut file) = model::open_gguf(&cfg.path)?;
         let tok = Arc::new(GgufTokenizer::from_gguf(&ct)?);
         let template = ChatTemplate::for_gguf(
             ct.metadata
@@ -260,7 +252,7 @@ impl LocalLlm {
             cfg.path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or(path_s)
+                .unwrap_or_else(|| cfg.path.display().to_string())
         );
         let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
         Ok(LocalLlm {

@@ -78,6 +78,22 @@ impl Arch {
     }
 }
 
+/// Opens a GGUF file and reads its header (metadata and tensor index, not the weights); the
+/// file stays open for the weights.
+pub(crate) fn open_gguf(
+    path: &std::path::Path,
+) -> Result<(gguf_file::Content, std::fs::File), crate::LocalError> {
+    let mut f = std::fs::File::open(path).map_err(|e| crate::LocalError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let ct = gguf_file::Content::read(&mut f).map_err(|e| crate::LocalError::BadGguf {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok((ct, f))
+}
+
 pub(crate) fn md<'a>(
     ct: &'a gguf_file::Content,
     key: &str,

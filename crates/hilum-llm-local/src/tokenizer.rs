@@ -86,14 +86,7 @@ fn metadata_ints(ct: &gguf_file::Content, key: &str) -> Vec<i64> {
 impl GgufTokenizer {
     /// Reads only the metadata of a GGUF file (fast: no weights).
     pub fn from_file(path: &std::path::Path) -> Result<Self, LocalError> {
-        let mut f = std::fs::File::open(path).map_err(|e| LocalError::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        let ct = gguf_file::Content::read(&mut f).map_err(|e| LocalError::BadGguf {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let (ct, _) = crate::model::open_gguf(path)?;
         Self::from_gguf(&ct)
     }
 

@@ -21,19 +21,6 @@ use crate::LocalError;
 /// llama.cpp pools Gemma 3's patch grid 4 x 4 unless the file says otherwise.
 const DEFAULT_POOL: usize = 4;
 
-fn open(path: &Path) -> Result<(gguf_file::Content, std::fs::File), LocalError> {
-    let bad = |reason: String| LocalError::BadGguf {
-        path: path.display().to_string(),
-        reason,
-    };
-    let mut f = std::fs::File::open(path).map_err(|e| LocalError::Io {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let ct = gguf_file::Content::read(&mut f).map_err(|e| bad(e.to_string()))?;
-    Ok((ct, f))
-}
-
 fn meta_u(ct: &gguf_file::Content, key: &str) -> candle_core::Result<usize> {
     Ok(crate::model::md(ct, key)?.to_u32()? as usize)
 }
@@ -103,8 +90,8 @@ impl Gemma3Vlm {
         mode: MatmulMode,
         dev: &Device,
     ) -> Result<Self, LocalError> {
-        let (tct, mut tf) = open(text)?;
-        let (vct, mut vf) = open(mmproj)?;
+        let (tct, mut tf) = crate::model::open_gguf(text)?;
+        let (vct, mut vf) = crate::model::open_gguf(mmproj)?;
         let bad_v = |reason: String| LocalError::BadGguf {
             path: mmproj.display().to_string(),
             reason,
