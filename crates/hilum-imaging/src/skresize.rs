@@ -26,6 +26,18 @@ pub struct Region {
     pub height: usize,
 }
 
+impl Region {
+    /// The whole `width` x `height` image.
+    pub fn whole(width: usize, height: usize) -> Self {
+        Region {
+            x0: 0,
+            y0: 0,
+            width,
+            height,
+        }
+    }
+}
+
 /// `scipy.ndimage._filters._gaussian_kernel1d(sigma, 0, radius)` with skimage's radius rule; an
 /// identity kernel when sigma is 0 (scipy skips axes with sigma <= 1e-15).
 fn gaussian_kernel(n_in: usize, n_out: usize) -> Vec<f64> {
@@ -375,12 +387,7 @@ mod tests {
 
     #[test]
     fn border_fades_to_pad_unless_the_clip_restores_it() {
-        let region = Region {
-            x0: 0,
-            y0: 0,
-            width: 300,
-            height: 200,
-        };
+        let region = Region::whole(300, 200);
         // A constant image: the border is pulled toward the pad (0), which lies outside both the
         // input's range [10, 10] and the output's, so skimage's clip puts it back to 10.
         let src = vec![10.0f32; 300 * 200];

@@ -326,12 +326,7 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
         }
         resize(&crop, region.width, region.height, w, h, p.filter)
     };
-    let whole = Region {
-        x0: 0,
-        y0: 0,
-        width: sw,
-        height: sh,
-    };
+    let whole = Region::whole(sw, sh);
     let (plane, geometry) = match p.fit {
         Fit::Stretch => (
             resize_region(whole, dw, dh),
@@ -464,6 +459,7 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                         .collect();
                     normalised(start, weights)
                 }
+                // SkimageLinear never gets here: `resize` hands it to `skresize`.
                 Filter::Bilinear | Filter::Area | Filter::SkimageLinear => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
@@ -496,12 +492,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
         return src[..sw * sh].to_vec();
     }
     if filter == Filter::SkimageLinear {
-        let whole = Region {
-            x0: 0,
-            y0: 0,
-            width: sw,
-            height: sh,
-        };
+        let whole = Region::whole(sw, sh);
         return crate::skresize::resize_linear_constant(src, sw, whole, dw, dh, 0.0);
     }
     let hx = taps(sw, dw, filter);

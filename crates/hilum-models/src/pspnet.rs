@@ -403,12 +403,7 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    let whole = hilum_imaging::skresize::Region {
-        x0: 0,
-        y0: 0,
-        width,
-        height,
-    };
+    let whole = hilum_imaging::skresize::Region::whole(width, height);
     let max = max_value.max(1.0);
     // skimage pads with 0 in xrv units, i.e. with max / 2 in raw units.
     let resized =
