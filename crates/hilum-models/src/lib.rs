@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod densenet;
 pub mod devcheck;
 mod device;
+mod fault;
 mod fetch;
 mod import;
 pub mod kserve;

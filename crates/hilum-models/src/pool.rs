@@ -409,19 +409,15 @@ impl ModelPool {
             // lease goes, so no call is routed to the failed device in between.
             let (result, device_failed) = tokio::task::spawn_blocking(move || {
                 let _lease = lease;
-                let t = Instant::now();
-                let result = match pool.get_or_load::<M>(&model_id, device, backend) {
-                    Ok(model) => work(Placed {
-                        device,
-                        model: &model,
-                        since,
-                        load: t.elapsed(),
-                    }),
-                    Err(e) => {
-                        pool.forget_unloaded(&model_id, device);
-                        Err(e)
-                    }
-                };
+                let faulty = pool.settings.forward_faults.contains(&device);
+                let placed = pool.with_copy::<M, _>(&model_id, device, backend, since, |p| {
+                    let _armed = crate::fault::arm(faulty.then_some(device));
+                    work(p)
+                });
+                let result = placed.unwrap_or_else(|e| {
+                    pool.forget_unloaded(&model_id, device);
+                    Err(e)
+                });
                 let failed = result
                     .as_ref()
                     .is_err_and(|e| pool.report_failure(&model_id, device, e));
@@ -437,6 +433,27 @@ impl ModelPool {
                 return result;
             }
         }
+    }
+
+    /// `work` given the warm copy of `id` on `device` (loaded first if needed: blocking) and
+    /// its place, the device being the call's since `since`. `Err`: the copy did not load.
+    /// Takes no permit: [`ModelPool::run_on`] holds one, a served backend needs none.
+    pub fn with_copy<M: Model, R>(
+        &self,
+        id: &str,
+        device: Device,
+        backend: Backend,
+        since: Instant,
+        work: impl FnOnce(Placed<'_, M>) -> R,
+    ) -> Result<R, ModelError> {
+        let t = Instant::now();
+        let model = self.get_or_load::<M>(id, device, backend)?;
+        Ok(work(Placed {
+            device,
+            model: &model,
+            since,
+            load: t.elapsed(),
+        }))
     }
 
     /// What each device has done: the set's devices in order, then any other device a pinned

@@ -70,6 +70,25 @@ impl Config {
             input_size: 512,
         }
     }
+
+    /// The manifest's `[config]`: a whole configuration (every field, as in a small test
+    /// network's), or [`Config::chestx_det`] with at most its `input_size` changed.
+    pub fn from_manifest(manifest: &Manifest) -> Result<Self, ModelError> {
+        let table = &manifest.config;
+        if table.contains_key("stages") {
+            return toml::Value::Table(table.clone()).try_into().map_err(|e| {
+                ModelError::Manifest {
+                    id: manifest.id.clone(),
+                    reason: format!("[config]: {e}"),
+                }
+            });
+        }
+        let mut cfg = Config::chestx_det();
+        if let Some(s) = table.get("input_size").and_then(|v| v.as_integer()) {
+            cfg.input_size = s.max(64) as usize;
+        }
+        Ok(cfg)
+    }
 }
 
 /// conv (no bias) + batch norm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
@@ -359,6 +378,7 @@ impl AnatomySegmenter {
     /// Per-structure probabilities (sigmoid of the logits) for one prepared image
     /// (`3 * input_size²` values from [`preprocess`]); returns `n_classes` maps of `input_size²`.
     pub fn probabilities(&self, input: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        crate::fault::check()?;
         let s = self.config.input_size;
         if input.len() != 3 * s * s {
             return Err(ModelError::Compute(format!(
@@ -456,14 +476,7 @@ impl crate::Model for AnatomySegmenter {
         backend: Backend,
         settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
-        let mut cfg = Config::chestx_det();
-        if let Some(s) = manifest
-            .config
-            .get("input_size")
-            .and_then(|v| v.as_integer())
-        {
-            cfg.input_size = s.max(64) as usize;
-        }
+        let cfg = Config::from_manifest(manifest)?;
         let vb = crate::weights::var_builder(&installed.weights, device)?;
         AnatomySegmenter::new(vb, &cfg, backend, settings.cpu.threads())
             .map_err(|e| corrupt(&manifest.id, e))

@@ -99,6 +99,13 @@ impl ModelRegistry {
         }
     }
 
+    /// The registry with `manifest` in place of the one with its id (or added): a site's own
+    /// configuration of an architecture, or a small network in tests.
+    pub fn with_manifest(mut self, manifest: Manifest) -> Self {
+        self.manifests.insert(manifest.id.clone(), manifest);
+        self
+    }
+
     /// `<user data dir>/hilum/models` (the platform's convention, e.g. `$XDG_DATA_HOME` or
     /// `~/.local/share` on Linux), else `.hilum/models`: the default models dir of the
     /// settings, which the program overrides (`HILUM_MODELS_DIR` in Hilum's CLI).
@@ -273,7 +280,9 @@ impl ModelRegistry {
 pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize>>> {
     match manifest.architecture.as_str() {
         "lung-unet" => Some(crate::unet::expected_params()),
-        "pspnet" => crate::pspnet::expected_params(&crate::pspnet::Config::chestx_det()).ok(),
+        "pspnet" => crate::pspnet::Config::from_manifest(manifest)
+            .and_then(|c| crate::pspnet::expected_params(&c))
+            .ok(),
         "llava" => crate::llava::manifest_config(manifest)
             .and_then(|c| c.expected_params())
             .ok(),

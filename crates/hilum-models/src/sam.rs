@@ -1076,6 +1076,7 @@ impl Sam {
 
     /// [`Sam::embed_image`] on the output of [`preprocess`] (`3 * S * S` values).
     pub fn embed_prepared(&self, input: &[f32]) -> Result<Tensor, ModelError> {
+        crate::fault::check()?;
         let s = self.config.image_size;
         let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
         Ok(self.embed_image(&x)?)
@@ -1110,6 +1111,7 @@ impl Sam {
         embedding: &Tensor,
         prompt: &Prompt,
     ) -> Result<(Vec<f32>, f32), ModelError> {
+        crate::fault::check()?;
         let (masks, iou) = self.decode(embedding, prompt)?;
         let logits = masks.get(0)?.get(0)?.flatten_all()?.to_vec1::<f32>()?;
         let iou = iou.get(0)?.get(0)?.to_scalar::<f32>()?;

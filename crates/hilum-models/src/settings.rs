@@ -10,7 +10,7 @@
 //! [`hilum_kernels::configure`]) and the ONNX Runtime library (ONNX Runtime allows one
 //! environment per process).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -52,6 +52,10 @@ pub struct ModelSettings {
     /// permitted per listed device, but each copy is made on its stand-in (`cuda:1` → `cpu`).
     /// For testing the routing on a machine without those GPUs; empty: each device is itself.
     pub stand_ins: BTreeMap<Device, Device>,
+    /// Listed devices whose forward passes fail with a device error once the copy has loaded
+    /// (the PSPNet's, SAM's and the lung U-Net's check): for testing, with `stand_ins`, that
+    /// such a failure moves the call. Empty: none.
+    pub forward_faults: BTreeSet<Device>,
 }
 
 impl Default for ModelSettings {
@@ -68,6 +72,7 @@ impl Default for ModelSettings {
             max_replicas: None,
             device_cooldown: DEFAULT_DEVICE_COOLDOWN,
             stand_ins: BTreeMap::new(),
+            forward_faults: BTreeSet::new(),
         }
     }
 }

@@ -428,6 +428,7 @@ impl LungSegmenter {
     /// Lung probability maps at the model's resolution for a batch of preprocessed inputs
     /// (each `s*s*3` values, NHWC, from [`preprocess_rgb`] / [`preprocess_gray`]).
     pub fn predict(&self, inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        crate::fault::check()?;
         let s = self.config.input_size;
         if inputs.is_empty() {
             return Ok(Vec::new());

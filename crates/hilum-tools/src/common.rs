@@ -171,18 +171,9 @@ where
         let device = pin.unwrap_or(models.devices().first());
         let served = run_blocking(move || {
             let since = Instant::now();
-            Ok(match pool.get_or_load::<M>(&mid, device, Backend::Kserve) {
-                Ok(model) => w(
-                    Placed {
-                        device,
-                        model: &model,
-                        since,
-                        load: since.elapsed(),
-                    },
-                    &installed,
-                ),
-                Err(e) => Err(Fail::Model(e)),
-            })
+            let served =
+                pool.with_copy::<M, _>(&mid, device, Backend::Kserve, since, |p| w(p, &installed));
+            Ok(served.unwrap_or_else(|e| Err(Fail::Model(e))))
         })
         .await?;
         let fallback = models.settings().remote.as_ref().and_then(|r| r.fallback);

@@ -9,7 +9,7 @@ use hilum_agent::{
 };
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::{self, AnatomySegmenter, TARGETS};
-use hilum_models::{Device, ModelPool, Placed};
+use hilum_models::{Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -68,22 +68,23 @@ pub fn parse_structures(names: Option<&[String]>) -> Result<Vec<usize>, ToolErro
 }
 
 /// Runs the network on the whole image and brings the chosen maps back to its resolution.
+/// Its errors are the model's, so a device failure in the pass can move the call.
 pub fn run(
     model: &AnatomySegmenter,
     img: &CxrImage,
     which: &[usize],
-) -> Result<Vec<StructureMap>, ToolError> {
+) -> Result<Vec<StructureMap>, ModelError> {
     let (w, h) = (img.width as usize, img.height as usize);
     let s = model.config().input_size;
     let x = pspnet::preprocess(&img.pixels, w, h, img.max_value(), s);
-    let probs = model
-        .probabilities(&x)
-        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    let probs = model.probabilities(&x)?;
     which
         .iter()
         .map(|&i| {
-            let p = probs.get(i).ok_or_else(|| {
-                ToolError::Internal(format!("the model has no output channel {i}"))
+            let p = probs.get(i).ok_or_else(|| ModelError::WeightsMismatch {
+                what: format!("{MODEL_ID}'s output"),
+                architecture: "pspnet".into(),
+                details: format!("it has no channel {i} ({} maps)", probs.len()),
             })?;
             Ok(StructureMap {
                 index: i,
@@ -95,7 +96,7 @@ pub fn run(
 }
 
 /// The masks `measure_chest` needs: both lungs, heart and mediastinum.
-pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMasks, ToolError> {
+pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMasks, ModelError> {
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
         idx("Left Lung"),

@@ -14,7 +14,7 @@ use hilum_agent::{
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::sam::{self, Prompt, Sam};
-use hilum_models::{Device, ModelPool, Placed};
+use hilum_models::{Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
@@ -255,12 +255,10 @@ pub fn decode(
     embedding: &Tensor,
     img: &CxrImage,
     prompt: &RegionPrompt,
-) -> Result<RegionMap, ToolError> {
+) -> Result<RegionMap, ModelError> {
     let cfg = model.config();
     let p = prompt.to_model(img.width, img.height, cfg.image_size);
-    let (logits, iou) = model
-        .predict_low_res(embedding, &p)
-        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    let (logits, iou) = model.predict_low_res(embedding, &p)?;
     let probs: Vec<f32> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
     let n = cfg.low_res();
     Ok(RegionMap {
@@ -343,16 +341,14 @@ fn embedding(
     model: &Sam,
     id: &str,
     img: &CxrImage,
-) -> Result<(Tensor, bool), ToolError> {
+) -> Result<(Tensor, bool), ModelError> {
     let slot = cache.slot(id, model.instance());
     let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(e) = held.as_ref() {
         return Ok((e.clone(), true));
     }
     let x = prepare(model, img);
-    let e = model
-        .embed_prepared(&x)
-        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    let e = model.embed_prepared(&x)?;
     *held = Some(e.clone());
     Ok((e, false))
 }
@@ -397,11 +393,12 @@ impl TypedTool for SegmentRegion {
             .filter(|s| !s.trim().is_empty())
             .unwrap_or_else(|| "region".into());
 
-        // Encoder (when the image is not cached) and decoder, on the device, in one go.
+        // Encoder (when the image is not cached) and decoder, on the device, in one go; their
+        // errors stay the model's, so a device failure moves a pooled call.
         let t0 = Instant::now();
         let (cache, image, p, image_id) =
             (self.cache.clone(), img.clone(), prompt.clone(), id.clone());
-        let work = move |model: &Sam| -> Result<(RegionMap, Timing), ToolError> {
+        let work = move |model: &Sam| -> Result<(RegionMap, Timing), ModelError> {
             let (embedding, cached) = embedding(&cache, model, &image_id, &image)?;
             let encode_ms = t0.elapsed().as_secs_f64() * 1e3;
             let t1 = Instant::now();
@@ -416,12 +413,13 @@ impl TypedTool for SegmentRegion {
         let (map, timing) = match &self.source {
             Source::Pool { models, pin } => {
                 let candle = |_: &_, _| hilum_models::Backend::Candle;
-                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model).map_err(Fail::Tool);
+                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model).map_err(Fail::Model);
                 run_model(models, MODEL_ID, *pin, candle, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();
-                run_blocking(move || work(&model)).await?
+                let internal = |e: ModelError| ToolError::Internal(e.to_string());
+                run_blocking(move || work(&model).map_err(internal)).await?
             }
         };
         assemble(&id, &img, &prompt, &map, &label, timing)

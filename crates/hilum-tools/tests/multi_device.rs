@@ -2,9 +2,10 @@
 //! the pool's routing) with the real lung U-Net. The devices are logical: `cuda:N` entries
 //! that stand on the CPU (`ModelSettings::stand_ins`), so calls are routed, counted and
 //! permitted per listed device while each copy is made on the CPU; a device without a stand-in
-//! that no build here can open is the failing device.
+//! that no build here can open is the failing device, and a device in
+//! `ModelSettings::forward_faults` loads its copy but fails its forward passes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -16,6 +17,8 @@ use hilum_tools::{ToolDeps, ToolSettings};
 use serde_json::{json, Value};
 
 const UNET: &str = "lung-unet";
+const PSPNET: &str = "chestx-det-pspnet";
+const SAM: &str = "medsam-vit-b";
 
 fn data() -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
@@ -40,9 +43,64 @@ fn models_dir() -> &'static Path {
     .path()
 }
 
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// `id`'s built-in manifest with the small network's configuration from `config` (JSON).
+fn small_manifest(reg: &ModelRegistry, id: &str, config: &str) -> hilum_models::Manifest {
+    let mut m = reg.manifest(id).expect("built-in manifest").clone();
+    let text = std::fs::read_to_string(fixtures().join(config)).expect("small config");
+    let json: Value = serde_json::from_str(&text).expect("config JSON");
+    match toml::Value::try_from(json) {
+        Ok(toml::Value::Table(t)) => m.config = t,
+        other => panic!("{config} as a TOML table: {other:?}"),
+    }
+    m
+}
+
+/// The registry over the seeded small PSPNet and SAM from tests/fixtures (the real checkpoints
+/// are not on this machine): their manifests give the small configurations, and both are
+/// imported once, for every test here, as site checkpoints.
+fn small_registry() -> ModelRegistry {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    let dir = DIR
+        .get_or_init(|| tempfile::tempdir().expect("tempdir"))
+        .path();
+    let reg = ModelRegistry::new(dir).expect("registry");
+    let psp = small_manifest(&reg, PSPNET, "anatomy/pspnet_small_config.json");
+    let sam = small_manifest(&reg, SAM, "medsam/sam_small_config.json");
+    let reg = reg.with_manifest(psp).with_manifest(sam);
+    static IMPORTED: OnceLock<()> = OnceLock::new();
+    IMPORTED.get_or_init(|| {
+        let custom = ImportOptions {
+            custom: true,
+            ..ImportOptions::default()
+        };
+        for (id, file) in [
+            (PSPNET, "anatomy/pspnet_small.safetensors"),
+            (SAM, "medsam/sam_small.safetensors"),
+        ] {
+            hilum_models::import(&reg, id, &fixtures().join(file), &custom).expect("import");
+        }
+    });
+    reg
+}
+
 /// A pool over `devices`, each `cuda:N` in `on_cpu` standing on the CPU.
 fn pool(devices: &str, on_cpu: &[usize], broken: &[usize]) -> Arc<ModelPool> {
     let reg = ModelRegistry::new(models_dir()).expect("registry");
+    pool_over(reg, devices, on_cpu, broken, &[])
+}
+
+/// [`pool`] over `reg`, the `cuda:N` in `faulty` failing every forward pass.
+fn pool_over(
+    reg: ModelRegistry,
+    devices: &str,
+    on_cpu: &[usize],
+    broken: &[usize],
+    faulty: &[usize],
+) -> Arc<ModelPool> {
     let mut stand_ins: BTreeMap<Device, Device> = on_cpu
         .iter()
         .map(|&n| (Device::Cuda(n), Device::Cpu))
@@ -55,6 +113,10 @@ fn pool(devices: &str, on_cpu: &[usize], broken: &[usize]) -> Arc<ModelPool> {
     let settings = ModelSettings {
         devices: devices.parse().expect("device list"),
         stand_ins,
+        forward_faults: faulty
+            .iter()
+            .map(|&n| Device::Cuda(n))
+            .collect::<BTreeSet<_>>(),
         ..ModelSettings::default()
     };
     Arc::new(ModelPool::with_settings(Arc::new(reg), settings))
@@ -64,6 +126,8 @@ struct Tools {
     toolbox: Arc<Toolbox>,
     env: Environment,
     image: String,
+    /// The central half of the image, segment_region's prompt.
+    region: [f64; 4],
 }
 
 /// The registry's toolbox over `pool` (how every program builds it) with one radiograph. The
@@ -79,10 +143,15 @@ fn tools(pool: Arc<ModelPool>) -> Tools {
         ..ToolSettings::default()
     });
     let toolbox = hilum_tools::default_toolbox(&deps).expect("toolbox");
+    let (w, h) = {
+        let img = deps.images.get(&image).expect("image");
+        (img.width as f64, img.height as f64)
+    };
     Tools {
         toolbox: Arc::new(toolbox),
         env: hilum_tools::environment(&deps, std::slice::from_ref(&image)),
         image,
+        region: [w / 4.0, h / 4.0, 3.0 * w / 4.0, 3.0 * h / 4.0],
     }
 }
 
@@ -91,7 +160,10 @@ impl Tools {
     async fn calls(&self, tool: &str, n: usize) -> Vec<(Value, Vec<Vec<u8>>)> {
         let calls: Vec<_> = (0..n)
             .map(|i| {
-                let args = json!({ "image": self.image });
+                let mut args = json!({ "image": self.image });
+                if tool == "segment_region" {
+                    args["box"] = json!(self.region);
+                }
                 let (tb, env) = (self.toolbox.clone(), self.env.clone());
                 let call = ToolCall::new(format!("c{i}"), tool, &args);
                 tokio::spawn(async move {
@@ -234,4 +306,55 @@ async fn a_tool_pinned_to_a_device_stays_there() {
     );
     assert_eq!(stats(&pool, Device::Cuda(1)).calls, 1);
     assert_eq!(stats(&pool, Device::Cuda(0)).calls, 0);
+}
+
+/// A device whose forward passes fail (cuda:0: its copy loads, every pass on it fails as a GPU
+/// out of memory would) moves `tool`'s call, on `model` from `registry`, to the other device.
+/// The failure starts inside the network, so a tool that turned it into its own error would
+/// fail the call instead.
+async fn a_failing_forward_pass_moves_the_call(
+    tool: &str,
+    model: &str,
+    registry: fn() -> ModelRegistry,
+) {
+    let want = tools(pool_over(registry(), "cpu", &[], &[], &[]))
+        .calls(tool, 1)
+        .await
+        .remove(0);
+    let pool = pool_over(registry(), "cuda:0,cuda:1", &[0, 1], &[], &[0]);
+    let got = tools(pool.clone()).calls(tool, 1).await.remove(0);
+    assert_eq!(got, want, "{tool}: the moved call differs from the CPU's");
+    let (bad, good) = (stats(&pool, Device::Cuda(0)), stats(&pool, Device::Cuda(1)));
+    eprintln!("{tool}\n{bad:?}\n{good:?}");
+    assert_eq!((bad.calls, bad.failures), (1, 1), "{tool} on cuda:0");
+    assert_eq!((good.calls, good.failures), (1, 0), "{tool} on cuda:1");
+    assert!(!pool.is_healthy(Device::Cuda(0)));
+    // The failed device's copy is dropped: only the device that answered holds the model.
+    assert_eq!(pool.replicas(model), vec![Device::Cuda(1)]);
+    assert_eq!(pool.load_count(model), 2, "one load per device");
+}
+
+fn lung_registry() -> ModelRegistry {
+    ModelRegistry::new(models_dir()).expect("registry")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_pass_failing_in_segment_anatomy_moves_the_call() {
+    a_failing_forward_pass_moves_the_call("segment_anatomy", PSPNET, small_registry).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_pass_failing_in_segment_region_moves_the_call() {
+    a_failing_forward_pass_moves_the_call("segment_region", SAM, small_registry).await;
+}
+
+/// measure_chest measures on the anatomy model when it is installed, as here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_pass_failing_in_anatomy_measure_chest_moves_the_call() {
+    a_failing_forward_pass_moves_the_call("measure_chest", PSPNET, small_registry).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_pass_failing_in_segment_lungs_moves_the_call() {
+    a_failing_forward_pass_moves_the_call("segment_lungs", UNET, lung_registry).await;
 }
