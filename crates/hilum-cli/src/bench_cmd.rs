@@ -296,6 +296,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         results.push(res);
     }
 
+    // What the classifier runs on without `--backend`: the default for the pool's devices.
+    let pool = &deps.models;
+    let default_backend = Backend::default_for(pool.settings().runs_on(pool.devices().first()));
     let batched = if names.iter().any(|n| n == CLASSIFY) && !args.batch.is_empty() {
         if !args.json {
             eprintln!("timing the batched classifier forward …");
@@ -308,7 +311,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let plan = batch::Plan {
             models: vec![model],
             backends: if backends.is_empty() {
-                vec![Backend::default_for(hilum_models::Device::Cpu)]
+                vec![default_backend]
             } else {
                 backends.clone()
             },
@@ -316,8 +319,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             iterations: args.iterations,
             warmup: args.warmup,
         };
-        let (pool, images, ids) = (deps.models.clone(), store.clone(), ids.clone());
-        tokio::task::spawn_blocking(move || batch::run(&plan, &pool, &images, &ids)).await?
+        batch::run(&plan, &deps.models, &store, &ids).await
     } else {
         Vec::new()
     };
@@ -327,7 +329,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             eprintln!("timing bursts of {} concurrent calls …", args.concurrent);
         }
         let on = if backends.is_empty() {
-            vec![Backend::default_for(hilum_models::Device::Cpu)]
+            vec![default_backend]
         } else {
             backends.clone()
         };

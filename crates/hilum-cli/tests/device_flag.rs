@@ -1,6 +1,6 @@
 //! `--device` / `HILUM_DEVICE` / `[models] device` reach the process's one model pool: the
-//! tools run where the list says, the flag wins, and a list that does not parse stops the
-//! command naming where it came from.
+//! tools and `hilum bench`'s batched classifier forward run where the list says, the flag wins,
+//! and a list that does not parse stops the command naming where it came from.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -99,4 +99,53 @@ fn the_device_list_reaches_the_tools_and_bad_lists_stop_the_command() {
         err.contains("[models] device") && err.contains("tpu:0"),
         "{err}"
     );
+}
+
+/// `hilum bench --batch` on the classifier with `--device`: the batched forward's rows.
+fn batched(models: &Path, device: &str) -> Vec<Value> {
+    let out = hilum(models)
+        .args(["bench", "--json", "-n", "1", "--warmup", "0", "--no-round"])
+        .args([
+            "--tool",
+            "classify_chest_xray",
+            "--batch",
+            "2",
+            "--device",
+            device,
+        ])
+        .arg("--image")
+        .arg(data("cxr/images/covid_2c35005f.jpg"))
+        .output()
+        .expect("run hilum bench");
+    assert!(out.status.success(), "bench: {}", stderr(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    v["batched"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn bench_batches_run_on_the_device_list() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let models = dir.path().join("models");
+    // A site checkpoint with seeded weights: the batched forward needs a classifier installed.
+    let arch = hilum_models::xrv::XrvSpec::densenet121_res224_all().arch;
+    let w = hilum_models::xrv::synthetic_weights(&arch, 3).expect("weights");
+    let ckpt = dir.path().join("site_densenet.safetensors");
+    candle_core::safetensors::save(&w, &ckpt).expect("save checkpoint");
+    let out = hilum(&models)
+        .args(["models", "import", "densenet121-res224-all", "--custom"])
+        .arg(&ckpt)
+        .output()
+        .expect("run hilum models import");
+    assert!(out.status.success(), "import: {}", stderr(&out));
+
+    let rows = batched(&models, "cpu");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["ok"], true, "{rows:?}");
+    assert_eq!(rows[0]["device"], "cpu", "{rows:?}");
+    // A GPU no machine here has: the batched forward fails there, so it went through the list.
+    let rows = batched(&models, "cuda:7");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["ok"], false, "{rows:?}");
+    let e = rows[0]["error"].as_str().unwrap_or("");
+    assert!(e.contains("cuda:7"), "{e}");
 }
