@@ -32,7 +32,9 @@ pub use deid::{
 pub use dicom::{read_dicom, DicomSummary};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
-pub use transform::{prepare, resize, Filter, Fit, Geometry, Layout, Norm, Prepared, Preprocess};
+pub use transform::{
+    prepare, prepare_values, resize, Filter, Fit, Geometry, Layout, Norm, Prepared, Preprocess,
+};
 
 use thiserror::Error;
 

@@ -40,6 +40,10 @@ pub enum Filter {
     /// linear interpolation; skimage's `cval=0` is the value the recipe's `norm` maps to 0, e.g.
     /// mid-grey for [`Norm::Xrv`]; clipped to the input's range). See [`crate::skresize`].
     SkimageLinear,
+    /// PIL's `BILINEAR` on an 8-bit image, as Keras models trained on 8-bit files were fed: the
+    /// values are first scaled to 0..=255 (the norms then see a maximum of 255) and each of the
+    /// two passes is rounded to whole values in 0..=255.
+    PilBilinearU8,
 }
 
 /// How the image's aspect ratio meets the target size.
@@ -299,30 +303,49 @@ impl Prepared {
 /// Runs a recipe on an image (the store caches the result; call this directly only for
 /// one-off work).
 pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError> {
+    prepare_values(&img.pixels, img.width, img.height, img.max_value(), p)
+}
+
+/// [`prepare`] on a bare row-major luminance plane whose full scale is `max_value` (for code
+/// that holds values, not a [`CxrImage`]: fixtures, batch tools). The one implementation of
+/// every recipe.
+pub fn prepare_values(
+    values: &[f32],
+    width: u32,
+    height: u32,
+    max_value: f32,
+    p: &Preprocess,
+) -> Result<Prepared, ImagingError> {
     p.validate()?;
-    let (sw, sh) = (img.width as usize, img.height as usize);
-    if sw == 0 || sh == 0 || img.pixels.len() < sw * sh {
+    let (sw, sh) = (width as usize, height as usize);
+    if sw == 0 || sh == 0 || values.len() < sw * sh {
         return Err(ImagingError::InvalidTransform(format!(
             "the image has {} pixels for {sw}x{sh}",
-            img.pixels.len()
+            values.len()
         )));
     }
     let (dw, dh) = (p.width as usize, p.height as usize);
-    let max = img.max_value();
+    let max = max_value.max(1.0);
+    let byte_scaled: Vec<f32>;
+    let (pixels, max) = if p.filter == Filter::PilBilinearU8 {
+        let s = 255.0 / max;
+        byte_scaled = values.iter().map(|v| v * s).collect();
+        (&byte_scaled[..], 255.0)
+    } else {
+        (values, max)
+    };
     // The raw value the norm maps to 0: what skimage's cval=0 pads with.
     let pad = if p.norm == Norm::Xrv { max / 2.0 } else { 0.0 };
     let resize_region = |region: Region, w: usize, h: usize| -> Vec<f32> {
         if p.filter == Filter::SkimageLinear {
-            return crate::skresize::resize_linear_constant(&img.pixels, sw, region, w, h, pad);
+            return crate::skresize::resize_linear_constant(pixels, sw, region, w, h, pad);
         }
         if region.x0 == 0 && region.y0 == 0 && region.width == sw && region.height == sh {
-            return resize(&img.pixels, sw, sh, w, h, p.filter);
+            return resize(pixels, sw, sh, w, h, p.filter);
         }
         let mut crop = Vec::with_capacity(region.width * region.height);
         for y in region.y0..region.y0 + region.height {
-            crop.extend_from_slice(
-                &img.pixels[y * sw + region.x0..y * sw + region.x0 + region.width],
-            );
+            crop.extend_from_slice(&pixels[y * sw + region.x0..y * sw + region.x0 + region.width]);
         }
         resize(&crop, region.width, region.height, w, h, p.filter)
     };
@@ -331,8 +354,8 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
         Fit::Stretch => (
             resize_region(whole, dw, dh),
             Geometry {
-                src_width: img.width,
-                src_height: img.height,
+                src_width: width,
+                src_height: height,
                 dst_width: p.width,
                 dst_height: p.height,
                 scale_x: dw as f64 / sw as f64,
@@ -355,8 +378,8 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             (
                 plane,
                 Geometry {
-                    src_width: img.width,
-                    src_height: img.height,
+                    src_width: width,
+                    src_height: height,
                     dst_width: p.width,
                     dst_height: p.height,
                     scale_x: rw as f64 / sw as f64,
@@ -386,8 +409,8 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             (
                 resize_region(region, dw, dh),
                 Geometry {
-                    src_width: img.width,
-                    src_height: img.height,
+                    src_width: width,
+                    src_height: height,
                     dst_width: p.width,
                     dst_height: p.height,
                     scale_x: sx,
@@ -404,7 +427,8 @@ pub fn prepare(img: &CxrImage, p: &Preprocess) -> Result<Prepared, ImagingError>
             let f: Box<dyn Fn(f32) -> f32> = match p.norm {
                 Norm::None => Box::new(|v| v),
                 Norm::Unit => Box::new(move |v| v / max),
-                Norm::Byte => Box::new(move |v| v / max * 255.0),
+                // Exact when the values are already bytes (`PilBilinearU8`).
+                Norm::Byte => Box::new(move |v| v * (255.0 / max)),
                 Norm::Xrv => Box::new(move |v| (2.0 * (v / max) - 1.0) * 1024.0),
                 Norm::ImageNet => Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c]),
             };
@@ -460,7 +484,7 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                     normalised(start, weights)
                 }
                 // SkimageLinear never gets here: `resize` hands it to `skresize`.
-                Filter::Bilinear | Filter::Area | Filter::SkimageLinear => {
+                Filter::Bilinear | Filter::PilBilinearU8 | Filter::Area | Filter::SkimageLinear => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
                     let start = ((center - support + 0.5).floor().max(0.0)) as usize;
@@ -488,8 +512,14 @@ fn normalised(start: usize, weights: Vec<f64>) -> Taps {
 /// Resizes one row-major channel of `sw` x `sh` values to `dw` x `dh` (separable: rows
 /// first, then columns).
 pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: Filter) -> Vec<f32> {
+    let bytes = |mut v: Vec<f32>| {
+        if filter == Filter::PilBilinearU8 {
+            v.iter_mut().for_each(|x| *x = x.round().clamp(0.0, 255.0));
+        }
+        v
+    };
     if sw == dw && sh == dh {
-        return src[..sw * sh].to_vec();
+        return bytes(src[..sw * sh].to_vec());
     }
     if filter == Filter::SkimageLinear {
         let whole = Region::whole(sw, sh);
@@ -507,6 +537,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
                 .sum();
         }
     }
+    let tmp = bytes(tmp);
     let vy = taps(sh, dh, filter);
     let mut out = vec![0.0f32; dh * dw];
     for (row_out, t) in out.chunks_exact_mut(dw).zip(vy.iter()) {
@@ -517,7 +548,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
             }
         }
     }
-    out
+    bytes(out)
 }
 
 #[cfg(test)]

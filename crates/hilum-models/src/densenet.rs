@@ -5,7 +5,7 @@
 //! weights load unchanged.
 //!
 //! This is the candle path (GPUs, reference); on the CPU `hilum-kernels` runs the same weights
-//! (read by [`crate::native::densenet`]).
+//! (read by [`native_weights`]).
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{
@@ -14,6 +14,9 @@ use candle_nn::{
 use serde::{Deserialize, Serialize};
 
 use crate::onnx_graph::{self, GraphBuilder};
+use hilum_kernels::densenet as kw;
+
+use crate::native;
 
 /// torchvision/torchxrayvision use BatchNorm2d's default epsilon.
 pub const BN_EPS: f64 = 1e-5;
@@ -254,5 +257,78 @@ impl DenseNet {
             self.cfg.num_classes,
             "torchxrayvision DenseNet (densenet121-res224-all layout): logits before sigmoid and op_norm",
         ))
+    }
+}
+
+/// [`DenseNet`]'s weights for the native engine (`features.*`, `classifier.*` at the root of `vb`).
+pub fn native_weights(vb: VarBuilder, cfg: &Config) -> Result<kw::DenseNetWeights> {
+    let eps = BN_EPS;
+    let f = vb.pp("features");
+    let (block_in, c_final) = cfg.block_channels();
+    let mid = cfg.bn_size * cfg.growth_rate;
+    let mut blocks = Vec::new();
+    let mut transitions = Vec::new();
+    for (i, &n) in cfg.block_config.iter().enumerate() {
+        let bvb = f.pp(format!("denseblock{}", i + 1));
+        let layers = (0..n)
+            .map(|j| {
+                let c_in = block_in[i] + j * cfg.growth_rate;
+                let l = bvb.pp(format!("denselayer{}", j + 1));
+                Ok(kw::DenseLayer {
+                    norm1: native::batch_norm(&l.pp("norm1"), c_in, eps)?,
+                    conv1: native::conv(&l.pp("conv1"), c_in, mid, 1, false)?,
+                    norm2: native::batch_norm(&l.pp("norm2"), mid, eps)?,
+                    conv2: native::conv(&l.pp("conv2"), mid, cfg.growth_rate, 3, false)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        blocks.push(layers);
+        if i + 1 != cfg.block_config.len() {
+            let c = block_in[i] + n * cfg.growth_rate;
+            let t = f.pp(format!("transition{}", i + 1));
+            transitions.push(kw::Transition {
+                norm: native::batch_norm(&t.pp("norm"), c, eps)?,
+                conv: native::conv(&t.pp("conv"), c, c / 2, 1, false)?,
+            });
+        }
+    }
+    Ok(kw::DenseNetWeights {
+        conv0: native::conv(
+            &f.pp("conv0"),
+            cfg.in_channels,
+            cfg.num_init_features,
+            7,
+            false,
+        )?,
+        norm0: native::batch_norm(&f.pp("norm0"), cfg.num_init_features, eps)?,
+        blocks,
+        transitions,
+        norm5: native::batch_norm(&f.pp("norm5"), c_final, eps)?,
+        classifier: native::linear(&vb.pp("classifier"), c_final, cfg.num_classes)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::recorded_params;
+
+    /// The native reader asks for exactly the parameters (names and shapes) the candle model does.
+    #[test]
+    fn native_reader_asks_for_the_candle_models_parameters() {
+        let small = Config {
+            growth_rate: 4,
+            block_config: vec![2, 3],
+            num_init_features: 8,
+            bn_size: 2,
+            num_classes: 3,
+            in_channels: 1,
+        };
+        for cfg in [&small, &Config::densenet121_res224_all()] {
+            assert_eq!(
+                recorded_params(|vb| native_weights(vb, cfg)).expect("native"),
+                recorded_params(|vb| DenseNet::load(vb, cfg)).expect("candle"),
+            );
+        }
     }
 }

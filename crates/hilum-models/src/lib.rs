@@ -26,6 +26,7 @@ pub mod pspnet;
 mod registry;
 pub mod report;
 pub mod resnet;
+pub mod runner;
 pub mod sam;
 mod settings;
 pub mod triton;

@@ -4,7 +4,7 @@
 //! the input. Parameter names match `pspnet_chestxray_best_model_4.pth` once `module.` is
 //! stripped. The auxiliary head (`convbnrelu4_aux`, `aux_cls`) is training-only and not loaded.
 //! [`AnatomySegmenter`] runs it on `hilum-kernels`' native engine (from weights read by
-//! [`crate::native::pspnet`]) or on candle.
+//! [`native_weights`]) or on candle.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -13,7 +13,10 @@ use candle_core::{Module, Tensor};
 use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
+
+use crate::native;
 
 use crate::manifest::{InstalledModel, Manifest};
 use crate::{Backend, Device, ModelError};
@@ -332,7 +335,7 @@ impl AnatomySegmenter {
                             .into(),
                     });
                 }
-                let weights = crate::native::pspnet(vb, config)?;
+                let weights = native_weights(vb, config)?;
                 AnatomyNet::Native(Box::new(
                     NativePspNet::new(&weights, config.input_size, threads)
                         .map_err(|e| ModelError::Compute(e.to_string()))?,
@@ -480,5 +483,122 @@ impl crate::Model for AnatomySegmenter {
         let vb = crate::weights::var_builder(&installed.weights, device)?;
         AnatomySegmenter::new(vb, &cfg, backend, settings.cpu.threads())
             .map_err(|e| corrupt(&manifest.id, e))
+    }
+}
+
+/// A ptsemseg unit `{unit}.0` (conv, no bias) + `{unit}.1` (BatchNorm).
+#[allow(clippy::too_many_arguments)]
+fn conv_bn(
+    vb: &VarBuilder,
+    unit: &str,
+    cin: usize,
+    cout: usize,
+    k: usize,
+    (stride, padding, dilation): (usize, usize, usize),
+    relu: bool,
+) -> candle_core::Result<kw::ConvBn> {
+    let vb = vb.pp(unit);
+    Ok(kw::ConvBn {
+        conv: native::conv(&vb.pp("0"), cin, cout, k, false)?,
+        bn: native::batch_norm(&vb.pp("1"), cout, BN_EPS)?,
+        stride,
+        padding,
+        dilation,
+        relu,
+    })
+}
+
+/// `conv2DBatchNormRelu` with (stride, padding, dilation).
+fn cbr(
+    vb: &VarBuilder,
+    cin: usize,
+    cout: usize,
+    k: usize,
+    spd: (usize, usize, usize),
+) -> candle_core::Result<kw::ConvBn> {
+    conv_bn(vb, "cbr_unit", cin, cout, k, spd, true)
+}
+
+/// `conv2DBatchNorm`, 1x1.
+fn cb(vb: &VarBuilder, cin: usize, cout: usize, stride: usize) -> candle_core::Result<kw::ConvBn> {
+    conv_bn(vb, "cb_unit", cin, cout, 1, (stride, 0, 1), false)
+}
+
+/// [`PspNet`]'s weights for the native engine (the state dict without `module.`).
+pub fn native_weights(vb: VarBuilder, cfg: &Config) -> candle_core::Result<kw::PspNetWeights> {
+    let [s1, s2, s3] = cfg.stem;
+    let stem = vec![
+        cbr(&vb.pp("convbnrelu1_1"), 3, s1, 3, (2, 1, 1))?,
+        cbr(&vb.pp("convbnrelu1_2"), s1, s2, 3, (1, 1, 1))?,
+        cbr(&vb.pp("convbnrelu1_3"), s2, s3, 3, (1, 1, 1))?,
+    ];
+    let mut blocks = Vec::new();
+    let mut cin = s3;
+    for (i, ((&[mid, cout], &n), (stride, dil))) in cfg
+        .stages
+        .iter()
+        .zip(&cfg.block_config)
+        .zip(STAGE_STRIDE_DILATION)
+        .enumerate()
+    {
+        let svb = vb.pp(format!("res_block{}", i + 2)).pp("layers");
+        // ptsemseg drops the stride when the stage is dilated; only the projecting first block
+        // strides.
+        let stride = if dil > 1 { 1 } else { stride };
+        for j in 0..n {
+            let b = svb.pp(j);
+            let project = j == 0;
+            let c = if project { cin } else { cout };
+            let s2 = if project { stride } else { 1 };
+            blocks.push(kw::Bottleneck {
+                cbr1: cbr(&b.pp("cbr1"), c, mid, 1, (1, 0, 1))?,
+                cbr2: cbr(&b.pp("cbr2"), mid, mid, 3, (s2, dil, dil))?,
+                cb3: cb(&b.pp("cb3"), mid, cout, 1)?,
+                cb4: if project {
+                    Some(cb(&b.pp("cb4"), c, cout, stride)?)
+                } else {
+                    None
+                },
+            });
+        }
+        cin = cout;
+    }
+    let paths = cfg.pool_sizes.len().max(1);
+    let pyramid = (0..cfg.pool_sizes.len())
+        .map(|i| {
+            let p = vb.pp("pyramid_pooling").pp("path_module_list").pp(i);
+            cbr(&p, cin, cin / paths, 1, (1, 0, 1))
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let cat = cin + (cin / paths) * cfg.pool_sizes.len();
+    Ok(kw::PspNetWeights {
+        stem,
+        blocks,
+        pool_sizes: cfg.pool_sizes.clone(),
+        pyramid,
+        cbr_final: cbr(&vb.pp("cbr_final"), cat, cfg.final_channels, 3, (1, 1, 1))?,
+        classification: native::conv(
+            &vb.pp("classification"),
+            cfg.final_channels,
+            cfg.n_classes,
+            1,
+            true,
+        )?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::recorded_params;
+
+    /// The native reader asks for exactly the parameters (names and shapes) the candle model does.
+    #[test]
+    fn native_reader_asks_for_the_candle_models_parameters() {
+        let cfg = Config::chestx_det();
+        assert_eq!(
+            recorded_params(|vb| native_weights(vb, &cfg)).expect("native"),
+            expected_params(&cfg).expect("candle"),
+        );
     }
 }

@@ -5,7 +5,7 @@
 //! `layer2.0.downsample.0.weight`, `fc.bias`).
 //!
 //! This is the candle path; on the CPU `hilum-kernels` runs the same weights (read by
-//! [`crate::native::resnet`]).
+//! [`native_weights`]).
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{
@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::densenet::BN_EPS;
 use crate::onnx_graph::{self, GraphBuilder};
+use hilum_kernels::resnet as kw;
+
+use crate::native;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
@@ -235,5 +238,67 @@ impl ResNet {
             self.cfg.num_classes,
             "torchxrayvision ResNet (resnet50-res512-all layout): logits before sigmoid and op_norm",
         ))
+    }
+}
+
+/// [`ResNet`]'s weights for the native engine (`conv1.*`, `layer1.0.*`, ..., `fc.*` at the root of `vb`).
+pub fn native_weights(vb: VarBuilder, cfg: &Config) -> Result<kw::ResNetWeights> {
+    let eps = BN_EPS;
+    let mut c_in = cfg.stem_channels;
+    let mut blocks = Vec::new();
+    for (i, (&n, &planes)) in cfg.layers.iter().zip(&cfg.planes).enumerate() {
+        let svb = vb.pp(format!("layer{}", i + 1));
+        for j in 0..n {
+            let b = svb.pp(j);
+            let stride = cfg.block_stride(i, j);
+            let c_out = planes * cfg.expansion;
+            let downsample = if stride != 1 || c_in != c_out {
+                Some((
+                    native::conv(&b.pp("downsample.0"), c_in, c_out, 1, false)?,
+                    native::batch_norm(&b.pp("downsample.1"), c_out, eps)?,
+                ))
+            } else {
+                None
+            };
+            blocks.push(kw::Bottleneck {
+                conv1: native::conv(&b.pp("conv1"), c_in, planes, 1, false)?,
+                bn1: native::batch_norm(&b.pp("bn1"), planes, eps)?,
+                conv2: native::conv(&b.pp("conv2"), planes, planes, 3, false)?,
+                bn2: native::batch_norm(&b.pp("bn2"), planes, eps)?,
+                conv3: native::conv(&b.pp("conv3"), planes, c_out, 1, false)?,
+                bn3: native::batch_norm(&b.pp("bn3"), c_out, eps)?,
+                downsample,
+                stride,
+            });
+            c_in = c_out;
+        }
+    }
+    Ok(kw::ResNetWeights {
+        conv1: native::conv(
+            &vb.pp("conv1"),
+            cfg.in_channels,
+            cfg.stem_channels,
+            7,
+            false,
+        )?,
+        bn1: native::batch_norm(&vb.pp("bn1"), cfg.stem_channels, eps)?,
+        blocks,
+        fc: native::linear(&vb.pp("fc"), c_in, cfg.num_classes)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::recorded_params;
+
+    /// The native reader asks for exactly the parameters (names and shapes) the candle model does.
+    #[test]
+    fn native_reader_asks_for_the_candle_models_parameters() {
+        let cfg = Config::resnet50_res512_all();
+        assert_eq!(
+            recorded_params(|vb| native_weights(vb, &cfg)).expect("native"),
+            recorded_params(|vb| ResNet::load(vb, &cfg)).expect("candle"),
+        );
     }
 }

@@ -8,7 +8,7 @@
 //! renaming of the published one. Preprocessing and postprocessing (resize, threshold,
 //! upsampling to the original size) live here, beside the network, and so does
 //! [`LungSegmenter`], which runs it on one backend: `hilum-kernels`' native engine (from
-//! weights read by [`crate::native::lung_unet`]), candle, or ONNX Runtime.
+//! weights read by [`native_weights`]), candle, or ONNX Runtime.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,6 +20,11 @@ use serde::{Deserialize, Serialize};
 use hilum_kernels::unet::same_padding;
 use hilum_kernels::NativeUnet;
 
+use crate::native::{keras_bn, keras_conv};
+
+use hilum_imaging::{prepare_values, Filter, Layout, Norm, Prepared, Preprocess};
+
+use crate::runner::{check_input, Runner};
 use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
 /// Input and output names of the published ONNX export (`lung_seg_valiou_088.onnx`), used by
@@ -349,7 +354,7 @@ impl LungSegmenter {
                             .into(),
                     });
                 }
-                let weights = crate::native::lung_unet(vb, config)?;
+                let weights = native_weights(vb, config)?;
                 LungNet::Native(
                     NativeUnet::new(&weights, config.input_size, threads)
                         .map_err(|e| ModelError::Compute(e.to_string()))?,
@@ -694,12 +699,39 @@ fn resize_u8_like(
     ))
 }
 
-/// Model input from one luminance channel scaled to 0..255 (grey replicated to RGB).
+/// Model input from one luminance channel scaled to 0..255 (grey replicated to RGB): the
+/// [`recipe`] on values outside an image store; nothing when the plane is not
+/// `width * height` values.
 pub fn preprocess_gray(gray: &[f32], width: usize, height: usize, size: usize) -> Vec<f32> {
-    resize_u8_like(gray, width, height, 1, size)
-        .into_iter()
-        .flat_map(|v| [v, v, v])
-        .collect()
+    prepare_values(gray, width as u32, height as u32, 255.0, &recipe(size))
+        .map(|p| p.data)
+        .unwrap_or_default()
+}
+
+/// The U-Net's input: stretched to `size`², resized as PIL resizes an 8-bit image, 0..=255,
+/// grey in all three channels, interleaved (NHWC, as Keras takes it).
+pub fn recipe(size: usize) -> Preprocess {
+    Preprocess::stretch(size as u32, size as u32)
+        .filter(Filter::PilBilinearU8)
+        .norm(Norm::Byte)
+        .channels(3)
+        .layout(Layout::Hwc)
+}
+
+impl Runner for LungSegmenter {
+    /// The lung probability at the input's size (`size * size`, row-major).
+    type Output = Vec<f32>;
+
+    fn recipe(&self) -> Preprocess {
+        recipe(self.config.input_size)
+    }
+
+    fn run(&self, input: &Prepared) -> Result<Vec<f32>, ModelError> {
+        check_input(&Runner::recipe(self), input)?;
+        let mut out = self.predict(std::slice::from_ref(&input.data))?;
+        out.pop()
+            .ok_or_else(|| ModelError::Compute("no output".into()))
+    }
 }
 
 /// The probability map upsampled (bilinear) to the original size and thresholded.
@@ -716,9 +748,160 @@ pub fn mask_at(
         .collect()
 }
 
+/// [`LungUnet`]'s weights for the native engine (Keras layer names at the root of `vb`).
+pub fn native_weights(
+    vb: VarBuilder,
+    cfg: &Config,
+) -> candle_core::Result<hilum_kernels::unet::UnetWeights> {
+    let mut se = 0;
+    let mut c_in = cfg.in_channels;
+    let mut block = |conv_name: String,
+                     bn_name: String,
+                     residual: Option<String>,
+                     c_in: usize,
+                     c: usize,
+                     stride: usize|
+     -> candle_core::Result<hilum_kernels::unet::UnetBlock> {
+        let c_se = c / cfg.se_reduction;
+        let b = hilum_kernels::unet::UnetBlock {
+            conv: keras_conv(&vb, &conv_name, 3, c_in, c)?,
+            bn: keras_bn(&vb, &bn_name, c, BN_EPS)?,
+            stride,
+            residual_bn: residual.map(|n| keras_bn(&vb, &n, c, BN_EPS)).transpose()?,
+            se_reduce: keras_conv(&vb, &conv2d_name(se), 1, c, c_se)?,
+            se_expand: keras_conv(&vb, &conv2d_name(se + 1), 1, c_se, c)?,
+            project: keras_conv(&vb, &conv2d_name(se + 2), 1, c, c)?,
+        };
+        se += 3;
+        Ok(b)
+    };
+    let mut encoder = Vec::new();
+    for (i, (&c, &n)) in cfg
+        .encoder_channels
+        .iter()
+        .zip(&cfg.encoder_ids)
+        .enumerate()
+    {
+        let stride = if i == 0 { 2 } else { 1 };
+        let residual = (i > 0 && c == c_in).then(|| format!("bn{n}_a"));
+        encoder.push(block(
+            format!("conv{n}"),
+            format!("bn{n}"),
+            residual,
+            c_in,
+            c,
+            stride,
+        )?);
+        c_in = c;
+    }
+    let mut decoder = Vec::new();
+    for (&c, &n) in cfg.decoder_channels.iter().zip(&cfg.decoder_ids) {
+        decoder.push(block(
+            format!("resize_conv{n}"),
+            format!("resize_bn{n}"),
+            None,
+            c_in,
+            c,
+            1,
+        )?);
+        c_in = c;
+    }
+    Ok(hilum_kernels::unet::UnetWeights {
+        encoder,
+        decoder,
+        head: keras_conv(&vb, &format!("resize_conv{}", cfg.head_id), 3, c_in, 1)?,
+        head_bn: keras_bn(&vb, &format!("resize_bn{}", cfg.head_id), 1, BN_EPS)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::weights::recorded_params;
+
+    /// The native reader asks for exactly the parameters (names and shapes) the candle model does.
+    #[test]
+    fn native_reader_asks_for_the_candle_models_parameters() {
+        let cfg = Config::lung_seg_valiou_088();
+        let names = recorded_params(|vb| native_weights(vb, &cfg)).expect("native");
+        assert_eq!(names, expected_params());
+        assert_eq!(
+            names,
+            recorded_params(|vb| LungUnet::load(vb, &cfg)).expect("candle"),
+        );
+    }
+
+    /// The lung U-Net at 64 px with seeded weights (fan-in scaled so activations stay in
+    /// range) on the native engine and on candle: the same probabilities.
+    #[test]
+    fn native_lung_unet_matches_candle() {
+        use candle_core::{Device, Tensor};
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut unit = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut ts = std::collections::HashMap::new();
+        for (name, shape) in expected_params() {
+            let n: usize = shape.iter().product();
+            let fan_in = if shape.len() == 4 {
+                shape[0] * shape[1] * shape[2]
+            } else {
+                1
+            };
+            let vals: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = unit();
+                    if name.ends_with("moving_variance") {
+                        0.5 + u.abs()
+                    } else {
+                        3.0 * u / (fan_in as f32).sqrt()
+                    }
+                })
+                .collect();
+            ts.insert(
+                name,
+                Tensor::from_vec(vals, shape, &Device::Cpu).expect("tensor"),
+            );
+        }
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+        let cfg = Config {
+            input_size: 64,
+            ..Config::lung_seg_valiou_088()
+        };
+        let mut px = 99u32;
+        let inputs: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                (0..64 * 64 * 3)
+                    .map(|_| {
+                        px = px.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        (px >> 24) as f32
+                    })
+                    .collect()
+            })
+            .collect();
+        let run = |backend| {
+            LungSegmenter::new(vb.clone(), &cfg, backend, 2)
+                .expect("load")
+                .predict(&inputs)
+                .expect("predict")
+                .concat()
+        };
+        let (native, candle) = (run(crate::Backend::Native), run(crate::Backend::Candle));
+        let max = native
+            .iter()
+            .zip(&candle)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-4, "native vs candle: max abs diff {max}");
+        let (lo, hi) = candle
+            .iter()
+            .fold((1f32, 0f32), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        assert!(hi - lo > 0.1, "degenerate test output {lo}..{hi}");
+    }
 
     #[test]
     fn expected_params_count_matches_published_174k() {

@@ -11,8 +11,10 @@ use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use crate::{densenet, native, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
-use hilum_imaging::skresize::{resize_linear_constant, Region};
+use crate::{densenet, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
+use hilum_imaging::{prepare_values, Prepared, Preprocess};
+
+use crate::runner::{check_input, Runner};
 use hilum_kernels::{CpuError, NativeDenseNet, NativeResNet};
 
 /// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
@@ -194,10 +196,10 @@ pub fn op_norm(p: f32, t: Option<f32>) -> f32 {
     }
 }
 
-/// torchxrayvision's input: the centred square crop of the shorter side (`XRayCenterCrop`),
-/// `(2 * v / max_value - 1) * 1024`, resized to `size` x `size` the way its `XRayResizer` does
-/// (skimage's resize: Gaussian anti-aliasing, linear interpolation, mid-grey padding; see
-/// `hilum_imaging::skresize`). Returns `size * size` values, row-major.
+/// torchxrayvision's input ([`Preprocess::xrv`]: the centred square crop of the shorter side,
+/// `(2 * v / max_value - 1) * 1024`, resized to `size` x `size` the way its `XRayResizer` does)
+/// for values outside an image store. Returns `size * size` values, row-major; nothing when the
+/// plane is not `width * height` values.
 pub fn preprocess(
     pixels: &[f32],
     width: usize,
@@ -205,22 +207,15 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    let crop = width.min(height);
-    // Same offsets as `x // 2 - crop // 2`.
-    let region = Region {
-        x0: width / 2 - crop / 2,
-        y0: height / 2 - crop / 2,
-        width: crop,
-        height: crop,
-    };
-    let max = max_value.max(1.0);
-    // skimage pads with 0 in xrv units, i.e. with max / 2 in raw units.
-    let mut out = resize_linear_constant(pixels, width, region, size, size, max / 2.0);
-    let scale = 2.0 / max;
-    for v in out.iter_mut() {
-        *v = (*v * scale - 1.0) * 1024.0;
-    }
-    out
+    prepare_values(
+        pixels,
+        width as u32,
+        height as u32,
+        max_value,
+        &Preprocess::xrv(size as u32),
+    )
+    .map(|p| p.data)
+    .unwrap_or_default()
 }
 
 /// Where the ONNX Runtime backend's graph came from.
@@ -316,11 +311,11 @@ impl Classifier {
             (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
             // The native plans are built from the checkpoint's weights, not from candle modules.
             (Arch::DenseNet(c), _) => {
-                let w = native::densenet(vb, c)?;
+                let w = densenet::native_weights(vb, c)?;
                 Net::NativeDense(NativeDenseNet::new(&w, size, threads).map_err(cpu_err)?)
             }
             (Arch::ResNet(c), _) => {
-                let w = native::resnet(vb, c)?;
+                let w = resnet::native_weights(vb, c)?;
                 Net::NativeRes(NativeResNet::new(&w, size, threads).map_err(cpu_err)?)
             }
         };
@@ -517,8 +512,28 @@ impl Classifier {
                 pixels.len()
             )));
         }
-        let x = preprocess(pixels, width, height, max_value, self.spec.resolution);
-        self.predict(&x, 1)?
+        let x = prepare_values(
+            pixels,
+            width as u32,
+            height as u32,
+            max_value,
+            &self.recipe(),
+        )
+        .map_err(|e| ModelError::Compute(e.to_string()))?;
+        self.run(&x)
+    }
+}
+
+impl Runner for Classifier {
+    type Output = Vec<LabelScore>;
+
+    fn recipe(&self) -> Preprocess {
+        Preprocess::xrv(self.spec.resolution as u32)
+    }
+
+    fn run(&self, input: &Prepared) -> Result<Vec<LabelScore>, ModelError> {
+        check_input(&self.recipe(), input)?;
+        self.predict(&input.data, 1)?
             .pop()
             .ok_or_else(|| ModelError::Compute("no output".into()))
     }

@@ -307,3 +307,34 @@ fn missing_weights_error_names_the_commands() {
         Ok(_) => panic!("loaded a model that is not installed"),
     }
 }
+
+/// The U-Net's recipe (`unet::recipe`, what the image store prepares for `segment_lungs` and
+/// `measure_chest`) is the PIL-on-8-bit resize value for value: it equals the U-Net's own
+/// interleaved RGB resize of the grey image scaled to 0..255, on 8-bit PNG, JPEG and 16-bit
+/// inputs.
+#[test]
+fn the_store_recipe_is_the_u8_resize_exactly() {
+    for name in [
+        "nih_00000001_000_cardiomegaly.png",
+        "covid_0a7faa2a.jpg",
+        "derived_RG1_chest_pa_16bit.png",
+    ] {
+        let bytes = std::fs::read(data().join("cxr/images").join(name)).expect("image");
+        let img = hilum_imaging::decode(&bytes, name, 1 << 26).expect("decode");
+        let (w, h) = (img.width as usize, img.height as usize);
+        let scale = 255.0 / img.max_value();
+        let rgb: Vec<f32> = img.pixels.iter().flat_map(|v| [v * scale; 3]).collect();
+        let expected = unet::preprocess_rgb(&rgb, w, h, 256);
+        let prepared = hilum_imaging::prepare(&img, &unet::recipe(256)).expect("prepare");
+        assert_eq!(prepared.shape(), [256, 256, 3], "{name}");
+        assert!(
+            prepared.data == expected,
+            "{name}: the recipe differs from the u8 resize"
+        );
+        let gray: Vec<f32> = img.pixels.iter().map(|v| v * scale).collect();
+        assert!(
+            unet::preprocess_gray(&gray, w, h, 256) == expected,
+            "{name}"
+        );
+    }
+}

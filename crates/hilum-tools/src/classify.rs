@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
 use hilum_imaging::ImageStore;
 
+use hilum_models::runner::Runner;
 use hilum_models::xrv::{self, LabelScore, OnnxSource};
 use hilum_models::Backend;
 use hilum_models::{Device, ModelPool, Placed};
@@ -172,7 +173,10 @@ impl TypedTool for ClassifyChestXray {
     }
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
-        let img = args.image.load(&self.store)?;
+        // Unknown ids fail here, before waiting for a device.
+        args.image.load(&self.store)?;
+        let store = self.store.clone();
+        let image = args.image.clone();
         let image_id = args.image.0;
         let model_id = args.model.id().to_string();
         let backend = self.backend_for(&model_id)?;
@@ -185,12 +189,8 @@ impl TypedTool for ClassifyChestXray {
             move |p: Placed<'_, xrv::Classifier>, _| {
                 let (model, load_ms) = (p.model.clone(), p.load.as_secs_f64() * 1e3);
                 let t = Instant::now();
-                let scores = model.classify(
-                    &img.pixels,
-                    img.width as usize,
-                    img.height as usize,
-                    img.max_value(),
-                )?;
+                let input = image.prepared(&store, &model.recipe())?;
+                let scores = model.run(&input)?;
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 Ok((scores, model.custom, model, ms, load_ms, p.device))
             },

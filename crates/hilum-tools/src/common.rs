@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hilum_agent::ToolError;
-use hilum_imaging::{CxrImage, ImageStore, ImagingError};
+use hilum_imaging::{CxrImage, ImageStore, ImagingError, Prepared, Preprocess};
 use hilum_models::{Backend, Device, InstalledModel, Model, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde_json::{json, Value};
@@ -49,18 +49,32 @@ pub struct ImageArgs {
 impl ImageId {
     /// Resolves the id through the store.
     pub fn load(&self, store: &ImageStore) -> Result<Arc<CxrImage>, ToolError> {
-        resolve(store, &self.0)
+        store
+            .get(&self.0)
+            .map_err(|e| image_error(store, &self.0, e))
+    }
+
+    /// The image as a model's input (`Runner::recipe`), computed once per image and recipe by
+    /// the store and shared with every other tool that asks for the same.
+    pub fn prepared(
+        &self,
+        store: &ImageStore,
+        recipe: &Preprocess,
+    ) -> Result<Arc<Prepared>, ToolError> {
+        store
+            .prepared(&self.0, recipe)
+            .map_err(|e| image_error(store, &self.0, e))
     }
 }
 
-fn resolve(store: &ImageStore, id: &str) -> Result<Arc<CxrImage>, ToolError> {
-    store.get(id).map_err(|e| match e {
+fn image_error(store: &ImageStore, id: &str, e: ImagingError) -> ToolError {
+    match e {
         ImagingError::UnknownId(_) => ToolError::NotFound(format!(
             "no image with id `{id}` in this session; use one of: {}",
             store.ids().join(", ")
         )),
         other => ToolError::Unprocessable(other.to_string()),
-    })
+    }
 }
 
 /// A model failure as a tool error; a missing model names the command that installs it

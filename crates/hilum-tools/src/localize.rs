@@ -15,7 +15,7 @@ use candle_core::Tensor;
 use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
-use hilum_imaging::{CxrImage, ImageStore};
+use hilum_imaging::{prepare, CxrImage, ImageStore, Prepared, Preprocess};
 use hilum_models::densenet::DenseNet;
 use hilum_models::xrv::{self, Arch, XrvSpec};
 use hilum_models::{Device, ModelError, ModelPool, Placed};
@@ -59,6 +59,11 @@ pub struct Cam {
 }
 
 impl CamNet {
+    /// The classifier's input recipe ([`Preprocess::xrv`] at the model's resolution).
+    pub fn recipe(&self) -> Preprocess {
+        Preprocess::xrv(self.spec.resolution as u32)
+    }
+
     pub fn new(net: DenseNet, spec: XrvSpec, device: candle_core::Device) -> Self {
         CamNet {
             net,
@@ -272,16 +277,31 @@ pub fn localize(
     class: usize,
     threshold: f32,
 ) -> Result<Localization, ModelError> {
-    let (w, h) = (img.width as usize, img.height as usize);
-    if w == 0 || h == 0 || img.pixels.len() != w * h {
-        return Err(ModelError::Compute(
-            "image pixel buffer does not match its size".into(),
-        ));
-    }
+    let input = prepare(img, &net.recipe()).map_err(|e| ModelError::Compute(e.to_string()))?;
+    localize_on(net, &input, class, threshold)
+}
+
+/// [`localize`] on the network's input as the store prepared it (shared with
+/// `classify_chest_xray`, which takes the same recipe).
+pub fn localize_on(
+    net: &CamNet,
+    input: &Prepared,
+    class: usize,
+    threshold: f32,
+) -> Result<Localization, ModelError> {
     let res = net.spec.resolution;
-    let input = xrv::preprocess(&img.pixels, w, h, img.max_value(), res);
-    let cam = net.cam(&input, class)?;
-    // The same centre square as `xrv::preprocess`.
+    if input.data.len() != res * res {
+        return Err(ModelError::Compute(format!(
+            "CAM input has {} values, expected {res} x {res}",
+            input.data.len()
+        )));
+    }
+    let (w, h) = (
+        input.geometry.src_width as usize,
+        input.geometry.src_height as usize,
+    );
+    let cam = net.cam(&input.data, class)?;
+    // The same centre square as `Preprocess::xrv`.
     let crop = w.min(h);
     let (crop_x, crop_y) = (w / 2 - crop / 2, h / 2 - crop / 2);
     let g = crop.min(HEAT_MAX_SIDE);
@@ -447,9 +467,9 @@ impl TypedTool for LocalizeFinding {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
+        let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         let (finding, threshold) = (args.finding, args.threshold);
-        let image = img.clone();
         let candle = |_: &_, _| hilum_models::Backend::Candle;
         let (loc, label, installed, t0) = run_model(
             &self.models,
@@ -464,7 +484,8 @@ impl TypedTool for LocalizeFinding {
                         net.spec.labels.join(", ")
                     ))
                 })?;
-                let loc = localize(net, &image, class, threshold)?;
+                let input = image_id.prepared(&store, &net.recipe())?;
+                let loc = localize_on(net, &input, class, threshold)?;
                 Ok((
                     loc,
                     net.spec.labels[class].clone(),

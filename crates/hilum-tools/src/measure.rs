@@ -10,6 +10,7 @@ use hilum_agent::{
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::AnatomySegmenter;
+use hilum_models::runner::Runner;
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Backend, Device, ModelPool, Placed};
 use schemars::JsonSchema;
@@ -216,15 +217,17 @@ fn parse_view(s: &str) -> View {
     }
 }
 
-/// Lung mask at the original resolution from the lung U-Net.
-fn lung_unet_mask(model: &LungSegmenter, image: &CxrImage) -> Result<Vec<bool>, Fail> {
-    let (w, h) = (image.width as usize, image.height as usize);
-    let scale = 255.0 / image.max_value().max(1.0);
-    let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
-    let size = model.config().input_size;
-    let x = unet::preprocess_gray(&gray, w, h, size);
-    let prob = model.predict(&[x])?.remove(0);
-    Ok(unet::mask_at(&prob, size, w, h, 0.5))
+/// Lung mask at the original resolution from the lung U-Net, on the input `segment_lungs`
+/// shares through the store.
+fn lung_unet_mask(
+    model: &LungSegmenter,
+    store: &ImageStore,
+    id: &ImageId,
+    (w, h): (usize, usize),
+) -> Result<Vec<bool>, Fail> {
+    let x = id.prepared(store, &model.recipe())?;
+    let prob = model.run(&x)?;
+    Ok(unet::mask_at(&prob, model.config().input_size, w, h, 0.5))
 }
 
 /// The overlay: masks, then the measured lines labelled with their widths.
@@ -368,6 +371,7 @@ impl TypedTool for MeasureChest {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
+        let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
@@ -416,7 +420,7 @@ impl TypedTool for MeasureChest {
         } else {
             let work = move |p: Placed<'_, LungSegmenter>, _: &_| {
                 let (width, height) = (image.width as usize, image.height as usize);
-                let lungs = lung_unet_mask(p.model, &image)?;
+                let lungs = lung_unet_mask(p.model, &store, &image_id, (width, height))?;
                 let m = ChestMasks {
                     width,
                     height,

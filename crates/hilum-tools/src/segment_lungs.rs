@@ -9,6 +9,7 @@ use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{CxrImage, ImageStore};
+use hilum_models::runner::Runner;
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
@@ -243,9 +244,10 @@ impl TypedTool for SegmentLungs {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
+        let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         let threshold = args.threshold;
-        let image = img.clone();
+        let (w, h) = (img.width as usize, img.height as usize);
         let ((mask, infer_ms, installed, backend, t0), fallback) = run_model_on(
             &self.models,
             MODEL_ID,
@@ -255,14 +257,11 @@ impl TypedTool for SegmentLungs {
             move |p: Placed<'_, LungSegmenter>, installed| {
                 // Latency counts from when the device was ours, not from the queue.
                 let t0 = p.since;
-                let (w, h) = (image.width as usize, image.height as usize);
-                let scale = 255.0 / image.max_value().max(1.0);
-                let gray: Vec<f32> = image.pixels.iter().map(|v| v * scale).collect();
-                let size = unet::Config::lung_seg_valiou_088().input_size;
                 let t = Instant::now();
-                let x = vec![unet::preprocess_gray(&gray, w, h, size)];
-                let prob = p.model.predict(&x)?.remove(0);
+                let x = image_id.prepared(&store, &p.model.recipe())?;
+                let prob = p.model.run(&x)?;
                 let ms = (t.elapsed() + p.load).as_secs_f64() * 1e3;
+                let size = p.model.config().input_size;
                 let mask = unet::mask_at(&prob, size, w, h, threshold);
                 Ok((mask, ms, installed.clone(), p.model.backend(), t0))
             },

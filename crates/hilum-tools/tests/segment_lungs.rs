@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use hilum_agent::{Tool, ToolContext, ToolError, ToolOutput, Typed};
 use hilum_imaging::ImageStore;
 use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
-use hilum_tools::SegmentLungs;
+use hilum_tools::{MeasureChest, SegmentLungs};
 use serde_json::json;
 
 fn data() -> PathBuf {
@@ -215,4 +215,33 @@ async fn onnx_runtime_backend_gives_the_same_mask() {
         candle.data["inference_ms"]
     );
     assert!(differ * 10_000 < a.as_raw().len(), "{differ} pixels differ");
+}
+
+/// `segment_lungs` and `measure_chest` run the same U-Net on the same radiograph: the store
+/// prepares its input once (the runner's recipe) and both tools read it; the two masks agree.
+#[tokio::test]
+async fn tools_running_one_model_share_its_prepared_input() {
+    let store = Arc::new(ImageStore::default());
+    let id = store
+        .ingest_file(&data().join("cxr/images/covid_2c35005f.jpg"))
+        .expect("ingest");
+    let (seg, measure) = (
+        SegmentLungs::new(store.clone(), pool()),
+        MeasureChest::new(store.clone(), pool()),
+    );
+    let ctx = ToolContext::default();
+    let (a, b) = tokio::join!(
+        seg.call(&ctx, json!({ "image": id })),
+        measure.call(&ctx, json!({ "image": id })),
+    );
+    let (a, b) = (a.expect("segment_lungs"), b.expect("measure_chest"));
+    assert_eq!(store.stats().variants_computed, 1, "{:?}", store.stats());
+    assert!(store.stats().hits >= 1, "{:?}", store.stats());
+    // The same mask: both tools count the same lung areas (threshold 0.5 in both).
+    for side in ["right", "left"] {
+        let seg_px = a.data[format!("{side}_lung")]["area_px"].as_u64();
+        let measure_px = b.data[format!("{side}_lung_px")].as_u64();
+        assert!(seg_px.is_some_and(|v| v > 50_000), "{side}: {seg_px:?}");
+        assert_eq!(seg_px, measure_px, "{side} lung");
+    }
 }
