@@ -76,6 +76,10 @@ pub enum Norm {
     Xrv,
     /// `(v / max - mean[c]) / std[c]` with ImageNet's RGB mean and std; implies 3 channels.
     ImageNet,
+    /// torchxrayvision's PSPNet input: [`Norm::ImageNet`]'s values (its xrv range mapped back,
+    /// `(x + 1024) / 2048`, is `v / max`), but the resize pads with mid-grey as for
+    /// [`Norm::Xrv`], the range the image went through first; implies 3 channels.
+    XrvImageNet,
 }
 
 /// Memory order of a multi-channel result.
@@ -167,7 +171,7 @@ impl Preprocess {
                 self.channels
             )));
         }
-        if self.norm == Norm::ImageNet && self.channels != 3 {
+        if matches!(self.norm, Norm::ImageNet | Norm::XrvImageNet) && self.channels != 3 {
             return Err(ImagingError::InvalidTransform(
                 "ImageNet normalisation needs 3 channels".into(),
             ));
@@ -335,7 +339,11 @@ pub fn prepare_values(
         (values, max)
     };
     // The raw value the norm maps to 0: what skimage's cval=0 pads with.
-    let pad = if p.norm == Norm::Xrv { max / 2.0 } else { 0.0 };
+    let pad = if matches!(p.norm, Norm::Xrv | Norm::XrvImageNet) {
+        max / 2.0
+    } else {
+        0.0
+    };
     let resize_region = |region: Region, w: usize, h: usize| -> Vec<f32> {
         if p.filter == Filter::SkimageLinear {
             return crate::skresize::resize_linear_constant(pixels, sw, region, w, h, pad);
@@ -430,7 +438,9 @@ pub fn prepare_values(
                 // Exact when the values are already bytes (`PilBilinearU8`).
                 Norm::Byte => Box::new(move |v| v * (255.0 / max)),
                 Norm::Xrv => Box::new(move |v| (2.0 * (v / max) - 1.0) * 1024.0),
-                Norm::ImageNet => Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c]),
+                Norm::ImageNet | Norm::XrvImageNet => {
+                    Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c])
+                }
             };
             plane.iter().map(|&v| f(v)).collect()
         })

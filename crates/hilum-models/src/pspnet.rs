@@ -13,12 +13,14 @@ use candle_core::{Module, Tensor};
 use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use hilum_imaging::{prepare_values, Filter, Norm, Prepared, Preprocess};
 use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
 
 use crate::native;
 
 use crate::manifest::{InstalledModel, Manifest};
+use crate::runner::{check_input, Runner};
 use crate::{Backend, Device, ModelError};
 
 /// ptsemseg's BatchNorm2d epsilon (PyTorch's default).
@@ -415,10 +417,12 @@ impl AnatomySegmenter {
     }
 }
 
-/// torchxrayvision's PSPNet input for a whole image: values to the xrv range, resized to
-/// `size` x `size` by its `XRayResizer` (skimage's resize: Gaussian anti-aliasing, linear
-/// interpolation, mid-grey padding; the image is stretched, not cropped, so masks map back onto
-/// the whole image), `(x + 1024) / 2048`, repeated to 3 channels with ImageNet normalisation.
+/// torchxrayvision's PSPNet input for a whole image ([`recipe`]: values to the xrv range,
+/// resized to `size` x `size` by its `XRayResizer` (skimage's resize: Gaussian anti-aliasing,
+/// linear interpolation, mid-grey padding; the image is stretched, not cropped, so masks map back
+/// onto the whole image), `(x + 1024) / 2048`, repeated to 3 channels with ImageNet
+/// normalisation), for values outside an image store; nothing when the plane is not
+/// `width * height` values.
 pub fn preprocess(
     gray: &[f32],
     width: usize,
@@ -426,20 +430,31 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    let whole = hilum_imaging::skresize::Region::whole(width, height);
-    let max = max_value.max(1.0);
-    // skimage pads with 0 in xrv units, i.e. with max / 2 in raw units.
-    let resized =
-        hilum_imaging::skresize::resize_linear_constant(gray, width, whole, size, size, max / 2.0);
-    let scale = 1.0 / max;
-    const MEAN: [f32; 3] = [0.485, 0.456, 0.406];
-    const STD: [f32; 3] = [0.229, 0.224, 0.225];
-    let mut out = Vec::with_capacity(3 * size * size);
-    for c in 0..3 {
-        // (2v/max - 1) * 1024 then (x + 1024) / 2048 is v / max.
-        out.extend(resized.iter().map(|&v| ((v * scale) - MEAN[c]) / STD[c]));
+    prepare_values(gray, width as u32, height as u32, max_value, &recipe(size))
+        .map(|p| p.data)
+        .unwrap_or_default()
+}
+
+/// The PSPNet's input recipe at `size` px (see [`preprocess`]).
+pub fn recipe(size: usize) -> Preprocess {
+    Preprocess::stretch(size as u32, size as u32)
+        .filter(Filter::SkimageLinear)
+        .norm(Norm::XrvImageNet)
+        .channels(3)
+}
+
+impl Runner for AnatomySegmenter {
+    /// `n_classes` probability maps at the input's size.
+    type Output = Vec<Vec<f32>>;
+
+    fn recipe(&self) -> Preprocess {
+        recipe(self.config().input_size)
     }
-    out
+
+    fn run(&self, input: &Prepared) -> Result<Vec<Vec<f32>>, ModelError> {
+        check_input(&Runner::recipe(self), input)?;
+        self.probabilities(&input.data)
+    }
 }
 
 /// Every parameter the published checkpoint holds for `cfg` (minus the training-only head and

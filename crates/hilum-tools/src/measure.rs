@@ -372,6 +372,7 @@ impl TypedTool for MeasureChest {
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
         let (store, image_id) = (self.store.clone(), args.image.clone());
+        let (anatomy_store, anatomy_id) = (store.clone(), image_id.clone());
         let id = args.image.0;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
@@ -413,7 +414,8 @@ impl TypedTool for MeasureChest {
         let (image, default) = (img.clone(), |_: &_, d| Backend::default_for(d));
         let (masks, source, t0) = if anatomy {
             let work = move |p: Placed<'_, AnatomySegmenter>, _: &_| {
-                let a = crate::segment_anatomy::anatomy_masks(p.model, &image)?;
+                let input = anatomy_id.prepared(&anatomy_store, &p.model.recipe())?;
+                let a = crate::segment_anatomy::anatomy_masks(p.model, &input)?;
                 Ok((a, format!("anatomy model {ANATOMY_MODEL_ID}"), p.since))
             };
             run_model(&self.models, ANATOMY_MODEL_ID, self.pin, default, work).await?

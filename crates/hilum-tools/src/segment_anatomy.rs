@@ -7,8 +7,9 @@ use async_trait::async_trait;
 use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
-use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
-use hilum_models::pspnet::{self, AnatomySegmenter, TARGETS};
+use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Prepared, Rgb};
+use hilum_models::pspnet::{AnatomySegmenter, TARGETS};
+use hilum_models::runner::Runner;
 use hilum_models::{Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -67,17 +68,20 @@ pub fn parse_structures(names: Option<&[String]>) -> Result<Vec<usize>, ToolErro
     Ok(out)
 }
 
-/// Runs the network on the whole image and brings the chosen maps back to its resolution.
-/// Its errors are the model's, so a device failure in the pass can move the call.
+/// Runs the network on the whole image (its input as the store prepared it, shared with
+/// `measure_chest`) and brings the chosen maps back to the image's `(width, height)`. Its errors
+/// are the model's, so a device failure in the pass can move the call.
 pub fn run(
     model: &AnatomySegmenter,
-    img: &CxrImage,
+    input: &Prepared,
     which: &[usize],
 ) -> Result<Vec<StructureMap>, ModelError> {
-    let (w, h) = (img.width as usize, img.height as usize);
+    let (w, h) = (
+        input.geometry.src_width as usize,
+        input.geometry.src_height as usize,
+    );
     let s = model.config().input_size;
-    let x = pspnet::preprocess(&img.pixels, w, h, img.max_value(), s);
-    let probs = model.probabilities(&x)?;
+    let probs = model.run(input)?;
     which
         .iter()
         .map(|&i| {
@@ -96,7 +100,7 @@ pub fn run(
 }
 
 /// The masks `measure_chest` needs: both lungs, heart and mediastinum.
-pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMasks, ModelError> {
+pub fn anatomy_masks(model: &AnatomySegmenter, input: &Prepared) -> Result<ChestMasks, ModelError> {
     let idx = |n: &str| structure_index(n).unwrap_or(0);
     let which = [
         idx("Left Lung"),
@@ -104,7 +108,7 @@ pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMa
         idx("Heart"),
         idx("Mediastinum"),
     ];
-    let maps = run(model, img, &which)?;
+    let maps = run(model, input, &which)?;
     let mask = |m: &StructureMap| m.prob.iter().map(|&p| p > THRESHOLD).collect::<Vec<bool>>();
     let lungs = mask(&maps[0])
         .into_iter()
@@ -112,8 +116,8 @@ pub fn anatomy_masks(model: &AnatomySegmenter, img: &CxrImage) -> Result<ChestMa
         .map(|(a, b)| a || b)
         .collect();
     Ok(ChestMasks {
-        width: img.width as usize,
-        height: img.height as usize,
+        width: input.geometry.src_width as usize,
+        height: input.geometry.src_height as usize,
         lungs,
         heart: Some(mask(&maps[2])),
         mediastinum: Some(mask(&maps[3])),
@@ -271,6 +275,7 @@ impl TypedTool for SegmentAnatomy {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
+        let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         let which = parse_structures(args.structures.as_deref())?;
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
@@ -279,13 +284,15 @@ impl TypedTool for SegmentAnatomy {
                 img.width, img.height
             )));
         }
-        let image = img.clone();
         let (maps, t0) = run_model(
             &self.models,
             MODEL_ID,
             self.pin,
             |_, d| hilum_models::Backend::default_for(d),
-            move |p: Placed<'_, AnatomySegmenter>, _| Ok((run(p.model, &image, &which)?, p.since)),
+            move |p: Placed<'_, AnatomySegmenter>, _| {
+                let input = image_id.prepared(&store, &p.model.recipe())?;
+                Ok((run(p.model, &input, &which)?, p.since))
+            },
         )
         .await?;
         let latency = t0.elapsed().as_secs_f64() * 1e3;

@@ -52,7 +52,9 @@ fn structures_come_back_at_original_resolution_with_measurements() {
     let img = store.get(&id).expect("image");
     let model = small_model();
     let which: Vec<usize> = (0..14).collect();
-    let maps = run(&model, &img, &which).expect("run");
+    let input =
+        hilum_imaging::prepare(&img, &pspnet::recipe(model.config().input_size)).expect("prepare");
+    let maps = run(&model, &input, &which).expect("run");
     assert_eq!(maps.len(), 14);
     for m in &maps {
         assert_eq!(
