@@ -12,7 +12,8 @@
 # is not empty, and both replicas see the same conversation and audit rows.
 #
 # Usage: scripts/deploy_check.sh            (separately run, NOT part of CI)
-# Env:   HILUM_BIN (default target/release/hilum, built if missing), IMAGE (a radiograph).
+# Env:   HILUM_BIN (default target/release/hilum, built if missing), IMAGE (a radiograph),
+#        LLM_TIMEOUT_SECS (the reasoning server's longest turn, default 900).
 # Needs: scripts/setup_postgres.sh and scripts/setup_triton.sh (run here on first use), and for
 #        the reasoning server llama-cpp-python in scripts/.venv-llama (scripts/llama_server_check.sh
 #        installs it, ~20 min); without it the replicas use the scripted model and say so.
@@ -88,7 +89,9 @@ if [ -x "$root/scripts/.venv-llama/bin/python" ] && "$root/scripts/.venv-llama/b
         --port "$lp" --n_threads 2 --n_ctx 4096 > "$work/llm.log" 2>&1 &
     pids+=($!)
     wait_for "http://127.0.0.1:$lp/v1/models" 120 "${pids[-1]}" "$work/llm.log"
-    llm_args=(--llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$lp/v1")
+    # A 0.5B model on a shared 2-core CPU can take minutes for one turn: wait for it.
+    printf '[llm]\ntimeout_secs = %s\n' "${LLM_TIMEOUT_SECS:-900}" > "$work/hilum.toml"
+    llm_args=(--llm openai:qwen2.5-coder-0.5b --base-url "http://127.0.0.1:$lp/v1" --config "$work/hilum.toml")
     reasoner="llama.cpp's OpenAI-compatible server (Qwen2.5-Coder-0.5B GGUF)"
     export OPENAI_API_KEY=none
 else
