@@ -13,14 +13,14 @@ use candle_core::{Module, Tensor};
 use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use hilum_imaging::{prepare_values, Filter, Norm, Prepared, Preprocess};
+use hilum_imaging::{Filter, Norm, Prepared, Preprocess};
 use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
 
 use crate::native;
 
 use crate::manifest::{InstalledModel, Manifest};
-use crate::runner::{check_input, Runner};
+use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Backend, Device, ModelError};
 
 /// ptsemseg's BatchNorm2d epsilon (PyTorch's default).
@@ -430,9 +430,7 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    prepare_values(gray, width as u32, height as u32, max_value, &recipe(size))
-        .map(|p| p.data)
-        .unwrap_or_default()
+    recipe_values(&recipe(size), gray, width, height, max_value)
 }
 
 /// The PSPNet's input recipe at `size` px (see [`preprocess`]).

@@ -5,7 +5,7 @@
 //! runner's own (chosen when it is loaded); postprocessing that needs the original image (masks
 //! at full size, boxes) stays with the tool, which holds the recipe's [`Prepared::geometry`].
 
-use hilum_imaging::{Prepared, Preprocess};
+use hilum_imaging::{prepare_values, Prepared, Preprocess};
 
 use crate::ModelError;
 
@@ -40,4 +40,19 @@ pub(crate) fn check_input(recipe: &Preprocess, input: &Prepared) -> Result<(), M
         )));
     }
     Ok(())
+}
+
+/// A recipe on a bare luminance plane (`width * height` values, full scale `max_value`), for
+/// callers outside an image store (fixtures, batch benchmarks): the model's input values, or
+/// nothing when the plane does not match its size (the network then refuses the empty input).
+pub(crate) fn recipe_values(
+    recipe: &Preprocess,
+    values: &[f32],
+    width: usize,
+    height: usize,
+    max_value: f32,
+) -> Vec<f32> {
+    prepare_values(values, width as u32, height as u32, max_value, recipe)
+        .map(|p| p.data)
+        .unwrap_or_default()
 }

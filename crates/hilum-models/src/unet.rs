@@ -22,9 +22,9 @@ use hilum_kernels::NativeUnet;
 
 use crate::native::{keras_bn, keras_conv};
 
-use hilum_imaging::{prepare_values, Filter, Layout, Norm, Prepared, Preprocess};
+use hilum_imaging::{Filter, Layout, Norm, Prepared, Preprocess};
 
-use crate::runner::{check_input, Runner};
+use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
 /// Input and output names of the published ONNX export (`lung_seg_valiou_088.onnx`), used by
@@ -703,9 +703,7 @@ fn resize_u8_like(
 /// [`recipe`] on values outside an image store; nothing when the plane is not
 /// `width * height` values.
 pub fn preprocess_gray(gray: &[f32], width: usize, height: usize, size: usize) -> Vec<f32> {
-    prepare_values(gray, width as u32, height as u32, 255.0, &recipe(size))
-        .map(|p| p.data)
-        .unwrap_or_default()
+    recipe_values(&recipe(size), gray, width, height, 255.0)
 }
 
 /// The U-Net's input: stretched to `size`², resized as PIL resizes an 8-bit image, 0..=255,

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::{densenet, resnet, Backend, Device, InstalledModel, Manifest, ModelError};
 use hilum_imaging::{prepare_values, Prepared, Preprocess};
 
-use crate::runner::{check_input, Runner};
+use crate::runner::{check_input, recipe_values, Runner};
 use hilum_kernels::{CpuError, NativeDenseNet, NativeResNet};
 
 /// `xrv.datasets.default_pathologies`: the 18 outputs of the `-all` models, in order.
@@ -207,15 +207,13 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    prepare_values(
-        pixels,
-        width as u32,
-        height as u32,
-        max_value,
+    recipe_values(
         &Preprocess::xrv(size as u32),
+        pixels,
+        width,
+        height,
+        max_value,
     )
-    .map(|p| p.data)
-    .unwrap_or_default()
 }
 
 /// Where the ONNX Runtime backend's graph came from.
