@@ -1,5 +1,5 @@
 //! The ChestX-Det PSPNet's ONNX graph (written by Hilum from the weights) on ONNX Runtime gives
-//! the probabilities of the native engine and of candle to 1e-4: the small seeded fixture
+//! the probabilities of the native engine and of candle to 1e-5: the small seeded fixture
 //! network at 96 px, and the full-size ChestX-Det configuration with seeded weights at 128 px.
 //!
 //! Needs ORT_DYLIB_PATH (scripts/setup_onnxruntime.sh prints it); without it the tests say so
@@ -12,7 +12,12 @@ use candle_core::Tensor;
 use hilum_models::onnx::OnnxModel;
 use hilum_models::onnx_graph::{graph_io, INPUT};
 use hilum_models::pspnet::{self, AnatomySegmenter, Config, PspNet, ONNX_OUTPUT};
-use hilum_models::{Backend, Device};
+use hilum_models::triton::{export_triton, ExportOptions, Exported};
+use hilum_models::{Backend, Device, ImportOptions, ModelRegistry};
+
+/// Tighter than the 1e-4 asked for: the probabilities here stay near 0.5, where sampling the
+/// pyramid's resizes with align_corners=True instead moves them by only ~2e-4.
+const TOL: f32 = 1e-5;
 
 fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/anatomy");
@@ -45,15 +50,26 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// Share of probabilities strictly between 0.05 and 0.95: the comparison is not made on
-/// saturated outputs only.
+/// Share of probabilities strictly between 0.05 and 0.95, printed with their range: the
+/// comparison is made neither on saturated outputs only nor on a flat map.
 fn unsaturated(p: &[Vec<f32>]) -> f32 {
     let n = p.iter().map(Vec::len).sum::<usize>() as f32;
-    p.iter()
+    let (lo, hi) = p
+        .iter()
+        .flatten()
+        .fold((1f32, 0f32), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+    let share = p
+        .iter()
         .flatten()
         .filter(|v| **v > 0.05 && **v < 0.95)
         .count() as f32
-        / n
+        / n;
+    eprintln!(
+        "probabilities from {lo:.4} to {hi:.4}, {:.0}% in (0.05, 0.95)",
+        100.0 * share
+    );
+    assert!(hi - lo > 0.05, "flat output: {lo} to {hi}");
+    share
 }
 
 fn small() -> (Config, Vec<f32>, PathBuf) {
@@ -94,10 +110,7 @@ fn small_pspnet_onnx_runtime_matches_native_and_candle() {
          {d_candle:.2e} ({:.0}% of probabilities in (0.05, 0.95))",
         100.0 * u
     );
-    assert!(
-        d_native <= 1e-4 && d_candle <= 1e-4,
-        "{d_native} {d_candle}"
-    );
+    assert!(d_native <= TOL && d_candle <= TOL, "{d_native} {d_candle}");
     assert!(u > 0.1, "outputs mostly saturated: {u}");
 }
 
@@ -167,6 +180,12 @@ fn seeded_weights(cfg: &Config) -> HashMap<String, Tensor> {
             let (lo, hi) = if shape.len() == 4 {
                 let fan_in: usize = shape[1..].iter().product();
                 let a = (3.0 / fan_in as f32).sqrt();
+                // A wide classifier spreads the logits over several units.
+                let a = if name.starts_with("classification") {
+                    8.0 * a
+                } else {
+                    a
+                };
                 (-a, a)
             } else if name.ends_with("running_var") {
                 (0.5, 1.5)
@@ -219,6 +238,74 @@ fn full_size_pspnet_onnx_runtime_matches_native() {
          of probabilities in (0.05, 0.95))",
         100.0 * u
     );
-    assert!(d <= 1e-4, "max abs diff {d}");
+    assert!(d <= TOL, "max abs diff {d}");
     assert!(u > 0.1, "outputs mostly saturated: {u}");
+}
+
+/// `export-triton` writes the PSPNet's graph for a site's configuration (here the small
+/// network as `chestx-det-pspnet`): config.pbtxt with the graph's tensors and dynamic batching,
+/// and a model.onnx that ONNX Runtime runs to the native probabilities.
+#[test]
+fn export_triton_writes_the_pspnet_graph() {
+    if !ort_ready() {
+        return;
+    }
+    let (cfg, input, weights) = small();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+    let mut manifest = registry
+        .manifest("chestx-det-pspnet")
+        .expect("manifest")
+        .clone();
+    manifest.config = match toml::Value::try_from(&cfg).expect("config to toml") {
+        toml::Value::Table(t) => t,
+        other => panic!("not a table: {other}"),
+    };
+    let registry = registry.with_manifest(manifest);
+    let opts = ImportOptions {
+        custom: true,
+        ..Default::default()
+    };
+    hilum_models::import(&registry, "chestx-det-pspnet", &weights, &opts).expect("import");
+    let repo = dir.path().join("repo");
+    let done = export_triton(
+        &registry,
+        &repo,
+        &["chestx-det-pspnet".to_string()],
+        &ExportOptions::default(),
+    )
+    .expect("export");
+    assert!(
+        matches!(
+            &done[..],
+            [Exported::Written {
+                max_batch_size: 16,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+    let config =
+        std::fs::read_to_string(repo.join("chestx-det-pspnet/config.pbtxt")).expect("config.pbtxt");
+    for want in [
+        "name: \"chestx-det-pspnet\"",
+        "platform: \"onnxruntime_onnx\"",
+        "name: \"x\"",
+        "dims: [ 3, 96, 96 ]",
+        "name: \"probabilities\"",
+        "dims: [ 14, 96, 96 ]",
+        "dynamic_batching",
+    ] {
+        assert!(config.contains(want), "{want} missing from\n{config}");
+    }
+    let served = OnnxModel::load(&repo.join("chestx-det-pspnet/1/model.onnx"), 2).expect("load");
+    let s = cfg.input_size;
+    let (_, got) = served.run(&[1, 3, s, s], &input).expect("run");
+    let native = pspnet::load_file(&weights, &cfg, Device::Cpu, Backend::Native, 2)
+        .expect("native")
+        .probabilities(&input)
+        .expect("native run")
+        .concat();
+    let d = max_diff(&[got], &[native]);
+    assert!(d <= TOL, "exported graph differs by {d}");
 }
