@@ -17,6 +17,8 @@ pub const OUTPUT: &str = "logits";
 
 /// `TensorProto.DataType.FLOAT`.
 const FLOAT: i64 = 1;
+/// `TensorProto.DataType.INT64`.
+const INT64: i64 = 7;
 const IR_VERSION: i64 = 8;
 const OPSET: i64 = 17;
 
@@ -62,6 +64,7 @@ pub enum Attr {
     Int(&'static str, i64),
     Ints(&'static str, Vec<i64>),
     Float(&'static str, f32),
+    Str(&'static str, &'static str),
 }
 
 impl Attr {
@@ -85,6 +88,12 @@ impl Attr {
                 a.str(1, name);
                 a.float(2, *v);
                 a.int(20, 1);
+            }
+            Attr::Str(name, v) => {
+                // s = 4, type STRING = 3.
+                a.str(1, name);
+                a.str(4, v);
+                a.int(20, 3);
             }
         }
         a
@@ -156,6 +165,18 @@ impl GraphBuilder {
             t.int(1, d as i64);
         }
         t.int(2, FLOAT);
+        t.str(8, name);
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        t.bytes(9, &raw);
+        self.initializers.push(t);
+        name.to_string()
+    }
+
+    /// Adds int64 `values` (shapes, sizes) of shape `[values.len()]` as the initializer `name`.
+    pub fn constant_i64(&mut self, name: &str, values: &[i64]) -> String {
+        let mut t = Pb::default();
+        t.int(1, values.len() as i64);
+        t.int(2, INT64);
         t.str(8, name);
         let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         t.bytes(9, &raw);
@@ -258,6 +279,33 @@ impl GraphBuilder {
                 Attr::Ints("strides", vec![k, k]),
             ],
         )
+    }
+
+    /// Bilinear `Resize` of an NCHW tensor to `h` x `w`, sampling as PyTorch's
+    /// `F.interpolate(mode="bilinear", align_corners)` does. The batch and channels are taken
+    /// from `x` at run time (opset 17's `sizes` names every axis), so the batch stays free.
+    pub fn resize_bilinear(&mut self, x: &str, h: usize, w: usize, align_corners: bool) -> String {
+        let nc = self.node("Shape", &[x], &[Attr::Int("start", 0), Attr::Int("end", 2)]);
+        let hw = format!("resize_hw_{}", self.next);
+        self.constant_i64(&hw, &[h as i64, w as i64]);
+        let sizes = self.concat(&[&nc, &hw], 0);
+        let mode = if align_corners {
+            "align_corners"
+        } else {
+            "pytorch_half_pixel"
+        };
+        self.node(
+            "Resize",
+            &[x, "", "", &sizes],
+            &[
+                Attr::Str("mode", "linear"),
+                Attr::Str("coordinate_transformation_mode", mode),
+            ],
+        )
+    }
+
+    pub fn sigmoid(&mut self, x: &str) -> String {
+        self.node("Sigmoid", &[x], &[])
     }
 
     pub fn concat(&mut self, xs: &[&str], axis: i64) -> String {

@@ -18,6 +18,10 @@ use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
 
 use crate::native;
+use crate::onnx_graph::{self, Dim, GraphBuilder};
+
+/// Name of the ONNX graph's output: (batch, n_classes, size, size) probabilities.
+pub const ONNX_OUTPUT: &str = "probabilities";
 
 use crate::manifest::{InstalledModel, Manifest};
 use crate::runner::{check_input, recipe_values, Runner};
@@ -99,6 +103,8 @@ impl Config {
 /// conv (no bias) + batch norm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
 #[derive(Clone, Debug)]
 struct ConvBn {
+    /// Checkpoint prefix (`cbr_final.cbr_unit`), for the ONNX graph's initializer names.
+    name: String,
     conv: Conv2d,
     bn: BatchNorm,
     relu: bool,
@@ -125,6 +131,7 @@ impl ConvBn {
         };
         let vb = vb.pp(unit);
         Ok(ConvBn {
+            name: vb.prefix(),
             conv: candle_nn::conv2d_no_bias(cin, cout, k, cfg, vb.pp("0"))?,
             bn: candle_nn::batch_norm(cout, BN_EPS, vb.pp("1"))?,
             relu,
@@ -145,6 +152,14 @@ impl ConvBn {
 
     fn cb(vb: VarBuilder, cin: usize, cout: usize, s: usize) -> candle_core::Result<Self> {
         Self::load(vb, "cb_unit", cin, cout, 1, s, 0, 1, false)
+    }
+}
+
+impl ConvBn {
+    fn to_onnx(&self, g: &mut GraphBuilder, x: &str) -> candle_core::Result<String> {
+        let y = g.conv2d(&format!("{}.0", self.name), &self.conv, x)?;
+        let y = g.batch_norm(&format!("{}.1", self.name), &self.bn, &y)?;
+        Ok(if self.relu { g.relu(&y) } else { y })
     }
 }
 
@@ -277,6 +292,75 @@ impl PspNet {
     pub fn config(&self) -> &Config {
         &self.config
     }
+
+    /// The same forward pass, then the sigmoid, as an ONNX graph with these weights: input
+    /// [`onnx_graph::INPUT`] (batch, 3, size, size) as [`recipe`] prepares it, output
+    /// [`ONNX_OUTPUT`] (batch, n_classes, size, size), the probabilities of
+    /// [`AnatomySegmenter::probabilities`]. `size` is fixed: the pyramid's pooling kernels and
+    /// resize targets are computed from it, as ptsemseg does from the feature map at run time.
+    pub fn to_onnx(&self, size: usize) -> candle_core::Result<Vec<u8>> {
+        let mut g = GraphBuilder::new("pspnet");
+        let mut x = onnx_graph::INPUT.to_string();
+        for s in &self.stem {
+            x = s.to_onnx(&mut g, &x)?;
+        }
+        x = g.max_pool(&x, 3, 2, 1);
+        for b in &self.blocks {
+            let y = b.cbr1.to_onnx(&mut g, &x)?;
+            let y = b.cbr2.to_onnx(&mut g, &y)?;
+            let y = b.cb3.to_onnx(&mut g, &y)?;
+            let residual = match &b.cb4 {
+                Some(cb4) => cb4.to_onnx(&mut g, &x)?,
+                None => x.clone(),
+            };
+            let sum = g.add(&y, &residual);
+            x = g.relu(&sum);
+        }
+        // The feature map's side, as the convolutions and the max pool shape it.
+        let mut f = size;
+        for s in &self.stem {
+            f = conv_out(f, &s.conv);
+        }
+        f = (f + 2 - 3) / 2 + 1;
+        for b in &self.blocks {
+            f = conv_out(
+                conv_out(conv_out(f, &b.cbr1.conv), &b.cbr2.conv),
+                &b.cb3.conv,
+            );
+        }
+        let mut slices = vec![x.clone()];
+        for (path, &p) in self.pyramid.iter().zip(&self.config.pool_sizes) {
+            // ptsemseg: kernel = stride = floor(size / pool_size), no padding.
+            let pooled = g.avg_pool(&x, (f / p.max(1)).max(1));
+            let y = path.to_onnx(&mut g, &pooled)?;
+            // ptsemseg's F.upsample(mode="bilinear"): align_corners False.
+            slices.push(g.resize_bilinear(&y, f, f, false));
+        }
+        let refs: Vec<&str> = slices.iter().map(String::as_str).collect();
+        let cat = g.concat(&refs, 1);
+        let y = self.cbr_final.to_onnx(&mut g, &cat)?;
+        let y = g.conv2d("classification", &self.classification, &y)?;
+        let y = g.resize_bilinear(&y, size, size, false);
+        let probs = g.sigmoid(&y);
+        let batch = Dim::Named("batch");
+        let side = Dim::Fixed(size);
+        Ok(g.finish(
+            (onnx_graph::INPUT, &[batch, Dim::Fixed(3), side, side]),
+            &probs,
+            (
+                ONNX_OUTPUT,
+                &[batch, Dim::Fixed(self.config.n_classes), side, side],
+            ),
+            "ChestX-Det PSPNet (ptsemseg), per-structure probabilities; written by hilum",
+        ))
+    }
+}
+
+/// Output side of `conv` on a side of `i` pixels.
+fn conv_out(i: usize, conv: &Conv2d) -> usize {
+    let c = conv.config();
+    let k = conv.weight().dims().last().copied().unwrap_or(1);
+    (i + 2 * c.padding).saturating_sub(c.dilation * k.saturating_sub(1) + 1) / c.stride + 1
 }
 
 impl Module for PspNet {
@@ -308,7 +392,8 @@ impl Module for PspNet {
     }
 }
 
-/// The PSPNet ready to run on one backend: native kernels (the default on the CPU) or candle.
+/// The PSPNet ready to run on one backend: native kernels (the default on the CPU), candle,
+/// ONNX Runtime (the graph of [`PspNet::to_onnx`]) or a KServe v2 server serving that graph.
 pub struct AnatomySegmenter {
     config: Config,
     net: AnatomyNet,
@@ -317,11 +402,15 @@ pub struct AnatomySegmenter {
 enum AnatomyNet {
     Native(Box<NativePspNet>),
     Candle(Box<PspNet>, candle_core::Device),
+    #[cfg(feature = "onnx")]
+    Onnx(crate::onnx::OnnxModel),
+    Remote(crate::kserve::KserveModel),
 }
 
 impl AnatomySegmenter {
-    /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers)
-    /// or `Candle` (the device of `vb`).
+    /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers),
+    /// `Candle` (the device of `vb`) or `Onnx` (ONNX Runtime on the CPU, `threads` intra-op
+    /// threads, the graph built from these weights). `Kserve`: [`AnatomySegmenter::kserve`].
     pub fn new(
         vb: VarBuilder,
         config: &Config,
@@ -347,17 +436,68 @@ impl AnatomySegmenter {
                 let device = vb.device().clone();
                 AnatomyNet::Candle(Box::new(PspNet::load(vb, config)?), device)
             }
-            Backend::Onnx | Backend::Kserve => {
+            Backend::Onnx => {
+                let graph = PspNet::load(vb, config)?.to_onnx(config.input_size)?;
+                return Self::onnx_from_bytes(
+                    &graph,
+                    "chestx-det PSPNet (built graph)",
+                    config,
+                    threads,
+                );
+            }
+            Backend::Kserve => {
                 return Err(ModelError::Backend {
-                    what: "the anatomy PSPNet".into(),
+                    what: "the anatomy PSPNet built from weights".into(),
                     backend,
-                    supported: "native, candle".into(),
+                    supported: "native, candle or onnx (AnatomySegmenter::kserve connects to a \
+                                server)"
+                        .into(),
                 })
             }
         };
         Ok(AnatomySegmenter {
             config: config.clone(),
             net,
+        })
+    }
+
+    /// The network on ONNX Runtime (CPU) from a serialised graph with [`PspNet::to_onnx`]'s
+    /// input and output; `what` names it in errors.
+    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
+    pub fn onnx_from_bytes(
+        graph: &[u8],
+        what: &str,
+        config: &Config,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        #[cfg(feature = "onnx")]
+        {
+            let model = crate::onnx::OnnxModel::from_memory(graph, what, threads, Device::Cpu)?;
+            Ok(AnatomySegmenter {
+                config: config.clone(),
+                net: AnatomyNet::Onnx(model),
+            })
+        }
+        #[cfg(not(feature = "onnx"))]
+        Err(ModelError::Onnx(
+            "this hilum was built without the `onnx` feature; use the native backend".into(),
+        ))
+    }
+
+    /// The network served as model `id` by a KServe v2 server (the graph `hilum models
+    /// export-triton` writes), checked at connection.
+    pub fn kserve(
+        id: &str,
+        config: &Config,
+        settings: &crate::KserveSettings,
+    ) -> Result<Self, ModelError> {
+        use crate::kserve::{KserveModel, TensorSpec};
+        let s = config.input_size as i64;
+        let input = TensorSpec::new(onnx_graph::INPUT, &[-1, 3, s, s]);
+        let output = TensorSpec::new(ONNX_OUTPUT, &[-1, config.n_classes as i64, s, s]);
+        Ok(AnatomySegmenter {
+            config: config.clone(),
+            net: AnatomyNet::Remote(KserveModel::connect(settings, id, input, output)?),
         })
     }
 
@@ -369,6 +509,9 @@ impl AnatomySegmenter {
         match self.net {
             AnatomyNet::Native(_) => Backend::Native,
             AnatomyNet::Candle(..) => Backend::Candle,
+            #[cfg(feature = "onnx")]
+            AnatomyNet::Onnx(_) => Backend::Onnx,
+            AnatomyNet::Remote(_) => Backend::Kserve,
         }
     }
 
@@ -376,7 +519,7 @@ impl AnatomySegmenter {
     pub fn native(&self) -> Option<&NativePspNet> {
         match &self.net {
             AnatomyNet::Native(n) => Some(n),
-            AnatomyNet::Candle(..) => None,
+            _ => None,
         }
     }
 
@@ -413,8 +556,25 @@ impl AnatomySegmenter {
                     .map(|m| m.concat())
                     .collect())
             }
+            #[cfg(feature = "onnx")]
+            AnatomyNet::Onnx(g) => split_maps(g.run(&[1, 3, s, s], input)?.1, &self.config),
+            AnatomyNet::Remote(m) => split_maps(m.infer(&[1, 3, s, s], input)?.1, &self.config),
         }
     }
+}
+
+/// One image's (n_classes, s, s) probabilities from a graph, checked, as per-class maps.
+fn split_maps(values: Vec<f32>, cfg: &Config) -> Result<Vec<Vec<f32>>, ModelError> {
+    let hw = cfg.input_size * cfg.input_size;
+    if values.len() != cfg.n_classes * hw {
+        return Err(ModelError::Compute(format!(
+            "the graph returned {} values, expected {}x{s}x{s}",
+            values.len(),
+            cfg.n_classes,
+            s = cfg.input_size
+        )));
+    }
+    Ok(values.chunks(hw).map(<[f32]>::to_vec).collect())
 }
 
 /// torchxrayvision's PSPNet input for a whole image ([`recipe`]: values to the xrv range,
@@ -493,6 +653,10 @@ impl crate::Model for AnatomySegmenter {
         settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
         let cfg = Config::from_manifest(manifest)?;
+        if backend == Backend::Kserve {
+            let remote = crate::kserve::configured(settings)?;
+            return AnatomySegmenter::kserve(&manifest.id, &cfg, remote);
+        }
         let vb = crate::weights::var_builder(&installed.weights, device)?;
         AnatomySegmenter::new(vb, &cfg, backend, settings.cpu.threads())
             .map_err(|e| corrupt(&manifest.id, e))

@@ -5,7 +5,8 @@
 //! DIR/<model id>/config.pbtxt      platform onnxruntime_onnx, FP32 tensors, max_batch_size,
 //!                                  dynamic_batching, one instance_group per GPU (or KIND_CPU)
 //! DIR/<model id>/1/model.onnx      the graph Hilum runs on ONNX Runtime: built from the
-//!                                  installed weights (classifiers) or the imported model.onnx
+//!                                  installed weights (classifiers, PSPNet) or the imported
+//!                                  model.onnx
 //! ```
 //!
 //! The model is named by its Hilum id, which is the name the kserve backend asks the server for.
@@ -143,11 +144,11 @@ pub fn export_triton(
     Ok(out)
 }
 
-/// Which graph Hilum has for a manifest's architecture: built (classifiers), imported only
-/// (lung U-Net), or none.
+/// Which graph Hilum has for a manifest's architecture: built (classifiers, PSPNet), imported
+/// only (lung U-Net), or none.
 fn graph_kind(m: &Manifest) -> Option<bool> {
     match m.architecture.as_str() {
-        "densenet121" | "resnet50" => Some(true),
+        "densenet121" | "resnet50" | "pspnet" => Some(true),
         "lung-unet" => Some(false),
         _ => None,
     }
@@ -168,9 +169,16 @@ fn graph_of(
             manifest.id, manifest.id
         )));
     }
-    let spec = XrvSpec::from_manifest(manifest)?;
     let vb = crate::weights::var_builder(&installed.weights, Device::Cpu)?;
-    let bytes = Classifier::onnx_graph(vb, &spec).map_err(|e| match e {
+    let built = if manifest.architecture == "pspnet" {
+        let cfg = crate::pspnet::Config::from_manifest(manifest)?;
+        crate::pspnet::PspNet::load(vb, &cfg)
+            .and_then(|net| net.to_onnx(cfg.input_size))
+            .map_err(ModelError::from)
+    } else {
+        XrvSpec::from_manifest(manifest).and_then(|spec| Classifier::onnx_graph(vb, &spec))
+    };
+    let bytes = built.map_err(|e| match e {
         ModelError::Compute(reason) => ModelError::Corrupt {
             id: manifest.id.clone(),
             reason,
