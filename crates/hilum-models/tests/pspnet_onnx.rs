@@ -204,12 +204,23 @@ fn seeded_weights(cfg: &Config) -> HashMap<String, Tensor> {
 
 #[test]
 fn full_size_pspnet_onnx_runtime_matches_native() {
+    // 128 px keeps the test quick on two cores; the graph is the same but for the sizes.
+    full_size_at(128);
+}
+
+/// At the published 512 px (slow on two cores: `-- --ignored`).
+#[test]
+#[ignore]
+fn full_size_pspnet_onnx_runtime_matches_native_at_512() {
+    full_size_at(512);
+}
+
+fn full_size_at(size: usize) {
     if !ort_ready() {
         return;
     }
     let mut cfg = Config::chestx_det();
-    // 128 px keeps the test quick on two cores; the graph is the same but for the sizes.
-    cfg.input_size = 128;
+    cfg.input_size = size;
     let weights = seeded_weights(&cfg);
     let vb = || {
         candle_nn::VarBuilder::from_tensors(
@@ -234,7 +245,7 @@ fn full_size_pspnet_onnx_runtime_matches_native() {
     let d = max_diff(&got, &want);
     let u = unsaturated(&want);
     eprintln!(
-        "full-size PSPNet, seeded, 128 px: ONNX Runtime vs native max abs diff {d:.2e} ({:.0}% \
+        "full-size PSPNet, seeded, {size} px: ONNX Runtime vs native max abs diff {d:.2e} ({:.0}% \
          of probabilities in (0.05, 0.95))",
         100.0 * u
     );
@@ -308,4 +319,99 @@ fn export_triton_writes_the_pspnet_graph() {
         .concat();
     let d = max_diff(&[got], &[native]);
     assert!(d <= TOL, "exported graph differs by {d}");
+}
+
+/// A KServe v2 server (JSON tensors only, like a server without the binary extension) that
+/// serves `graph` as `name` on ONNX Runtime; returns its URL.
+fn kserve_mock(name: &'static str, graph: Vec<u8>, size: usize, classes: usize) -> String {
+    use axum::routing::{get, post};
+    use axum::Json;
+    use serde_json::{json, Value};
+    use std::sync::Arc;
+
+    let model = Arc::new(OnnxModel::from_memory(&graph, name, 2, Device::Cpu).expect("ORT"));
+    let (s, c) = (size as i64, classes as i64);
+    let meta = json!({
+        "name": name,
+        "platform": "onnxruntime_onnx",
+        "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, 3, s, s]}],
+        "outputs": [{"name": ONNX_OUTPUT, "datatype": "FP32", "shape": [-1, c, s, s]}],
+    });
+    let infer = move |Json(req): Json<Value>| {
+        let model = model.clone();
+        async move {
+            let input = &req["inputs"][0];
+            let shape: Vec<usize> = input["shape"]
+                .as_array()
+                .expect("shape")
+                .iter()
+                .map(|d| d.as_u64().expect("dim") as usize)
+                .collect();
+            let data: Vec<f32> = input["data"]
+                .as_array()
+                .expect("data")
+                .iter()
+                .map(|v| v.as_f64().expect("number") as f32)
+                .collect();
+            let (out_shape, values) = model.run(&shape, &data).expect("run");
+            Json(json!({"outputs": [{
+                "name": ONNX_OUTPUT, "datatype": "FP32", "shape": out_shape, "data": values,
+            }]}))
+        }
+    };
+    let app = axum::Router::new()
+        .route("/v2/health/ready", get(|| async { "" }))
+        .route(
+            &format!("/v2/models/{name}"),
+            get(move || async move { Json(meta) }),
+        )
+        .route(&format!("/v2/models/{name}/ready"), get(|| async { "" }))
+        .route(&format!("/v2/models/{name}/infer"), post(infer));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            tx.send(listener.local_addr().expect("addr")).expect("send");
+            let _ = axum::serve(listener, app).await;
+        });
+    });
+    format!("http://{}", rx.recv().expect("address"))
+}
+
+/// `--backend kserve`: the PSPNet's graph served by a KServe v2 server gives the native
+/// probabilities through `AnatomySegmenter::kserve`.
+#[test]
+fn kserve_backend_runs_the_served_pspnet_graph() {
+    if !ort_ready() {
+        return;
+    }
+    let (cfg, input, weights) = small();
+    let vb = hilum_models::weights::var_builder(&weights, Device::Cpu).expect("weights");
+    let graph = PspNet::load(vb, &cfg)
+        .expect("load")
+        .to_onnx(cfg.input_size)
+        .expect("graph");
+    let url = kserve_mock("chestx-det-pspnet", graph, cfg.input_size, cfg.n_classes);
+    let settings = hilum_models::KserveSettings::new(url);
+    let remote = AnatomySegmenter::kserve("chestx-det-pspnet", &cfg, &settings).expect("connect");
+    assert_eq!(remote.backend(), Backend::Kserve);
+    let got = remote.probabilities(&input).expect("remote run");
+    let want = pspnet::load_file(&weights, &cfg, Device::Cpu, Backend::Native, 2)
+        .expect("native")
+        .probabilities(&input)
+        .expect("native run");
+    let d = max_diff(&got, &want);
+    eprintln!("served PSPNet graph vs native max abs diff {d:.2e}");
+    assert!(d <= TOL, "served graph differs by {d}");
+    // A server whose model declares other shapes is refused at connection.
+    let mut other = cfg.clone();
+    other.input_size += 8;
+    let err = AnatomySegmenter::kserve("chestx-det-pspnet", &other, &settings)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("[-1, 3, 96, 96]"), "{err}");
 }
