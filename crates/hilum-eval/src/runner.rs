@@ -476,9 +476,12 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
                     .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
                     .collect();
                 let png = hilum_imaging::encode_png(img.width, img.height, &grey, 1).ok()?;
-                Some(hilum_llm::ImagePayload {
+                Some(hilum_agent::llm::ImagePayload {
                     id: id.clone(),
-                    data_url: format!("data:image/png;base64,{}", hilum_llm::base64_encode(&png)),
+                    data_url: format!(
+                        "data:image/png;base64,{}",
+                        hilum_agent::llm::base64_encode(&png)
+                    ),
                 })
             })
             .collect()
