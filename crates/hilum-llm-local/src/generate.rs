@@ -1486,6 +1486,47 @@ mod tests {
     }
 
     #[test]
+    fn action_lines_are_told_from_prose_as_they_are_written() {
+        assert_eq!(action_line("Thought: look\nAct", None), Line::Undecided);
+        assert_eq!(
+            action_line("Thought: look\n**Action:", None),
+            Line::Action(14)
+        );
+        assert_eq!(action_line("Thought: look", None), Line::Free(0));
+        assert_eq!(action_line("Thought: look\nActual", None), Line::Free(14));
+        // A line found free stays free.
+        assert_eq!(action_line("x\nAction:", Some(2)), Line::Free(2));
+    }
+
+    #[test]
+    fn held_lines_stream_when_they_end() {
+        let mut t = TextOut {
+            text: String::new(),
+            sent: 0,
+            stops: vec![],
+            hold_all: false,
+            hold_line: true,
+        };
+        assert_eq!(t.push("Thought: a").0, "");
+        assert_eq!(t.push("b\nAct").0, "Thought: ab\n");
+        assert_eq!(t.flush(), "Act");
+    }
+
+    #[test]
+    fn prefill_passes_keep_each_picture_whole() {
+        use crate::vlm::reasoner::VIRTUAL_BASE;
+        let mut tokens: Vec<u32> = (0..500).collect();
+        tokens.extend((0..256).map(|j| VIRTUAL_BASE + j));
+        tokens.extend(0..300);
+        let chunks = prefill_chunks(&tokens);
+        let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        assert_eq!(lens, [756, 300]);
+        assert_eq!(run_start(&tokens, 600), 500);
+        assert_eq!(run_start(&tokens, 500), 500);
+        assert_eq!(run_start(&tokens, 400), 400);
+    }
+
+    #[test]
     fn text_without_stops_streams_at_once() {
         let mut t = TextOut {
             text: String::new(),
