@@ -151,12 +151,61 @@ fn tokenized_model(dir: &Path) -> PathBuf {
     text
 }
 
-fn load_vlm() -> (tempfile::TempDir, Arc<LocalLlm>) {
+/// The fixture's snapshot folder with a `tokenizer.json` of the same vocabulary (a BPE without
+/// merges, byte fallback, spaces as `▁`: what the SentencePiece vocabulary above does) and an
+/// 8192-token context, in `dir`.
+fn snapshot_model(dir: &Path) -> PathBuf {
+    let snap = dir.join("tiny-snapshot");
+    std::fs::create_dir_all(&snap).expect("mkdir");
+    std::fs::copy(
+        tiny_dir().join("model.safetensors"),
+        snap.join("model.safetensors"),
+    )
+    .expect("weights");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny_dir().join("config.json")).unwrap())
+            .expect("config.json");
+    config["text_config"]["max_position_embeddings"] = 8192.into();
+    std::fs::write(snap.join("config.json"), config.to_string()).expect("config");
+    let vocab = vocabulary();
+    let added: Vec<serde_json::Value> = vocab
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, ty))| matches!(ty, 3 | 4))
+        .map(|(i, (p, ty))| {
+            serde_json::json!({"id": i, "content": p, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": *ty == 3})
+        })
+        .collect();
+    let pieces: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| (p.clone(), i.into()))
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+        "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": true, "ignore_merges": false, "vocab": pieces, "merges": []}
+    });
+    std::fs::write(snap.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer");
+    snap
+}
+
+/// The tiny model as `--llm local-vlm:` loads it: the GGUF pair (`snapshot` false) or the
+/// snapshot folder.
+fn load_vlm(snapshot: bool) -> (tempfile::TempDir, Arc<LocalLlm>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let text = tokenized_model(dir.path());
+    let path = if snapshot {
+        snapshot_model(dir.path())
+    } else {
+        tokenized_model(dir.path())
+    };
     // The mmproj is found beside the text GGUF, as `--llm local-vlm:TEXT.gguf` finds it.
-    let files = VlmFiles::parse(text.to_str().expect("utf-8 path")).expect("spec");
-    let mut cfg = LocalConfig::new(&text);
+    let files = VlmFiles::parse(path.to_str().expect("utf-8 path")).expect("spec");
+    let mut cfg = LocalConfig::new(&path);
     cfg.context = 8192;
     cfg.max_tokens = 160;
     // Greedy decoding of random weights loops; the guard would stop the free turns early.
@@ -260,8 +309,8 @@ struct Run {
     name: String,
 }
 
-async fn run(show_overlays: bool) -> Run {
-    let (_dir, llm) = load_vlm();
+async fn run(show_overlays: bool, snapshot: bool) -> Run {
+    let (_dir, llm) = load_vlm(snapshot);
     let name = llm.name();
     let store = Arc::new(ImageStore::default());
     let id = store
@@ -402,7 +451,7 @@ fn check_common(r: &Run) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vlm_reads_the_image_calls_a_tool_and_sees_its_overlay() {
     let trap = network_trap();
-    let r = run(true).await;
+    let r = run(true, false).await;
     check_common(&r);
     // (c) The overlay went back as a second picture.
     let (payloads, next) = after_tool(&r);
@@ -427,10 +476,23 @@ async fn vlm_reads_the_image_calls_a_tool_and_sees_its_overlay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_overlays_the_next_turn_has_the_question_image_only() {
     let trap = network_trap();
-    let r = run(false).await;
+    let r = run(false, false).await;
     check_common(&r);
     let (payloads, next) = after_tool(&r);
     assert_eq!(*payloads, 1);
     assert_eq!((next.images, next.image_tokens), (1, PER_IMAGE));
+    assert_eq!(trap.load(Ordering::SeqCst), 0, "a connection was made");
+}
+
+/// The same from the snapshot folder (safetensors, `tokenizer.json`): the same soft tokens, call
+/// and overlay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_folder_reasons_the_same_way() {
+    let trap = network_trap();
+    let r = run(true, true).await;
+    check_common(&r);
+    let (payloads, next) = after_tool(&r);
+    assert_eq!(*payloads, 2);
+    assert_eq!((next.images, next.image_tokens), (2, 2 * PER_IMAGE));
     assert_eq!(trap.load(Ordering::SeqCst), 0, "a connection was made");
 }
