@@ -53,6 +53,9 @@ pub fn default_model_path(models_dir: &Path) -> Option<PathBuf> {
 pub enum LocalError {
     #[error("local model file {path}: {reason} (fetch the default model with scripts/fetch_local_llm.sh)")]
     Io { path: String, reason: String },
+    /// A multimodal model's files (`--llm local-vlm:`) as named.
+    #[error("multimodal model {path}: {reason}")]
+    VlmFiles { path: String, reason: String },
     #[error("local model {path} is not a readable GGUF file: {reason}")]
     BadGguf { path: String, reason: String },
     #[error("local model not supported: {0}")]

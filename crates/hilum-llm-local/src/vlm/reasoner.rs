@@ -46,7 +46,7 @@ impl VlmFiles {
     /// `DIR` (a snapshot), `TEXT.gguf,MMPROJ.gguf`, or `TEXT.gguf` alone when exactly one
     /// `mmproj*.gguf` lies beside it.
     pub fn parse(spec: &str) -> Result<Self, LocalError> {
-        let io = |path: &Path, reason: &str| LocalError::Io {
+        let io = |path: &Path, reason: &str| LocalError::VlmFiles {
             path: path.display().to_string(),
             reason: reason.to_string(),
         };
@@ -74,6 +74,17 @@ impl VlmFiles {
                         "missing: a snapshot folder needs config.json, model*.safetensors and tokenizer.json",
                     ));
                 }
+            }
+            let has_weights = std::fs::read_dir(&path)
+                .map_err(|e| io(&path, &e.to_string()))?
+                .filter_map(|e| e.ok())
+                .any(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    n.starts_with("model") && n.ends_with(".safetensors")
+                });
+            if !has_weights {
+                return Err(io(&path, "no model*.safetensors in this snapshot folder"));
             }
             return Ok(VlmFiles::Snapshot(path));
         }
