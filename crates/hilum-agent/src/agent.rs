@@ -1182,6 +1182,121 @@ mod tests {
         (Arc::new(tb), counters)
     }
 
+    /// Reads pictures (in this process when `local`); records the picture ids of each request.
+    struct Pictures {
+        script: ScriptLlm,
+        local: bool,
+        seen: std::sync::Mutex<Vec<Vec<String>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Llm for Pictures {
+        async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
+            let ids = req.images.iter().map(|p| p.id.clone()).collect();
+            self.seen.lock().expect("lock").push(ids);
+            self.script.chat(req).await
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                images: true,
+                local: self.local,
+                ..self.script.capabilities()
+            }
+        }
+        fn name(&self) -> String {
+            "pictures".into()
+        }
+    }
+
+    /// Draws an overlay.
+    struct Draw(crate::ToolSpec);
+
+    #[async_trait::async_trait]
+    impl crate::Tool for Draw {
+        fn spec(&self) -> &crate::ToolSpec {
+            &self.0
+        }
+        async fn call(
+            &self,
+            _ctx: &ToolContext,
+            _args: Value,
+        ) -> Result<crate::ToolOutput, crate::ToolError> {
+            Ok(
+                crate::ToolOutput::new("drew it", Value::Null).with_artifact(crate::Artifact::png(
+                    "o.png",
+                    "overlay",
+                    vec![137, 80, 78, 71],
+                )),
+            )
+        }
+    }
+
+    /// Which pictures each request carried: (local model?, show_overlays).
+    async fn pictures_per_request(local: bool, show: Option<bool>) -> (Vec<Vec<String>>, bool) {
+        let mut tb = Toolbox::new();
+        tb.register(Arc::new(Draw(crate::ToolSpec {
+            name: "draw".into(),
+            description: "draws".into(),
+            parameters: serde_json::json!({"type": "object"}),
+        })))
+        .expect("register");
+        let turns = serde_json::json!([
+            {"content": "", "tool_calls": [{"id": "c1", "name": "draw", "arguments": {}}]},
+            {"content": "It drew it."}]);
+        let llm = Arc::new(Pictures {
+            script: ScriptLlm::from_json(&turns.to_string()).expect("script"),
+            local,
+            seen: Default::default(),
+        });
+        let config = AgentConfig {
+            show_overlays: show,
+            grounding: false,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new(llm.clone(), Arc::new(tb), Environment::default(), config);
+        let out = agent
+            .run(
+                RunInput {
+                    question: "draw".into(),
+                    images: vec!["img_1".into()],
+                    image_payloads: vec![ImagePayload {
+                        id: "img_1".into(),
+                        data_url: "data:image/png;base64,".into(),
+                    }],
+                    ..RunInput::default()
+                },
+                None,
+            )
+            .await;
+        assert_eq!(out.reason, StopReason::Answered, "{:?}", out.error);
+        let shown = out.messages.iter().any(|m| {
+            matches!(m, Message::User { images, .. } if images.iter().any(|i| hilum_llm::is_overlay_id(i)))
+        });
+        let seen = llm.seen.lock().expect("lock").clone();
+        (seen, shown)
+    }
+
+    /// A tool's overlay goes back as a picture only to a model in this process that reads
+    /// pictures, unless switched off; a remote model never gets one, whatever the setting.
+    #[tokio::test]
+    async fn overlays_go_only_to_a_local_model_that_reads_pictures() {
+        let (seen, shown) = pictures_per_request(true, None).await;
+        assert_eq!(
+            seen,
+            vec![
+                vec!["img_1".to_string()],
+                vec!["img_1".into(), "ovl_c1".into()]
+            ]
+        );
+        assert!(shown);
+        let (seen, shown) = pictures_per_request(true, Some(false)).await;
+        assert_eq!(seen[1], vec!["img_1".to_string()]);
+        assert!(!shown);
+        let (seen, shown) = pictures_per_request(false, Some(true)).await;
+        assert_eq!(seen[1], vec!["img_1".to_string()]);
+        assert!(!shown);
+    }
+
     /// Keeps what a durable run stores, as a database would.
     #[derive(Default)]
     struct Memory {
