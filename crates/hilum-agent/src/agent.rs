@@ -86,6 +86,10 @@ pub struct AgentConfig {
     /// Check every final answer against the tool results (see [`crate::grounding`]): one
     /// revision request, then the answer is marked `grounded: false`.
     pub grounding: bool,
+    /// Show a model the overlays and masks its tool calls drew, as pictures in the next turn.
+    /// Only ever to a model that reads images and runs in this process (pixels never leave
+    /// it); `None`: on for such a model.
+    pub show_overlays: Option<bool>,
 }
 
 pub const DEFAULT_SYSTEM_PROMPT: &str = "You are Hilum, an assistant that analyses chest X-rays with tools. \
@@ -111,6 +115,7 @@ impl Default for AgentConfig {
             max_observation_chars: 4000,
             require_tools: ToolPolicy::FirstRound,
             grounding: true,
+            show_overlays: None,
         }
     }
 }
@@ -214,6 +219,8 @@ struct RunState {
     revision_requested: bool,
     /// The grounding verdict on the answer: `None` unchecked, empty when grounded.
     unsupported: Option<Vec<String>>,
+    /// Ids of the pictures given to the model as pixels so far.
+    images_seen: Vec<String>,
     /// Where a durable run stores its steps.
     checkpointer: Option<Arc<dyn Checkpointer>>,
     /// How many of `messages` are stored (system prompt and history count as stored).
@@ -494,6 +501,7 @@ impl Agent {
             require_tool_next: false,
             revision_requested: false,
             unsupported: None,
+            images_seen: Vec::new(),
             checkpointer: None,
             saved,
         }
@@ -637,7 +645,19 @@ impl Agent {
             stop: vec![],
             require_tool: with_tools && std::mem::take(&mut st.require_tool_next),
             choices: vec![],
+            text_tools: vec![],
         });
+        // Which pictures the model reads as pixels in this turn (for the events).
+        let images: Vec<String> = if self.llm.capabilities().images {
+            req.images.iter().map(|p| p.id.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        for id in &images {
+            if !st.images_seen.contains(id) {
+                st.images_seen.push(id.clone());
+            }
+        }
         let started = Instant::now();
         let events = st.events.clone();
         let t0 = st.started;
@@ -686,6 +706,7 @@ impl Agent {
                 .collect(),
             llm_ms,
             usage,
+            images,
         });
         Ok(parsed)
     }
@@ -775,6 +796,11 @@ impl Agent {
         } else if st.checkpointer.is_some() {
             // Each result was stored as its call ended.
             st.saved = st.messages.len();
+        }
+        if !only_repeats && self.shows_overlays() {
+            for r in &results {
+                self.show_overlay(st, r);
+            }
         }
         for problem in &turn.problems {
             st.messages.push(Message::user(
@@ -878,6 +904,42 @@ impl Agent {
                 error: f.message.clone(),
             }),
         }
+    }
+
+    /// Whether tools' drawings go back to the model as pictures (see
+    /// [`AgentConfig::show_overlays`]).
+    fn shows_overlays(&self) -> bool {
+        let caps = self.llm.capabilities();
+        caps.images && caps.local && self.config.show_overlays.unwrap_or(true)
+    }
+
+    /// Puts the overlay (else the mask) a successful call drew into the conversation: a user
+    /// turn naming the call, with the PNG as its picture.
+    fn show_overlay(&self, st: &mut RunState, r: &CallResult) {
+        let Ok(out) = &r.result else { return };
+        let png = |kind: &str| {
+            out.artifacts
+                .iter()
+                .find(|a| a.kind == kind && a.media_type == "image/png" && !a.bytes.is_empty())
+        };
+        let Some(art) = png("overlay").or_else(|| png("mask")) else {
+            return;
+        };
+        let id = format!("{}{}", hilum_llm::OVERLAY_ID_PREFIX, r.call.id);
+        st.payloads.push(ImagePayload {
+            id: id.clone(),
+            data_url: format!(
+                "data:image/png;base64,{}",
+                hilum_llm::base64_encode(&art.bytes)
+            ),
+        });
+        st.messages.push(Message::user(
+            format!(
+                "The {} that {} ({}) drew, to look at:",
+                art.kind, r.call.name, r.call.id
+            ),
+            vec![id],
+        ));
     }
 
     /// The observation the model reads for one call.
@@ -1016,6 +1078,8 @@ impl Agent {
             llm_ms: st.llm_ms,
             tool_ms: st.tool_ms,
             usage: st.usage,
+            model: self.llm.name(),
+            images_seen: st.images_seen.clone(),
         });
         RunOutcome {
             answer,
@@ -1116,6 +1180,121 @@ mod tests {
                 .expect("register");
         }
         (Arc::new(tb), counters)
+    }
+
+    /// Reads pictures (in this process when `local`); records the picture ids of each request.
+    struct Pictures {
+        script: ScriptLlm,
+        local: bool,
+        seen: std::sync::Mutex<Vec<Vec<String>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Llm for Pictures {
+        async fn chat(&self, req: ChatRequest) -> Result<DeltaStream, LlmError> {
+            let ids = req.images.iter().map(|p| p.id.clone()).collect();
+            self.seen.lock().expect("lock").push(ids);
+            self.script.chat(req).await
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                images: true,
+                local: self.local,
+                ..self.script.capabilities()
+            }
+        }
+        fn name(&self) -> String {
+            "pictures".into()
+        }
+    }
+
+    /// Draws an overlay.
+    struct Draw(crate::ToolSpec);
+
+    #[async_trait::async_trait]
+    impl crate::Tool for Draw {
+        fn spec(&self) -> &crate::ToolSpec {
+            &self.0
+        }
+        async fn call(
+            &self,
+            _ctx: &ToolContext,
+            _args: Value,
+        ) -> Result<crate::ToolOutput, crate::ToolError> {
+            Ok(
+                crate::ToolOutput::new("drew it", Value::Null).with_artifact(crate::Artifact::png(
+                    "o.png",
+                    "overlay",
+                    vec![137, 80, 78, 71],
+                )),
+            )
+        }
+    }
+
+    /// Which pictures each request carried: (local model?, show_overlays).
+    async fn pictures_per_request(local: bool, show: Option<bool>) -> (Vec<Vec<String>>, bool) {
+        let mut tb = Toolbox::new();
+        tb.register(Arc::new(Draw(crate::ToolSpec {
+            name: "draw".into(),
+            description: "draws".into(),
+            parameters: serde_json::json!({"type": "object"}),
+        })))
+        .expect("register");
+        let turns = serde_json::json!([
+            {"content": "", "tool_calls": [{"id": "c1", "name": "draw", "arguments": {}}]},
+            {"content": "It drew it."}]);
+        let llm = Arc::new(Pictures {
+            script: ScriptLlm::from_json(&turns.to_string()).expect("script"),
+            local,
+            seen: Default::default(),
+        });
+        let config = AgentConfig {
+            show_overlays: show,
+            grounding: false,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new(llm.clone(), Arc::new(tb), Environment::default(), config);
+        let out = agent
+            .run(
+                RunInput {
+                    question: "draw".into(),
+                    images: vec!["img_1".into()],
+                    image_payloads: vec![ImagePayload {
+                        id: "img_1".into(),
+                        data_url: "data:image/png;base64,".into(),
+                    }],
+                    ..RunInput::default()
+                },
+                None,
+            )
+            .await;
+        assert_eq!(out.reason, StopReason::Answered, "{:?}", out.error);
+        let shown = out.messages.iter().any(|m| {
+            matches!(m, Message::User { images, .. } if images.iter().any(|i| hilum_llm::is_overlay_id(i)))
+        });
+        let seen = llm.seen.lock().expect("lock").clone();
+        (seen, shown)
+    }
+
+    /// A tool's overlay goes back as a picture only to a model in this process that reads
+    /// pictures, unless switched off; a remote model never gets one, whatever the setting.
+    #[tokio::test]
+    async fn overlays_go_only_to_a_local_model_that_reads_pictures() {
+        let (seen, shown) = pictures_per_request(true, None).await;
+        assert_eq!(
+            seen,
+            vec![
+                vec!["img_1".to_string()],
+                vec!["img_1".into(), "ovl_c1".into()]
+            ]
+        );
+        assert!(shown);
+        let (seen, shown) = pictures_per_request(true, Some(false)).await;
+        assert_eq!(seen[1], vec!["img_1".to_string()]);
+        assert!(!shown);
+        let (seen, shown) = pictures_per_request(false, Some(true)).await;
+        assert_eq!(seen[1], vec!["img_1".to_string()]);
+        assert!(!shown);
     }
 
     /// Keeps what a durable run stores, as a database would.

@@ -29,6 +29,10 @@ pub enum Event {
         tool_calls: Vec<CallInfo>,
         llm_ms: f64,
         usage: Usage,
+        /// Ids of the pictures the model was given as pixels in this turn (the question's
+        /// images, tools' overlays `ovl_…`); empty when it read ids only.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        images: Vec<String>,
     },
     ToolStarted {
         round: usize,
@@ -80,6 +84,12 @@ pub enum Event {
         llm_ms: f64,
         tool_ms: f64,
         usage: Usage,
+        /// The model's name (`openai:gpt-4o`, `local-vlm:medgemma-4b-it-q4_k_m.gguf`).
+        #[serde(default)]
+        model: String,
+        /// Every picture the model was given as pixels in the run, by id.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        images_seen: Vec<String>,
     },
 }
 

@@ -34,7 +34,9 @@ pub struct AnalyzeArgs {
     )]
     pub question: String,
     /// Reasoning model: openai:MODEL (GPT-4o, Azure, vLLM, llama.cpp server, Ollama),
-    /// local:PATH.gguf (in-process), or script:FILE. Default: $HILUM_LLM, the config file,
+    /// local:PATH.gguf (in-process), local-vlm:PATH (Gemma 3 multimodal / MedGemma in-process,
+    /// reading the images: a snapshot folder, TEXT.gguf,MMPROJ.gguf, or TEXT.gguf with its
+    /// mmproj*.gguf beside it), or script:FILE. Default: $HILUM_LLM, the config file,
     /// openai:gpt-4o when OPENAI_API_KEY is set, else the installed local model.
     #[arg(long)]
     pub llm: Option<String>,
@@ -53,6 +55,10 @@ pub struct AnalyzeArgs {
     /// Allow image pixels to be sent to the model (off by default: the model sees ids only).
     #[arg(long)]
     pub send_pixels: bool,
+    /// Show the model the overlays its tool calls drew, as pictures in the next turn (only a
+    /// model in this process that reads images, e.g. local-vlm:; default true for it).
+    #[arg(long, value_name = "BOOL")]
+    pub show_overlays: Option<bool>,
     /// Tool rounds before the agent must answer.
     #[arg(long)]
     pub max_rounds: Option<usize>,
@@ -100,7 +106,10 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot use {}", path.display()))?;
         ids.push(id);
     }
-    let send_pixels = args.send_pixels || file.llm.send_pixels.unwrap_or(false);
+    // A model in this process that reads images gets them: the pixels stay in the process.
+    let caps = llm.capabilities();
+    let send_pixels =
+        args.send_pixels || file.llm.send_pixels.unwrap_or(false) || (caps.images && caps.local);
     let payloads = if send_pixels {
         ids.iter()
             .map(|id| render::image_payload(&store, id))
@@ -126,6 +135,7 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
         max_tool_calls: args.max_tool_calls,
         deadline_secs: args.deadline,
         tool_timeout_secs: args.tool_timeout,
+        show_overlays: args.show_overlays,
     };
     let config = file.agent.resolve(flags, choice.is_local())?;
     let agent = Agent::new(llm.clone(), toolbox, env, config);

@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use hilum_llm::{Llm, OpenAiConfig, OpenAiLlm, ScriptLlm};
-use hilum_llm_local::{LocalConfig, LocalLlm};
+use hilum_llm_local::{LocalConfig, LocalLlm, VlmFiles};
 
 /// The `[llm]` and `[agent]` tables of the config file; every field optional.
 #[derive(Debug, Default, Deserialize)]
@@ -179,7 +179,7 @@ pub fn with_remote(mut settings: hilum_models::ModelSettings) -> hilum_models::M
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LlmSection {
-    /// `openai:MODEL`, `local:PATH.gguf`, `script:FILE`
+    /// `openai:MODEL`, `local:PATH.gguf`, `local-vlm:PATH`, `script:FILE`
     pub spec: Option<String>,
     pub base_url: Option<String>,
     pub api_key: Option<String>,
@@ -201,6 +201,9 @@ pub struct AgentSection {
     pub require_tools: Option<String>,
     /// `false` turns off the grounding check of final answers.
     pub grounding: Option<bool>,
+    /// Show the model the overlays its tool calls drew (only a model in this process that
+    /// reads images; default on for it).
+    pub show_overlays: Option<bool>,
 }
 
 /// The agent settings given as flags; each wins over the config file's `[agent]` table.
@@ -212,6 +215,7 @@ pub struct AgentFlags {
     pub max_tool_calls: Option<usize>,
     pub deadline_secs: Option<u64>,
     pub tool_timeout_secs: Option<u64>,
+    pub show_overlays: Option<bool>,
 }
 
 impl AgentSection {
@@ -266,6 +270,7 @@ impl AgentSection {
             } else {
                 defaults.max_observation_chars
             },
+            show_overlays: flags.show_overlays.or(self.show_overlays),
             ..defaults
         };
         self.apply_grounding(&mut config)?;
@@ -281,6 +286,9 @@ impl AgentSection {
         }
         if let Some(g) = self.grounding {
             config.grounding = g;
+        }
+        if let Some(o) = self.show_overlays {
+            config.show_overlays = Some(o);
         }
         Ok(())
     }
@@ -382,7 +390,7 @@ impl LlmChoice {
             bail!(
                 "no reasoning model configured: install the local model with scripts/fetch_local_llm.sh, \
                  or pass --llm openai:MODEL (with OPENAI_API_KEY, or --base-url for a local \
-                 OpenAI-compatible server), --llm local:PATH.gguf or --llm script:FILE"
+                 OpenAI-compatible server), --llm local:PATH.gguf, --llm local-vlm:PATH or --llm script:FILE"
             );
         };
         let base_url = flag_base_url
@@ -431,6 +439,9 @@ impl LlmChoice {
                 };
                 Ok(Arc::new(LocalLlm::load(local_config(path)?)?))
             }
+            // Gemma 3 multimodal (MedGemma): a snapshot folder, TEXT.gguf,MMPROJ.gguf, or
+            // TEXT.gguf with one mmproj*.gguf beside it.
+            "local-vlm" => Ok(Arc::new(load_local_vlm(rest, None)?)),
             "openai" => {
                 let base_url = self
                     .base_url
@@ -450,7 +461,7 @@ impl LlmChoice {
                 })?))
             }
             other => bail!(
-                "unknown model kind `{other}` in --llm: use openai:MODEL, local:PATH.gguf or script:FILE"
+                "unknown model kind `{other}` in --llm: use openai:MODEL, local:PATH.gguf, local-vlm:PATH or script:FILE"
             ),
         }
     }
@@ -492,6 +503,17 @@ pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
     // The system prompt and tools' KV state, saved for the next `hilum analyze`.
     cfg.prefix_cache_dir = cache_dir().map(|d| d.join("llm-prefix"));
     Ok(cfg)
+}
+
+/// The multimodal local model of `--llm local-vlm:SPEC` (see [`VlmFiles::parse`]) with the
+/// local model's settings; `seed` replaces the default sampling seed.
+pub(crate) fn load_local_vlm(spec: &str, seed: Option<u64>) -> anyhow::Result<LocalLlm> {
+    let files = VlmFiles::parse(spec)?;
+    let mut cfg = local_config(files.main_path().to_path_buf())?;
+    if let Some(s) = seed {
+        cfg.seed = s;
+    }
+    Ok(LocalLlm::load_vlm(cfg, files)?)
 }
 
 /// `XDG_CACHE_HOME/hilum`, else `~/.cache/hilum`.

@@ -226,6 +226,12 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
             let llm: Arc<dyn Llm> = Arc::new(LocalLlm::load(cfg)?);
             Arc::new(move |_: &Question| Ok(llm.clone()))
         }
+        ("local-vlm", _) => {
+            let vlm = crate::config::load_local_vlm(rest, args.seed)?;
+            seed = Some(vlm.seed());
+            let llm: Arc<dyn Llm> = Arc::new(vlm);
+            Arc::new(move |_: &Question| Ok(llm.clone()))
+        }
         _ => {
             let llm = choice.build()?;
             Arc::new(move |_: &Question| Ok(llm.clone()))

@@ -277,12 +277,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let llm = match LlmChoice::resolve(args.llm.clone(), args.base_url.clone(), &file.llm) {
         Ok(choice) => {
             // Fail at start, not at the first question.
-            choice.build()?;
+            let first = choice.build()?;
+            // A model in this process (`local:`, `local-vlm:`) is loaded once and shared by the
+            // runs: reloading gigabytes of weights per question would dominate every answer.
+            let shared = choice.spec.starts_with("local").then_some(first);
             let choice = Arc::new(choice);
             Some(LlmFactory {
                 name: choice.spec.clone(),
                 local: choice.is_local(),
-                build: Arc::new(move || choice.build().map_err(|e| format!("{e:#}"))),
+                build: Arc::new(move || match &shared {
+                    Some(llm) => Ok(llm.clone()),
+                    None => choice.build().map_err(|e| format!("{e:#}")),
+                }),
             })
         }
         Err(e) => {

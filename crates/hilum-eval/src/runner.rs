@@ -463,10 +463,35 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         .filter_map(|id| sh.store.get(id).ok())
         .map(|img| serde_json::json!({"width": img.width, "height": img.height, "meta": img.meta}))
         .collect();
+    // A model in this process that reads images gets their pixels (they stay in the process).
+    let caps = llm.capabilities();
+    let image_payloads = if caps.images && caps.local {
+        ids.iter()
+            .filter_map(|id| sh.store.get(id).ok().map(|img| (id, img)))
+            .filter_map(|(id, img)| {
+                let scale = 255.0 / img.max_value().max(1.0);
+                let grey: Vec<u8> = img
+                    .pixels
+                    .iter()
+                    .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
+                    .collect();
+                let png = hilum_imaging::encode_png(img.width, img.height, &grey, 1).ok()?;
+                Some(hilum_agent::llm::ImagePayload {
+                    id: id.clone(),
+                    data_url: format!(
+                        "data:image/png;base64,{}",
+                        hilum_agent::llm::base64_encode(&png)
+                    ),
+                })
+            })
+            .collect()
+    } else {
+        vec![]
+    };
     let input = RunInput {
         question: prompt(q, &sh.cfg.choice_instruction),
         images: ids,
-        image_payloads: vec![],
+        image_payloads,
         history,
         session_id: q.id.clone(),
         image_metadata,

@@ -12,12 +12,16 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use hilum_llm::{ChatDelta, ChatRequest, DeltaStream, FinishReason, LlmError, Message, Usage};
+use hilum_llm::{
+    is_overlay_id, ChatDelta, ChatRequest, DeltaStream, FinishReason, ImagePayload, LlmError,
+    Message, ToolSpec, Usage,
+};
 
 use crate::grammar::Constraint;
 use crate::prefix::{PrefixSource, MIN_PREFIX_TOKENS};
 use crate::tokenizer::Utf8Stream;
 use crate::toolcall::parse_call_body;
+use crate::vlm::reasoner::{is_virtual, PromptImage};
 use crate::{next_call_id, Inner, LocalError};
 
 /// Prompt tokens per forward pass: bounds the attention scratch (heads x chunk x context).
@@ -60,6 +64,11 @@ pub struct GenStats {
     pub prefix_tokens: usize,
     /// Where the prefix's KV state came from, when it was restored rather than computed.
     pub prefix_source: Option<PrefixSource>,
+    /// Pictures in the prompt (a multimodal model), and the prompt tokens that stand for them.
+    pub images: usize,
+    pub image_tokens: usize,
+    /// Seconds spent encoding pictures not already encoded (the vision tower).
+    pub image_secs: f64,
 }
 
 impl GenStats {
@@ -75,6 +84,8 @@ impl GenStats {
 
 struct Prepared {
     tokens: Vec<u32>,
+    /// The pictures whose soft tokens are in `tokens` (and in `repeat_prompt`).
+    images: Vec<PromptImage>,
     /// How many of `tokens` come from the system prompt and the tools alone.
     prefix_len: usize,
     max_new: usize,
@@ -84,6 +95,10 @@ struct Prepared {
     /// A closed answer's texts and their tokens (`ChatRequest::choices`).
     choices: Vec<(String, Vec<u32>)>,
     has_tools: bool,
+    /// Tools are offered through the ReAct text protocol: `constraint` holds `Action:` blocks.
+    react: bool,
+    /// The turn must be a tool call (`ChatRequest::require_tool`, where a constraint can force it).
+    require_tool: bool,
     /// Calls made in earlier rounds of this conversation (name, parsed arguments).
     previous_calls: Vec<(String, Option<Value>)>,
     /// Tools whose results in this conversation succeeded, in order (for the answer's lead).
@@ -164,7 +179,7 @@ fn last_question(messages: &[Message]) -> String {
         })
     };
     users()
-        .find(|(_, images)| !images.is_empty())
+        .find(|(_, images)| images.iter().any(|i| !is_overlay_id(i)))
         .or_else(|| users().next())
         .map(|(content, _)| content.clone())
         .unwrap_or_default()
@@ -255,7 +270,8 @@ fn image_ids(messages: &[Message]) -> Vec<String> {
     let mut ids = Vec::new();
     for m in messages {
         if let Message::User { images, .. } = m {
-            for id in images {
+            // A tool's drawing is no image a tool can take.
+            for id in images.iter().filter(|i| !is_overlay_id(i)) {
                 if !ids.contains(id) {
                     ids.push(id.clone());
                 }
@@ -275,7 +291,7 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         st.model.max_positions()
     };
     let want_new = req.max_tokens.unwrap_or(inner.cfg.max_tokens).max(1) as usize;
-    let (tokens, shortened) = fit_context(inner, &req.messages, req, limit, want_new)?;
+    let (tokens, mut images, shortened) = fit_context(inner, &req.messages, req, limit, want_new)?;
     let prefix_len = fixed_prefix_len(inner, req, &tokens);
     let previous_calls = previous_calls(&req.messages);
     let repeat_prompt = if previous_calls.is_empty() || req.tools.is_empty() {
@@ -287,10 +303,17 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
             format!("{question}\n\n{RESULTS_ARE_IN}"),
             vec![],
         ));
-        let text = inner.template.render(&msgs, &req.tools, true)?;
-        let t = inner.tok.encode(&text)?;
+        let (t, more) = encode_prompt(inner, &msgs, &req.tools, true, &req.images)?;
         // Only if it fits; otherwise the plain prompt is restarted.
-        (t.len() + MIN_ANSWER_TOKENS.min(want_new) <= limit).then_some(t)
+        let fits = t.len() + MIN_ANSWER_TOKENS.min(want_new) <= limit;
+        if fits {
+            for im in more {
+                if !images.iter().any(|i| i.slot == im.slot) {
+                    images.push(im);
+                }
+            }
+        }
+        fits.then_some(t)
     };
     let max_new = want_new.min(limit - tokens.len());
     let temperature = req.temperature.unwrap_or(inner.cfg.temperature) as f64;
@@ -307,29 +330,42 @@ fn prepare(inner: &Inner, req: &ChatRequest) -> Result<Prepared, LocalError> {
         .iter()
         .map(|c| Ok((c.clone(), inner.tok.encode(c)?)))
         .collect::<Result<Vec<_>, LocalError>>()?;
-    let constraint =
-        if inner.cfg.constrain_tool_calls && !req.tools.is_empty() && choices.is_empty() {
-            Some(Constraint::new(
-                &inner.tok,
-                &req.tools,
-                &image_ids(&req.messages),
-            )?)
-        } else {
-            None
-        };
+    // A text protocol's tools arrive in `text_tools` (the prompt describes them).
+    let react = req.tools.is_empty() && !req.text_tools.is_empty();
+    let constraint = if !inner.cfg.constrain_tool_calls || !choices.is_empty() {
+        None
+    } else if react {
+        Some(Constraint::react(
+            &inner.tok,
+            &req.text_tools,
+            &image_ids(&req.messages),
+        )?)
+    } else if !req.tools.is_empty() {
+        Some(Constraint::new(
+            &inner.tok,
+            &req.tools,
+            &image_ids(&req.messages),
+        )?)
+    } else {
+        None
+    };
     let answered_tools = answered_tools(&req.messages);
+    let choices_empty = choices.is_empty();
     let lead_after_results = choices.is_empty()
         && matches!(req.messages.last(), Some(Message::Tool { .. }))
         && !answered_tools.is_empty();
     Ok(Prepared {
         tokens,
+        images,
         prefix_len,
         max_new,
         sampling,
         stop: req.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
         constraint,
         choices,
-        has_tools: !req.tools.is_empty(),
+        has_tools: !req.tools.is_empty() || react,
+        react,
+        require_tool: req.require_tool && choices_empty,
         previous_calls,
         answered_tools,
         question: last_question(&req.messages),
@@ -353,13 +389,38 @@ fn fixed_prefix_len(inner: &Inner, req: &ChatRequest, tokens: &[u32]) -> usize {
     if head.is_empty() && req.tools.is_empty() {
         return 0;
     }
-    let Ok(text) = inner.template.render(&head, &req.tools, false) else {
-        return 0;
-    };
-    let Ok(alone) = inner.tok.encode(&text) else {
+    let Ok((alone, _)) = encode_prompt(inner, &head, &req.tools, false, &[]) else {
         return 0;
     };
     alone.iter().zip(tokens).take_while(|(a, b)| a == b).count()
+}
+
+/// The prompt's tokens: the conversation rendered with the chat template and tokenized; for a
+/// multimodal model each picture of `images` a user turn names becomes its soft tokens (ids of
+/// [`crate::vlm::reasoner`], one run per picture, listed in the second value).
+pub(crate) fn encode_prompt(
+    inner: &Inner,
+    messages: &[Message],
+    tools: &[ToolSpec],
+    add_generation_prompt: bool,
+    images: &[ImagePayload],
+) -> Result<(Vec<u32>, Vec<PromptImage>), LocalError> {
+    match &inner.vision {
+        Some(v) => v.encode(
+            &inner.tok,
+            &inner.template,
+            messages,
+            tools,
+            add_generation_prompt,
+            images,
+        ),
+        None => {
+            let text = inner
+                .template
+                .render(messages, tools, add_generation_prompt)?;
+            Ok((inner.tok.encode(&text)?, Vec::new()))
+        }
+    }
 }
 
 /// Renders and tokenizes the prompt; when it leaves too little room for an answer, old tool
@@ -370,14 +431,11 @@ fn fit_context(
     req: &ChatRequest,
     limit: usize,
     want_new: usize,
-) -> Result<(Vec<u32>, usize), LocalError> {
+) -> Result<(Vec<u32>, Vec<PromptImage>, usize), LocalError> {
     let room = want_new.min(MIN_ANSWER_TOKENS);
-    let encode = |msgs: &[Message]| -> Result<Vec<u32>, LocalError> {
-        let text = inner.template.render(msgs, &req.tools, true)?;
-        inner.tok.encode(&text)
-    };
+    let encode = |msgs: &[Message]| encode_prompt(inner, msgs, &req.tools, true, &req.images);
     let mut msgs = messages.to_vec();
-    let mut tokens = encode(&msgs)?;
+    let (mut tokens, mut images) = encode(&msgs)?;
     let mut shortened = 0;
     let tool_idx: Vec<usize> = msgs
         .iter()
@@ -388,7 +446,7 @@ fn fit_context(
     for pass in 0..2 {
         for &i in &tool_idx {
             if tokens.len() + room <= limit {
-                return Ok((tokens, shortened));
+                return Ok((tokens, images, shortened));
             }
             if let Message::Tool { content, .. } = &mut msgs[i] {
                 let n = content.chars().count();
@@ -406,13 +464,13 @@ fn fit_context(
                 if new.len() < content.len() {
                     *content = new;
                     shortened += 1;
-                    tokens = encode(&msgs)?;
+                    (tokens, images) = encode(&msgs)?;
                 }
             }
         }
     }
     if tokens.len() + room <= limit {
-        Ok((tokens, shortened))
+        Ok((tokens, images, shortened))
     } else {
         Err(LocalError::ContextFull {
             needed: tokens.len() + room,
@@ -437,6 +495,37 @@ struct TextOut {
     stops: Vec<String>,
     /// Hold everything back while the turn might still turn out to be a tool call.
     hold_all: bool,
+    /// Hold back the line being written (it may turn out to be a ReAct `Action:` block, which
+    /// is rewritten under the grammar).
+    hold_line: bool,
+}
+
+/// What the line being written is, under the ReAct protocol.
+#[derive(Debug, PartialEq)]
+enum Line {
+    /// Too short to tell.
+    Undecided,
+    /// Not an `Action:` line; starts at this byte.
+    Free(usize),
+    /// An `Action:` line (after optional spaces and Markdown `*`/`#`), starting at this byte.
+    Action(usize),
+}
+
+/// Reads the last line of `text`, unless it starts at `decided` (already found free).
+fn action_line(text: &str, decided: Option<usize>) -> Line {
+    const KEY: &str = "Action:";
+    let start = text.rfind('\n').map_or(0, |i| i + 1);
+    if decided == Some(start) {
+        return Line::Free(start);
+    }
+    let line = text[start..].trim_start_matches([' ', '*', '#']);
+    if line.starts_with(KEY) {
+        Line::Action(start)
+    } else if KEY.starts_with(line) {
+        Line::Undecided
+    } else {
+        Line::Free(start)
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -498,7 +587,11 @@ impl TextOut {
             return (String::new(), false);
         }
         let hold = self.stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
-        let mut end = self.text.len().saturating_sub(hold).max(self.sent);
+        let mut end = self.text.len().saturating_sub(hold);
+        if self.hold_line {
+            end = end.min(self.text.rfind('\n').map_or(0, |i| i + 1));
+        }
+        let mut end = end.max(self.sent);
         while !self.text.is_char_boundary(end) {
             end -= 1;
         }
@@ -521,6 +614,10 @@ impl TextOut {
 
 enum Mode {
     Free,
+    /// Inside ReAct `Action:` blocks: text held to the grammar, streamed as text.
+    Action {
+        matcher: Box<Matcher>,
+    },
     /// Inside the tool-call section; `body` collects the bytes of the open call.
     Call {
         matcher: Option<Box<Matcher>>,
@@ -575,9 +672,10 @@ fn restate_question(
                 .take_while(|(a, b)| a == b)
                 .count()
                 .min(p.len() - 1);
+            let keep = run_start(p, keep);
             st.model.truncate_cache(keep)?;
             st.cached.truncate(keep);
-            for chunk in p[keep..].chunks(PREFILL_CHUNK) {
+            for chunk in prefill_chunks(&p[keep..]) {
                 st.model.forward(chunk)?;
                 st.cached.extend_from_slice(chunk);
             }
@@ -589,6 +687,45 @@ fn restate_question(
             Ok(prompt_len)
         }
     }
+}
+
+/// `pos` moved back to the start of the run of picture tokens it falls inside, if any: a
+/// picture's tokens attend to each other, so they are run in one pass.
+fn run_start(tokens: &[u32], mut pos: usize) -> usize {
+    while pos > 0 && pos < tokens.len() && is_virtual(tokens[pos]) && is_virtual(tokens[pos - 1]) {
+        pos -= 1;
+    }
+    pos
+}
+
+/// `tokens` in passes of about [`PREFILL_CHUNK`], none cut inside a run of picture tokens.
+fn prefill_chunks(tokens: &[u32]) -> Vec<&[u32]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < tokens.len() {
+        let mut end = (start + PREFILL_CHUNK).min(tokens.len());
+        while end < tokens.len() && is_virtual(tokens[end]) && is_virtual(tokens[end - 1]) {
+            end += 1;
+        }
+        out.push(&tokens[start..end]);
+        start = end;
+    }
+    out
+}
+
+/// Rewinds the cache to its first `keep` positions (at least one) and returns the logits for
+/// the position after them, by running the last kept token again.
+fn rewind_to(st: &mut crate::State, keep: usize) -> Result<Tensor, LocalError> {
+    let keep = keep.clamp(1, st.cached.len().max(1));
+    let last = *st
+        .cached
+        .get(keep - 1)
+        .ok_or_else(|| LocalError::Inference("nothing cached to rewind to".into()))?;
+    st.model.truncate_cache(keep - 1)?;
+    st.cached.truncate(keep - 1);
+    let logits = st.model.forward(&[last])?;
+    st.cached.push(last);
+    Ok(logits)
 }
 
 fn run(
@@ -632,9 +769,17 @@ fn decode(
         .zip(tokens)
         .take_while(|(a, b)| a == b)
         .count();
-    common = common.min(tokens.len() - 1).min(st.model.cached_len());
+    common = run_start(
+        tokens,
+        common.min(tokens.len() - 1).min(st.model.cached_len()),
+    );
     st.model.truncate_cache(common)?;
     st.cached.truncate(common);
+    stats.images = prep.images.len();
+    stats.image_tokens = tokens.iter().filter(|&&t| is_virtual(t)).count();
+    let t_images = Instant::now();
+    st.model.encode_images(&prep.images)?;
+    stats.image_secs = t_images.elapsed().as_secs_f64();
     let t_prefill = Instant::now();
     // The system prompt and tools' state from an earlier question (this process or, with a cache
     // folder, an earlier one) when the cache holds less of it.
@@ -652,7 +797,7 @@ fn decode(
     }
     stats.reused_tokens = common;
     let mut logits: Option<Tensor> = None;
-    for chunk in tokens[common..].chunks(PREFILL_CHUNK) {
+    for chunk in prefill_chunks(&tokens[common..]) {
         logits = Some(st.model.forward(chunk)?);
         st.cached.extend_from_slice(chunk);
         if tx.is_closed() {
@@ -676,18 +821,46 @@ fn decode(
     let mut prose_only = !prep.has_tools;
 
     let mut sampler = LogitsProcessor::from_sampling(inner.cfg.seed, prep.sampling.clone());
-    let open = tok.special("<tool_call>");
-    let close = tok.special("</tool_call>");
+    // Under the ReAct protocol calls are text: `<tool_call>` tokens mean nothing then.
+    let (open, close) = if prep.react {
+        (None, None)
+    } else {
+        (tok.special("<tool_call>"), tok.special("</tool_call>"))
+    };
+    let react = prep.constraint.as_ref().filter(|_| prep.react);
     let mut mode = Mode::Free;
     let mut utf8 = Utf8Stream::default();
     let mut text = TextOut {
         text: String::new(),
         sent: 0,
         stops: prep.stop.clone(),
-        hold_all: prep.constraint.is_some(),
+        hold_all: prep.constraint.is_some() && !prep.react,
+        hold_line: react.is_some(),
     };
     let mut prompt_len = st.cached.len();
     let mut generated: Vec<u32> = Vec::new();
+    // Start of the last line found not to be an `Action:` block.
+    let mut free_line: Option<usize> = None;
+    if prep.require_tool && !prose_only {
+        // The turn must be a call: it starts inside the grammar.
+        if let Some(c) = react {
+            mode = Mode::Action {
+                matcher: Box::new(c.matcher()?),
+            };
+        } else if let (Some(c), Some(o)) = (&prep.constraint, open) {
+            let mut m = c.matcher()?;
+            m.consume_token(o)
+                .map_err(|e| LocalError::Grammar(e.to_string()))?;
+            mode = Mode::Call {
+                matcher: Some(Box::new(m)),
+                body: Some(Vec::new()),
+            };
+            text.hold_all = false;
+            generated.push(o);
+            logits = st.model.forward(&[o])?;
+            st.cached.push(o);
+        }
+    }
     let mut calls = 0usize;
     let mut seen_calls: Vec<(String, Option<Value>)> = Vec::new();
     let mut finish = FinishReason::Stop;
@@ -711,6 +884,39 @@ fn decode(
             }
             finish = FinishReason::Length;
             break;
+        }
+        if let Mode::Action { matcher: m } = &mut mode {
+            // What the grammar leaves no choice about ("Action: ", a lone tool's name, the
+            // only image id) runs as one batch.
+            let mut ff = m.compute_ff_tokens();
+            if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
+                ff.truncate(cut);
+            }
+            ff.truncate(prep.max_new - generated.len());
+            if ff.len() >= 2 {
+                m.consume_tokens(&ff)
+                    .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                let mut bytes = Vec::new();
+                for &t in &ff {
+                    bytes.extend_from_slice(tok.token_bytes(t));
+                }
+                let piece = utf8.push(&bytes);
+                let (out, hit) = text.push(&piece);
+                generated.extend_from_slice(&ff);
+                let t_ff = Instant::now();
+                logits = st.model.forward(&ff)?;
+                stats.forced_secs += t_ff.elapsed().as_secs_f64();
+                st.cached.extend_from_slice(&ff);
+                stats.forced_tokens += ff.len();
+                if (!out.is_empty() && !send(tx, ChatDelta::Text(out))) || tx.is_closed() {
+                    return Ok(());
+                }
+                if hit {
+                    // `Observation:`: the blocks are over.
+                    break;
+                }
+                continue;
+            }
         }
         if let Mode::Call {
             matcher: Some(m),
@@ -747,7 +953,8 @@ fn decode(
         match &mut mode {
             Mode::Call {
                 matcher: Some(m), ..
-            } => {
+            }
+            | Mode::Action { matcher: m } => {
                 let mask = m
                     .compute_mask()
                     .map_err(|e| LocalError::Grammar(e.to_string()))?;
@@ -788,6 +995,20 @@ fn decode(
             break;
         }
         match &mut mode {
+            Mode::Action { matcher } => {
+                matcher
+                    .consume_token(next)
+                    .map_err(|e| LocalError::Grammar(e.to_string()))?;
+                let piece = utf8.push(tok.token_bytes(next));
+                let (out, hit) = text.push(&piece);
+                if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+                    return Ok(());
+                }
+                if hit || matcher.is_stopped() {
+                    generated.push(next);
+                    break;
+                }
+            }
             Mode::Free if Some(next) == open => {
                 let mut matcher = match &prep.constraint {
                     Some(c) => Some(Box::new(c.matcher()?)),
@@ -839,6 +1060,44 @@ fn decode(
                 }
                 let piece = utf8.push(tok.token_bytes(next));
                 let (mut out, hit) = text.push(&piece);
+                if let (Some(c), false) = (react, hit) {
+                    match action_line(&text.text, free_line) {
+                        Line::Undecided => {}
+                        Line::Free(start) => free_line = Some(start),
+                        Line::Action(start) => {
+                            // Rewrite the block from its line's start under the grammar, when
+                            // a token starts there (otherwise it stays free text; the agent
+                            // reads it all the same).
+                            let mut at = 0usize;
+                            let mut k = None;
+                            for (i, &t) in generated.iter().chain([&next]).enumerate() {
+                                if at == start {
+                                    k = Some(i);
+                                    break;
+                                }
+                                at += tok.token_bytes(t).len();
+                            }
+                            match k {
+                                Some(k) if prompt_len + k <= st.cached.len() => {
+                                    stats.rewound_tokens += generated.len() + 1 - k;
+                                    generated.truncate(k);
+                                    logits = rewind_to(st, prompt_len + k)?;
+                                    text.text.truncate(start);
+                                    text.sent = text.sent.min(start);
+                                    utf8 = Utf8Stream::default();
+                                    mode = Mode::Action {
+                                        matcher: Box::new(c.matcher()?),
+                                    };
+                                    if !out.is_empty() && !send(tx, ChatDelta::Text(out)) {
+                                        return Ok(());
+                                    }
+                                    continue;
+                                }
+                                _ => free_line = Some(start),
+                            }
+                        }
+                    }
+                }
                 if text.hold_all && !hit {
                     match (call_trigger(&text.text), &prep.constraint, open) {
                         (Trigger::Call, Some(c), Some(open)) => {
@@ -1202,6 +1461,7 @@ mod tests {
             sent: 0,
             stops: vec!["Observation:".into()],
             hold_all: false,
+            hold_line: false,
         };
         let (a, hit) = t.push("Action: x\nObserv");
         assert!(!hit);
@@ -1226,12 +1486,54 @@ mod tests {
     }
 
     #[test]
+    fn action_lines_are_told_from_prose_as_they_are_written() {
+        assert_eq!(action_line("Thought: look\nAct", None), Line::Undecided);
+        assert_eq!(
+            action_line("Thought: look\n**Action:", None),
+            Line::Action(14)
+        );
+        assert_eq!(action_line("Thought: look", None), Line::Free(0));
+        assert_eq!(action_line("Thought: look\nActual", None), Line::Free(14));
+        // A line found free stays free.
+        assert_eq!(action_line("x\nAction:", Some(2)), Line::Free(2));
+    }
+
+    #[test]
+    fn held_lines_stream_when_they_end() {
+        let mut t = TextOut {
+            text: String::new(),
+            sent: 0,
+            stops: vec![],
+            hold_all: false,
+            hold_line: true,
+        };
+        assert_eq!(t.push("Thought: a").0, "");
+        assert_eq!(t.push("b\nAct").0, "Thought: ab\n");
+        assert_eq!(t.flush(), "Act");
+    }
+
+    #[test]
+    fn prefill_passes_keep_each_picture_whole() {
+        use crate::vlm::reasoner::VIRTUAL_BASE;
+        let mut tokens: Vec<u32> = (0..500).collect();
+        tokens.extend((0..256).map(|j| VIRTUAL_BASE + j));
+        tokens.extend(0..300);
+        let chunks = prefill_chunks(&tokens);
+        let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        assert_eq!(lens, [756, 300]);
+        assert_eq!(run_start(&tokens, 600), 500);
+        assert_eq!(run_start(&tokens, 500), 500);
+        assert_eq!(run_start(&tokens, 400), 400);
+    }
+
+    #[test]
     fn text_without_stops_streams_at_once() {
         let mut t = TextOut {
             text: String::new(),
             sent: 0,
             stops: vec![],
             hold_all: false,
+            hold_line: false,
         };
         assert_eq!(t.push("héllo").0, "héllo");
     }

@@ -66,19 +66,50 @@ pub fn tool_call_grammar(
         let head = format!("{{\"name\": \"{}\", \"arguments\": ", t.name);
         let head = serde_json::to_string(&head).map_err(|e| LocalError::Grammar(e.to_string()))?;
         g.push_str(&format!("call_{i}: {head} args_{i} \"}}\"\n"));
-        let mut schema = restrict_images(&t.parameters, image_ids);
-        if !schema.is_object() {
-            schema = json!({"type": "object"});
-        }
-        if let Some(o) = schema.as_object_mut() {
-            o.insert(
-                "x-guidance".into(),
-                json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true}),
-            );
-        }
-        g.push_str(&format!("args_{i}: %json {}\n", schema));
+        g.push_str(&format!("args_{i}: %json {}\n", args_schema(t, image_ids)));
     }
     Ok(g)
+}
+
+/// The Lark grammar of the ReAct protocol's call blocks (`Action: NAME` then `Action Input:`
+/// and the arguments as one JSON object), one or more, each tool's arguments held to its
+/// schema as in [`tool_call_grammar`]. The blocks end with the turn or with `Observation:` (the
+/// protocol's stop text: the model writes it where it waits for the results).
+pub fn react_call_grammar(tools: &[ToolSpec], image_ids: &[String]) -> Result<String, LocalError> {
+    if tools.is_empty() {
+        return Err(LocalError::Grammar(
+            "no tools to constrain a call to".into(),
+        ));
+    }
+    let mut g = String::from(
+        "start: \"Action: \" call (\"\\nAction: \" call)* \"\\nObservation:\"?\ncall: ",
+    );
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+    g.push_str(&alts.join(" | "));
+    g.push('\n');
+    for (i, t) in tools.iter().enumerate() {
+        let head = format!("{}\nAction Input: ", t.name);
+        let head = serde_json::to_string(&head).map_err(|e| LocalError::Grammar(e.to_string()))?;
+        g.push_str(&format!("call_{i}: {head} args_{i}\n"));
+        g.push_str(&format!("args_{i}: %json {}\n", args_schema(t, image_ids)));
+    }
+    Ok(g)
+}
+
+/// A tool's argument schema as the grammars use it: image ids narrowed, JSON written with
+/// Python's separators.
+fn args_schema(t: &ToolSpec, image_ids: &[String]) -> Value {
+    let mut schema = restrict_images(&t.parameters, image_ids);
+    if !schema.is_object() {
+        schema = json!({"type": "object"});
+    }
+    if let Some(o) = schema.as_object_mut() {
+        o.insert(
+            "x-guidance".into(),
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true}),
+        );
+    }
+    schema
 }
 
 /// Builds matchers for one request's tools; cheap to create per request.
@@ -101,7 +132,19 @@ impl Constraint {
                 ))
             }
         };
-        let grammar = tool_call_grammar(tools, image_ids, open, close)?;
+        Self::from_grammar(tok, tool_call_grammar(tools, image_ids, open, close)?)
+    }
+
+    /// Matchers for the ReAct protocol's `Action:` blocks (any vocabulary).
+    pub fn react(
+        tok: &Arc<GgufTokenizer>,
+        tools: &[ToolSpec],
+        image_ids: &[String],
+    ) -> Result<Self, LocalError> {
+        Self::from_grammar(tok, react_call_grammar(tools, image_ids)?)
+    }
+
+    fn from_grammar(tok: &Arc<GgufTokenizer>, grammar: String) -> Result<Self, LocalError> {
         let mut factory = ParserFactory::new_simple(&tok.env())
             .map_err(|e| LocalError::Grammar(format!("llguidance: {e}")))?;
         factory.quiet();
@@ -164,5 +207,14 @@ mod tests {
             "{g}"
         );
         assert!(tool_call_grammar(&[], &[], "<a>", "</a>").is_err());
+        let r = react_call_grammar(&tools, &["img_1".into()]).unwrap();
+        assert!(
+            r.starts_with(
+                "start: \"Action: \" call (\"\\nAction: \" call)* \"\\nObservation:\"?\n"
+            ),
+            "{r}"
+        );
+        assert!(r.contains(r#"call_1: "b\nAction Input: " args_1"#), "{r}");
+        assert!(react_call_grammar(&[], &[]).is_err());
     }
 }

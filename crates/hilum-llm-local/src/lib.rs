@@ -37,6 +37,7 @@ pub use prefix::PrefixSource;
 pub use qmatvec::SimdCap;
 pub use template::ChatTemplate;
 pub use tokenizer::GgufTokenizer;
+pub use vlm::reasoner::VlmFiles;
 
 /// File name of the default local model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M) under the models dir.
 pub const DEFAULT_MODEL_FILE: &str = "llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
@@ -52,6 +53,9 @@ pub fn default_model_path(models_dir: &Path) -> Option<PathBuf> {
 pub enum LocalError {
     #[error("local model file {path}: {reason} (fetch the default model with scripts/fetch_local_llm.sh)")]
     Io { path: String, reason: String },
+    /// A multimodal model's files (`--llm local-vlm:`) as named.
+    #[error("multimodal model {path}: {reason}")]
+    VlmFiles { path: String, reason: String },
     #[error("local model {path} is not a readable GGUF file: {reason}")]
     BadGguf { path: String, reason: String },
     #[error("local model not supported: {0}")]
@@ -137,6 +141,8 @@ pub enum Decoder {
     /// `qwen2` and `llama`.
     Llama(model::Model),
     Gemma3(gemma3::Gemma3),
+    /// Gemma 3 multimodal (`local-vlm:`): the Gemma 3 decoder with the vision tower.
+    Vlm(Box<vlm::reasoner::VlmDecoder>),
 }
 
 impl Decoder {
@@ -172,6 +178,7 @@ impl Decoder {
         match self {
             Decoder::Llama(m) => m.forward(tokens),
             Decoder::Gemma3(m) => m.forward(tokens),
+            Decoder::Vlm(m) => m.forward(tokens),
         }
     }
 
@@ -180,6 +187,7 @@ impl Decoder {
         match self {
             Decoder::Llama(m) => m.truncate_cache(len),
             Decoder::Gemma3(m) => m.truncate_cache(len),
+            Decoder::Vlm(m) => m.decoder_mut().truncate_cache(len),
         }
     }
 
@@ -187,6 +195,7 @@ impl Decoder {
         match self {
             Decoder::Llama(m) => m.cached_len(),
             Decoder::Gemma3(m) => m.cached_len(),
+            Decoder::Vlm(m) => m.decoder().cached_len(),
         }
     }
 
@@ -194,6 +203,7 @@ impl Decoder {
         match self {
             Decoder::Llama(m) => m.kv(),
             Decoder::Gemma3(m) => m.kv(),
+            Decoder::Vlm(m) => m.decoder_mut().kv(),
         }
     }
 
@@ -202,6 +212,18 @@ impl Decoder {
         match self {
             Decoder::Llama(m) => m.max_positions(),
             Decoder::Gemma3(m) => m.max_positions(),
+            Decoder::Vlm(m) => m.decoder().max_positions(),
+        }
+    }
+
+    /// Encodes the prompt's pictures not encoded yet (a multimodal model; nothing otherwise).
+    pub(crate) fn encode_images(
+        &mut self,
+        images: &[vlm::reasoner::PromptImage],
+    ) -> Result<(), LocalError> {
+        match self {
+            Decoder::Vlm(m) => m.encode_images(images),
+            _ => Ok(()),
         }
     }
 }
@@ -220,6 +242,8 @@ pub(crate) struct Inner {
     pub stats: Mutex<GenStats>,
     pub call_counter: AtomicU64,
     pub prefixes: prefix::PrefixCache,
+    /// The prompt side of a multimodal model (`None`: text only).
+    pub vision: Option<vlm::reasoner::Vision>,
 }
 
 /// A GGUF model running in this process. Cloning shares the model and its KV cache.
@@ -267,6 +291,74 @@ impl LocalLlm {
                 }),
                 stats: Mutex::new(GenStats::default()),
                 call_counter: AtomicU64::new(0),
+                vision: None,
+            }),
+            name,
+        })
+    }
+
+    /// Loads Gemma 3 multimodal (MedGemma 4B's architecture) as a reasoner that reads the
+    /// conversation's pictures: from llama.cpp's text GGUF (its tokenizer and chat template;
+    /// matrices as `cfg.matmul` says) + mmproj GGUF, or from a safetensors snapshot (f32, its
+    /// `tokenizer.json` and chat template). `cfg.path` is ignored: `files` names the model.
+    pub fn load_vlm(mut cfg: LocalConfig, files: VlmFiles) -> Result<Self, LocalError> {
+        cfg.path = files.main_path().to_path_buf();
+        qmatvec::cap_simd(cfg.simd);
+        let dev = Device::Cpu;
+        let (vlm, tok, source) = match &files {
+            VlmFiles::Gguf { text, mmproj } => {
+                let (ct, _) = model::open_gguf(text)?;
+                let tok = GgufTokenizer::from_gguf(&ct)?;
+                let source = ct
+                    .metadata
+                    .get("tokenizer.chat_template")
+                    .and_then(|v| v.to_string().ok())
+                    .cloned();
+                if cfg.matmul != model::MatmulMode::Dense {
+                    size_quantized_matmul_pool(cfg.quantized_threads);
+                }
+                let vlm = vlm::Gemma3Vlm::load_gguf(text, mmproj, cfg.context, cfg.matmul, &dev)?;
+                (vlm, tok, source)
+            }
+            VlmFiles::Snapshot(dir) => {
+                let tok = GgufTokenizer::from_hf_dir(dir)?;
+                let source = tokenizer::hf_chat_template(dir)?;
+                let vlm = vlm::Gemma3Vlm::load(dir, cfg.context, &dev)?;
+                (vlm, tok, source)
+            }
+        };
+        if tok.special(vlm::IMAGE_TOKEN_TEXT) != Some(vlm.cfg.image_token) {
+            return Err(LocalError::Unsupported(format!(
+                "{}: the tokenizer's {} is not the model's image token {}",
+                cfg.path.display(),
+                vlm::IMAGE_TOKEN_TEXT,
+                vlm.cfg.image_token
+            )));
+        }
+        let tok = Arc::new(tok);
+        let template = ChatTemplate::for_gguf(source, &tok)?;
+        let vision = vlm::reasoner::Vision::new(vlm.cfg.mm_tokens_per_image, vlm.cfg.image_token);
+        let name = format!(
+            "local-vlm:{}",
+            cfg.path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| cfg.path.display().to_string())
+        );
+        let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
+        Ok(LocalLlm {
+            inner: Arc::new(Inner {
+                prefixes,
+                cfg,
+                tok,
+                template,
+                state: Mutex::new(State {
+                    model: Decoder::Vlm(Box::new(vlm::reasoner::VlmDecoder::new(vlm))),
+                    cached: Vec::new(),
+                }),
+                stats: Mutex::new(GenStats::default()),
+                call_counter: AtomicU64::new(0),
+                vision: Some(vision),
             }),
             name,
         })
@@ -274,6 +366,11 @@ impl LocalLlm {
 
     pub fn path(&self) -> &Path {
         &self.inner.cfg.path
+    }
+
+    /// The sampling seed (with a temperature above 0).
+    pub fn seed(&self) -> u64 {
+        self.inner.cfg.seed
     }
 
     pub fn tokenizer(&self) -> &Arc<GgufTokenizer> {
@@ -317,7 +414,7 @@ impl Llm for LocalLlm {
         Capabilities {
             native_tools: native,
             parallel_tool_calls: native,
-            images: false,
+            images: self.inner.vision.is_some(),
             local: true,
         }
     }

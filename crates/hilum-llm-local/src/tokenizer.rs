@@ -195,6 +195,78 @@ impl GgufTokenizer {
             .or_else(|| special.get("<|im_end|>").copied())
             .ok_or_else(|| LocalError::Unsupported("the GGUF names no eos token".into()))?;
         let bos = id("tokenizer.ggml.bos_token_id").filter(|&b| (b as usize) < tokens.len());
+        Ok(Self::assemble(
+            encoder, bytes, special, is_special, eos, bos, add_bos,
+        ))
+    }
+
+    /// The tokenizer of a Hugging Face snapshot folder: `tokenizer.json` (encoded by the
+    /// `tokenizers` library) with the BOS/EOS names of `tokenizer_config.json` (default Gemma's
+    /// `<bos>`/`<eos>`). Pieces are SentencePiece-style (`▁`, `<0xNN>`), as Gemma's are.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self, LocalError> {
+        let path = dir.join("tokenizer.json");
+        let hf = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| LocalError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        let name = |key: &str, default: &str| -> String {
+            match &config[key] {
+                serde_json::Value::String(s) => s.clone(),
+                v => v["content"].as_str().unwrap_or(default).to_string(),
+            }
+        };
+        let vocab = hf.get_vocab(true);
+        let n = vocab.values().map(|&i| i as usize + 1).max().unwrap_or(0);
+        let mut pieces = vec![String::new(); n];
+        for (piece, &i) in &vocab {
+            pieces[i as usize] = piece.clone();
+        }
+        let added = hf.get_added_tokens_decoder();
+        let mut bytes = Vec::with_capacity(n);
+        let mut special = HashMap::new();
+        let mut is_special = Vec::with_capacity(n);
+        for (i, piece) in pieces.iter().enumerate() {
+            let ty = match added.get(&(i as u32)) {
+                Some(a) if a.special => TYPE_CONTROL,
+                Some(_) => TYPE_USER_DEFINED,
+                None if spm::byte_token_value(piece).is_some() => spm::TYPE_BYTE,
+                None if piece.is_empty() => TYPE_UNUSED,
+                None => spm::TYPE_NORMAL,
+            };
+            if matches!(ty, TYPE_CONTROL | TYPE_USER_DEFINED) {
+                special.insert(piece.clone(), i as u32);
+            }
+            is_special.push(matches!(ty, TYPE_CONTROL | TYPE_UNUSED));
+            bytes.push(spm::piece_bytes(piece, ty));
+        }
+        let eos_name = name("eos_token", "<eos>");
+        let eos = vocab.get(&eos_name).copied().ok_or_else(|| {
+            LocalError::Tokenizer(format!("{}: no eos token {eos_name}", path.display()))
+        })?;
+        let bos = vocab.get(&name("bos_token", "<bos>")).copied();
+        let add_bos = config["add_bos_token"].as_bool().unwrap_or(true);
+        Ok(Self::assemble(
+            Encoder::Bpe(Box::new(hf)),
+            bytes,
+            special,
+            is_special,
+            eos,
+            bos,
+            add_bos,
+        ))
+    }
+
+    fn assemble(
+        encoder: Encoder,
+        bytes: Vec<Vec<u8>>,
+        special: HashMap<String, u32>,
+        is_special: Vec<bool>,
+        eos: u32,
+        bos: Option<u32>,
+        add_bos: bool,
+    ) -> Self {
         let mut stop_tokens = vec![eos];
         for name in [
             "<|im_end|>",
@@ -228,7 +300,7 @@ impl GgufTokenizer {
             .iter()
             .find_map(|n| special.get(*n).copied());
         let trie = Arc::new(TokTrie::from(&info, &words));
-        Ok(GgufTokenizer {
+        GgufTokenizer {
             encoder,
             bytes,
             special,
@@ -239,7 +311,7 @@ impl GgufTokenizer {
             stop_tokens,
             trie,
             prose_bans: std::sync::OnceLock::new(),
-        })
+        }
     }
 
     /// The text of the BOS token when prompts must start with it (rendered by the chat template).
@@ -338,6 +410,25 @@ impl TokenizerEnv for TrieEnv {
             Err(_) => self.tok.trie.greedy_tokenize(s),
         }
     }
+}
+
+/// The chat template of a Hugging Face snapshot folder: `chat_template.jinja`, else
+/// `chat_template.json`'s or `tokenizer_config.json`'s `chat_template`; `None` when none has one.
+pub fn hf_chat_template(dir: &std::path::Path) -> Result<Option<String>, LocalError> {
+    if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        return Ok(Some(t));
+    }
+    for file in ["chat_template.json", "tokenizer_config.json"] {
+        let Ok(text) = std::fs::read_to_string(dir.join(file)) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| LocalError::Template(format!("{}: {e}", dir.join(file).display())))?;
+        if let Some(t) = v["chat_template"].as_str() {
+            return Ok(Some(t.to_string()));
+        }
+    }
+    Ok(None)
 }
 
 /// Turns a stream of token bytes into text, holding back an incomplete UTF-8 sequence.

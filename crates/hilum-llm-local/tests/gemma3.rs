@@ -416,3 +416,53 @@ async fn loads_as_a_local_llm_with_the_gemma_turn_format() {
     let want = llm.tokenizer().decode(&ids(&case["greedy"])[..N]);
     assert_eq!(turn.text, want);
 }
+
+/// The ReAct protocol on Gemma (no tool-call tokens): with the tools in `text_tools` and a call
+/// required, the turn is written inside the `Action:` grammar with the real SentencePiece
+/// vocabulary: the tool's name, `Action Input:` and arguments that match its schema, the image
+/// argument one of the conversation's ids; the text comes back as text (the agent parses it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn react_calls_are_held_to_the_grammar_when_a_call_is_required() {
+    let Some(path) = model_path() else { return };
+    let mut cfg = common::local_config(&path);
+    cfg.context = 1024;
+    let llm = LocalLlm::load(cfg).expect("loads");
+    let tool = hilum_llm::ToolSpec {
+        name: "image_info".into(),
+        description: "Size and bit depth of an image.".into(),
+        parameters: serde_json::json!({"type": "object", "properties": {
+            "image": {"type": "string", "pattern": "^img_[0-9a-f]{6,64}$"}},
+            "required": ["image"], "additionalProperties": false}),
+    };
+    let req = ChatRequest {
+        messages: vec![
+            Message::system(
+                "You can use these tools:\n- image_info: Size and bit depth of an image.\n\
+                 Answer with Action: TOOL and Action Input: {...}, or Final Answer: ...",
+            ),
+            Message::user(
+                "How large is this image?\n\nImages: img_5d41402abc4b",
+                vec!["img_5d41402abc4b".into()],
+            ),
+        ],
+        text_tools: vec![tool],
+        stop: vec!["\nObservation:".into()],
+        require_tool: true,
+        max_tokens: Some(64),
+        ..Default::default()
+    };
+    let turn = collect_turn(llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    assert!(turn.tool_calls.is_empty(), "ReAct calls are text");
+    let first = turn.text.lines().next().unwrap_or_default();
+    assert_eq!(first, "Action: image_info", "{:?}", turn.text);
+    let input = turn
+        .text
+        .lines()
+        .nth(1)
+        .and_then(|l| l.strip_prefix("Action Input: "))
+        .unwrap_or_else(|| panic!("no Action Input line: {:?}", turn.text));
+    let args: Value = serde_json::from_str(input).expect("arguments are JSON");
+    assert_eq!(args, serde_json::json!({"image": "img_5d41402abc4b"}));
+}

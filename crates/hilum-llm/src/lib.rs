@@ -13,8 +13,8 @@ mod stream;
 
 pub use error::LlmError;
 pub use message::{
-    AssistantTurn, Capabilities, ChatDelta, ChatRequest, FinishReason, ImagePayload, Message,
-    ToolCall, ToolSpec, Usage,
+    is_overlay_id, AssistantTurn, Capabilities, ChatDelta, ChatRequest, FinishReason, ImagePayload,
+    Message, ToolCall, ToolSpec, Usage, OVERLAY_ID_PREFIX,
 };
 pub use openai::{base64_encode, is_loopback_url, Completion, OpenAiConfig, OpenAiLlm};
 pub use script::ScriptLlm;

@@ -90,6 +90,15 @@ pub struct ToolSpec {
     pub parameters: Value,
 }
 
+/// Ids of pictures a tool drew (overlays, masks) shown to a model start with this; they name
+/// no image a tool can take.
+pub const OVERLAY_ID_PREFIX: &str = "ovl_";
+
+/// Whether `id` names a tool's drawing rather than an image of the question.
+pub fn is_overlay_id(id: &str) -> bool {
+    id.starts_with(OVERLAY_ID_PREFIX)
+}
+
 /// Pixels that may be shown to a multimodal model, only when the user allowed it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ImagePayload {
@@ -120,6 +129,10 @@ pub struct ChatRequest {
     /// the free reply then. Tools, when given, are only part of the prompt: no call is made.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub choices: Vec<String>,
+    /// The tools a text protocol (ReAct) describes in the prompt, `tools` being empty then: a
+    /// backend that constrains its output may hold the model's `Action:` blocks to them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub text_tools: Vec<ToolSpec>,
 }
 
 /// Token accounting as reported by the backend.

@@ -88,7 +88,7 @@ pub async fn ask(
     let llm = build_llm(&state)?;
     let history = to_messages(state.db.history(session_id.clone()).await?)?;
     let (image_payloads, image_metadata) =
-        image_inputs(&state, &space, &ask.images, llm.capabilities().images).await?;
+        image_inputs(&state, &space, &ask.images, llm.capabilities()).await?;
     let run_id = new_id("run");
     state
         .db
@@ -157,13 +157,8 @@ pub async fn resume(
         .ensure_images(&caller, &space, &stored.run.images)
         .await?;
     let llm = build_llm(&state)?;
-    let (image_payloads, image_metadata) = image_inputs(
-        &state,
-        &space,
-        &stored.run.images,
-        llm.capabilities().images,
-    )
-    .await?;
+    let (image_payloads, image_metadata) =
+        image_inputs(&state, &space, &stored.run.images, llm.capabilities()).await?;
     let resume = Resume {
         messages: to_messages(stored.messages)?,
         results: stored.calls.into_iter().map(call_result).collect(),
@@ -283,16 +278,17 @@ fn call_result(c: StoredCall) -> (usize, CallResult) {
     )
 }
 
-/// Pixels for a model that reads them (only on request, and, checked before, only to a
-/// remote endpoint when the policy allows it), and the images' size, spacing and view:
-/// numbers an answer may quote besides the tool results.
+/// Pixels for a model that reads them (a model in this process always: they stay in it;
+/// another only on request, and, checked before, only to a remote endpoint when the policy
+/// allows it), and the images' size, spacing and view: numbers an answer may quote besides the
+/// tool results.
 async fn image_inputs(
     state: &AppState,
     space: &Space,
     images: &[String],
-    model_reads_images: bool,
+    caps: hilum_llm::Capabilities,
 ) -> Result<(Vec<ImagePayload>, Vec<Value>), ApiError> {
-    let payloads = if state.cfg.send_pixels && model_reads_images {
+    let payloads = if caps.images && (state.cfg.send_pixels || caps.local) {
         let store = space.images.clone();
         let ids = images.to_vec();
         tokio::task::spawn_blocking(move || {

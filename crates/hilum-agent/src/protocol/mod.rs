@@ -57,6 +57,7 @@ impl Protocol {
                 let tools = std::mem::take(&mut req.tools);
                 req.messages = react::render_messages(&req.messages, &tools);
                 req.stop = vec!["\nObservation:".to_string()];
+                req.text_tools = tools;
                 req
             }
         }

@@ -14,6 +14,7 @@
 pub mod config;
 mod gguf;
 pub mod preprocess;
+pub mod reasoner;
 mod siglip;
 
 use std::collections::BTreeMap;
@@ -29,8 +30,8 @@ use siglip::{Projector, VisionTower};
 
 /// The text Gemma3Processor puts in place of each `<start_of_image>`.
 pub const BOI_TEXT: &str = "<start_of_image>";
-const EOI_TEXT: &str = "<end_of_image>";
-const IMAGE_TOKEN_TEXT: &str = "<image_soft_token>";
+pub(crate) const EOI_TEXT: &str = "<end_of_image>";
+pub(crate) const IMAGE_TOKEN_TEXT: &str = "<image_soft_token>";
 
 pub struct Gemma3Vlm {
     pub cfg: VlmConfig,
@@ -244,6 +245,10 @@ impl Gemma3Vlm {
     /// The decoder, for text-only steps after a prefill (`forward` of the next token).
     pub fn decoder_mut(&mut self) -> &mut Gemma3 {
         &mut self.decoder
+    }
+
+    pub fn decoder(&self) -> &Gemma3 {
+        &self.decoder
     }
 }
 
