@@ -888,11 +888,7 @@ fn decode(
         if let Mode::Action { matcher: m } = &mut mode {
             // What the grammar leaves no choice about ("Action: ", a lone tool's name, the
             // only image id) runs as one batch.
-            let mut ff = m.compute_ff_tokens();
-            if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
-                ff.truncate(cut);
-            }
-            ff.truncate(prep.max_new - generated.len());
+            let ff = forced_tokens(m, tok, prep.max_new - generated.len());
             if ff.len() >= 2 {
                 m.consume_tokens(&ff)
                     .map_err(|e| LocalError::Grammar(e.to_string()))?;
@@ -926,11 +922,7 @@ fn decode(
             // Inside a call the grammar often leaves one possible continuation (the tool name,
             // the only image id, the punctuation): run those tokens as one batch instead of
             // one forward pass each. A forced control token is left to the sampler below.
-            let mut ff = m.compute_ff_tokens();
-            if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
-                ff.truncate(cut);
-            }
-            ff.truncate(prep.max_new - generated.len());
+            let ff = forced_tokens(m, tok, prep.max_new - generated.len());
             if ff.len() >= 2 {
                 m.consume_tokens(&ff)
                     .map_err(|e| LocalError::Grammar(e.to_string()))?;
@@ -1332,6 +1324,17 @@ fn choose(
         },
     );
     Ok(())
+}
+
+/// The tokens the grammar leaves no choice about next, up to the first control token (left to
+/// the sampler) and at most `room`.
+fn forced_tokens(m: &mut Matcher, tok: &crate::tokenizer::GgufTokenizer, room: usize) -> Vec<u32> {
+    let mut ff = m.compute_ff_tokens();
+    if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
+        ff.truncate(cut);
+    }
+    ff.truncate(room);
+    ff
 }
 
 #[cfg(test)]

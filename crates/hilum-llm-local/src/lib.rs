@@ -271,15 +271,27 @@ impl LocalLlm {
             size_quantized_matmul_pool(cfg.quantized_threads);
         }
         let model = Decoder::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
+        Ok(Self::assemble("local", cfg, tok, template, model, None))
+    }
+
+    /// The backend around a loaded decoder; `kind` names it (`local:FILE`, `local-vlm:FILE`).
+    fn assemble(
+        kind: &str,
+        cfg: LocalConfig,
+        tok: Arc<GgufTokenizer>,
+        template: ChatTemplate,
+        model: Decoder,
+        vision: Option<vlm::reasoner::Vision>,
+    ) -> Self {
         let name = format!(
-            "local:{}",
+            "{kind}:{}",
             cfg.path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| cfg.path.display().to_string())
         );
         let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
-        Ok(LocalLlm {
+        LocalLlm {
             inner: Arc::new(Inner {
                 prefixes,
                 cfg,
@@ -291,10 +303,10 @@ impl LocalLlm {
                 }),
                 stats: Mutex::new(GenStats::default()),
                 call_counter: AtomicU64::new(0),
-                vision: None,
+                vision,
             }),
             name,
-        })
+        }
     }
 
     /// Loads Gemma 3 multimodal (MedGemma 4B's architecture) as a reasoner that reads the
@@ -338,30 +350,15 @@ impl LocalLlm {
         let tok = Arc::new(tok);
         let template = ChatTemplate::for_gguf(source, &tok)?;
         let vision = vlm::reasoner::Vision::new(vlm.cfg.mm_tokens_per_image, vlm.cfg.image_token);
-        let name = format!(
-            "local-vlm:{}",
-            cfg.path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| cfg.path.display().to_string())
-        );
-        let prefixes = prefix::PrefixCache::new(cfg.path.clone(), cfg.prefix_cache_dir.clone());
-        Ok(LocalLlm {
-            inner: Arc::new(Inner {
-                prefixes,
-                cfg,
-                tok,
-                template,
-                state: Mutex::new(State {
-                    model: Decoder::Vlm(Box::new(vlm::reasoner::VlmDecoder::new(vlm))),
-                    cached: Vec::new(),
-                }),
-                stats: Mutex::new(GenStats::default()),
-                call_counter: AtomicU64::new(0),
-                vision: Some(vision),
-            }),
-            name,
-        })
+        let model = Decoder::Vlm(Box::new(vlm::reasoner::VlmDecoder::new(vlm)));
+        Ok(Self::assemble(
+            "local-vlm",
+            cfg,
+            tok,
+            template,
+            model,
+            Some(vision),
+        ))
     }
 
     pub fn path(&self) -> &Path {
