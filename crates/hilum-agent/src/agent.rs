@@ -910,7 +910,7 @@ impl Agent {
     /// [`AgentConfig::show_overlays`]).
     fn shows_overlays(&self) -> bool {
         let caps = self.llm.capabilities();
-        caps.images && caps.local && self.config.show_overlays.unwrap_or(true)
+        caps.images && caps.in_process && self.config.show_overlays.unwrap_or(true)
     }
 
     /// Puts the overlay (else the mask) a successful call drew into the conversation: a user
@@ -1200,6 +1200,7 @@ mod tests {
             Capabilities {
                 images: true,
                 local: self.local,
+                in_process: self.local,
                 ..self.script.capabilities()
             }
         }

@@ -108,8 +108,9 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     }
     // A model in this process that reads images gets them: the pixels stay in the process.
     let caps = llm.capabilities();
-    let send_pixels =
-        args.send_pixels || file.llm.send_pixels.unwrap_or(false) || (caps.images && caps.local);
+    let send_pixels = args.send_pixels
+        || file.llm.send_pixels.unwrap_or(false)
+        || (caps.images && caps.in_process);
     let payloads = if send_pixels {
         ids.iter()
             .map(|id| render::image_payload(&store, id))

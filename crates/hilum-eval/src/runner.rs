@@ -465,7 +465,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         .collect();
     // A model in this process that reads images gets their pixels (they stay in the process).
     let caps = llm.capabilities();
-    let image_payloads = if caps.images && caps.local {
+    let image_payloads = if caps.images && caps.in_process {
         ids.iter()
             .filter_map(|id| sh.store.get(id).ok().map(|img| (id, img)))
             .filter_map(|(id, img)| {

@@ -413,6 +413,7 @@ impl Llm for LocalLlm {
             parallel_tool_calls: native,
             images: self.inner.vision.is_some(),
             local: true,
+            in_process: true,
         }
     }
 

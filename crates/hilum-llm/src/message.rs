@@ -190,4 +190,9 @@ pub struct Capabilities {
     pub images: bool,
     /// Runs on this machine (nothing leaves it).
     pub local: bool,
+    /// Runs inside this process. Such a model gets the question's pixels and the tools' overlays
+    /// without being allowed to: they never leave the process. A loopback server is `local` but
+    /// not this (its port may be a tunnel to another machine), so it gets pixels only with
+    /// `--send-pixels`.
+    pub in_process: bool,
 }

@@ -416,6 +416,7 @@ impl Llm for OpenAiLlm {
             parallel_tool_calls: true,
             images: self.config.multimodal,
             local: is_loopback_url(&self.config.base_url),
+            in_process: false,
         }
     }
 

@@ -186,6 +186,7 @@ impl Llm for ScriptLlm {
             parallel_tool_calls: true,
             images: false,
             local: true,
+            in_process: true,
         }
     }
 

@@ -288,7 +288,7 @@ async fn image_inputs(
     images: &[String],
     caps: hilum_llm::Capabilities,
 ) -> Result<(Vec<ImagePayload>, Vec<Value>), ApiError> {
-    let payloads = if caps.images && (state.cfg.send_pixels || caps.local) {
+    let payloads = if caps.images && (state.cfg.send_pixels || caps.in_process) {
         let store = space.images.clone();
         let ids = images.to_vec();
         tokio::task::spawn_blocking(move || {

@@ -668,6 +668,8 @@ impl hilum_agent::Llm for Recording {
             parallel_tool_calls: true,
             images: true,
             local: true,
+            // A model on this machine but outside the process: pixels only when allowed.
+            in_process: false,
         }
     }
     fn name(&self) -> String {
