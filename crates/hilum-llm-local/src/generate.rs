@@ -625,6 +625,24 @@ enum Mode {
     },
 }
 
+/// Call mode right after the call's opening token `open`: the grammar (when there is one)
+/// has consumed it, and the call's body starts empty.
+fn open_call(constraint: Option<&Constraint>, open: u32) -> Result<Mode, LocalError> {
+    let matcher = match constraint {
+        Some(c) => {
+            let mut m = c.matcher()?;
+            m.consume_token(open)
+                .map_err(|e| LocalError::Grammar(e.to_string()))?;
+            Some(Box::new(m))
+        }
+        None => None,
+    };
+    Ok(Mode::Call {
+        matcher,
+        body: Some(Vec::new()),
+    })
+}
+
 fn send(tx: &mpsc::Sender<Result<ChatDelta, LlmError>>, d: ChatDelta) -> bool {
     tx.blocking_send(Ok(d)).is_ok()
 }
@@ -848,13 +866,7 @@ fn decode(
                 matcher: Box::new(c.matcher()?),
             };
         } else if let (Some(c), Some(o)) = (&prep.constraint, open) {
-            let mut m = c.matcher()?;
-            m.consume_token(o)
-                .map_err(|e| LocalError::Grammar(e.to_string()))?;
-            mode = Mode::Call {
-                matcher: Some(Box::new(m)),
-                body: Some(Vec::new()),
-            };
+            mode = open_call(Some(c), o)?;
             text.hold_all = false;
             generated.push(o);
             logits = st.model.forward(&[o])?;
@@ -1002,18 +1014,7 @@ fn decode(
                 }
             }
             Mode::Free if Some(next) == open => {
-                let mut matcher = match &prep.constraint {
-                    Some(c) => Some(Box::new(c.matcher()?)),
-                    None => None,
-                };
-                if let Some(m) = matcher.as_mut() {
-                    m.consume_token(next)
-                        .map_err(|e| LocalError::Grammar(e.to_string()))?;
-                }
-                mode = Mode::Call {
-                    matcher,
-                    body: Some(Vec::new()),
-                };
+                mode = open_call(prep.constraint.as_ref(), next)?;
             }
             Mode::Free => {
                 if tok.is_special(next) {
@@ -1103,13 +1104,7 @@ fn decode(
                             text.sent = 0;
                             text.hold_all = false;
                             utf8 = Utf8Stream::default();
-                            let mut m = c.matcher()?;
-                            m.consume_token(open)
-                                .map_err(|e| LocalError::Grammar(e.to_string()))?;
-                            mode = Mode::Call {
-                                matcher: Some(Box::new(m)),
-                                body: Some(Vec::new()),
-                            };
+                            mode = open_call(Some(c), open)?;
                             generated.push(open);
                             logits = st.model.forward(&[open])?;
                             st.cached.push(open);
