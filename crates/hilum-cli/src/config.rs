@@ -480,7 +480,8 @@ pub fn models_dir() -> PathBuf {
 }
 
 /// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
-/// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar) and `CANDLE_NUM_THREADS`.
+/// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar), `HILUM_LOCAL_DEVICE`
+/// (cpu|cuda:N|metal:N) and `CANDLE_NUM_THREADS`.
 pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut cfg = LocalConfig::new(path);
@@ -493,6 +494,11 @@ pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
         cfg.simd = v
             .parse()
             .map_err(|e| anyhow::anyhow!("HILUM_LOCAL_SIMD: {e}"))?;
+    }
+    if let Some(v) = var("HILUM_LOCAL_DEVICE") {
+        cfg.device = v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("HILUM_LOCAL_DEVICE: {e}"))?;
     }
     if let Some(v) = var("CANDLE_NUM_THREADS") {
         cfg.quantized_threads = Some(

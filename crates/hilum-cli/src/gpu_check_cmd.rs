@@ -40,7 +40,7 @@ pub struct GpuCheckArgs {
     #[arg(long)]
     pub unet: Option<PathBuf>,
     /// Run only these checks (densenet121, resnet50, lung-unet, pspnet, medsam, report,
-    /// llava-slice).
+    /// llava-slice, local-llm).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Also write the rows as JSON.
@@ -51,8 +51,8 @@ pub struct GpuCheckArgs {
 pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     for o in &args.only {
         anyhow::ensure!(
-            devcheck::CHECKS.contains(&o.as_str()),
-            "unknown check `{o}`; the checks are {}",
+            devcheck::CHECKS.contains(&o.as_str()) || o == LOCAL_LLM,
+            "unknown check `{o}`; the checks are {}, {LOCAL_LLM}",
             devcheck::CHECKS.join(", ")
         );
     }
@@ -163,7 +163,60 @@ fn check_one(opts: &CheckOptions) -> Vec<CheckRow> {
         "native ms",
         "ratio"
     );
-    devcheck::run(opts, print_row)
+    let mut rows = devcheck::run(opts, print_row);
+    if opts.only.is_empty() || opts.only.iter().any(|o| o == LOCAL_LLM) {
+        let row = local_llm_row(opts);
+        print_row(&row);
+        rows.push(row);
+    }
+    rows
+}
+
+/// The in-process GGUF decoder's check (`hilum-llm-local` runs it: the models crate does not
+/// know that engine).
+const LOCAL_LLM: &str = "local-llm";
+
+fn local_llm_row(opts: &CheckOptions) -> CheckRow {
+    let checked = opts
+        .target
+        .to_string()
+        .parse::<hilum_llm_local::LocalDevice>()
+        .map_err(|e| e.to_string())
+        .and_then(|target| {
+            hilum_llm_local::devcheck::run(target, opts.quick, opts.iterations)
+                .map_err(|e| e.to_string())
+        });
+    match checked {
+        Ok(c) => CheckRow {
+            model: LOCAL_LLM.into(),
+            compared: c.compared.clone(),
+            max_rel_diff: Some(c.max_rel_diff),
+            tolerance: c.tolerance,
+            passed: c.passed(),
+            notes: c.notes.clone(),
+            timings: c
+                .timings
+                .iter()
+                .map(|t| devcheck::Timing {
+                    what: t.what.clone(),
+                    target_ms: t.target_ms,
+                    reference_ms: t.reference_ms,
+                    native_ms: t.native_ms,
+                })
+                .collect(),
+            error: None,
+        },
+        Err(e) => CheckRow {
+            model: LOCAL_LLM.into(),
+            compared: String::new(),
+            max_rel_diff: None,
+            tolerance: 0.0,
+            passed: false,
+            notes: Vec::new(),
+            timings: Vec::new(),
+            error: Some(e),
+        },
+    }
 }
 
 fn print_row(r: &CheckRow) {

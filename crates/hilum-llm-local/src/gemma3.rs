@@ -187,9 +187,9 @@ impl BlockEmbedding {
         ct: &gguf_file::Content,
         r: &mut std::fs::File,
         n_embd: usize,
-        dev: &Device,
     ) -> candle_core::Result<Self> {
-        let q: QTensor = ct.tensor(r, "token_embd.weight", dev)?;
+        // The blocks stay in host memory (read row by row); only looked-up rows go to `dev`.
+        let q: QTensor = ct.tensor(r, "token_embd.weight", &Device::Cpu)?;
         let dtype = q.dtype();
         let (rows, cols) = q.shape().dims2()?;
         if cols != n_embd || !n_embd.is_multiple_of(dtype.block_size()) {
@@ -264,7 +264,7 @@ impl Gemma3 {
         let eps = cfg.rms_eps as f32;
         let norm = |r: &mut std::fs::File, n: &str| RmsNorm::load(ct, r, n, eps, dev);
         let lin = |r: &mut std::fs::File, n: &str| linear_weights(ct, r, n, mode, dev);
-        let embed = Embedding::Blocks(BlockEmbedding::load(ct, r, cfg.n_embd, dev)?);
+        let embed = Embedding::Blocks(BlockEmbedding::load(ct, r, cfg.n_embd)?);
         // Only the last position reaches the output layer: one row, so quantized unless Dense.
         let out_mode = match mode {
             MatmulMode::Dense => MatmulMode::Dense,
@@ -391,6 +391,11 @@ impl Gemma3 {
         };
         model.set_one_token_path(true);
         Ok(model)
+    }
+
+    /// The device the decoder's weights and KV mirror live on.
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Positions the rotary tables cover: the longest conversation this instance accepts.

@@ -9,6 +9,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod devcheck;
 pub mod gemma3;
 mod generate;
 pub mod grammar;
@@ -88,6 +89,69 @@ impl From<candle_core::Error> for LocalError {
     }
 }
 
+/// Where a local model runs: `cpu` (the default: Hilum's block kernels for one-token decode),
+/// `cuda`/`cuda:N` or `metal:N` (a build with that feature: candle's GPU kernels, the KV cache
+/// kept on the device).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LocalDevice {
+    #[default]
+    Cpu,
+    Cuda(usize),
+    Metal(usize),
+}
+
+impl std::str::FromStr for LocalDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim().to_ascii_lowercase();
+        let index = |rest: &str| -> Result<usize, String> {
+            match rest {
+                "" => Ok(0),
+                r => r
+                    .strip_prefix(':')
+                    .and_then(|n| n.parse().ok())
+                    .ok_or_else(|| format!("local model device `{s}`: write cuda:N or metal:N")),
+            }
+        };
+        match s.as_str() {
+            "" | "cpu" => Ok(LocalDevice::Cpu),
+            _ if s.starts_with("cuda") => Ok(LocalDevice::Cuda(index(&s[4..])?)),
+            _ if s.starts_with("metal") => Ok(LocalDevice::Metal(index(&s[5..])?)),
+            _ => Err(format!(
+                "local model device `{s}` is not one of cpu, cuda, cuda:N, metal:N"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for LocalDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LocalDevice::Cpu => f.write_str("cpu"),
+            LocalDevice::Cuda(n) => write!(f, "cuda:{n}"),
+            LocalDevice::Metal(n) => write!(f, "metal:{n}"),
+        }
+    }
+}
+
+impl LocalDevice {
+    /// Opens the device; a build without its feature or a missing driver is a clear error.
+    pub fn open(self) -> Result<Device, LocalError> {
+        let opened = match self {
+            LocalDevice::Cpu => return Ok(Device::Cpu),
+            LocalDevice::Cuda(n) => Device::new_cuda(n),
+            LocalDevice::Metal(n) => Device::new_metal(n),
+        };
+        opened.map_err(|e| {
+            LocalError::Unsupported(format!(
+                "cannot open {self} for the local model ({e}); GPU builds: scripts/build_cuda.sh \
+                 (CUDA) or --features metal, or run it on the cpu"
+            ))
+        })
+    }
+}
+
 /// How a local model is loaded and sampled. Request fields (temperature, max_tokens, stop)
 /// override the defaults here.
 #[derive(Clone, Debug)]
@@ -115,6 +179,8 @@ pub struct LocalConfig {
     /// Folder where the KV state of prompt prefixes (system prompt + tool specifications) is
     /// saved for later processes; `None`: kept in this process's memory only.
     pub prefix_cache_dir: Option<PathBuf>,
+    /// Where the decoder (and a multimodal model's vision tower) runs.
+    pub device: LocalDevice,
 }
 
 impl LocalConfig {
@@ -132,6 +198,7 @@ impl LocalConfig {
             simd: SimdCap::Auto,
             quantized_threads: None,
             prefix_cache_dir: None,
+            device: LocalDevice::Cpu,
         }
     }
 }
@@ -267,10 +334,11 @@ impl LocalLlm {
             &tok,
         )?;
         qmatvec::cap_simd(cfg.simd);
-        if cfg.matmul != model::MatmulMode::Dense {
+        let dev = cfg.device.open()?;
+        if cfg.matmul != model::MatmulMode::Dense && dev.is_cpu() {
             size_quantized_matmul_pool(cfg.quantized_threads);
         }
-        let model = Decoder::load(&ct, &mut file, cfg.context, cfg.matmul, &Device::Cpu)?;
+        let model = Decoder::load(&ct, &mut file, cfg.context, cfg.matmul, &dev)?;
         Ok(Self::assemble("local", cfg, tok, template, model, None))
     }
 
@@ -316,7 +384,7 @@ impl LocalLlm {
     pub fn load_vlm(mut cfg: LocalConfig, files: VlmFiles) -> Result<Self, LocalError> {
         cfg.path = files.main_path().to_path_buf();
         qmatvec::cap_simd(cfg.simd);
-        let dev = Device::Cpu;
+        let dev = cfg.device.open()?;
         let (vlm, tok, source) = match &files {
             VlmFiles::Gguf { text, mmproj } => {
                 let (ct, _) = model::open_gguf(text)?;
@@ -326,7 +394,7 @@ impl LocalLlm {
                     .get("tokenizer.chat_template")
                     .and_then(|v| v.to_string().ok())
                     .cloned();
-                if cfg.matmul != model::MatmulMode::Dense {
+                if cfg.matmul != model::MatmulMode::Dense && dev.is_cpu() {
                     size_quantized_matmul_pool(cfg.quantized_threads);
                 }
                 let vlm = vlm::Gemma3Vlm::load_gguf(text, mmproj, cfg.context, cfg.matmul, &dev)?;

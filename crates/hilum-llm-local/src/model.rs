@@ -316,6 +316,11 @@ struct Layer {
 pub(crate) struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// On a GPU, each layer's keys and values also as device tensors (n_kv_head, len, head_dim),
+    /// grown on the device: uploading the whole cache for every token would cost more than the
+    /// token's arithmetic. The host rows stay the truth (prefix snapshots read them); a mirror
+    /// of the wrong length is rebuilt from them.
+    mirror: Vec<Option<(Tensor, Tensor)>>,
     /// n_kv_head * head_dim: one position's row.
     kvd: usize,
     len: usize,
@@ -326,6 +331,7 @@ impl KvCache {
         KvCache {
             k: vec![Vec::new(); n_layer],
             v: vec![Vec::new(); n_layer],
+            mirror: vec![None; n_layer],
             kvd,
             len: 0,
         }
@@ -344,6 +350,11 @@ impl KvCache {
         for slot in self.k.iter_mut().chain(self.v.iter_mut()) {
             slot.truncate(len * self.kvd);
         }
+        for m in self.mirror.iter_mut() {
+            *m = m
+                .take()
+                .and_then(|(k, v)| Some((k.narrow(1, 0, len).ok()?, v.narrow(1, 0, len).ok()?)));
+        }
         self.len = len;
     }
 
@@ -358,16 +369,39 @@ impl KvCache {
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let (pos, kvd) = (self.len, self.kvd);
         let (nkv, t, hd) = k.dims3()?;
+        let upload = |slot: &[f32], dev: &Device| -> candle_core::Result<Tensor> {
+            Tensor::from_slice(slot, (slot.len() / kvd, nkv, hd), dev)?
+                .transpose(0, 1)?
+                .contiguous()
+        };
         let whole = |new: &Tensor, slot: &mut Vec<f32>| -> candle_core::Result<Tensor> {
             slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
             if pos == 0 {
                 return Ok(new.clone());
             }
-            Tensor::from_slice(&slot[..(pos + t) * kvd], (pos + t, nkv, hd), new.device())?
-                .transpose(0, 1)?
-                .contiguous()
+            upload(&slot[..(pos + t) * kvd], new.device())
         };
-        Ok((whole(k, &mut self.k[li])?, whole(v, &mut self.v[li])?))
+        if k.device().is_cpu() {
+            return Ok((whole(k, &mut self.k[li])?, whole(v, &mut self.v[li])?));
+        }
+        let dev = k.device().clone();
+        let old = match self.mirror[li].take() {
+            Some((mk, mv)) if mk.dim(1)? == pos => Some((mk, mv)),
+            _ if pos == 0 => None,
+            _ => Some((
+                upload(&self.k[li][..pos * kvd], &dev)?,
+                upload(&self.v[li][..pos * kvd], &dev)?,
+            )),
+        };
+        for (new, slot) in [(k, &mut self.k[li]), (v, &mut self.v[li])] {
+            slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let (ak, av) = match old {
+            Some((mk, mv)) => (Tensor::cat(&[&mk, k], 1)?, Tensor::cat(&[&mv, v], 1)?),
+            None => (k.contiguous()?, v.contiguous()?),
+        };
+        self.mirror[li] = Some((ak.clone(), av.clone()));
+        Ok((ak, av))
     }
 
     /// Appends layer `li`'s key and value rows of one new position; returns all of the layer's
@@ -416,6 +450,7 @@ impl KvCache {
             dst.clear();
             dst.extend_from_slice(src);
         }
+        self.mirror.iter_mut().for_each(|m| *m = None);
         self.len = snap.tokens.len();
         Ok(())
     }

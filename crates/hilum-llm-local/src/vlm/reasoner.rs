@@ -384,7 +384,8 @@ impl VlmDecoder {
             }
             prev_slot = Some(slot);
         }
-        let x = Tensor::from_vec(rows, (tokens.len(), d), &candle_core::Device::Cpu)?;
+        let dev = self.vlm.decoder().device().clone();
+        let x = Tensor::from_vec(rows, (tokens.len(), d), &dev)?;
         self.vlm.decoder_mut().forward_embeds(&x, &blocks, false)
     }
 }
