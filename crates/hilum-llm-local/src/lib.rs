@@ -388,6 +388,19 @@ impl LocalLlm {
         let (vlm, tok, source) = match &files {
             VlmFiles::Gguf { text, mmproj } => {
                 let (ct, _) = model::open_gguf(text)?;
+                // Said before the loader trips over a missing `gemma3.*` key.
+                let arch = ct
+                    .metadata
+                    .get("general.architecture")
+                    .and_then(|v| v.to_string().ok())
+                    .map_or("(none)", String::as_str);
+                if arch != "gemma3" {
+                    return Err(LocalError::Unsupported(format!(
+                        "{}: GGUF architecture `{arch}` is not Gemma 3 (gemma3); local-vlm: takes \
+                         Gemma 3 multimodal files such as MedGemma 4B's",
+                        text.display()
+                    )));
+                }
                 let tok = GgufTokenizer::from_gguf(&ct)?;
                 let source = ct
                     .metadata

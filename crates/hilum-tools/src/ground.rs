@@ -455,7 +455,7 @@ impl TypedTool for GroundPhrase {
         // A broken configuration stays visible so that the call can say what is wrong.
         !matches!(
             self.settings.backend(NAME),
-            Ok(None) | Ok(Some(vlm::Backend::Native(_)))
+            Ok(None) | Ok(Some(vlm::Backend::Native(_) | vlm::Backend::LocalVlm(_)))
         )
     }
 
@@ -468,13 +468,21 @@ impl TypedTool for GroundPhrase {
                 "`phrase` must be a finding".into(),
             ));
         }
-        if let Some(vlm::Backend::Native(n)) = self.settings.backend(NAME)? {
+        let native = match self.settings.backend(NAME)? {
+            Some(vlm::Backend::Native(n)) => Some(format!("`{}` (LLaVA family)", n.model)),
+            Some(vlm::Backend::LocalVlm(m)) => Some(format!(
+                "`{}{}` (Gemma 3 multimodal)",
+                vlm::LOCAL_VLM_PREFIX,
+                m.spec
+            )),
+            _ => None,
+        };
+        if let Some(model) = native {
             return Err(ToolError::Unprocessable(format!(
-                "ground_phrase has no native backend: `{}` (LLaVA family) does not output boxes \
+                "ground_phrase has no native backend: {model} does not output boxes \
                  reliably. Configure a served grounding model (MAIRA-2 or Qwen2.5-VL) in \
                  [vlm.tools.ground_phrase] with backend = \"served\", base_url, model and family; \
-                 for the classifier's 18 findings localize_finding gives boxes natively",
-                n.model
+                 for the classifier's 18 findings localize_finding gives boxes natively"
             )));
         }
         let client = vlm::client_for(&self.settings, NAME)?;

@@ -15,6 +15,7 @@ mod segment_lungs;
 pub mod segment_region;
 mod visualize;
 pub mod vlm;
+pub mod vlm_local;
 pub mod vqa;
 
 use std::collections::BTreeMap;

@@ -3,11 +3,18 @@
 //!   reached through `hilum_llm`'s OpenAI-compatible client with the image as a PNG data URL;
 //! - native (`backend = "native"`): a LLaVA-family model from the model registry
 //!   (`model = "llava-med-v1.5"`) run in-process by `hilum_models::llava`; pixels never leave
-//!   the process.
+//!   the process;
+//! - native Gemma 3 multimodal (`backend = "native"`, `model = "local-vlm:PATH"`, MedGemma 4B's
+//!   architecture) run in-process by `hilum_llm_local` (see [`crate::vlm_local`]). PATH is what
+//!   `--llm local-vlm:PATH` takes: a snapshot folder, `TEXT.gguf,MMPROJ.gguf`, or `TEXT.gguf`
+//!   with one `mmproj*.gguf` beside it. The `local-vlm:` prefix in `model` is the one new thing:
+//!   registry ids never contain a colon, and the agent's reasoner already spells such a model
+//!   so. It runs on the CPU (`device` may only be `cpu`); `answer_visual_question` only.
 //!
 //! Configuration: the `[vlm]` table of the Hilum config file, with optional per-tool tables
 //! (`[vlm.tools.ground_phrase]`) overriding it, and `HILUM_VLM_BACKEND`, `HILUM_VLM_BASE_URL`,
-//! `HILUM_VLM_MODEL`, `HILUM_VLM_FAMILY`, `HILUM_VLM_API_KEY` overriding the file. Pixels only go
+//! `HILUM_VLM_MODEL`, `HILUM_VLM_FAMILY`, `HILUM_VLM_API_KEY` overriding the file (so
+//! `HILUM_VLM_BACKEND=native HILUM_VLM_MODEL=local-vlm:PATH` selects MedGemma). Pixels only go
 //! to a loopback endpoint, or to one the site marked `allow_pixels = true` (an on-site GPU
 //! server).
 
@@ -58,7 +65,8 @@ pub enum VlmError {
     #[error(
         "no VLM endpoint is configured for `{tool}`: set HILUM_VLM_BASE_URL and HILUM_VLM_MODEL \
          (and HILUM_VLM_FAMILY), or base_url/model/family in the [vlm] table of the config file \
-         (or backend = \"native\" to run an installed LLaVA in-process)"
+         (or backend = \"native\" to run a model in-process: an installed LLaVA, or MedGemma \
+         with model = \"local-vlm:PATH\")"
     )]
     NotConfigured { tool: String },
     #[error("VLM configuration: {0}")]
@@ -143,6 +151,10 @@ pub struct VlmSettings {
     /// A configuration that failed to load: every endpoint reports it instead of guessing.
     #[serde(skip)]
     pub broken: Option<String>,
+    /// The in-process Gemma 3 models (`local-vlm:`) loaded so far: shared by every tool and
+    /// tenant built from these settings, so each loads once.
+    #[serde(skip)]
+    pub local_models: crate::vlm_local::LocalVlms,
 }
 
 /// A resolved endpoint for one tool.
@@ -172,11 +184,26 @@ pub struct NativeModel {
 /// Default registry id of the native backend.
 pub const NATIVE_DEFAULT_MODEL: &str = "llava-med-v1.5";
 
+/// The native Gemma 3 multimodal model of a tool (`model = "local-vlm:PATH"`), run in-process
+/// on the CPU by `hilum_llm_local`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalVlmModel {
+    /// PATH as `--llm local-vlm:PATH` takes it (see `hilum_llm_local::VlmFiles::parse`).
+    pub spec: String,
+    pub max_tokens: u32,
+    /// Longest side of the picture handed to the model (its processor resizes it again).
+    pub max_side: u32,
+}
+
+/// The prefix of `model` that selects the in-process Gemma 3 engine.
+pub const LOCAL_VLM_PREFIX: &str = "local-vlm:";
+
 /// How one tool reaches its VLM.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Backend {
     Served(Endpoint),
     Native(NativeModel),
+    LocalVlm(LocalVlmModel),
 }
 
 /// Qwen2.5-VL's patch (14) times its spatial merge (2): input sides are multiples of 28.
@@ -245,6 +272,16 @@ impl VlmSettings {
         match t.backend.as_deref().map(str::trim) {
             None | Some("served") => Ok(self.endpoint(tool)?.map(Backend::Served)),
             Some("native") => {
+                let max_tokens = t.max_tokens.unwrap_or(256).max(1);
+                if let Some(spec) = t
+                    .model
+                    .as_deref()
+                    .and_then(|m| m.trim().strip_prefix(LOCAL_VLM_PREFIX))
+                {
+                    let max_side = t.max_side.unwrap_or(1024).max(64);
+                    return local_vlm(tool, spec, t.device.as_deref(), max_tokens, max_side)
+                        .map(Some);
+                }
                 let device =
                     match t.device.as_deref() {
                         None => None,
@@ -255,7 +292,7 @@ impl VlmSettings {
                 Ok(Some(Backend::Native(NativeModel {
                     model: t.model.unwrap_or_else(|| NATIVE_DEFAULT_MODEL.to_string()),
                     device,
-                    max_tokens: t.max_tokens.unwrap_or(256).max(1),
+                    max_tokens,
                 })))
             }
             Some(other) => Err(VlmError::Config(format!(
@@ -292,6 +329,36 @@ impl VlmSettings {
             max_pixels: t.max_pixels.unwrap_or(28 * 28 * 1280).max(QWEN_MIN_PIXELS),
         }))
     }
+}
+
+/// The `local-vlm:` backend of `tool`; the files are looked at when the model loads (first call).
+fn local_vlm(
+    tool: &str,
+    spec: &str,
+    device: Option<&str>,
+    max_tokens: u32,
+    max_side: u32,
+) -> Result<Backend, VlmError> {
+    let spec = spec.trim();
+    if spec.is_empty() {
+        return Err(VlmError::Config(format!(
+            "model `{LOCAL_VLM_PREFIX}` of `{tool}` needs a path: a snapshot folder, \
+             TEXT.gguf,MMPROJ.gguf, or TEXT.gguf with its mmproj*.gguf beside it"
+        )));
+    }
+    if let Some(d) = device.map(str::trim) {
+        if !d.eq_ignore_ascii_case("cpu") {
+            return Err(VlmError::Config(format!(
+                "device `{d}` of `{tool}`: the in-process Gemma 3 engine ({LOCAL_VLM_PREFIX}) runs \
+                 on the CPU only; remove device or set device = \"cpu\""
+            )));
+        }
+    }
+    Ok(Backend::LocalVlm(LocalVlmModel {
+        spec: spec.to_string(),
+        max_tokens,
+        max_side,
+    }))
 }
 
 /// The image as the endpoint receives it, and the geometry needed to map boxes back.
@@ -362,21 +429,37 @@ pub async fn prepare_image_blocking(
 /// Resizes the radiograph for `ep` and encodes it as PNG. For Qwen2.5-VL the size sent is
 /// already what its processor would resize to, so its box coordinates are in the pixels sent.
 pub fn prepare_image(img: &CxrImage, ep: &Endpoint) -> Result<SentImage, VlmError> {
+    match ep.family {
+        Family::Qwen25Vl => {
+            let (rh, rw) = smart_resize(
+                img.height,
+                img.width,
+                QWEN_FACTOR,
+                QWEN_MIN_PIXELS,
+                ep.max_pixels,
+            );
+            encode_sent(img, rw, rh)
+        }
+        Family::Maira2 | Family::Generic => prepare_image_max_side(img, ep.max_side),
+    }
+}
+
+/// The radiograph as PNG with its longer side at most `max_side` (the generic families' input,
+/// also what the in-process Gemma 3 model reads).
+pub fn prepare_image_max_side(img: &CxrImage, max_side: u32) -> Result<SentImage, VlmError> {
+    let (w, h) = (img.width, img.height);
+    let s = (max_side as f64 / w.max(h).max(1) as f64).min(1.0);
+    encode_sent(
+        img,
+        ((w as f64 * s).round() as u32).max(1),
+        ((h as f64 * s).round() as u32).max(1),
+    )
+}
+
+/// The radiograph as 8-bit grey, resized to `tw` x `th` (unless already that size), as PNG.
+fn encode_sent(img: &CxrImage, tw: u32, th: u32) -> Result<SentImage, VlmError> {
     let gray = to_gray8(img)?;
     let (w, h) = (img.width, img.height);
-    let (tw, th) = match ep.family {
-        Family::Qwen25Vl => {
-            let (rh, rw) = smart_resize(h, w, QWEN_FACTOR, QWEN_MIN_PIXELS, ep.max_pixels);
-            (rw, rh)
-        }
-        Family::Maira2 | Family::Generic => {
-            let s = (ep.max_side as f64 / w.max(h) as f64).min(1.0);
-            (
-                ((w as f64 * s).round() as u32).max(1),
-                ((h as f64 * s).round() as u32).max(1),
-            )
-        }
-    };
     let sent = if (tw, th) == (w, h) {
         gray
     } else {

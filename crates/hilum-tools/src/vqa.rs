@@ -1,7 +1,9 @@
 //! `answer_visual_question`: a free-text question about one radiograph, answered by a
 //! vision-language model that sees the pixels: a served one (CheXagent, MedGemma, MAIRA-2,
-//! Qwen2.5-VL, LLaVA-Med behind an OpenAI-compatible endpoint) or a native LLaVA run
-//! in-process (`[vlm] backend = "native"`, e.g. LLaVA-Med v1.5 from the model registry).
+//! Qwen2.5-VL, LLaVA-Med behind an OpenAI-compatible endpoint), or one run in-process with
+//! `[vlm] backend = "native"`: a LLaVA (e.g. LLaVA-Med v1.5 from the model registry) or, with
+//! `model = "local-vlm:PATH"`, Gemma 3 multimodal (MedGemma 4B). Both native paths give the same
+//! output: the model that answered, `backend = "native"`, the device and the token counts.
 
 use std::sync::Arc;
 
@@ -17,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::common::{run_model, ImageId};
-use crate::vlm::{self, Backend, NativeModel, VlmSettings};
+use crate::vlm::{self, Backend, LocalVlmModel, NativeModel, VlmSettings};
 
 pub const NAME: &str = "answer_visual_question";
 
@@ -112,7 +114,6 @@ impl AnswerVisualQuestion {
             other => other,
         })?;
         let g = &answer.generation;
-        let r2 = |v: f64| (v * 100.0).round() / 100.0;
         let data = json!({
             "model": native.model,
             "backend": "native",
@@ -127,6 +128,47 @@ impl AnswerVisualQuestion {
         });
         Ok((answer.text, data))
     }
+
+    /// Gemma 3 multimodal in this process (`model = "local-vlm:PATH"`): the same prompt as a
+    /// served generic-family model, the picture as a PNG that never leaves the process.
+    async fn ask_local(
+        &self,
+        local: &LocalVlmModel,
+        id: &str,
+        img: Arc<CxrImage>,
+        question: &str,
+    ) -> Result<(String, Value), ToolError> {
+        let (model, load) = self.settings.local_models.get(&local.spec).await?;
+        let max_side = local.max_side;
+        let sent =
+            crate::common::run_blocking(move || Ok(vlm::prepare_image_max_side(&img, max_side)?))
+                .await?;
+        let a = model
+            .ask(SYSTEM, id, sent.data_url(), question, local.max_tokens)
+            .await?;
+        let s = &a.stats;
+        let rate = (s.decode_tokens > 0).then(|| r2(s.decode_tokens_per_sec()));
+        let data = json!({
+            "model": a.model,
+            "backend": "native",
+            "device": hilum_models::Device::Cpu.to_string(),
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": a.completion_tokens,
+            "stopped": if a.finish == hilum_llm::FinishReason::Length { "max_tokens" } else { "stop_token" },
+            "prefill_ms": r2(s.prefill_secs * 1e3),
+            "decode_ms": r2(s.decode_secs * 1e3),
+            "tokens_per_second": rate,
+            "load_ms": r2(load.as_secs_f64() * 1e3),
+            // The picture's soft tokens in the prompt: proof that the model read it.
+            "image_tokens": s.image_tokens,
+        });
+        Ok((a.text, data))
+    }
+}
+
+/// Two decimals, for milliseconds and rates.
+fn r2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
 }
 
 impl crate::BuildTool for AnswerVisualQuestion {
@@ -175,19 +217,27 @@ impl TypedTool for AnswerVisualQuestion {
                 "`question` must be a question".into(),
             ));
         }
-        if let Some(Backend::Native(native)) = self.settings.backend(NAME)? {
-            let (text, mut data) = self.ask_native(&native, img, &question).await?;
+        let native = match self.settings.backend(NAME)? {
+            Some(Backend::Native(native)) => {
+                Some(self.ask_native(&native, img.clone(), &question).await?)
+            }
+            Some(Backend::LocalVlm(local)) => {
+                Some(self.ask_local(&local, &id, img.clone(), &question).await?)
+            }
+            _ => None,
+        };
+        if let Some((text, mut data)) = native {
+            let model = data["model"].as_str().unwrap_or_default().to_string();
             if text.is_empty() {
                 return Err(ToolError::Unprocessable(format!(
-                    "the native VLM `{}` returned an empty answer; rephrase the question",
-                    native.model
+                    "the native VLM `{model}` returned an empty answer; rephrase the question"
                 )));
             }
             data["image"] = json!(id);
             data["question"] = json!(question);
             data["answer"] = json!(text);
             return Ok(ToolOutput::new(
-                format!("{id} ({}, native): {text}", native.model),
+                format!("{id} ({model}, native): {text}"),
                 data,
             ));
         }
