@@ -9,7 +9,8 @@
 //!   `--llm local-vlm:PATH` takes: a snapshot folder, `TEXT.gguf,MMPROJ.gguf`, or `TEXT.gguf`
 //!   with one `mmproj*.gguf` beside it. The `local-vlm:` prefix in `model` is the one new thing:
 //!   registry ids never contain a colon, and the agent's reasoner already spells such a model
-//!   so. It runs on the CPU (`device` may only be `cpu`); `answer_visual_question` only.
+//!   so. It runs on the CPU unless `device` names a GPU (`cuda:0`, a CUDA build);
+//!   `answer_visual_question` only.
 //!
 //! Configuration: the `[vlm]` table of the Hilum config file, with optional per-tool tables
 //! (`[vlm.tools.ground_phrase]`) overriding it, and `HILUM_VLM_BACKEND`, `HILUM_VLM_BASE_URL`,
@@ -193,6 +194,8 @@ pub struct LocalVlmModel {
     pub max_tokens: u32,
     /// Longest side of the picture handed to the model (its processor resizes it again).
     pub max_side: u32,
+    /// Where it runs (`device` of the table; default the CPU; `cuda:N` on a CUDA build).
+    pub device: hilum_llm_local::LocalDevice,
 }
 
 /// The prefix of `model` that selects the in-process Gemma 3 engine.
@@ -346,18 +349,17 @@ fn local_vlm(
              TEXT.gguf,MMPROJ.gguf, or TEXT.gguf with its mmproj*.gguf beside it"
         )));
     }
-    if let Some(d) = device.map(str::trim) {
-        if !d.eq_ignore_ascii_case("cpu") {
-            return Err(VlmError::Config(format!(
-                "device `{d}` of `{tool}`: the in-process Gemma 3 engine ({LOCAL_VLM_PREFIX}) runs \
-                 on the CPU only; remove device or set device = \"cpu\""
-            )));
-        }
-    }
+    let device = match device {
+        Some(d) => d
+            .parse::<hilum_llm_local::LocalDevice>()
+            .map_err(|e| VlmError::Config(format!("device of `{tool}`: {e}")))?,
+        None => hilum_llm_local::LocalDevice::Cpu,
+    };
     Ok(Backend::LocalVlm(LocalVlmModel {
         spec: spec.to_string(),
         max_tokens,
         max_side,
+        device,
     }))
 }
 

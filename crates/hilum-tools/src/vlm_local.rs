@@ -1,5 +1,5 @@
 //! The in-process Gemma 3 multimodal backend (MedGemma 4B's architecture): `[vlm] backend =
-//! "native"` with `model = "local-vlm:PATH"`, run by `hilum_llm_local` on the CPU, the engine
+//! "native"` with `model = "local-vlm:PATH"`, run by `hilum_llm_local` (on the CPU, or `device = "cuda:0"`), the engine
 //! behind `--llm local-vlm:PATH`. The picture goes to the model as a PNG data URL inside this
 //! process and is decoded there; nothing is sent anywhere.
 //!
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use hilum_agent::ToolError;
 use hilum_llm::{ChatRequest, FinishReason, ImagePayload, Llm, Message};
-use hilum_llm_local::{GenStats, LocalConfig, LocalLlm, VlmFiles};
+use hilum_llm_local::{GenStats, LocalConfig, LocalDevice, LocalLlm, VlmFiles};
 use tokio::sync::OnceCell;
 
 use crate::vlm::LOCAL_VLM_PREFIX;
@@ -64,19 +64,23 @@ pub struct LocalAnswer {
 
 impl LocalVlms {
     /// The model of `spec`, loaded now if this is its first use; with the time spent loading.
-    pub async fn get(&self, spec: &str) -> Result<(Arc<LoadedVlm>, Duration), ToolError> {
+    pub async fn get(
+        &self,
+        spec: &str,
+        device: LocalDevice,
+    ) -> Result<(Arc<LoadedVlm>, Duration), ToolError> {
         let slot = {
             let mut models = self
                 .models
                 .lock()
                 .map_err(|_| ToolError::Internal("the local VLM table was poisoned".into()))?;
-            models.entry(spec.to_string()).or_default().clone()
+            models.entry(key(spec, device)).or_default().clone()
         };
         let mut load = Duration::ZERO;
         let model = slot
             .get_or_try_init(|| async {
                 let t0 = Instant::now();
-                let m = load_model(spec.to_string()).await?;
+                let m = load_model(spec.to_string(), device).await?;
                 load = t0.elapsed();
                 Ok::<_, ToolError>(Arc::new(m))
             })
@@ -85,19 +89,26 @@ impl LocalVlms {
         Ok((model, load))
     }
 
-    /// The model of `spec` if it is loaded.
-    pub fn loaded(&self, spec: &str) -> Option<LocalLlm> {
+    /// The model of `spec` on `device` if it is loaded.
+    pub fn loaded(&self, spec: &str, device: LocalDevice) -> Option<LocalLlm> {
         let models = self.models.lock().ok()?;
-        models.get(spec)?.get().map(|m| m.llm.clone())
+        models.get(&key(spec, device))?.get().map(|m| m.llm.clone())
     }
 }
 
+/// One copy per (files, device).
+fn key(spec: &str, device: LocalDevice) -> String {
+    format!("{spec}@{device}")
+}
+
 /// Loads `spec`'s files on a blocking thread; any failure says which file and what to set.
-async fn load_model(spec: String) -> Result<LoadedVlm, ToolError> {
+async fn load_model(spec: String, device: LocalDevice) -> Result<LoadedVlm, ToolError> {
     let what = format!("{LOCAL_VLM_PREFIX}{spec}");
     let loaded = tokio::task::spawn_blocking(move || {
         let files = VlmFiles::parse(&spec)?;
-        LocalLlm::load_vlm(LocalConfig::new(files.main_path()), files)
+        let mut cfg = LocalConfig::new(files.main_path());
+        cfg.device = device;
+        LocalLlm::load_vlm(cfg, files)
     })
     .await
     .map_err(|e| ToolError::Internal(format!("loading {what}: {e}")))?;

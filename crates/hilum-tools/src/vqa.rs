@@ -138,7 +138,11 @@ impl AnswerVisualQuestion {
         img: Arc<CxrImage>,
         question: &str,
     ) -> Result<(String, Value), ToolError> {
-        let (model, load) = self.settings.local_models.get(&local.spec).await?;
+        let (model, load) = self
+            .settings
+            .local_models
+            .get(&local.spec, local.device)
+            .await?;
         let max_side = local.max_side;
         let sent =
             crate::common::run_blocking(move || Ok(vlm::prepare_image_max_side(&img, max_side)?))
@@ -151,7 +155,7 @@ impl AnswerVisualQuestion {
         let data = json!({
             "model": a.model,
             "backend": "native",
-            "device": hilum_models::Device::Cpu.to_string(),
+            "device": local.device.to_string(),
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": a.completion_tokens,
             "stopped": if a.finish == hilum_llm::FinishReason::Length { "max_tokens" } else { "stop_token" },

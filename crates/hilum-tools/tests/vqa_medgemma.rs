@@ -282,7 +282,7 @@ async fn answers_in_process(spec: &str) {
     // The model itself saw one picture in this request.
     let llm = vlm
         .local_models
-        .loaded(spec)
+        .loaded(spec, hilum_llm_local::LocalDevice::Cpu)
         .expect("the model stays loaded");
     let stats = llm.last_stats();
     assert_eq!((stats.images, stats.image_tokens as u64), (1, PER_IMAGE));
@@ -350,11 +350,24 @@ fn local_vlm_is_chosen_by_model_prefix_in_the_file_or_the_environment() {
         Some(Backend::Native(_))
     ));
     let gpu = VlmSettings::from_config_text(
-        "[vlm]\nbackend = \"native\"\nmodel = \"local-vlm:/m\"\ndevice = \"cuda:0\"\n",
+        "[vlm]\nbackend = \"native\"\nmodel = \"local-vlm:/m\"\ndevice = \"cuda:1\"\n",
     )
     .expect("config");
-    let e = gpu.backend("answer_visual_question").expect_err("CPU only");
-    assert!(e.to_string().contains("CPU only"), "{e}");
+    match gpu
+        .backend("answer_visual_question")
+        .expect("a GPU is a device")
+    {
+        Some(Backend::LocalVlm(m)) => assert_eq!(m.device.to_string(), "cuda:1"),
+        other => panic!("expected local-vlm, got {other:?}"),
+    }
+    let bad = VlmSettings::from_config_text(
+        "[vlm]\nbackend = \"native\"\nmodel = \"local-vlm:/m\"\ndevice = \"tpu\"\n",
+    )
+    .expect("config");
+    let e = bad
+        .backend("answer_visual_question")
+        .expect_err("no such device");
+    assert!(e.to_string().contains("`tpu`"), "{e}");
     let empty =
         VlmSettings::from_config_text("[vlm]\nbackend = \"native\"\nmodel = \"local-vlm: \"\n")
             .expect("config");
