@@ -40,7 +40,7 @@ pub struct GpuCheckArgs {
     #[arg(long)]
     pub unet: Option<PathBuf>,
     /// Run only these checks (densenet121, resnet50, lung-unet, pspnet, medsam, report,
-    /// llava-slice, local-llm).
+    /// llava-slice, local-llm, medgemma).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Also write the rows as JSON.
@@ -51,9 +51,10 @@ pub struct GpuCheckArgs {
 pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     for o in &args.only {
         anyhow::ensure!(
-            devcheck::CHECKS.contains(&o.as_str()) || o == LOCAL_LLM,
-            "unknown check `{o}`; the checks are {}, {LOCAL_LLM}",
-            devcheck::CHECKS.join(", ")
+            devcheck::CHECKS.contains(&o.as_str()) || LOCAL_CHECKS.contains(&o.as_str()),
+            "unknown check `{o}`; the checks are {}, {}",
+            devcheck::CHECKS.join(", "),
+            LOCAL_CHECKS.join(", ")
         );
     }
     let targets = if args.dry_run {
@@ -164,31 +165,38 @@ fn check_one(opts: &CheckOptions) -> Vec<CheckRow> {
         "ratio"
     );
     let mut rows = devcheck::run(opts, print_row);
-    if opts.only.is_empty() || opts.only.iter().any(|o| o == LOCAL_LLM) {
-        let row = local_llm_row(opts);
-        print_row(&row);
-        rows.push(row);
+    for &name in LOCAL_CHECKS {
+        if opts.only.is_empty() || opts.only.iter().any(|o| o == name) {
+            let row = local_row(name, opts);
+            print_row(&row);
+            rows.push(row);
+        }
     }
     rows
 }
 
-/// The in-process GGUF decoder's check (`hilum-llm-local` runs it: the models crate does not
-/// know that engine).
-const LOCAL_LLM: &str = "local-llm";
+/// The in-process GGUF engine's checks (`hilum-llm-local` runs them: the models crate does not
+/// know that engine): the default local model's architecture, and MedGemma's.
+const LOCAL_CHECKS: &[&str] = &["local-llm", "medgemma"];
 
-fn local_llm_row(opts: &CheckOptions) -> CheckRow {
+fn local_row(name: &str, opts: &CheckOptions) -> CheckRow {
+    use hilum_llm_local::devcheck;
     let checked = opts
         .target
         .to_string()
         .parse::<hilum_llm_local::LocalDevice>()
         .map_err(|e| e.to_string())
         .and_then(|target| {
-            hilum_llm_local::devcheck::run(target, opts.quick, opts.iterations)
-                .map_err(|e| e.to_string())
+            let run = if name == "medgemma" {
+                devcheck::run_vlm
+            } else {
+                devcheck::run
+            };
+            run(target, opts.quick, opts.iterations).map_err(|e| e.to_string())
         });
     match checked {
         Ok(c) => CheckRow {
-            model: LOCAL_LLM.into(),
+            model: name.into(),
             compared: c.compared.clone(),
             max_rel_diff: Some(c.max_rel_diff),
             tolerance: c.tolerance,
@@ -197,7 +205,7 @@ fn local_llm_row(opts: &CheckOptions) -> CheckRow {
             timings: c
                 .timings
                 .iter()
-                .map(|t| devcheck::Timing {
+                .map(|t| hilum_models::devcheck::Timing {
                     what: t.what.clone(),
                     target_ms: t.target_ms,
                     reference_ms: t.reference_ms,
@@ -207,7 +215,7 @@ fn local_llm_row(opts: &CheckOptions) -> CheckRow {
             error: None,
         },
         Err(e) => CheckRow {
-            model: LOCAL_LLM.into(),
+            model: name.into(),
             compared: String::new(),
             max_rel_diff: None,
             tolerance: 0.0,

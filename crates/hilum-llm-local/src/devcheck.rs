@@ -7,6 +7,10 @@
 //! Timed: the prompt (prefill) and one-token decode on the target in `dense` and `quantized`
 //! modes, against candle's f32 path on the CPU (the reference) and the CPU default (`hybrid`:
 //! Hilum's block kernels for decode), which is what a GPU replaces in practice.
+//!
+//! [`run_vlm`] does the same for Gemma 3 multimodal at MedGemma 4B's size (the `medgemma` row):
+//! the whole SigLIP tower at 896 px and a slice of the decoder at full width and vocabulary, on
+//! seeded f32 weights.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,6 +19,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use crate::model::{argmax, MatmulMode, Model};
+use crate::vlm::{Gemma3Vlm, VlmConfig};
 use crate::{LocalDevice, LocalError};
 
 /// One timed measurement: mean milliseconds on the target, candle's CPU f32 path and the CPU
@@ -177,6 +182,157 @@ pub fn run(target: LocalDevice, quick: bool, iterations: usize) -> Result<Device
     })
 }
 
+/// MedGemma 4B's configuration (Gemma3ForConditionalGeneration as published).
+const MEDGEMMA_4B: &str = include_str!("../tests/fixtures/gemma3_vlm/medgemma_4b_config.json");
+/// The tiny configuration the fidelity tests use (dry runs).
+const TINY_VLM: &str = include_str!("../tests/fixtures/gemma3_vlm/tiny/config.json");
+/// Decoder layers of the slice: MedGemma's 34 in f32 would be ~17 GB per device.
+const VLM_SLICE_LAYERS: usize = 4;
+
+/// Gemma 3 multimodal at MedGemma 4B's size on `target` against the CPU: the image features of
+/// one 896 px picture, the prompt's last logits (picture + 32 text tokens) and greedy tokens;
+/// the encoder, prefill and decode timed. `quick`: the tiny test configuration.
+pub fn run_vlm(target: LocalDevice, quick: bool, iterations: usize) -> Result<DeviceCheck, LocalError> {
+    let bad = |e: String| LocalError::Unsupported(format!("the check's configuration: {e}"));
+    let full = VlmConfig::from_json(if quick { TINY_VLM } else { MEDGEMMA_4B }).map_err(bad)?;
+    let mut cfg = full.clone();
+    cfg.text.layers = cfg.text.layers.min(VLM_SLICE_LAYERS);
+    cfg.text.local.truncate(cfg.text.layers);
+    let params = cfg.parameters();
+    let dev = target.open()?;
+    let build = |d: &Device| -> Result<Gemma3Vlm, LocalError> {
+        let mut get = |name: &str| -> candle_core::Result<Tensor> {
+            let shape = params
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, s)| s.clone())
+                .ok_or_else(|| candle_core::Error::Msg(format!("no parameter {name}")))?;
+            // Seeded by name, so both devices get the same values in any loading order.
+            let n: usize = shape.iter().product();
+            let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            Tensor::from_vec(uniform(n, seed, 0.035), shape, d)
+        };
+        Gemma3Vlm::from_weights(cfg.clone(), &mut get, 1024, d)
+    };
+    let mut cpu = build(&Device::Cpu)?;
+    let mut gpu = build(&dev)?;
+
+    // A grey gradient picture, preprocessed as MedGemma's processor does.
+    let side = 1024;
+    let grey: Vec<u8> = (0..side * side)
+        .map(|i| ((i % side + i / side) % 256) as u8)
+        .collect();
+    let px_cpu = cpu.pixel_values(&grey, side, side, 1)?;
+    let px_gpu = gpu.pixel_values(&grey, side, side, 1)?;
+    let feats = |m: &Gemma3Vlm, px: &Tensor| -> Result<Tensor, LocalError> {
+        let f = m.image_features(px)?;
+        f.flatten_all()?.to_vec1::<f32>()?; // wait for the device
+        Ok(f)
+    };
+    let fa = feats(&cpu, &px_cpu)?;
+    let fb = feats(&gpu, &px_gpu)?;
+    let feat_diff = rel_diff(&fa.flatten_all()?.to_vec1()?, &fb.flatten_all()?.to_vec1()?);
+
+    let mut ids: Vec<u32> = vec![2, 105, 10];
+    ids.extend(std::iter::repeat_n(cfg.image_token, cfg.mm_tokens_per_image));
+    let text_tokens = if quick { 4 } else { 32 };
+    ids.extend((0..text_tokens as u32).map(|i| (1000 + i) % cfg.image_token));
+    let last = |m: &mut Gemma3Vlm, f: &Tensor| -> Result<(Vec<f32>, u32), LocalError> {
+        m.decoder_mut().truncate_cache(0)?;
+        let l = m.prefill(&ids, std::slice::from_ref(f))?.get(ids.len() - 1)?;
+        Ok((l.to_vec1::<f32>()?, argmax(&l)?))
+    };
+    let (la, first_a) = last(&mut cpu, &fa)?;
+    let (lb, first_b) = last(&mut gpu, &fb)?;
+    let max_rel_diff = rel_diff(&la, &lb).max(feat_diff);
+
+    let new_tokens = if quick { 4 } else { 16 };
+    let decode = |m: &mut Gemma3Vlm, mut next: u32| -> Result<(Vec<u32>, f64), LocalError> {
+        let mut out = vec![next];
+        let t = Instant::now();
+        for _ in 1..new_tokens {
+            next = argmax(&m.decoder_mut().forward(&[next])?)?;
+            out.push(next);
+        }
+        Ok((out, t.elapsed().as_secs_f64() * 1000.0 / (new_tokens - 1).max(1) as f64))
+    };
+    let (ga, cpu_decode) = decode(&mut cpu, first_a)?;
+    let (gb, gpu_decode) = decode(&mut gpu, first_b)?;
+    let greedy_equal = common_prefix(&ga, &gb);
+
+    let timed = |n: usize, f: &mut dyn FnMut() -> Result<(), LocalError>| -> Result<f64, LocalError> {
+        f()?;
+        let t = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
+    };
+    let n = iterations.max(1);
+    let encode_gpu = timed(n, &mut || feats(&gpu, &px_gpu).map(|_| ()))?;
+    // One CPU pass each: the full tower takes seconds there.
+    let encode_cpu = timed(1, &mut || feats(&cpu, &px_cpu).map(|_| ()))?;
+    let prefill_gpu = timed(n, &mut || last(&mut gpu, &fb).map(|_| ()))?;
+    let prefill_cpu = timed(1, &mut || last(&mut cpu, &fa).map(|_| ()))?;
+    let timings = vec![
+        CheckTiming {
+            what: format!("SigLIP {} px + projector", cfg.vision.image_size),
+            target_ms: encode_gpu,
+            reference_ms: Some(encode_cpu),
+            native_ms: None,
+        },
+        CheckTiming {
+            what: format!("prefill {} tokens", ids.len()),
+            target_ms: prefill_gpu,
+            reference_ms: Some(prefill_cpu),
+            native_ms: None,
+        },
+        CheckTiming {
+            what: format!("decode ms/token ({} layers)", cfg.text.layers),
+            target_ms: gpu_decode,
+            reference_ms: Some(cpu_decode),
+            native_ms: None,
+        },
+    ];
+    let notes = vec![
+        format!("image features rel diff {feat_diff:.2e}"),
+        format!("greedy tokens equal: first {greedy_equal} of {new_tokens} (seeded f32 weights)"),
+        format!(
+            "decoder: {} of {} layers at full width, vocabulary {}; the {}-layer decode is about \
+             {:.1} ms/token on the target by layer count",
+            cfg.text.layers,
+            full.text.layers,
+            cfg.text.vocab,
+            full.text.layers,
+            gpu_decode * full.text.layers as f64 / cfg.text.layers as f64
+        ),
+    ];
+    Ok(DeviceCheck {
+        compared: "image features; last logits (f32)".into(),
+        max_rel_diff,
+        tolerance: 1e-3,
+        greedy_equal,
+        new_tokens,
+        notes,
+        timings,
+    })
+}
+
+/// `n` values uniform in [-scale, scale) from `seed` (xorshift).
+fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
 /// The last logits of `prompt` from an empty cache, copied to the host (a device sync).
 fn logits(m: &mut Model, prompt: &[u32]) -> Result<Vec<f32>, LocalError> {
     m.truncate_cache(0)?;
@@ -229,14 +385,8 @@ fn write_seeded(path: &std::path::Path, s: &Shape) -> Result<(), LocalError> {
     let kvd = s.kv_heads * hd;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut noise = |rows: usize, cols: usize, scale: f32| -> Result<Tensor, LocalError> {
-        let v: Vec<f32> = (0..rows * cols)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect();
+        seed = seed.wrapping_add(0x9e37_79b9);
+        let v = uniform(rows * cols, seed, scale);
         Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
     };
     let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0);
@@ -309,5 +459,13 @@ mod tests {
         assert_eq!(c.max_rel_diff, 0.0);
         assert_eq!(c.timings.len(), 3);
         assert!(c.timings.iter().all(|t| t.target_ms > 0.0), "{c:?}");
+    }
+
+    #[test]
+    fn the_vlm_on_the_cpu_against_itself_passes() {
+        let c = run_vlm(LocalDevice::Cpu, true, 1).unwrap();
+        assert!(c.passed(), "{c:?}");
+        assert_eq!(c.max_rel_diff, 0.0);
+        assert_eq!(c.timings.len(), 3);
     }
 }
