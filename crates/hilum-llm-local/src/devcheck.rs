@@ -192,7 +192,11 @@ const VLM_SLICE_LAYERS: usize = 4;
 /// Gemma 3 multimodal at MedGemma 4B's size on `target` against the CPU: the image features of
 /// one 896 px picture, the prompt's last logits (picture + 32 text tokens) and greedy tokens;
 /// the encoder, prefill and decode timed. `quick`: the tiny test configuration.
-pub fn run_vlm(target: LocalDevice, quick: bool, iterations: usize) -> Result<DeviceCheck, LocalError> {
+pub fn run_vlm(
+    target: LocalDevice,
+    quick: bool,
+    iterations: usize,
+) -> Result<DeviceCheck, LocalError> {
     let bad = |e: String| LocalError::Unsupported(format!("the check's configuration: {e}"));
     let full = VlmConfig::from_json(if quick { TINY_VLM } else { MEDGEMMA_4B }).map_err(bad)?;
     let mut cfg = full.clone();
@@ -236,12 +240,17 @@ pub fn run_vlm(target: LocalDevice, quick: bool, iterations: usize) -> Result<De
     let feat_diff = rel_diff(&fa.flatten_all()?.to_vec1()?, &fb.flatten_all()?.to_vec1()?);
 
     let mut ids: Vec<u32> = vec![2, 105, 10];
-    ids.extend(std::iter::repeat_n(cfg.image_token, cfg.mm_tokens_per_image));
+    ids.extend(std::iter::repeat_n(
+        cfg.image_token,
+        cfg.mm_tokens_per_image,
+    ));
     let text_tokens = if quick { 4 } else { 32 };
     ids.extend((0..text_tokens as u32).map(|i| (1000 + i) % cfg.image_token));
     let last = |m: &mut Gemma3Vlm, f: &Tensor| -> Result<(Vec<f32>, u32), LocalError> {
         m.decoder_mut().truncate_cache(0)?;
-        let l = m.prefill(&ids, std::slice::from_ref(f))?.get(ids.len() - 1)?;
+        let l = m
+            .prefill(&ids, std::slice::from_ref(f))?
+            .get(ids.len() - 1)?;
         Ok((l.to_vec1::<f32>()?, argmax(&l)?))
     };
     let (la, first_a) = last(&mut cpu, &fa)?;
@@ -256,20 +265,24 @@ pub fn run_vlm(target: LocalDevice, quick: bool, iterations: usize) -> Result<De
             next = argmax(&m.decoder_mut().forward(&[next])?)?;
             out.push(next);
         }
-        Ok((out, t.elapsed().as_secs_f64() * 1000.0 / (new_tokens - 1).max(1) as f64))
+        Ok((
+            out,
+            t.elapsed().as_secs_f64() * 1000.0 / (new_tokens - 1).max(1) as f64,
+        ))
     };
     let (ga, cpu_decode) = decode(&mut cpu, first_a)?;
     let (gb, gpu_decode) = decode(&mut gpu, first_b)?;
     let greedy_equal = common_prefix(&ga, &gb);
 
-    let timed = |n: usize, f: &mut dyn FnMut() -> Result<(), LocalError>| -> Result<f64, LocalError> {
-        f()?;
-        let t = Instant::now();
-        for _ in 0..n {
+    let timed =
+        |n: usize, f: &mut dyn FnMut() -> Result<(), LocalError>| -> Result<f64, LocalError> {
             f()?;
-        }
-        Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
-    };
+            let t = Instant::now();
+            for _ in 0..n {
+                f()?;
+            }
+            Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
+        };
     let n = iterations.max(1);
     let encode_gpu = timed(n, &mut || feats(&gpu, &px_gpu).map(|_| ()))?;
     // One CPU pass each: the full tower takes seconds there.

@@ -386,7 +386,7 @@ impl Gemma3 {
             rope_global,
             rope_local,
             one_token_path: false,
-            cache: KvCache::new(n_layer, kvd),
+            cache: KvCache::new(n_layer, kvd, dev),
             device: dev.clone(),
         };
         model.set_one_token_path(true);

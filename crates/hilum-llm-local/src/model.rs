@@ -316,22 +316,27 @@ struct Layer {
 pub(crate) struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
-    /// On a GPU, each layer's keys and values also as device tensors (n_kv_head, len, head_dim),
-    /// grown on the device: uploading the whole cache for every token would cost more than the
-    /// token's arithmetic. The host rows stay the truth (prefix snapshots read them); a mirror
-    /// of the wrong length is rebuilt from them.
+    /// On a GPU, each layer's keys and values as device tensors (n_kv_head, len, head_dim),
+    /// grown on the device: uploading the cache, or reading each new row back, for every token
+    /// would cost more than the token's arithmetic (each read is a device sync). There a
+    /// layer's mirror, when present, is the truth and `k`/`v` hold only what `restore` put
+    /// there (uploaded on the next append); a snapshot reads the mirror back.
     mirror: Vec<Option<(Tensor, Tensor)>>,
+    /// Appends go to the device copies (a model off the CPU).
+    mirrored: bool,
     /// n_kv_head * head_dim: one position's row.
     kvd: usize,
     len: usize,
 }
 
 impl KvCache {
-    pub(crate) fn new(n_layer: usize, kvd: usize) -> Self {
+    /// An empty cache for a model on `dev`.
+    pub(crate) fn new(n_layer: usize, kvd: usize, dev: &Device) -> Self {
         KvCache {
             k: vec![Vec::new(); n_layer],
             v: vec![Vec::new(); n_layer],
             mirror: vec![None; n_layer],
+            mirrored: !dev.is_cpu(),
             kvd,
             len: 0,
         }
@@ -381,21 +386,20 @@ impl KvCache {
             }
             upload(&slot[..(pos + t) * kvd], new.device())
         };
-        if k.device().is_cpu() {
+        if !self.mirrored {
             return Ok((whole(k, &mut self.k[li])?, whole(v, &mut self.v[li])?));
         }
         let dev = k.device().clone();
         let old = match self.mirror[li].take() {
             Some((mk, mv)) if mk.dim(1)? == pos => Some((mk, mv)),
-            _ if pos == 0 => None,
-            _ => Some((
+            Some(_) => candle_core::bail!("the KV cache's device copy lost its length"),
+            None if pos == 0 => None,
+            None if self.k[li].len() >= pos * kvd => Some((
                 upload(&self.k[li][..pos * kvd], &dev)?,
                 upload(&self.v[li][..pos * kvd], &dev)?,
             )),
+            None => candle_core::bail!("the KV cache has no rows for {pos} positions"),
         };
-        for (new, slot) in [(k, &mut self.k[li]), (v, &mut self.v[li])] {
-            slot.extend(new.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
-        }
         let (ak, av) = match old {
             Some((mk, mv)) => (Tensor::cat(&[&mk, k], 1)?, Tensor::cat(&[&mv, v], 1)?),
             None => (k.contiguous()?, v.contiguous()?),
@@ -423,11 +427,30 @@ impl KvCache {
         if tokens.len() > self.len {
             return None;
         }
+        // A device copy (n_kv_head, len, head_dim) read back as position-major rows.
+        let rows = |t: &Tensor| -> Option<Vec<f32>> {
+            t.narrow(1, 0, tokens.len())
+                .and_then(|t| t.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>())
+                .ok()
+        };
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (li, m) in self.mirror.iter().enumerate() {
+            match m {
+                Some((mk, mv)) => {
+                    k.push(rows(mk)?);
+                    v.push(rows(mv)?);
+                }
+                None => {
+                    k.push(self.k[li].get(..n)?.to_vec());
+                    v.push(self.v[li].get(..n)?.to_vec());
+                }
+            }
+        }
         Some(KvSnapshot {
             tokens: tokens.to_vec(),
             kvd: self.kvd,
-            k: self.k.iter().map(|l| l[..n].to_vec()).collect(),
-            v: self.v.iter().map(|l| l[..n].to_vec()).collect(),
+            k,
+            v,
         })
     }
 
@@ -636,7 +659,7 @@ impl Model {
             output,
             cos,
             sin,
-            cache: KvCache::new(n_layer, kvd),
+            cache: KvCache::new(n_layer, kvd, dev),
             cos_v,
             sin_v,
             one_token_path,
@@ -933,4 +956,59 @@ pub fn attention_mask(
 /// Greedy helper used by tests: index of the largest logit.
 pub fn argmax(logits: &Tensor) -> candle_core::Result<u32> {
     logits.argmax(D::Minus1)?.to_scalar::<u32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (n_kv_head 2, t, head_dim 3) keys and values numbered from `start`.
+    fn kv(t: usize, start: f32) -> (Tensor, Tensor) {
+        let n = 2 * t * 3;
+        let k: Vec<f32> = (0..n).map(|i| start + i as f32).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        (
+            Tensor::from_vec(k, (2, t, 3), &Device::Cpu).unwrap(),
+            Tensor::from_vec(v, (2, t, 3), &Device::Cpu).unwrap(),
+        )
+    }
+
+    /// The device-copy cache (forced on the CPU here) returns what the host-row cache returns
+    /// through appends, a truncation, a snapshot and its restore.
+    #[test]
+    fn the_device_copy_cache_agrees_with_the_host_rows() {
+        let mut host = KvCache::new(1, 6, &Device::Cpu);
+        let mut dev = KvCache::new(1, 6, &Device::Cpu);
+        dev.mirrored = true;
+        let same = |a: (Tensor, Tensor), b: (Tensor, Tensor)| {
+            assert_eq!(a.0.to_vec3::<f32>().unwrap(), b.0.to_vec3::<f32>().unwrap());
+            assert_eq!(a.1.to_vec3::<f32>().unwrap(), b.1.to_vec3::<f32>().unwrap());
+        };
+        let step = |t: usize, start: f32, host: &mut KvCache, dev: &mut KvCache| {
+            let (k, v) = kv(t, start);
+            let a = host.append(0, &k, &v).unwrap();
+            let b = dev.append(0, &k, &v).unwrap();
+            host.advance(t);
+            dev.advance(t);
+            same(a, b);
+        };
+        step(4, 0.0, &mut host, &mut dev);
+        step(1, 100.0, &mut host, &mut dev);
+        host.truncate(3);
+        dev.truncate(3);
+        step(2, 200.0, &mut host, &mut dev);
+        let tokens = [1u32, 2, 3, 4];
+        let (sa, sb) = (
+            host.snapshot(&tokens).unwrap(),
+            dev.snapshot(&tokens).unwrap(),
+        );
+        assert_eq!((&sa.k, &sa.v), (&sb.k, &sb.v));
+        step(1, 300.0, &mut host, &mut dev);
+        host.restore(&sa).unwrap();
+        dev.restore(&sb).unwrap();
+        // After a restore the device copy is rebuilt from the restored rows.
+        step(2, 400.0, &mut host, &mut dev);
+        assert_eq!(dev.len(), 6);
+        assert!(dev.snapshot(&[0; 7]).is_none());
+    }
 }

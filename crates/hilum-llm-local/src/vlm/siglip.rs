@@ -124,14 +124,19 @@ impl VisionTower {
         let (t, width) = h.dims2()?;
         let hd = width / self.heads;
         let scale = 1.0 / (hd as f64).sqrt();
-        let q = (layer.q.forward(h)? * scale)?;
-        let k = layer.k.forward(h)?;
-        let v = layer.v.forward(h)?;
+        // (t, heads * hd) -> (heads, t, hd), contiguous: each head's rows in one block, as
+        // cuBLAS needs (the CPU's gemm would take the strided columns as they are).
+        let heads = |x: Tensor| -> candle_core::Result<Tensor> {
+            x.reshape((t, self.heads, hd))?
+                .transpose(0, 1)?
+                .contiguous()
+        };
+        let q = heads((layer.q.forward(h)? * scale)?)?;
+        let k = heads(layer.k.forward(h)?)?;
+        let v = heads(layer.v.forward(h)?)?;
         let mut outs = Vec::with_capacity(self.heads);
         for head in 0..self.heads {
-            let qh = q.narrow(1, head * hd, hd)?;
-            let kh = k.narrow(1, head * hd, hd)?;
-            let vh = v.narrow(1, head * hd, hd)?.contiguous()?;
+            let (qh, kh, vh) = (q.get(head)?, k.get(head)?, v.get(head)?);
             let att = candle_nn::ops::softmax_last_dim(&qh.matmul(&kh.t()?)?)?;
             outs.push(att.matmul(&vh)?);
         }
