@@ -277,6 +277,11 @@ fn one_token_decode_matches_llama_cpp_and_the_tensor_path() {
         );
         // One decode step from the same prompt on the same weights: the one-token path vs the
         // tensor path (whose one-row products run the same block kernels), and vs f32 weights.
+        // Short prompts only: three more prefills of the long one would add a minute to the
+        // suite, and its tokens past the window are checked above.
+        if prompt.len() > 64 {
+            continue;
+        }
         let step = |m: &mut Gemma3| {
             m.truncate_cache(0).unwrap();
             m.forward(&prompt).unwrap();
@@ -338,9 +343,10 @@ fn chunked_prefill_and_truncated_cache_give_the_same_tokens() {
         long.len() > m.cfg.sliding_window,
         "the fixture needs a prompt longer than the window"
     );
-    let (first_one, one) = greedy(&mut m, &long, long.len(), 16);
+    // A few greedy tokens: the first step's logits are compared below, the real check.
+    let (first_one, one) = greedy(&mut m, &long, long.len(), 4);
     for chunk in [100, 511] {
-        let (first, got) = greedy(&mut m, &long, chunk, 16);
+        let (first, got) = greedy(&mut m, &long, chunk, 4);
         assert_eq!(got, one, "chunks of {chunk}");
         let d = first
             .iter()

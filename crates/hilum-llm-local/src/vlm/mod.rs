@@ -191,6 +191,21 @@ impl Gemma3Vlm {
     /// in order, with `images` (each from [`Gemma3Vlm::image_features`]); returns the logits
     /// of every position (tokens, vocab).
     pub fn prefill(&mut self, ids: &[u32], images: &[Tensor]) -> Result<Tensor, LocalError> {
+        self.prefill_logits(ids, images, true)
+    }
+
+    /// [`Gemma3Vlm::prefill`] returning the last position's logits only (vocab): what a reply
+    /// needs, without the output layer's product for every prompt position.
+    pub fn prefill_last(&mut self, ids: &[u32], images: &[Tensor]) -> Result<Tensor, LocalError> {
+        self.prefill_logits(ids, images, false)
+    }
+
+    fn prefill_logits(
+        &mut self,
+        ids: &[u32],
+        images: &[Tensor],
+        all: bool,
+    ) -> Result<Tensor, LocalError> {
         let n = self.cfg.mm_tokens_per_image;
         let pos = self.decoder.cached_len();
         // Runs of soft tokens: transformers' image groups (each attends to itself in full).
@@ -239,7 +254,7 @@ impl Gemma3Vlm {
             }
             Tensor::from_vec(rows, (ids.len(), d), &self.device)?
         };
-        Ok(self.decoder.forward_embeds(&x, &blocks, true)?)
+        Ok(self.decoder.forward_embeds(&x, &blocks, all)?)
     }
 
     /// The decoder, for text-only steps after a prefill (`forward` of the next token).
