@@ -1,5 +1,5 @@
 //! Preprocessing for the models: resize (with aspect-preserving pad or centre crop),
-//! normalisation, channel replication, and the inverse mapping of coordinates and masks.
+//! normalisation (fixed scales, ImageNet statistics or min-max), channel replication, and the inverse mapping of coordinates and masks.
 //!
 //! Usage from model code (through the store, so the work is shared and cached):
 //!
@@ -44,6 +44,12 @@ pub enum Filter {
     /// values are first scaled to 0..=255 (the norms then see a maximum of 255) and each of the
     /// two passes is rounded to whole values in 0..=255.
     PilBilinearU8,
+    /// `skimage.transform.resize(order=3, mode="reflect", anti_aliasing=True,
+    /// preserve_range=True)` on an 8-bit image, then `astype(np.uint8)`, as MedSAM's inference
+    /// script feeds SAM: the values are scaled to 0..=255 (the norms then see a maximum of 255),
+    /// resized in f64 (see [`crate::skresize::resize_cubic_mirror`]) and truncated to whole
+    /// values. Always resampled, even at the same size (the spline's rounding can truncate).
+    SkimageCubicU8,
 }
 
 /// How the image's aspect ratio meets the target size.
@@ -80,6 +86,9 @@ pub enum Norm {
     /// `(x + 1024) / 2048`, is `v / max`), but the resize pads with mid-grey as for
     /// [`Norm::Xrv`], the range the image went through first; implies 3 channels.
     XrvImageNet,
+    /// `(v - min) / max(max - min, 1e-8)` over the resized plane (padding included), in 0..=1
+    /// (MedSAM); a flat plane is all 0.
+    MinMax,
 }
 
 /// Memory order of a multi-channel result.
@@ -331,7 +340,7 @@ pub fn prepare_values(
     let (dw, dh) = (p.width as usize, p.height as usize);
     let max = max_value.max(1.0);
     let byte_scaled: Vec<f32>;
-    let (pixels, max) = if p.filter == Filter::PilBilinearU8 {
+    let (pixels, max) = if matches!(p.filter, Filter::PilBilinearU8 | Filter::SkimageCubicU8) {
         let s = 255.0 / max;
         byte_scaled = values.iter().map(|v| v * s).collect();
         (&byte_scaled[..], 255.0)
@@ -429,6 +438,16 @@ pub fn prepare_values(
             )
         }
     };
+    let (lo, range) = if p.norm == Norm::MinMax {
+        let (lo, hi) = plane
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+                (a.min(v), b.max(v))
+            });
+        (lo, (hi - lo).max(1e-8))
+    } else {
+        (0.0, 1.0)
+    };
     let channels = p.channels as usize;
     let scaled: Vec<Vec<f32>> = (0..channels)
         .map(|c| {
@@ -441,6 +460,7 @@ pub fn prepare_values(
                 Norm::ImageNet | Norm::XrvImageNet => {
                     Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c])
                 }
+                Norm::MinMax => Box::new(move |v| (v - lo) / range),
             };
             plane.iter().map(|&v| f(v)).collect()
         })
@@ -493,8 +513,12 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                         .collect();
                     normalised(start, weights)
                 }
-                // SkimageLinear never gets here: `resize` hands it to `skresize`.
-                Filter::Bilinear | Filter::PilBilinearU8 | Filter::Area | Filter::SkimageLinear => {
+                // The skimage filters never get here: `resize` hands them to `skresize`.
+                Filter::Bilinear
+                | Filter::PilBilinearU8
+                | Filter::Area
+                | Filter::SkimageLinear
+                | Filter::SkimageCubicU8 => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
                     let start = ((center - support + 0.5).floor().max(0.0)) as usize;
@@ -528,6 +552,12 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
         }
         v
     };
+    if filter == Filter::SkimageCubicU8 {
+        return crate::skresize::resize_cubic_mirror(src, sw, sh, dw, dh)
+            .iter()
+            .map(|v| v.clamp(0.0, 255.0).trunc() as f32)
+            .collect();
+    }
     if sw == dw && sh == dh {
         return bytes(src[..sw * sh].to_vec());
     }
@@ -640,5 +670,29 @@ mod tests {
         let hwc = prepare(&img, &Preprocess::imagenet(4).layout(Layout::Hwc)).unwrap();
         assert_eq!(hwc.data[1], p.data[16]);
         assert!(prepare(&img, &Preprocess::stretch(4, 4).norm(Norm::ImageNet)).is_err());
+    }
+
+    #[test]
+    fn skimage_cubic_u8_gives_whole_bytes_and_min_max_spans_0_to_1() {
+        // A 16-bit ramp: the resize sees it on an 8-bit scale and truncates to whole values.
+        let mut img = ramp(40, 30);
+        img.pixels.iter_mut().for_each(|v| *v *= 1000.0);
+        img.meta.bit_depth = 16;
+        let cubic = Preprocess::stretch(16, 16).filter(Filter::SkimageCubicU8);
+        let bytes = prepare(&img, &cubic.norm(Norm::Byte)).unwrap();
+        assert!(bytes
+            .data
+            .iter()
+            .all(|v| v.fract() == 0.0 && (0.0..=255.0).contains(v)));
+        let unit = prepare(&img, &cubic.norm(Norm::MinMax).channels(3)).unwrap();
+        let (lo, hi) = unit
+            .data
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        assert_eq!((lo, hi), (0.0, 1.0));
+        assert_eq!(unit.data[..256], unit.data[256..512]);
+        // A flat image does not divide by zero.
+        let flat = prepare_values(&[9.0; 100], 10, 10, 255.0, &cubic.norm(Norm::MinMax)).unwrap();
+        assert!(flat.data.iter().all(|v| *v == 0.0));
     }
 }

@@ -23,7 +23,10 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor, D
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
+use hilum_imaging::{Filter, Norm, Prepared, Preprocess};
+
 use crate::manifest::{InstalledModel, Manifest};
+use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Device, ModelError};
 
 /// Architecture of one SAM variant. The published ViT variants all use a qkv bias, relative
@@ -1074,7 +1077,7 @@ impl Sam {
         self.image_encoder.forward(input)
     }
 
-    /// [`Sam::embed_image`] on the output of [`preprocess`] (`3 * S * S` values).
+    /// [`Sam::embed_image`] on the output of [`preprocess`] / [`recipe`] (`3 * S * S` values).
     pub fn embed_prepared(&self, input: &[f32]) -> Result<Tensor, ModelError> {
         crate::fault::check()?;
         let s = self.config.image_size;
@@ -1121,9 +1124,17 @@ impl Sam {
 
 /// MedSAM's input for a whole grayscale image (`MedSAM_Inference.py`): the image on an 8-bit
 /// scale, stretched to `size` x `size` by skimage's resize as MedSAM calls it (order 3,
-/// `mode="reflect"`, anti-aliasing; `hilum_imaging::skresize::resize_cubic_mirror`), truncated
-/// to integers (`astype(np.uint8)`), min-max scaled to 0..1 over the resized image, repeated to
-/// 3 channels (CHW).
+/// `mode="reflect"`, anti-aliasing), truncated to integers (`astype(np.uint8)`), min-max scaled
+/// to 0..1 over the resized image, repeated to 3 channels (CHW).
+pub fn recipe(size: usize) -> Preprocess {
+    Preprocess::stretch(size as u32, size as u32)
+        .filter(Filter::SkimageCubicU8)
+        .norm(Norm::MinMax)
+        .channels(3)
+}
+
+/// [`recipe`] on a bare plane of full scale `max_value` (fixtures, device checks); nothing when
+/// the plane does not hold `width * height` values.
 pub fn preprocess(
     gray: &[f32],
     width: usize,
@@ -1131,25 +1142,24 @@ pub fn preprocess(
     max_value: f32,
     size: usize,
 ) -> Vec<f32> {
-    let scale = 255.0 / max_value.max(1.0);
-    let eight: Vec<f32> = gray.iter().map(|&v| v * scale).collect();
-    let resized = hilum_imaging::skresize::resize_cubic_mirror(&eight, width, height, size, size);
-    let quant: Vec<f32> = resized
-        .iter()
-        .map(|v| v.clamp(0.0, 255.0).trunc() as f32)
-        .collect();
-    let (lo, hi) = quant
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
-    let range = (hi - lo).max(1e-8);
-    let one: Vec<f32> = quant.iter().map(|&v| (v - lo) / range).collect();
-    let mut out = Vec::with_capacity(3 * one.len());
-    for _ in 0..3 {
-        out.extend_from_slice(&one);
+    recipe_values(&recipe(size), gray, width, height, max_value)
+}
+
+/// The runner is the image encoder, the expensive pass whose output callers cache: prompts are
+/// decoded on its embedding afterwards ([`Sam::predict_low_res`]), several per image, so they
+/// are not part of `run`.
+impl Runner for Sam {
+    /// The image embedding (1, prompt_embed_dim, S/p, S/p).
+    type Output = Tensor;
+
+    fn recipe(&self) -> Preprocess {
+        recipe(self.config.image_size)
     }
-    out
+
+    fn run(&self, input: &Prepared) -> Result<Tensor, ModelError> {
+        check_input(&Runner::recipe(self), input)?;
+        self.embed_prepared(&input.data)
+    }
 }
 
 /// `F.interpolate(mode="bilinear", align_corners=False)` of one map, without antialiasing

@@ -173,6 +173,86 @@ fn registry_checks_medsam_weights_against_vit_b() {
     );
 }
 
+fn data() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+    assert!(
+        d.is_dir(),
+        "{} missing (the shared data folder beside the repository)",
+        d.display()
+    );
+    d
+}
+
+/// `sam::preprocess` as it was written before it became a recipe: 8-bit scale, skimage's
+/// order-3 resize in f64, truncated to bytes, min-max over the resized plane, three planes.
+fn medsam_input_as_written_before(
+    gray: &[f32],
+    w: usize,
+    h: usize,
+    max: f32,
+    size: usize,
+) -> Vec<f32> {
+    let scale = 255.0 / max.max(1.0);
+    let eight: Vec<f32> = gray.iter().map(|&v| v * scale).collect();
+    let resized = hilum_imaging::skresize::resize_cubic_mirror(&eight, w, h, size, size);
+    let quant: Vec<f32> = resized
+        .iter()
+        .map(|v| v.clamp(0.0, 255.0).trunc() as f32)
+        .collect();
+    let (lo, hi) = quant
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
+    let range = (hi - lo).max(1e-8);
+    let one: Vec<f32> = quant.iter().map(|&v| (v - lo) / range).collect();
+    [&one[..], &one[..], &one[..]].concat()
+}
+
+/// The image store's MedSAM input (`sam::recipe`, what `segment_region` asks for) is the
+/// 1024 px input MedSAM was checked against, value for value, on 8-bit PNG, JPEG and 16-bit
+/// radiographs; and the small model's runner takes it and refuses another recipe's input.
+#[test]
+fn the_store_recipe_is_the_medsam_input_exactly() {
+    let store = hilum_imaging::ImageStore::default();
+    for name in [
+        "nih_00000100_000_effusion_multi.png",
+        "covid_0a7faa2a.jpg",
+        "derived_RG1_chest_pa_16bit.png",
+    ] {
+        let path = data().join("cxr/images").join(name);
+        let id = store.ingest_file(&path).expect("ingest");
+        let img = store.get(&id).expect("image");
+        let (w, h) = (img.width as usize, img.height as usize);
+        let before = medsam_input_as_written_before(&img.pixels, w, h, img.max_value(), 1024);
+        let prepared = store.prepared(&id, &sam::recipe(1024)).expect("prepared");
+        assert_eq!(prepared.shape(), [3, 1024, 1024], "{name}");
+        assert!(
+            prepared.data == before,
+            "{name}: the recipe differs from MedSAM's input"
+        );
+        assert!(
+            sam::preprocess(&img.pixels, w, h, img.max_value(), 1024) == before,
+            "{name}"
+        );
+    }
+
+    use hilum_models::runner::Runner;
+    let (model, _, _) = small();
+    let id = store.ids()[0].clone();
+    let x = store.prepared(&id, &model.recipe()).expect("prepared");
+    let emb = model.run(&x).expect("encoder");
+    let direct = model.embed_prepared(&x.data).expect("encoder");
+    assert_eq!(max_diff(&emb, &direct), 0.0);
+    let other = store
+        .prepared(&id, &hilum_imaging::Preprocess::imagenet(64))
+        .expect("prepared");
+    assert!(
+        model.run(&other).is_err(),
+        "another recipe's input is refused"
+    );
+}
+
 /// Full-size ViT-B encoder at 1024 px with seeded random weights: the time of one forward.
 /// Slow: `cargo test -p hilum-models --release --test medsam_fixture -- --ignored --nocapture`
 #[test]

@@ -1,7 +1,8 @@
 //! `segment_region`: MedSAM (SAM ViT-B fine-tuned on medical images) segments the region inside
-//! a box, or at points, given in original-image pixels. The image embedding (the expensive
-//! encoder pass) is cached per image, so further prompts on the same image only run the small
-//! prompt encoder and mask decoder.
+//! a box, or at points, given in original-image pixels. The encoder's 1024 px input comes from
+//! the image store (`Runner::recipe`, computed once per image) and the image embedding (the
+//! expensive encoder pass) is cached per image and model copy, so further prompts on the same
+//! image only run the small prompt encoder and mask decoder.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -13,6 +14,7 @@ use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
+use hilum_models::runner::Runner;
 use hilum_models::sam::{self, Prompt, Sam};
 use hilum_models::{Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
@@ -237,7 +239,8 @@ pub struct RegionMap {
     pub predicted_iou: f32,
 }
 
-/// The encoder input for a whole image (MedSAM preprocessing).
+/// The encoder input for a whole image (MedSAM preprocessing, [`sam::recipe`]) outside an image
+/// store; the tool asks its store instead.
 pub fn prepare(model: &Sam, img: &CxrImage) -> Vec<f32> {
     sam::preprocess(
         &img.pixels,
@@ -335,20 +338,21 @@ impl crate::BuildTool for SegmentRegion {
     }
 }
 
-/// The embedding of `img` from the cache, or encoded now (blocking); and whether it was cached.
+/// The embedding of `image` from the cache, or encoded now (blocking) from the input the store
+/// prepared for the model's recipe; and whether it was cached.
 fn embedding(
     cache: &EmbeddingCache,
     model: &Sam,
-    id: &str,
-    img: &CxrImage,
-) -> Result<(Tensor, bool), ModelError> {
-    let slot = cache.slot(id, model.instance());
+    store: &ImageStore,
+    image: &ImageId,
+) -> Result<(Tensor, bool), Fail> {
+    let slot = cache.slot(&image.0, model.instance());
     let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(e) = held.as_ref() {
         return Ok((e.clone(), true));
     }
-    let x = prepare(model, img);
-    let e = model.embed_prepared(&x)?;
+    let x = image.prepared(store, &model.recipe())?;
+    let e = model.run(&x)?;
     *held = Some(e.clone());
     Ok((e, false))
 }
@@ -380,7 +384,7 @@ impl TypedTool for SegmentRegion {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
-        let id = args.image.0;
+        let id = args.image.0.clone();
         if img.width < MIN_SIDE || img.height < MIN_SIDE {
             return Err(ToolError::Unprocessable(format!(
                 "{id} is {}x{} px: region segmentation needs at least {MIN_SIDE} px per side",
@@ -396,10 +400,15 @@ impl TypedTool for SegmentRegion {
         // Encoder (when the image is not cached) and decoder, on the device, in one go; their
         // errors stay the model's, so a device failure moves a pooled call.
         let t0 = Instant::now();
-        let (cache, image, p, image_id) =
-            (self.cache.clone(), img.clone(), prompt.clone(), id.clone());
-        let work = move |model: &Sam| -> Result<(RegionMap, Timing), ModelError> {
-            let (embedding, cached) = embedding(&cache, model, &image_id, &image)?;
+        let (cache, store, image, p, image_id) = (
+            self.cache.clone(),
+            self.store.clone(),
+            img.clone(),
+            prompt.clone(),
+            args.image.clone(),
+        );
+        let work = move |model: &Sam| -> Result<(RegionMap, Timing), Fail> {
+            let (embedding, cached) = embedding(&cache, model, &store, &image_id)?;
             let encode_ms = t0.elapsed().as_secs_f64() * 1e3;
             let t1 = Instant::now();
             let map = decode(model, &embedding, &image, &p)?;
@@ -413,13 +422,16 @@ impl TypedTool for SegmentRegion {
         let (map, timing) = match &self.source {
             Source::Pool { models, pin } => {
                 let candle = |_: &_, _| hilum_models::Backend::Candle;
-                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model).map_err(Fail::Model);
+                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model);
                 run_model(models, MODEL_ID, *pin, candle, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();
-                let internal = |e: ModelError| ToolError::Internal(e.to_string());
-                run_blocking(move || work(&model).map_err(internal)).await?
+                let tool_error = |e: Fail| match e {
+                    Fail::Model(e) => ToolError::Internal(e.to_string()),
+                    Fail::Tool(e) => e,
+                };
+                run_blocking(move || work(&model).map_err(tool_error)).await?
             }
         };
         assemble(&id, &img, &prompt, &map, &label, timing)

@@ -143,6 +143,30 @@ async fn one_encoder_pass_per_image_even_for_concurrent_first_calls() {
     assert_eq!(tool.cache().len(), 2);
 }
 
+/// The encoder's 1024 px input is the store's (`Runner::recipe`): two tools over one store, each
+/// with its own embedding cache, encode the image twice but prepare its input once.
+#[tokio::test]
+async fn two_calls_on_one_image_prepare_its_input_once() {
+    let store = Arc::new(ImageStore::new(StoreLimits::default()));
+    let id = store
+        .ingest_file(&real_image("nih_00000001_000_cardiomegaly.png"))
+        .expect("ingest");
+    let model = small_model();
+    let (first, second) = (
+        SegmentRegion::with_model(store.clone(), model.clone()),
+        SegmentRegion::with_model(store.clone(), model.clone()),
+    );
+    let args = json!({"image": id, "box": [500, 300, 900, 700]});
+    let a = call(&first, args.clone()).await.expect("first call");
+    let b = call(&second, args).await.expect("second call");
+    assert_eq!(model.encoder_runs(), 2, "one embedding cache per tool");
+    let stats = store.stats();
+    assert_eq!(stats.variants_computed, 1, "{stats:?}");
+    assert!(stats.hits >= 1, "{stats:?}");
+    // The same input, the same mask.
+    assert_eq!(a.data["region"], b.data["region"]);
+}
+
 #[tokio::test]
 async fn bad_prompts_and_tiny_images_are_refused_before_encoding() {
     let store = Arc::new(ImageStore::new(StoreLimits::default()));
