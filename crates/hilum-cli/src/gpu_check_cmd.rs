@@ -214,16 +214,7 @@ fn local_row(name: &str, opts: &CheckOptions) -> CheckRow {
                 .collect(),
             error: None,
         },
-        Err(e) => CheckRow {
-            model: name.into(),
-            compared: String::new(),
-            max_rel_diff: None,
-            tolerance: 0.0,
-            passed: false,
-            notes: Vec::new(),
-            timings: Vec::new(),
-            error: Some(e),
-        },
+        Err(e) => CheckRow::failed(name, e),
     }
 }
 

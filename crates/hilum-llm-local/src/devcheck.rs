@@ -126,14 +126,7 @@ pub fn run(target: LocalDevice, quick: bool, iterations: usize) -> Result<Device
     let max_rel_diff = rel_diff(&a, &b);
 
     let ref_iters = iterations.clamp(1, 2);
-    let prefill = |m: &mut Model, n: usize| -> Result<f64, LocalError> {
-        logits(m, &prompt)?; // warm-up: kernels loaded, buffers sized
-        let t = Instant::now();
-        for _ in 0..n {
-            logits(m, &prompt)?;
-        }
-        Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
-    };
+    let prefill = |m: &mut Model, n: usize| mean_ms(n, &mut || logits(m, &prompt).map(|_| ()));
     let mut timings = vec![CheckTiming {
         what: format!("prefill {prompt_len} tokens (dense)"),
         target_ms: prefill(&mut gpu_dense, iterations.max(1))?,
@@ -272,21 +265,12 @@ pub fn run_vlm(
     let (gb, gpu_decode) = decode(&mut gpu, first_b)?;
     let greedy_equal = common_prefix(&ga, &gb);
 
-    let timed =
-        |n: usize, f: &mut dyn FnMut() -> Result<(), LocalError>| -> Result<f64, LocalError> {
-            f()?;
-            let t = Instant::now();
-            for _ in 0..n {
-                f()?;
-            }
-            Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
-        };
     let n = iterations.max(1);
-    let encode_gpu = timed(n, &mut || feats(&gpu, &px_gpu).map(|_| ()))?;
-    // One CPU pass each: the full tower takes seconds there.
-    let encode_cpu = timed(1, &mut || feats(&cpu, &px_cpu).map(|_| ()))?;
-    let prefill_gpu = timed(n, &mut || last(&mut gpu, &fb).map(|_| ()))?;
-    let prefill_cpu = timed(1, &mut || last(&mut cpu, &fa).map(|_| ()))?;
+    let encode_gpu = mean_ms(n, &mut || feats(&gpu, &px_gpu).map(|_| ()))?;
+    // One timed CPU pass each (after the warm-up): the full tower takes seconds there.
+    let encode_cpu = mean_ms(1, &mut || feats(&cpu, &px_cpu).map(|_| ()))?;
+    let prefill_gpu = mean_ms(n, &mut || last(&mut gpu, &fb).map(|_| ()))?;
+    let prefill_cpu = mean_ms(1, &mut || last(&mut cpu, &fa).map(|_| ()))?;
     let timings = vec![
         CheckTiming {
             what: format!("SigLIP {} px + projector", cfg.vision.image_size),
@@ -329,6 +313,17 @@ pub fn run_vlm(
         notes,
         timings,
     })
+}
+
+/// Mean milliseconds of `n` calls of `f` after one untimed warm-up (kernels loaded, buffers
+/// sized).
+fn mean_ms(n: usize, f: &mut dyn FnMut() -> Result<(), LocalError>) -> Result<f64, LocalError> {
+    f()?;
+    let t = Instant::now();
+    for _ in 0..n {
+        f()?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1000.0 / n as f64)
 }
 
 /// `n` values uniform in [-scale, scale) from `seed` (xorshift).

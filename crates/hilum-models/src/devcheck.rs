@@ -56,6 +56,22 @@ pub struct CheckRow {
     pub error: Option<String>,
 }
 
+impl CheckRow {
+    /// The row of a check that could not run.
+    pub fn failed(model: &str, error: String) -> CheckRow {
+        CheckRow {
+            model: model.into(),
+            compared: String::new(),
+            max_rel_diff: None,
+            tolerance: 0.0,
+            passed: false,
+            notes: Vec::new(),
+            timings: Vec::new(),
+            error: Some(error),
+        }
+    }
+}
+
 /// Mean milliseconds of one measured call on each device.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Timing {
@@ -88,16 +104,7 @@ pub fn run(opts: &CheckOptions, mut on_row: impl FnMut(&CheckRow)) -> Vec<CheckR
         }
         let row = match check(name, opts) {
             Ok(row) => row,
-            Err(e) => CheckRow {
-                model: name.into(),
-                compared: String::new(),
-                max_rel_diff: None,
-                tolerance: 0.0,
-                passed: false,
-                notes: Vec::new(),
-                timings: Vec::new(),
-                error: Some(e.to_string()),
-            },
+            Err(e) => CheckRow::failed(name, e.to_string()),
         };
         on_row(&row);
         rows.push(row);
