@@ -8,8 +8,10 @@ and instance count come from the exported `config.pbtxt`, as a full Triton would
 
     scripts/.venv-triton/bin/python scripts/triton_serve.py REPO --http-port 8000
 
-Set up with scripts/setup_triton.sh. Prints `ready http://127.0.0.1:PORT` once serving; stops
-on SIGTERM/SIGINT.
+Set up with scripts/setup_triton.sh. Prints `ready http://127.0.0.1:PORT` once serving (and,
+with --ready-file, writes that URL to the file: tritonserver logs to the same stdout from its own
+threads, so a reader that must not miss the line waits for the file instead); stops on
+SIGTERM/SIGINT.
 """
 
 import argparse
@@ -165,6 +167,9 @@ def main():
                     help="PyTriton's working directory (default: a new one under ~/.cache/pytriton)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="ONNX Runtime intra-op threads per model")
+    ap.add_argument("--ready-file", type=Path, default=None,
+                    help="once every model is bound and serving, write the server's URL here "
+                         "(atomically: a reader never sees a partial file)")
     args = ap.parse_args()
     ensure_libpython_on_path()
 
@@ -192,7 +197,12 @@ def main():
             name, max_batch, instances = bind_model(triton, d, args.threads)
             print(f"bound {name}: max_batch_size {max_batch}, {instances} instance(s)", flush=True)
         triton.run()
-        print(f"ready http://127.0.0.1:{args.http_port}", flush=True)
+        url = f"http://127.0.0.1:{args.http_port}"
+        if args.ready_file:
+            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+            tmp.write_text(url + "\n")
+            os.replace(tmp, args.ready_file)
+        print(f"ready {url}", flush=True)
         stop.wait()
 
 

@@ -57,6 +57,8 @@ struct Triton {
 }
 
 impl Triton {
+    /// Starts the server and waits for its ready file: the script's `ready` line shares stdout
+    /// with tritonserver's own log threads and can arrive spliced into one of their lines.
     fn start(python: &Path, repo: &Path, workspace: &Path) -> Triton {
         let port = || {
             std::net::TcpListener::bind("127.0.0.1:0")
@@ -65,6 +67,7 @@ impl Triton {
                 .expect("a free port")
         };
         let (http, grpc, metrics) = (port(), port(), port());
+        let ready = workspace.with_file_name("triton-ready");
         let mut child = Command::new(python)
             .arg(root().join("scripts/triton_serve.py"))
             .arg(repo)
@@ -74,28 +77,42 @@ impl Triton {
             .args(["--threads", "1"])
             .arg("--workspace")
             .arg(workspace)
+            .arg("--ready-file")
+            .arg(&ready)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .process_group(0)
             .spawn()
             .expect("start scripts/triton_serve.py");
         let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 eprintln!("triton_serve: {line}");
-                if line.starts_with("ready ") {
-                    let _ = tx.send(());
-                }
             }
         });
-        let server = Triton {
+        let mut server = Triton {
             child,
             url: format!("http://127.0.0.1:{http}"),
         };
-        rx.recv_timeout(Duration::from_secs(240))
-            .expect("Triton did not report ready within 240 s");
-        server
+        let deadline = Instant::now() + Duration::from_secs(240);
+        loop {
+            match std::fs::read_to_string(&ready) {
+                Ok(url) => {
+                    assert_eq!(url.trim(), server.url, "the ready file names the server");
+                    return server;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => panic!("read {}: {e}", ready.display()),
+            }
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("scripts/triton_serve.py exited before it was ready: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Triton did not report ready within 240 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// SIGKILL to the whole group: tritonserver and its Python backend stubs go too.
