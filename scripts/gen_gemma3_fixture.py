@@ -1,5 +1,5 @@
 """Reference behaviour of Gemma 3 270M (base, Q4_K_M GGUF) under llama.cpp, for the local backend's
-SentencePiece tokenizer and Gemma 3 forward pass (crates/hilum-llm-local/tests/gemma3.rs).
+SentencePiece tokenizer and Gemma 3 forward pass (crates/hilum-llm-local/tests/it/gemma3.rs).
 
 Records, with llama-cpp-python (built by scripts/llama_server_check.sh into scripts/.venv-llama):
 - the tokenization of a corpus of texts (BOS added, special-token text parsed), and

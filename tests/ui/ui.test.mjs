@@ -1,6 +1,6 @@
 // Browser test of the Hilum web UI: headless Debian chromium via playwright-core against a
-// server started by crates/hilum-server/tests/ui_browser.rs (which passes the environment).
-// Run through `cargo test -p hilum-server --test ui_browser`; set up with
+// server started by crates/hilum-server/tests/it/ui_browser.rs (which passes the environment).
+// Run through `cargo test -p hilum-server --test it ui_browser::`; set up with
 // scripts/setup_ui_tests.sh.
 import { chromium } from "playwright-core";
 import assert from "node:assert/strict";
@@ -9,7 +9,7 @@ import fs from "node:fs";
 
 const env = (k) => {
   const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test ui_browser`);
+  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test it ui_browser::`);
   return v;
 };
 const URL_ = env("HILUM_URL");

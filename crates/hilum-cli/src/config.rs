@@ -3,7 +3,7 @@
 //! `$XDG_CONFIG_HOME/hilum/config.toml`, by default `~/.config/hilum/config.toml`).
 //!
 //! This module is the only place outside `main`s that reads the environment: library crates
-//! take their settings as values (a test in `tests/env_reads.rs` keeps it so). The models'
+//! take their settings as values (a test in `tests/it/env_reads.rs` keeps it so). The models'
 //! settings ([`model_settings`]: models dir, CPU kernels, pool concurrency, ONNX Runtime, LLaVA
 //! quantization) come from the variables `hilum_models::ModelSettings::from_vars` names.
 

@@ -15,7 +15,7 @@ use hilum_llm_local::gemma3::Gemma3;
 use hilum_llm_local::model::{argmax, MatmulMode};
 use hilum_llm_local::GgufTokenizer;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 const PROMPT: &str = "A chest X-ray report lists its findings one per line:\n1.";

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use hilum_llm_local::LocalLlm;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 use hilum_llm::{collect_turn, ChatRequest, Llm, Message, ToolSpec};
 use serde_json::json;

@@ -5,7 +5,7 @@
 //! 2.15) hold what torchxrayvision's own pipeline and MedSAM_Inference.py produce from the same
 //! files, and the scores of a full-size DenseNet-121 with Hilum's seeded weights.
 //!
-//! `cargo test -p hilum-models --release --test xrv_parity -- --nocapture` prints the per-image
+//! `cargo test -p hilum-models --release --test it xrv_parity:: -- --nocapture` prints the per-image
 //! differences.
 
 use std::path::PathBuf;

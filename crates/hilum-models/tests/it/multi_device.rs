@@ -406,7 +406,7 @@ impl Model for OnDevice {
 
 /// On the GPUs themselves: `auto` is every GPU the driver reports, and calls held at once land
 /// on as many of them, each computing on its own GPU. Needs a CUDA build and a GPU:
-/// `cargo test -p hilum-models --features cuda --test multi_device -- --ignored`.
+/// `cargo test -p hilum-models --features cuda --test it multi_device:: -- --ignored`.
 #[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA GPU"]

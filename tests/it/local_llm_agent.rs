@@ -18,7 +18,7 @@ use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
 use serde_json::Value;
 
 // The models folder and the local settings from the environment, as the `hilum` binary reads them.
-#[path = "../crates/hilum-llm-local/tests/common/mod.rs"]
+#[path = "../../crates/hilum-llm-local/tests/it/common/mod.rs"]
 mod common;
 use common::default_model_path;
 

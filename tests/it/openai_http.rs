@@ -1,7 +1,7 @@
 //! The OpenAI-compatible backend against a real HTTP server on 127.0.0.1 speaking the
 //! chat-completions protocol with SSE streaming.
 
-mod common;
+use crate::common;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};

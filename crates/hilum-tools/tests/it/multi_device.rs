@@ -117,6 +117,9 @@ fn pool_over(
             .iter()
             .map(|&n| Device::Cuda(n))
             .collect::<BTreeSet<_>>(),
+        // Longer than any test here: a loaded machine must not let a failed device recover
+        // before a test has checked that it is passed over.
+        device_cooldown: std::time::Duration::from_secs(3600),
         ..ModelSettings::default()
     };
     Arc::new(ModelPool::with_settings(Arc::new(reg), settings))

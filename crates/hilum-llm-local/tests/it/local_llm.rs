@@ -14,7 +14,7 @@ use hilum_llm_local::model::{MatmulMode, Model};
 use hilum_llm_local::{GgufTokenizer, LocalLlm, PrefixSource};
 use serde_json::{json, Value};
 
-mod common;
+use crate::common;
 use common::default_model_path;
 
 fn model_path() -> Option<PathBuf> {

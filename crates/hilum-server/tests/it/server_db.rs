@@ -3,8 +3,7 @@
 //! table, migrations, token revocation through the authentication cache, and two server
 //! replicas sharing one database.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -269,7 +268,7 @@ async fn a_version_1_database_upgrades_and_its_running_runs_become_interrupted(d
     if db.is_postgres() {
         db.pg_batch(&format!(
             "{}; {rows}",
-            include_str!("../migrations/postgres/0001_init.sql")
+            include_str!("../../migrations/postgres/0001_init.sql")
         ))
         .expect("version 1 schema");
     } else {
@@ -277,7 +276,7 @@ async fn a_version_1_database_upgrades_and_its_running_runs_become_interrupted(d
         let c = rusqlite::Connection::open(path).expect("open");
         c.execute_batch(&format!(
             "{}; {rows}",
-            include_str!("../migrations/0001_init.sql")
+            include_str!("../../migrations/0001_init.sql")
         ))
         .expect("version 1 schema");
     }

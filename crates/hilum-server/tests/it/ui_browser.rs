@@ -3,7 +3,7 @@
 //! `scripts/setup_ui_tests.sh` (chromium, chromium-driver, `npm ci` in tests/ui).
 //! Screenshots go to target/ui-screenshots/.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

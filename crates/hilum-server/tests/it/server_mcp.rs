@@ -2,7 +2,7 @@
 //! official MCP Python SDK (scripts/mcp_client_check.py) when its venv exists
 //! (`bash scripts/setup_mcp_client.sh`; set HILUM_REQUIRE_MCP_CLIENT=1 to fail without it).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

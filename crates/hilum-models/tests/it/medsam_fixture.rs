@@ -254,7 +254,7 @@ fn the_store_recipe_is_the_medsam_input_exactly() {
 }
 
 /// Full-size ViT-B encoder at 1024 px with seeded random weights: the time of one forward.
-/// Slow: `cargo test -p hilum-models --release --test medsam_fixture -- --ignored --nocapture`
+/// Slow: `cargo test -p hilum-models --release --test it medsam_fixture:: -- --ignored --nocapture`
 #[test]
 #[ignore]
 fn full_size_encoder_time() {

@@ -2,8 +2,7 @@
 //! from ../shared/data and the script LLM. Tests marked `on_both_databases!` run on SQLite and
 //! on a real PostgreSQL server (HILUM_TEST_POSTGRES_URL, see scripts/setup_postgres.sh).
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

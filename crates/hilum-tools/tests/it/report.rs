@@ -113,8 +113,12 @@ async fn writes_both_sections_as_the_models_decode_them() {
         let px = store
             .prepared(&id, &Preprocess::imagenet(model.input_size as u32))
             .expect("prepared");
+        assert_eq!(
+            model.recipe(),
+            Preprocess::imagenet(model.input_size as u32)
+        );
         let gen = model
-            .generate_from_pixels(&px.data, &model.generation(1, 24))
+            .generate_from(&px, &model.generation(1, 24))
             .expect("generate");
         assert_eq!(
             d[section].as_str().expect("text"),

@@ -19,7 +19,7 @@ use hilum_llm_local::model::{argmax, MatmulMode};
 use hilum_llm_local::{GgufTokenizer, LocalLlm};
 use serde_json::Value;
 
-mod common;
+use crate::common;
 use common::models_dir;
 
 const MODEL_FILE: &str = "llm/gemma-3-270m-q4_k_m.gguf";

@@ -2,7 +2,7 @@
 //! agent and the real image tools on ../shared/data: the accuracy, per category, is known
 //! exactly from the script, under the MedRAX cascade and under --strict.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

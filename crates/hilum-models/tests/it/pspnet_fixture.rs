@@ -154,7 +154,7 @@ fn full_size_parameters_match_the_published_checkpoint() {
 
 /// Full-size forward at 512 px, native kernels then candle's CPU ops (random weights; only the
 /// time matters). Slow (about a minute for candle):
-/// `cargo test -p hilum-models --release --test pspnet_fixture -- --ignored --nocapture`
+/// `cargo test -p hilum-models --release --test it pspnet_fixture:: -- --ignored --nocapture`
 /// (`HILUM_CPU_THREADS` sets the native threads).
 #[test]
 #[ignore]

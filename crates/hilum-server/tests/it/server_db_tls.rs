@@ -3,7 +3,7 @@
 //! connection is verified TLS, `require` without a CA, and the refusals: `require` against a
 //! PostgreSQL without TLS, and `verify-full` with another CA or another host name.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -272,7 +272,7 @@ fn default_toolbox_offers_segment_region() {
 /// The full-size MedSAM architecture (ViT-B, 1024 px) on seeded random weights, through the
 /// tool on a real radiograph: the first call's time (encoder + decoder) against later calls on
 /// the same image (decoder only), side by side. Prints the ratio; asserts only the encoder count.
-/// `cargo test -p hilum-tools --release --test segment_region -- --ignored --nocapture`
+/// `cargo test -p hilum-tools --release --test it segment_region:: -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn vit_b_first_call_against_cached_calls() {

@@ -2,7 +2,7 @@
 //! real tool round per question on real radiographs, tokens and timings recorded, and
 //! `--memory case` carrying one conversation through each case.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

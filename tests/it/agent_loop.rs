@@ -1,6 +1,6 @@
 //! The loop's failure paths, budgets, protocols and modes, with the script backend.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

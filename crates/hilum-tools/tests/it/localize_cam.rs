@@ -345,7 +345,7 @@ async fn cam_boxes_vs_nih_expert_boxes_iou_report() {
 
 /// Full-size DenseNet-121 (seeded weights, the real architecture): the CAM grid is 7x7 at
 /// 224 px, its mean plus bias is the reference forward's logit, and the latency is printed
-/// (`cargo test -p hilum-tools --test localize_cam full_size -- --nocapture`).
+/// (`cargo test -p hilum-tools --test it localize_cam::full_size -- --nocapture`).
 #[test]
 fn full_size_densenet121_cam_matches_its_forward_and_reports_latency() {
     let spec = XrvSpec::densenet121_res224_all();

@@ -1,7 +1,7 @@
 //! `hilum eval` as a process: a run killed mid-way and resumed (against a real OpenAI-protocol
 //! server on 127.0.0.1), malformed input, and `hilum eval compare`.
 
-#[path = "../../hilum-eval/tests/common/mod.rs"]
+#[path = "../../../hilum-eval/tests/it/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeSet;

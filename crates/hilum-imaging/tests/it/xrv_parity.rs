@@ -1,7 +1,7 @@
 //! The image store's torchxrayvision variant (`Preprocess::xrv(224)`) against torchxrayvision
 //! 1.5.7's own pipeline on real radiographs (tests/fixtures/xrv_parity, written by
 //! scripts/make_xrv_parity_fixtures.py). The scores and the PSPNet/MedSAM inputs are checked in
-//! `cargo test -p hilum-models --test xrv_parity`.
+//! `cargo test -p hilum-models --test it xrv_parity::`.
 
 use std::path::PathBuf;
 
