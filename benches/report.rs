@@ -39,7 +39,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("report_tiny");
     g.sample_size(20);
     g.bench_function("generate_greedy_24", |b| {
-        b.iter(|| tiny.generate_from_pixels(&px.data, &gen).expect("generate"))
+        b.iter(|| tiny.generate_from(&px, &gen).expect("generate"))
     });
     g.finish();
 

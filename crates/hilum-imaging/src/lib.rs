@@ -33,7 +33,8 @@ pub use dicom::{read_dicom, DicomSummary};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
 pub use transform::{
-    prepare, prepare_values, resize, Filter, Fit, Geometry, Layout, Norm, Prepared, Preprocess,
+    prepare, prepare_values, resize, resize_pil_bicubic_u8, Filter, Fit, Geometry, Layout, Norm,
+    Prepared, Preprocess, CLIP_MEAN, CLIP_STD,
 };
 
 use thiserror::Error;

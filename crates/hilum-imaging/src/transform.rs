@@ -50,6 +50,11 @@ pub enum Filter {
     /// resized in f64 (see [`crate::skresize::resize_cubic_mirror`]) and truncated to whole
     /// values. Always resampled, even at the same size (the spline's rounding can truncate).
     SkimageCubicU8,
+    /// Pillow's `BICUBIC` on an 8-bit image (`a = -0.5`, support widened when shrinking,
+    /// 22-bit fixed-point weights, each pass rounded and clipped to a byte), as the slow
+    /// `CLIPImageProcessor` resizes for LLaVA: the values are first scaled and rounded to whole
+    /// bytes (the norms then see a maximum of 255).
+    PilBicubicU8,
 }
 
 /// How the image's aspect ratio meets the target size.
@@ -65,6 +70,14 @@ pub enum Fit {
     /// Keep the aspect ratio, crop the centre to the target's aspect, then resize
     /// (torchxrayvision's `XRayCenterCrop` for a square target).
     CenterCrop,
+    /// transformers' `CLIPImageProcessor`: the shortest side resized to the target's (the other
+    /// to `int(target * long / short)`), then the centre cropped (`top = (h - target) // 2`).
+    /// Square targets only.
+    ShortSideCrop,
+    /// LLaVA's `expand2square` before CLIP: the image centred (`(side - w) // 2`) on a square of
+    /// its longer side, filled per channel with the colour the norm maps to zero rounded down
+    /// to a byte (`int(mean * 255)`), then resized to the target. Square targets only.
+    PadSquare,
 }
 
 /// Value scaling applied after resizing. `max` is the image's `2^bit_depth - 1`.
@@ -89,6 +102,8 @@ pub enum Norm {
     /// `(v - min) / max(max - min, 1e-8)` over the resized plane (padding included), in 0..=1
     /// (MedSAM); a flat plane is all 0.
     MinMax,
+    /// `(v / max - mean[c]) / std[c]` with OpenAI CLIP's mean and std; implies 3 channels.
+    Clip,
 }
 
 /// Memory order of a multi-channel result.
@@ -117,6 +132,9 @@ pub struct Preprocess {
 
 const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
 const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
+/// OpenAI CLIP's normalisation (the `CLIPImageProcessor` of LLaVA checkpoints).
+pub const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
+pub const CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 impl Preprocess {
     /// `width` x `height`, stretched, bilinear, 0..1, one channel, planar.
@@ -180,10 +198,19 @@ impl Preprocess {
                 self.channels
             )));
         }
-        if matches!(self.norm, Norm::ImageNet | Norm::XrvImageNet) && self.channels != 3 {
-            return Err(ImagingError::InvalidTransform(
-                "ImageNet normalisation needs 3 channels".into(),
-            ));
+        if matches!(self.norm, Norm::ImageNet | Norm::XrvImageNet | Norm::Clip)
+            && self.channels != 3
+        {
+            return Err(ImagingError::InvalidTransform(format!(
+                "{:?} normalisation needs 3 channels",
+                self.norm
+            )));
+        }
+        if matches!(self.fit, Fit::ShortSideCrop | Fit::PadSquare) && self.width != self.height {
+            return Err(ImagingError::InvalidTransform(format!(
+                "{:?} makes square inputs; {}x{} is not square",
+                self.fit, self.width, self.height
+            )));
         }
         Ok(())
     }
@@ -340,7 +367,15 @@ pub fn prepare_values(
     let (dw, dh) = (p.width as usize, p.height as usize);
     let max = max_value.max(1.0);
     let byte_scaled: Vec<f32>;
-    let (pixels, max) = if matches!(p.filter, Filter::PilBilinearU8 | Filter::SkimageCubicU8) {
+    let (pixels, max) = if p.filter == Filter::PilBicubicU8 {
+        // Whole bytes, as the 8-bit picture Pillow is handed.
+        let s = 255.0 / max;
+        byte_scaled = values
+            .iter()
+            .map(|v| (v * s).round().clamp(0.0, 255.0))
+            .collect();
+        (&byte_scaled[..], 255.0)
+    } else if matches!(p.filter, Filter::PilBilinearU8 | Filter::SkimageCubicU8) {
         let s = 255.0 / max;
         byte_scaled = values.iter().map(|v| v * s).collect();
         (&byte_scaled[..], 255.0)
@@ -367,9 +402,65 @@ pub fn prepare_values(
         resize(&crop, region.width, region.height, w, h, p.filter)
     };
     let whole = Region::whole(sw, sh);
-    let (plane, geometry) = match p.fit {
+    let geometry_of = |scale_x: f64, scale_y: f64, offset_x: f64, offset_y: f64| Geometry {
+        src_width: width,
+        src_height: height,
+        dst_width: p.width,
+        dst_height: p.height,
+        scale_x,
+        scale_y,
+        offset_x,
+        offset_y,
+    };
+    // One plane, or one per channel where the fill colour differs by channel (`PadSquare`).
+    let (planes, geometry): (Vec<Vec<f32>>, Geometry) = match p.fit {
+        Fit::ShortSideCrop => {
+            let (nw, nh) = if sw <= sh {
+                (dw, ((dw * sh) as f64 / sw as f64) as usize)
+            } else {
+                (((dw * sw) as f64 / sh as f64) as usize, dw)
+            };
+            let (nw, nh) = (nw.max(dw), nh.max(dh));
+            let resized = if (nw, nh) == (sw, sh) {
+                pixels[..sw * sh].to_vec()
+            } else {
+                resize_region(whole, nw, nh)
+            };
+            let (top, left) = ((nh - dh) / 2, (nw - dw) / 2);
+            let mut plane = Vec::with_capacity(dw * dh);
+            for y in top..top + dh {
+                plane.extend_from_slice(&resized[y * nw + left..y * nw + left + dw]);
+            }
+            let (sx, sy) = (nw as f64 / sw as f64, nh as f64 / sh as f64);
+            (
+                vec![plane],
+                geometry_of(sx, sy, -(left as f64), -(top as f64)),
+            )
+        }
+        Fit::PadSquare => {
+            let side = sw.max(sh);
+            let (ox, oy) = ((side - sw) / 2, (side - sh) / 2);
+            let fills = pad_fills(p.norm, max, p.channels);
+            let planes = fills
+                .iter()
+                .map(|&fill| {
+                    let mut square = vec![fill; side * side];
+                    for y in 0..sh {
+                        square[(oy + y) * side + ox..(oy + y) * side + ox + sw]
+                            .copy_from_slice(&pixels[y * sw..(y + 1) * sw]);
+                    }
+                    if side == dw {
+                        square
+                    } else {
+                        resize(&square, side, side, dw, dh, p.filter)
+                    }
+                })
+                .collect();
+            let s = dw as f64 / side as f64;
+            (planes, geometry_of(s, s, ox as f64 * s, oy as f64 * s))
+        }
         Fit::Stretch => (
-            resize_region(whole, dw, dh),
+            vec![resize_region(whole, dw, dh)],
             Geometry {
                 src_width: width,
                 src_height: height,
@@ -393,7 +484,7 @@ pub fn prepare_values(
                     .copy_from_slice(&small[y * rw..(y + 1) * rw]);
             }
             (
-                plane,
+                vec![plane],
                 Geometry {
                     src_width: width,
                     src_height: height,
@@ -424,7 +515,7 @@ pub fn prepare_values(
                 height: ch,
             };
             (
-                resize_region(region, dw, dh),
+                vec![resize_region(region, dw, dh)],
                 Geometry {
                     src_width: width,
                     src_height: height,
@@ -439,8 +530,9 @@ pub fn prepare_values(
         }
     };
     let (lo, range) = if p.norm == Norm::MinMax {
-        let (lo, hi) = plane
+        let (lo, hi) = planes
             .iter()
+            .flatten()
             .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
                 (a.min(v), b.max(v))
             });
@@ -461,8 +553,14 @@ pub fn prepare_values(
                     Box::new(move |v| (v / max - IMAGENET_MEAN[c]) / IMAGENET_STD[c])
                 }
                 Norm::MinMax => Box::new(move |v| (v - lo) / range),
+                Norm::Clip => {
+                    Box::new(move |v| ((v as f64 / max as f64 - CLIP_MEAN[c]) / CLIP_STD[c]) as f32)
+                }
             };
-            plane.iter().map(|&v| f(v)).collect()
+            planes[c.min(planes.len() - 1)]
+                .iter()
+                .map(|&v| f(v))
+                .collect()
         })
         .collect();
     let data = match (p.layout, channels) {
@@ -485,6 +583,101 @@ pub fn prepare_values(
         data,
         geometry,
     })
+}
+
+/// The fill of [`Fit::PadSquare`] per output channel: the raw value the norm maps to zero,
+/// rounded down to a byte of the `max` scale (LLaVA's `tuple(int(x * 255) for x in mean)`).
+fn pad_fills(norm: Norm, max: f32, channels: u8) -> Vec<f32> {
+    let byte = |mean: f64| ((mean * 255.0).floor() / 255.0 * max as f64) as f32;
+    match norm {
+        Norm::Clip => CLIP_MEAN[..channels as usize]
+            .iter()
+            .map(|&m| byte(m))
+            .collect(),
+        Norm::ImageNet => IMAGENET_MEAN[..channels as usize]
+            .iter()
+            .map(|&m| byte(m as f64))
+            .collect(),
+        Norm::Xrv | Norm::XrvImageNet => vec![byte(0.5)],
+        Norm::None | Norm::Unit | Norm::Byte | Norm::MinMax => vec![0.0],
+    }
+}
+
+/// Pillow's 8-bit bicubic resampling (`ImagingResample`: `a = -0.5`, support widened by the
+/// scale when shrinking, 22-bit fixed-point weights, horizontal pass then vertical, each
+/// rounded and clipped to 8 bits), so the bytes equal Pillow's exactly.
+pub fn resize_pil_bicubic_u8(src: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
+    const PRECISION_BITS: u32 = 32 - 8 - 2;
+    fn cubic(x: f64) -> f64 {
+        let a = -0.5;
+        let x = x.abs();
+        if x < 1.0 {
+            ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+        } else if x < 2.0 {
+            (((x - 5.0) * x + 8.0) * x - 4.0) * a
+        } else {
+            0.0
+        }
+    }
+    // Per output pixel: first input index and fixed-point weights.
+    fn coeffs(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+        let scale = in_size as f64 / out_size as f64;
+        let filterscale = scale.max(1.0);
+        let support = 2.0 * filterscale;
+        (0..out_size)
+            .map(|xx| {
+                let center = (xx as f64 + 0.5) * scale;
+                let ss = 1.0 / filterscale;
+                let xmin = ((center - support + 0.5).floor() as i64).max(0) as usize;
+                let xmax = ((center + support + 0.5).floor() as i64).min(in_size as i64) as usize;
+                let mut k: Vec<f64> = (xmin..xmax)
+                    .map(|x| cubic((x as f64 - center + 0.5) * ss))
+                    .collect();
+                let ww: f64 = k.iter().sum();
+                if ww != 0.0 {
+                    k.iter_mut().for_each(|v| *v /= ww);
+                }
+                let fixed = k
+                    .iter()
+                    .map(|v| {
+                        let s = v * (1u32 << PRECISION_BITS) as f64;
+                        (if s < 0.0 { s - 0.5 } else { s + 0.5 }) as i32
+                    })
+                    .collect();
+                (xmin, fixed)
+            })
+            .collect()
+    }
+    fn clip8(v: i64) -> u8 {
+        (v >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+    if w == 0 || h == 0 || nw == 0 || nh == 0 || src.len() < w * h {
+        return vec![0; nw * nh];
+    }
+    let half = 1i64 << (PRECISION_BITS - 1);
+    let mut tmp = vec![0u8; nw * h];
+    let hc = coeffs(w, nw);
+    for y in 0..h {
+        for (x, (x0, k)) in hc.iter().enumerate() {
+            let mut s = half;
+            for (j, &kk) in k.iter().enumerate() {
+                s += src[y * w + x0 + j] as i64 * kk as i64;
+            }
+            tmp[y * nw + x] = clip8(s);
+        }
+    }
+    let vc = coeffs(h, nh);
+    let mut out = vec![0u8; nw * nh];
+    for (y, (y0, k)) in vc.iter().enumerate() {
+        for x in 0..nw {
+            let mut s = half;
+            for (j, &kk) in k.iter().enumerate() {
+                s += tmp[(y0 + j) * nw + x] as i64 * kk as i64;
+            }
+            out[y * nw + x] = clip8(s);
+        }
+    }
+    out
 }
 
 /// Taps of one output sample along one axis.
@@ -518,7 +711,8 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                 | Filter::PilBilinearU8
                 | Filter::Area
                 | Filter::SkimageLinear
-                | Filter::SkimageCubicU8 => {
+                | Filter::SkimageCubicU8
+                | Filter::PilBicubicU8 => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
                     let start = ((center - support + 0.5).floor().max(0.0)) as usize;
@@ -552,6 +746,20 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
         }
         v
     };
+    if filter == Filter::PilBicubicU8 {
+        // Pillow copies an image resized to its own size.
+        if sw == dw && sh == dh {
+            return src[..sw * sh].to_vec();
+        }
+        let bytes: Vec<u8> = src[..sw * sh]
+            .iter()
+            .map(|v| v.round().clamp(0.0, 255.0) as u8)
+            .collect();
+        return resize_pil_bicubic_u8(&bytes, sw, sh, dw, dh)
+            .into_iter()
+            .map(f32::from)
+            .collect();
+    }
     if filter == Filter::SkimageCubicU8 {
         return crate::skresize::resize_cubic_mirror(src, sw, sh, dw, dh)
             .iter()
@@ -694,5 +902,66 @@ mod tests {
         // A flat image does not divide by zero.
         let flat = prepare_values(&[9.0; 100], 10, 10, 255.0, &cubic.norm(Norm::MinMax)).unwrap();
         assert!(flat.data.iter().all(|v| *v == 0.0));
+    }
+
+    #[test]
+    fn clip_short_side_crop_keeps_the_centre_and_maps_back() {
+        // 40x20 -> shortest side 10 (20x10), then the centre 10x10: columns 5..15 of the half.
+        let img = ramp(40, 20);
+        let clip = Preprocess::stretch(10, 10)
+            .filter(Filter::PilBicubicU8)
+            .fit(Fit::ShortSideCrop)
+            .norm(Norm::Clip)
+            .channels(3);
+        let p = prepare(&img, &clip).unwrap();
+        assert_eq!(p.shape(), [3, 10, 10]);
+        let g = p.geometry;
+        assert_eq!(
+            (g.scale_x, g.scale_y, g.offset_x, g.offset_y),
+            (0.5, 0.5, -5.0, 0.0)
+        );
+        // The input's left edge is original column 10, its right edge column 30.
+        assert_eq!(g.to_original(0.0, 0.0), (10.0, 0.0));
+        assert_eq!(g.to_original(10.0, 10.0), (30.0, 20.0));
+        // Grey in, grey out: the channels differ only by CLIP's per-channel statistics.
+        let byte = |c: usize, v: f32| ((v as f64 * CLIP_STD[c] + CLIP_MEAN[c]) * 255.0) as f32;
+        for i in 0..100 {
+            let (r, b) = (byte(0, p.data[i]), byte(2, p.data[200 + i]));
+            assert!(
+                (r - b).abs() < 1e-3 && (r - r.round()).abs() < 1e-3,
+                "{r} {b}"
+            );
+        }
+        assert!(Preprocess::stretch(10, 12)
+            .fit(Fit::ShortSideCrop)
+            .validate()
+            .is_err());
+    }
+
+    #[test]
+    fn pad_square_fills_each_channel_with_its_mean_byte() {
+        // A white 8x4 image on an 8x8 square: rows 0, 1, 6 and 7 are the fill.
+        let img = prepare_values(
+            &[255.0; 32],
+            8,
+            4,
+            255.0,
+            &Preprocess::stretch(8, 8)
+                .filter(Filter::PilBicubicU8)
+                .fit(Fit::PadSquare)
+                .norm(Norm::Clip)
+                .channels(3),
+        )
+        .unwrap();
+        for c in 0..3 {
+            let plane = &img.data[c * 64..(c + 1) * 64];
+            let fill =
+                (((CLIP_MEAN[c] * 255.0).floor() / 255.0 - CLIP_MEAN[c]) / CLIP_STD[c]) as f32;
+            let white = ((1.0 - CLIP_MEAN[c]) / CLIP_STD[c]) as f32;
+            assert!((plane[0] - fill).abs() < 1e-6 && (plane[63] - fill).abs() < 1e-6);
+            assert!((plane[2 * 8] - white).abs() < 1e-6 && (plane[5 * 8 + 7] - white).abs() < 1e-6);
+        }
+        assert_eq!(img.geometry.to_original(0.0, 2.0), (0.0, 0.0));
+        assert_eq!(img.geometry.to_original(8.0, 6.0), (8.0, 4.0));
     }
 }

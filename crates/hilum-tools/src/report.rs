@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
-use hilum_imaging::{ImageStore, Preprocess};
+use hilum_imaging::ImageStore;
 use hilum_models::report::ReportModel;
 use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
@@ -152,15 +152,12 @@ impl TypedTool for GenerateReport {
             let candle = |_: &_, _| hilum_models::Backend::Candle;
             let work = move |p: Placed<'_, ReportModel>, _: &_| -> Result<Section, Fail> {
                 let (model, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
-                let size = model.input_size as u32;
                 let prepared = store
-                    .prepared(&image, &Preprocess::imagenet(size))
+                    .prepared(&image, &model.recipe())
                     .map_err(|e| ToolError::Unprocessable(e.to_string()))?;
                 let t = Instant::now();
-                let gen = model.generate_from_pixels(
-                    &prepared.data,
-                    &model.generation(num_beams, max_length),
-                )?;
+                let gen =
+                    model.generate_from(&prepared, &model.generation(num_beams, max_length))?;
                 let seconds = t.elapsed().as_secs_f64();
                 let capped_at =
                     (max_length > model.max_length_limit()).then(|| model.max_length_limit());

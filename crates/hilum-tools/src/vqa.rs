@@ -70,7 +70,7 @@ impl AnswerVisualQuestion {
     async fn ask_native(
         &self,
         native: &NativeModel,
-        img: Arc<CxrImage>,
+        id: &str,
         question: &str,
     ) -> Result<(String, Value), ToolError> {
         let models = self.models.as_ref().ok_or_else(|| {
@@ -82,6 +82,8 @@ impl AnswerVisualQuestion {
         })?;
         let spec = native.clone();
         let q = question.to_string();
+        // The tower's input comes from the store, shared with any other call on this image.
+        let (store, image_id) = (self.store.clone(), ImageId(id.to_string()));
         let candle = |_: &_, _| hilum_models::Backend::Candle;
         let (answer, load_ms, device) = run_model(
             models,
@@ -90,14 +92,8 @@ impl AnswerVisualQuestion {
             candle,
             move |p: Placed<'_, NativeVlm>, _| {
                 let (m, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
-                let gray = vlm::to_gray8(&img).map_err(ToolError::from)?;
-                let a = m.answer(
-                    gray.as_raw(),
-                    img.width as usize,
-                    img.height as usize,
-                    &q,
-                    Some(spec.max_tokens as usize),
-                )?;
+                let input = image_id.prepared(&store, &m.recipe())?;
+                let a = m.answer(&input, &q, Some(spec.max_tokens as usize))?;
                 Ok((a, load_ms, p.device))
             },
         )
@@ -222,9 +218,7 @@ impl TypedTool for AnswerVisualQuestion {
             ));
         }
         let native = match self.settings.backend(NAME)? {
-            Some(Backend::Native(native)) => {
-                Some(self.ask_native(&native, img.clone(), &question).await?)
-            }
+            Some(Backend::Native(native)) => Some(self.ask_native(&native, &id, &question).await?),
             Some(Backend::LocalVlm(local)) => {
                 Some(self.ask_local(&local, &id, img.clone(), &question).await?)
             }

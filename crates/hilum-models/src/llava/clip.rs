@@ -3,6 +3,7 @@
 
 use candle_core::{Device, Module, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, LayerNorm, VarBuilder};
+use hilum_imaging::{prepare_values, Filter, Fit, Norm, Preprocess};
 
 use crate::ModelError;
 use serde::Deserialize;
@@ -10,9 +11,7 @@ use serde::Deserialize;
 use super::config::*;
 use super::layers::*;
 
-/// CLIP's normalisation (OpenAI CLIP, also in `CLIPImageProcessor` of LLaVA checkpoints).
-pub const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
-pub const CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
+pub use hilum_imaging::{CLIP_MEAN, CLIP_STD};
 
 // --- CLIP vision tower ------------------------------------------------------------------------
 
@@ -147,8 +146,23 @@ pub enum AspectMode {
     Pad,
 }
 
-/// An 8-bit grey radiograph → pixel values (1, 3, size, size), normalised with CLIP mean/std.
-/// Grey is replicated to RGB (PIL's `convert("RGB")`).
+/// CLIP's input as an image-store recipe: Pillow's 8-bit bicubic, CLIP mean/std, grey
+/// replicated to RGB (PIL's `convert("RGB")`); `Crop` is `CLIPImageProcessor`'s shortest side
+/// to `size` then centre crop, `Pad` LLaVA's `expand2square` on the mean colour first.
+pub fn recipe(size: usize, mode: AspectMode) -> Preprocess {
+    let side = u32::try_from(size).unwrap_or(u32::MAX);
+    Preprocess::stretch(side, side)
+        .filter(Filter::PilBicubicU8)
+        .fit(match mode {
+            AspectMode::Crop => Fit::ShortSideCrop,
+            AspectMode::Pad => Fit::PadSquare,
+        })
+        .norm(Norm::Clip)
+        .channels(3)
+}
+
+/// An 8-bit grey radiograph → pixel values (1, 3, size, size) by [`recipe`], for callers that
+/// hold bytes rather than an image store (fixtures).
 pub fn preprocess(
     gray: &[u8],
     width: usize,
@@ -163,124 +177,12 @@ pub fn preprocess(
             gray.len()
         )));
     }
-    // Crop mode keeps R = G = B: one plane is resized and used three times.
-    let n_planes = if mode == AspectMode::Crop { 1 } else { 3 };
-    let mut planes: Vec<(Vec<u8>, usize, usize)> = (0..n_planes)
-        .map(|c| match mode {
-            AspectMode::Crop => (gray.to_vec(), width, height),
-            AspectMode::Pad => {
-                // expand2square: background = int(mean * 255) per channel, image centred.
-                let side = width.max(height);
-                let bg = (CLIP_MEAN[c] * 255.0) as u8;
-                let mut p = vec![bg; side * side];
-                let (ox, oy) = ((side - width) / 2, (side - height) / 2);
-                for y in 0..height {
-                    p[(oy + y) * side + ox..(oy + y) * side + ox + width]
-                        .copy_from_slice(&gray[y * width..(y + 1) * width]);
-                }
-                (p, side, side)
-            }
-        })
-        .collect();
-    // Shortest side to `size` (transformers' get_resize_output_image_size), bicubic as PIL.
-    let (w, h) = (planes[0].1, planes[0].2);
-    let (nw, nh) = if w <= h {
-        (size, ((size * h) as f64 / w as f64) as usize)
-    } else {
-        (((size * w) as f64 / h as f64) as usize, size)
-    };
-    for p in &mut planes {
-        if (nw, nh) != (p.1, p.2) {
-            p.0 = resize_bicubic_pil(&p.0, p.1, p.2, nw, nh);
-            p.1 = nw;
-            p.2 = nh;
-        }
-    }
-    // Centre crop (transformers' center_crop: top = (h - size) // 2).
-    let (top, left) = ((nh - size.min(nh)) / 2, (nw - size.min(nw)) / 2);
-    let mut out = vec![0f32; 3 * size * size];
-    for c in 0..3 {
-        let (p, pw, _) = &planes[c.min(n_planes - 1)];
-        for y in 0..size {
-            for x in 0..size {
-                let v = p[(top + y) * pw + left + x] as f64 / 255.0;
-                out[(c * size + y) * size + x] = ((v - CLIP_MEAN[c]) / CLIP_STD[c]) as f32;
-            }
-        }
-    }
-    Ok(Tensor::from_vec(out, (1, 3, size, size), device)?)
-}
-
-/// Pillow's 8-bit bicubic resampling (`ImagingResample`, a = -0.5, support widened by the
-/// scale when shrinking, 22-bit fixed-point weights, horizontal pass then vertical, each
-/// rounded and clipped to 8 bits), so pixel values match the Python processor exactly.
-pub fn resize_bicubic_pil(src: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
-    const PRECISION_BITS: u32 = 32 - 8 - 2;
-    pub(crate) fn cubic(x: f64) -> f64 {
-        let a = -0.5;
-        let x = x.abs();
-        if x < 1.0 {
-            ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
-        } else if x < 2.0 {
-            (((x - 5.0) * x + 8.0) * x - 4.0) * a
-        } else {
-            0.0
-        }
-    }
-    // Per output pixel: first input index and fixed-point weights.
-    pub(crate) fn coeffs(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
-        let scale = in_size as f64 / out_size as f64;
-        let filterscale = scale.max(1.0);
-        let support = 2.0 * filterscale;
-        (0..out_size)
-            .map(|xx| {
-                let center = (xx as f64 + 0.5) * scale;
-                let ss = 1.0 / filterscale;
-                let xmin = ((center - support + 0.5).floor() as i64).max(0) as usize;
-                let xmax = ((center + support + 0.5).floor() as i64).min(in_size as i64) as usize;
-                let mut k: Vec<f64> = (xmin..xmax)
-                    .map(|x| cubic((x as f64 - center + 0.5) * ss))
-                    .collect();
-                let ww: f64 = k.iter().sum();
-                if ww != 0.0 {
-                    k.iter_mut().for_each(|v| *v /= ww);
-                }
-                let fixed = k
-                    .iter()
-                    .map(|v| {
-                        let s = v * (1u32 << PRECISION_BITS) as f64;
-                        (if s < 0.0 { s - 0.5 } else { s + 0.5 }) as i32
-                    })
-                    .collect();
-                (xmin, fixed)
-            })
-            .collect()
-    }
-    pub(crate) fn clip8(v: i64) -> u8 {
-        (v >> PRECISION_BITS).clamp(0, 255) as u8
-    }
-    let half = 1i64 << (PRECISION_BITS - 1);
-    let mut tmp = vec![0u8; nw * h];
-    let hc = coeffs(w, nw);
-    for y in 0..h {
-        for (x, (x0, k)) in hc.iter().enumerate() {
-            let mut s = half;
-            for (j, &kk) in k.iter().enumerate() {
-                s += src[y * w + x0 + j] as i64 * kk as i64;
-            }
-            tmp[y * nw + x] = clip8(s);
-        }
-    }
-    let vc = coeffs(h, nh);
-    let mut out = vec![0u8; nw * nh];
-    for (y, (y0, k)) in vc.iter().enumerate() {
-        for x in 0..nw {
-            let mut s = half;
-            for (j, &kk) in k.iter().enumerate() {
-                s += tmp[(y0 + j) * nw + x] as i64 * kk as i64;
-            }
-            out[y * nw + x] = clip8(s);
-        }
-    }
-    out
+    let values: Vec<f32> = gray.iter().map(|&v| f32::from(v)).collect();
+    let (w, h) = (
+        u32::try_from(width).map_err(|_| ModelError::Compute("image too wide".into()))?,
+        u32::try_from(height).map_err(|_| ModelError::Compute("image too tall".into()))?,
+    );
+    let input = prepare_values(&values, w, h, 255.0, &recipe(size, mode))
+        .map_err(|e| ModelError::Compute(e.to_string()))?;
+    Ok(Tensor::from_vec(input.data, (1, 3, size, size), device)?)
 }

@@ -21,8 +21,8 @@
 //! config rather than the HF `LlavaConfig`, and its Llama returns only the last position's
 //! logits. The blocks below are written on candle-nn's layers instead.
 //!
-//! Preprocessing ([`preprocess`]) reproduces the slow `CLIPImageProcessor` (PIL bicubic resize of
-//! the shortest side, centre crop, CLIP mean/std), optionally after LLaVA-1.5's
+//! Its input is an image-store recipe ([`recipe`]): the slow `CLIPImageProcessor` (PIL bicubic
+//! resize of the shortest side, centre crop, CLIP mean/std), optionally after LLaVA-1.5's
 //! `expand2square` padding with the mean colour (`image_aspect_ratio = "pad"`).
 //!
 //! Its parts: [`config`] (the HF configurations and their defaults), [`clip`] (the CLIP vision
@@ -37,6 +37,7 @@ use std::time::Instant;
 
 use candle_core::{Device, IndexOp, Module, Tensor, D};
 use candle_nn::VarBuilder;
+use hilum_imaging::{Prepared, Preprocess};
 
 use crate::ModelError;
 
@@ -45,7 +46,7 @@ pub mod config;
 pub mod decoder;
 pub mod layers;
 
-pub use clip::{preprocess, resize_bicubic_pil, AspectMode, CLIP_MEAN, CLIP_STD};
+pub use clip::{preprocess, recipe, AspectMode, CLIP_MEAN, CLIP_STD};
 pub use config::{Config, Decoder, TextConfig, VisionConfig};
 pub use decoder::KvCache;
 pub use layers::Precision;
@@ -472,17 +473,22 @@ impl NativeVlm {
         ))
     }
 
-    /// Answers `question` about an 8-bit grey radiograph with greedy decoding.
+    /// The vision tower's input: the image store computes it ([`recipe`]) once per image.
+    pub fn recipe(&self) -> Preprocess {
+        recipe(self.model.config().vision_config.image_size, self.aspect)
+    }
+
+    /// Answers `question` about a radiograph prepared by [`NativeVlm::recipe`], greedily.
     pub fn answer(
         &self,
-        gray: &[u8],
-        width: usize,
-        height: usize,
+        input: &Prepared,
         question: &str,
         max_new_tokens: Option<usize>,
     ) -> Result<NativeAnswer, ModelError> {
-        let size = self.model.config().vision_config.image_size;
-        let px = preprocess(gray, width, height, size, self.aspect, self.model.device())?;
+        let recipe = self.recipe();
+        crate::runner::check_input(&recipe, input)?;
+        let size = recipe.width as usize;
+        let px = Tensor::from_slice(&input.data, (1, 3, size, size), self.model.device())?;
         let ids = self.prompt_ids(question)?;
         let generation = self.model.generate(
             &ids,
@@ -564,7 +570,7 @@ mod tests {
     #[test]
     fn bicubic_keeps_a_flat_image_flat_and_pad_centres_the_image() {
         let flat = vec![77u8; 40 * 30];
-        assert!(resize_bicubic_pil(&flat, 40, 30, 13, 9)
+        assert!(hilum_imaging::resize_pil_bicubic_u8(&flat, 40, 30, 13, 9)
             .iter()
             .all(|&v| v == 77));
         // A white 20x10 image padded to 20x20: rows 0..5 and 15..20 take the mean colour.

@@ -20,6 +20,7 @@ use std::path::Path;
 
 use candle_core::{Module, Tensor};
 use candle_nn::{linear, Linear, VarBuilder};
+use hilum_imaging::{Prepared, Preprocess};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -489,19 +490,21 @@ impl ReportModel {
             .map_err(|e| ModelError::Compute(format!("detokenising: {e}")))
     }
 
-    /// Generates from a prepared image: `pixels` planar (3, size, size), ImageNet-normalised.
-    pub fn generate_from_pixels(
+    /// The encoder's input, as the image store computes it: `input_size` px stretched, RGB,
+    /// ImageNet mean/std (the manifest's `[preprocessing]`). ViTImageProcessor resizes the 8-bit
+    /// picture with PIL; this bilinear resize runs on the values (not yet proven equal).
+    pub fn recipe(&self) -> Preprocess {
+        Preprocess::imagenet(u32::try_from(self.input_size).unwrap_or(u32::MAX))
+    }
+
+    /// Generates from an image prepared by [`ReportModel::recipe`].
+    pub fn generate_from(
         &self,
-        pixels: &[f32],
+        input: &Prepared,
         cfg: &GenerationConfig,
     ) -> Result<Generated, ModelError> {
-        let s = self.input_size;
-        if pixels.len() != 3 * s * s {
-            return Err(ModelError::Compute(format!(
-                "expected 3x{s}x{s} input values, got {}",
-                pixels.len()
-            )));
-        }
+        crate::runner::check_input(&self.recipe(), input)?;
+        let (s, pixels) = (self.input_size, &input.data);
         let dev = self
             .net
             .decoder
