@@ -3,6 +3,7 @@
 //! [`crate::canonical`], so neither module imports this one back.
 
 use crate::canonical::{check_size, CxrImage, DecodeOptions, ImageMeta};
+use crate::jpeg::{decode_jpeg_samples, JpegSamples};
 use crate::{dicom, ImagingError};
 
 /// The container format of some bytes, from their first bytes only.
@@ -46,12 +47,54 @@ pub fn decode_with(
     }
     match sniff_format(bytes) {
         Some("dicom") => dicom::decode_dicom(bytes, what, opts),
+        Some("jpeg") => match decode_jpeg_samples(bytes, what, opts.max_pixels)? {
+            Some(decoded) => jpeg_image(decoded, what),
+            // CMYK/YCCK: the `image` crate's decoder converts them to RGB.
+            None => decode_raster(bytes, what, "jpeg", opts.max_pixels),
+        },
         Some(format) => decode_raster(bytes, what, format, opts.max_pixels),
         None => Err(ImagingError::Decode {
             what: what.to_string(),
             reason: "not a PNG, JPEG or DICOM file".into(),
         }),
     }
+}
+
+/// Gray stays as decoded; RGB becomes luminance through the `image` crate, the same conversion
+/// as for RGB PNGs (and as before libjpeg-turbo decoded JPEG).
+fn jpeg_image(decoded: JpegSamples, what: &str) -> Result<CxrImage, ImagingError> {
+    let JpegSamples {
+        width,
+        height,
+        channels,
+        samples,
+    } = decoded;
+    let (gray, photometric) = if channels == 3 {
+        let rgb = image::RgbImage::from_raw(width, height, samples).ok_or_else(|| {
+            ImagingError::Decode {
+                what: what.to_string(),
+                reason: format!("decoded RGB buffer does not hold {width}x{height} pixels"),
+            }
+        })?;
+        let gray = image::DynamicImage::ImageRgb8(rgb).into_luma8().into_raw();
+        (gray, "Rgb8")
+    } else {
+        (samples, "L8")
+    };
+    Ok(CxrImage {
+        width,
+        height,
+        pixels: gray.into_iter().map(f32::from).collect(),
+        meta: ImageMeta {
+            format: "jpeg".into(),
+            width,
+            height,
+            bit_depth: 8,
+            source_channels: channels,
+            photometric: Some(photometric.into()),
+            ..Default::default()
+        },
+    })
 }
 
 fn decode_raster(

@@ -17,6 +17,7 @@ mod decode;
 mod deid;
 mod dicom;
 pub mod font;
+mod jpeg;
 pub mod regions;
 mod render;
 pub mod skresize;
@@ -30,6 +31,7 @@ pub use deid::{
     ProfileOption,
 };
 pub use dicom::{read_dicom, DicomSummary};
+pub use jpeg::{decode_jpeg_samples, JpegSamples};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
 pub use transform::{
