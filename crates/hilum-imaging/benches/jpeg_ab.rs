@@ -1,7 +1,8 @@
 //! Old and new JPEG decoders timed in alternation (new, old, new, old, ...), so that a busy
 //! machine slows both alike; criterion's groups run one case after another instead.
 //! New: `decode` (libjpeg-turbo, then f32). Old: the `image` crate's zune-jpeg, luminance and
-//! f32, as `decode` did before. Prints median and minimum milliseconds per file.
+//! f32, as `decode` did before. Prints median and minimum milliseconds per file, and how many
+//! pixels the two decoders disagree on.
 //! Run: `cargo bench -p hilum-imaging --bench jpeg_ab [-- ROUNDS]`.
 
 use std::hint::black_box;
@@ -39,9 +40,24 @@ fn main() {
         let path = root.join(file);
         let bytes = std::fs::read(&path)
             .unwrap_or_else(|e| panic!("real data missing: {} ({e})", path.display()));
-        // One untimed call each: page faults of the first allocations, caches.
-        black_box(decode(&bytes, file, u64::MAX).expect("decode"));
-        black_box(zune_decode(&bytes));
+        // One untimed call each (first allocations, caches), kept to compare the pixels.
+        let new_pixels = decode(&bytes, file, u64::MAX).expect("decode").pixels;
+        let old_pixels = zune_decode(&bytes);
+        let differ = new_pixels
+            .iter()
+            .zip(&old_pixels)
+            .filter(|(a, b)| a != b)
+            .count();
+        let worst = new_pixels
+            .iter()
+            .zip(&old_pixels)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "{file:34} pixels differing: {differ} of {} ({:.2}%), max {worst} levels",
+            new_pixels.len(),
+            100.0 * differ as f64 / new_pixels.len() as f64
+        );
         let (mut new, mut old) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
             let t = Instant::now();
