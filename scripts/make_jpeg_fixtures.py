@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """What Pillow decodes from every JPEG in ../shared/data (read there at test time, never copied
 here) and from small synthetic JPEGs this script writes, for crates/hilum-imaging's
-`jpeg_pillow` test: Hilum's libjpeg-turbo decode must give the same samples, bit for bit.
+`jpeg_pillow` test (`cargo test -p hilum-imaging --test it jpeg_pillow::`): Hilum's
+libjpeg-turbo decode must give the same samples, bit for bit.
 
 Writes to crates/hilum-imaging/tests/fixtures/jpeg/:
-  synth_*.jpg     64x48-ish gradients with texture, encoded by Pillow: gray and YCbCr, baseline
+  synth_*.jpg     24x16 to 67x45 gradients with texture, encoded by Pillow: gray and YCbCr, baseline
                   and progressive, 4:4:4 / 4:2:2 / 4:2:0 (the upsampling paths), odd sizes (the
                   partial edge blocks), and one CMYK file (left to the `image` crate by Hilum).
   pillow.json     per file: size, Pillow's mode, sha256 and sum of `np.asarray(Image.open(f))`

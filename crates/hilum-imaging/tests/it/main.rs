@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod deid_annex_e;
+mod jpeg_pillow;
 mod real_data;
 mod store_deid;
 mod voi_lut;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use hilum_imaging::{decode, prepare, Preprocess};
 
 /// On torchxrayvision's [-1024, 1024] scale, JPEG included: Hilum decodes JPEG with
-/// libjpeg-turbo as Pillow does (tests/jpeg_pillow.rs), so only the resize's rounding is left.
+/// libjpeg-turbo as Pillow does (jpeg_pillow.rs), so only the resize's rounding is left.
 const XRV_TOL: f32 = 1e-3;
 
 #[test]
