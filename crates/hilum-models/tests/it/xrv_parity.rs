@@ -18,21 +18,10 @@ use hilum_models::{pspnet, Backend};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// On torchxrayvision's [-1024, 1024] scale (1e-6 of the range, about 16 f32 ulps at 1024).
+/// On torchxrayvision's [-1024, 1024] scale (1e-6 of the range, about 16 f32 ulps at 1024),
+/// for PNG and JPEG alike: JPEG is decoded by libjpeg-turbo as Pillow decodes it (with
+/// zune-jpeg the IDCTs differed by one level on some pixels: up to 3.3 at 224 px, 6.9 at 512).
 const XRV_TOL: f32 = 1e-3;
-/// JPEG files on the same scale: one 8-bit step (2048 / 255). Hilum decodes JPEG with
-/// zune-jpeg (through `image`), the reference with Pillow's libjpeg-turbo; their IDCTs differ by
-/// one level on some pixels, which the resize averages but does not remove (measured up to 3.3
-/// at 224 px and 6.9 at 512 px; PNG files, decoded identically, stay under 3.4e-4).
-const XRV_JPEG_TOL: f32 = 2048.0 / 255.0;
-
-fn tolerance(rec: &Value) -> f32 {
-    if rec["kind"].as_str().unwrap_or("").starts_with("jpeg") {
-        XRV_JPEG_TOL
-    } else {
-        XRV_TOL
-    }
-}
 
 fn mean_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len().max(1) as f32
@@ -147,7 +136,7 @@ fn xrv_224_inputs_match_torchxrayvision() {
         let mean = mean_abs_diff(&got, &want);
         println!("{file:45} {kind:9} xrv224 max |diff| {d:.2e} mean {mean:.2e} (store {ds:.2e})");
         assert!(
-            d.max(ds) <= tolerance(rec),
+            d.max(ds) <= XRV_TOL,
             "{file}: 224 px input differs by {}",
             d.max(ds)
         );
@@ -259,7 +248,7 @@ fn pspnet_512_inputs_match_torchxrayvision() {
         let d_xrv = d * 0.229 * 2048.0;
         println!("{file:45} psp512 max |diff| {d:.2e} (xrv scale {d_xrv:.2e})");
         assert!(
-            d_xrv <= tolerance(rec),
+            d_xrv <= XRV_TOL,
             "{file}: 512 px PSPNet input differs by {d_xrv} on the xrv scale"
         );
         worst = worst.max(d_xrv);
@@ -307,9 +296,9 @@ fn medsam_1024_inputs_match_medsam_inference() {
             d / step,
             got.len()
         );
-        // Where the file is PNG (decoded alike) and really resized, nothing may differ.
+        // Where the file is really resized, nothing may differ (PNG and JPEG decode alike).
         let resized = img.width != 1024 || img.height != 1024;
-        if !rec["kind"].as_str().unwrap_or("").starts_with("jpeg") && resized {
+        if resized {
             assert_eq!(n_off, 0, "{file}: MedSAM input differs on {n_off} pixels");
         }
         off += n_off;
@@ -320,8 +309,7 @@ fn medsam_1024_inputs_match_medsam_inference() {
     // The reference truncates f64 values to uint8 (`astype(np.uint8)`): a value that should be an
     // integer lands just below or above it depending on the order of floating-point operations.
     // At 1024 -> 1024 scipy's spline round trip lands below on most pixels, so the reference is
-    // one level under its own input there; JPEG files add the decoders' one-level differences.
-    // Hence: never more than one 8-bit step anywhere.
+    // one level under its own input there. Hence: never more than one 8-bit step anywhere.
     assert!(
         worst <= 1.0 + 1e-3,
         "MedSAM inputs differ by {worst} 8-bit steps"
