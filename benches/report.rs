@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, Criterion};
-use hilum_imaging::{ImageStore, Preprocess};
+use hilum_imaging::ImageStore;
 use hilum_models::report::{self, Config, GenerationConfig, ReportModel, ReportNet};
 
 fn root() -> PathBuf {
@@ -25,7 +25,7 @@ fn bench(c: &mut Criterion) {
         .ingest_file(&root().join("../shared/data/cxr/images/nih_00000001_000_cardiomegaly.png"))
         .expect("real radiograph (../shared/data)");
     let px = store
-        .prepared(&id, &Preprocess::imagenet(224))
+        .prepared(&id, &hilum_models::report::recipe(224))
         .expect("prepared");
 
     let tiny = ReportModel::load_files(

@@ -55,6 +55,10 @@ pub enum Filter {
     /// `CLIPImageProcessor` resizes for LLaVA: the values are first scaled and rounded to whole
     /// bytes (the norms then see a maximum of 255).
     PilBicubicU8,
+    /// Pillow's `BILINEAR` exactly: [`Filter::PilBicubicU8`]'s fixed-point arithmetic with the
+    /// triangle kernel, as ViTImageProcessor resizes for the report models.
+    /// ([`Filter::PilBilinearU8`] rounds float passes: up to one level off on some pixels.)
+    PilBilinearFixedU8,
 }
 
 /// How the image's aspect ratio meets the target size.
@@ -367,7 +371,7 @@ pub fn prepare_values(
     let (dw, dh) = (p.width as usize, p.height as usize);
     let max = max_value.max(1.0);
     let byte_scaled: Vec<f32>;
-    let (pixels, max) = if p.filter == Filter::PilBicubicU8 {
+    let (pixels, max) = if matches!(p.filter, Filter::PilBicubicU8 | Filter::PilBilinearFixedU8) {
         // Whole bytes, as the 8-bit picture Pillow is handed.
         let s = 255.0 / max;
         byte_scaled = values
@@ -603,27 +607,51 @@ fn pad_fills(norm: Norm, max: f32, channels: u8) -> Vec<f32> {
     }
 }
 
-/// Pillow's 8-bit bicubic resampling (`ImagingResample`: `a = -0.5`, support widened by the
-/// scale when shrinking, 22-bit fixed-point weights, horizontal pass then vertical, each
-/// rounded and clipped to 8 bits), so the bytes equal Pillow's exactly.
+/// Pillow's 8-bit bicubic resampling (see [`resize_pil_u8`]).
 pub fn resize_pil_bicubic_u8(src: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
+    resize_pil_u8(src, w, h, nw, nh, PilKernel::Bicubic)
+}
+
+/// Pillow's resampling kernels ([`resize_pil_u8`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PilKernel {
+    /// Triangle, support 1.
+    Bilinear,
+    /// `a = -0.5`, support 2.
+    Bicubic,
+}
+
+/// Pillow's 8-bit resampling (`ImagingResample`: support widened by the scale when shrinking,
+/// 22-bit fixed-point weights, horizontal pass then vertical, each rounded and clipped to 8
+/// bits), so the bytes equal Pillow's exactly.
+pub fn resize_pil_u8(
+    src: &[u8],
+    w: usize,
+    h: usize,
+    nw: usize,
+    nh: usize,
+    kernel: PilKernel,
+) -> Vec<u8> {
     const PRECISION_BITS: u32 = 32 - 8 - 2;
-    fn cubic(x: f64) -> f64 {
-        let a = -0.5;
-        let x = x.abs();
-        if x < 1.0 {
-            ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
-        } else if x < 2.0 {
-            (((x - 5.0) * x + 8.0) * x - 4.0) * a
-        } else {
-            0.0
-        }
-    }
+    let (support_1, filter): (f64, fn(f64) -> f64) = match kernel {
+        PilKernel::Bilinear => (1.0, |x: f64| (1.0 - x.abs()).max(0.0)),
+        PilKernel::Bicubic => (2.0, |x: f64| {
+            let a = -0.5;
+            let x = x.abs();
+            if x < 1.0 {
+                ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+            } else if x < 2.0 {
+                (((x - 5.0) * x + 8.0) * x - 4.0) * a
+            } else {
+                0.0
+            }
+        }),
+    };
     // Per output pixel: first input index and fixed-point weights.
-    fn coeffs(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+    let coeffs = |in_size: usize, out_size: usize| -> Vec<(usize, Vec<i32>)> {
         let scale = in_size as f64 / out_size as f64;
         let filterscale = scale.max(1.0);
-        let support = 2.0 * filterscale;
+        let support = support_1 * filterscale;
         (0..out_size)
             .map(|xx| {
                 let center = (xx as f64 + 0.5) * scale;
@@ -631,7 +659,7 @@ pub fn resize_pil_bicubic_u8(src: &[u8], w: usize, h: usize, nw: usize, nh: usiz
                 let xmin = ((center - support + 0.5).floor() as i64).max(0) as usize;
                 let xmax = ((center + support + 0.5).floor() as i64).min(in_size as i64) as usize;
                 let mut k: Vec<f64> = (xmin..xmax)
-                    .map(|x| cubic((x as f64 - center + 0.5) * ss))
+                    .map(|x| filter((x as f64 - center + 0.5) * ss))
                     .collect();
                 let ww: f64 = k.iter().sum();
                 if ww != 0.0 {
@@ -647,7 +675,7 @@ pub fn resize_pil_bicubic_u8(src: &[u8], w: usize, h: usize, nw: usize, nh: usiz
                 (xmin, fixed)
             })
             .collect()
-    }
+    };
     fn clip8(v: i64) -> u8 {
         (v >> PRECISION_BITS).clamp(0, 255) as u8
     }
@@ -712,7 +740,8 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                 | Filter::Area
                 | Filter::SkimageLinear
                 | Filter::SkimageCubicU8
-                | Filter::PilBicubicU8 => {
+                | Filter::PilBicubicU8
+                | Filter::PilBilinearFixedU8 => {
                     let stretch = scale.max(1.0);
                     let support = stretch;
                     let start = ((center - support + 0.5).floor().max(0.0)) as usize;
@@ -746,7 +775,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
         }
         v
     };
-    if filter == Filter::PilBicubicU8 {
+    if matches!(filter, Filter::PilBicubicU8 | Filter::PilBilinearFixedU8) {
         // Pillow copies an image resized to its own size.
         if sw == dw && sh == dh {
             return src[..sw * sh].to_vec();
@@ -755,7 +784,12 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
             .iter()
             .map(|v| v.round().clamp(0.0, 255.0) as u8)
             .collect();
-        return resize_pil_bicubic_u8(&bytes, sw, sh, dw, dh)
+        let kernel = if filter == Filter::PilBicubicU8 {
+            PilKernel::Bicubic
+        } else {
+            PilKernel::Bilinear
+        };
+        return resize_pil_u8(&bytes, sw, sh, dw, dh, kernel)
             .into_iter()
             .map(f32::from)
             .collect();

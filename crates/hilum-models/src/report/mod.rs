@@ -20,7 +20,7 @@ use std::path::Path;
 
 use candle_core::{Module, Tensor};
 use candle_nn::{linear, Linear, VarBuilder};
-use hilum_imaging::{Prepared, Preprocess};
+use hilum_imaging::{Filter, Prepared, Preprocess};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -288,6 +288,13 @@ impl ReportNet {
     }
 }
 
+/// The encoder's input as the checkpoints' ViTImageProcessor makes it: the 8-bit picture as RGB,
+/// PIL's bilinear resize to `size` x `size` (rounded to bytes each pass), x / 255, ImageNet
+/// mean/std (the manifest's `[preprocessing]`).
+pub fn recipe(size: usize) -> Preprocess {
+    Preprocess::imagenet(u32::try_from(size).unwrap_or(u32::MAX)).filter(Filter::PilBilinearFixedU8)
+}
+
 /// What the tool needs: the network, its tokenizer, token ids and input size.
 pub struct ReportModel {
     pub net: ReportNet,
@@ -490,11 +497,9 @@ impl ReportModel {
             .map_err(|e| ModelError::Compute(format!("detokenising: {e}")))
     }
 
-    /// The encoder's input, as the image store computes it: `input_size` px stretched, RGB,
-    /// ImageNet mean/std (the manifest's `[preprocessing]`). ViTImageProcessor resizes the 8-bit
-    /// picture with PIL; this bilinear resize runs on the values (not yet proven equal).
+    /// The encoder's input, as the image store computes it ([`recipe`]).
     pub fn recipe(&self) -> Preprocess {
-        Preprocess::imagenet(u32::try_from(self.input_size).unwrap_or(u32::MAX))
+        recipe(self.input_size)
     }
 
     /// Generates from an image prepared by [`ReportModel::recipe`].

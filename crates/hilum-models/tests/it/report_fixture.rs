@@ -237,3 +237,40 @@ fn vocab_txt_tokenizer_decodes_like_tokenizer_json() {
         .unwrap_or_default();
     assert!(err.contains("scripts/convert_report.py"), "{err}");
 }
+
+/// The report models' recipe on real radiographs (a PNG and a JPEG) against transformers'
+/// ViTImageProcessor as the checkpoints configure it (`scripts/make_report_preprocess_fixtures.py`
+/// wrote its planes back as bytes): equal byte for byte.
+#[test]
+fn the_recipe_is_the_vit_image_processor() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = root.join("tests/fixtures/report_preprocess");
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("manifest.json")).expect("manifest"),
+    )
+    .expect("manifest json");
+    let store = hilum_imaging::ImageStore::default();
+    for rec in manifest.as_array().expect("list") {
+        let file = rec["file"].as_str().expect("file");
+        let want = std::fs::read(dir.join(rec["plane"].as_str().expect("plane"))).expect("plane");
+        let id = store
+            .ingest_file(&root.join("../shared/data").join(file))
+            .expect("radiograph");
+        let for_variant = |recipe: hilum_imaging::Preprocess| {
+            let x = store.prepared(&id, &recipe).expect("prepared");
+            assert_eq!(x.shape(), [3, 224, 224]);
+            // Back to the processor's bytes: v * std + mean, times 255 (red channel).
+            let off = x.data[..224 * 224]
+                .iter()
+                .zip(&want)
+                .map(|(v, &b)| ((v * 0.229 + 0.485) * 255.0 - b as f32).abs())
+                .fold(0f32, f32::max);
+            off
+        };
+        let recipe = report::recipe(224);
+        let off = for_variant(recipe);
+        let float = for_variant(hilum_imaging::Preprocess::imagenet(224));
+        eprintln!("{file}: recipe off by {off:.2e} levels; a float bilinear resize by {float:.2}");
+        assert!(off < 1e-3, "{file}: {off} levels from ViTImageProcessor");
+    }
+}

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use hilum_agent::{Tool, ToolContext, ToolError, Typed};
-use hilum_imaging::{ImageStore, Preprocess, StoreLimits};
+use hilum_imaging::{ImageStore, StoreLimits};
 use hilum_models::report::ReportModel;
 use hilum_models::{Device, ImportOptions, ModelPool, ModelRegistry};
 use hilum_tools::report::{FINDINGS_MODEL, IMPRESSION_MODEL};
@@ -111,11 +111,11 @@ async fn writes_both_sections_as_the_models_decode_them() {
             .get_or_load::<ReportModel>(model_id, Device::Cpu, hilum_models::Backend::Candle)
             .expect("warm model");
         let px = store
-            .prepared(&id, &Preprocess::imagenet(model.input_size as u32))
+            .prepared(&id, &model.recipe())
             .expect("prepared");
         assert_eq!(
             model.recipe(),
-            Preprocess::imagenet(model.input_size as u32)
+            hilum_models::report::recipe(model.input_size)
         );
         let gen = model
             .generate_from(&px, &model.generation(1, 24))
