@@ -110,9 +110,7 @@ async fn writes_both_sections_as_the_models_decode_them() {
         let model = pool
             .get_or_load::<ReportModel>(model_id, Device::Cpu, hilum_models::Backend::Candle)
             .expect("warm model");
-        let px = store
-            .prepared(&id, &model.recipe())
-            .expect("prepared");
+        let px = store.prepared(&id, &model.recipe()).expect("prepared");
         assert_eq!(
             model.recipe(),
             hilum_models::report::recipe(model.input_size)
