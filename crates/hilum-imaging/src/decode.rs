@@ -60,8 +60,8 @@ pub fn decode_with(
     }
 }
 
-/// Gray stays as decoded; RGB becomes luminance through the `image` crate, the same conversion
-/// as for RGB PNGs (and as before libjpeg-turbo decoded JPEG).
+/// libjpeg-turbo's samples as the `image` crate's picture, so that RGB becomes luminance by the
+/// same conversion as RGB PNGs (and as before libjpeg-turbo decoded JPEG).
 fn jpeg_image(decoded: JpegSamples, what: &str) -> Result<CxrImage, ImagingError> {
     let JpegSamples {
         width,
@@ -69,32 +69,16 @@ fn jpeg_image(decoded: JpegSamples, what: &str) -> Result<CxrImage, ImagingError
         channels,
         samples,
     } = decoded;
-    let (gray, photometric) = if channels == 3 {
-        let rgb = image::RgbImage::from_raw(width, height, samples).ok_or_else(|| {
-            ImagingError::Decode {
-                what: what.to_string(),
-                reason: format!("decoded RGB buffer does not hold {width}x{height} pixels"),
-            }
-        })?;
-        let gray = image::DynamicImage::ImageRgb8(rgb).into_luma8().into_raw();
-        (gray, "Rgb8")
+    let img = if channels == 3 {
+        image::RgbImage::from_raw(width, height, samples).map(image::DynamicImage::ImageRgb8)
     } else {
-        (samples, "L8")
+        image::GrayImage::from_raw(width, height, samples).map(image::DynamicImage::ImageLuma8)
     };
-    Ok(CxrImage {
-        width,
-        height,
-        pixels: gray.into_iter().map(f32::from).collect(),
-        meta: ImageMeta {
-            format: "jpeg".into(),
-            width,
-            height,
-            bit_depth: 8,
-            source_channels: channels,
-            photometric: Some(photometric.into()),
-            ..Default::default()
-        },
-    })
+    let img = img.ok_or_else(|| ImagingError::Decode {
+        what: what.to_string(),
+        reason: format!("decoded buffer does not hold {width}x{height} pixels"),
+    })?;
+    Ok(raster_image(img, "jpeg"))
 }
 
 fn decode_raster(
@@ -124,6 +108,12 @@ fn decode_raster(
     let (w, h) = reader().into_dimensions().map_err(|e| err(e.to_string()))?;
     check_size(what, w as u64, h as u64, 1, max_pixels)?;
     let img = reader().decode().map_err(|e| err(e.to_string()))?;
+    Ok(raster_image(img, format))
+}
+
+/// A decoded picture as the canonical luminance plane (16-bit stays 16-bit).
+fn raster_image(img: image::DynamicImage, format: &str) -> CxrImage {
+    let (w, h) = (img.width(), img.height());
     let color = img.color();
     let channels = color.channel_count();
     let sixteen = color.bytes_per_pixel() / channels >= 2;
@@ -146,7 +136,7 @@ fn decode_raster(
                 .collect(),
         )
     };
-    Ok(CxrImage {
+    CxrImage {
         width: w,
         height: h,
         pixels,
@@ -159,5 +149,5 @@ fn decode_raster(
             photometric: Some(format!("{color:?}")),
             ..Default::default()
         },
-    })
+    }
 }

@@ -35,8 +35,8 @@ pub use jpeg::{decode_jpeg_samples, JpegSamples};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
 pub use transform::{
-    prepare, prepare_values, resize, resize_pil_bicubic_u8, resize_pil_u8, Filter, Fit, Geometry,
-    Layout, Norm, PilKernel, Prepared, Preprocess, CLIP_MEAN, CLIP_STD,
+    prepare, prepare_values, resize, resize_pil_u8, Filter, Fit, Geometry, Layout, Norm, PilKernel,
+    Prepared, Preprocess, CLIP_MEAN, CLIP_STD,
 };
 
 use thiserror::Error;

@@ -425,11 +425,7 @@ pub fn prepare_values(
                 (((dw * sw) as f64 / sh as f64) as usize, dw)
             };
             let (nw, nh) = (nw.max(dw), nh.max(dh));
-            let resized = if (nw, nh) == (sw, sh) {
-                pixels[..sw * sh].to_vec()
-            } else {
-                resize_region(whole, nw, nh)
-            };
+            let resized = resize_region(whole, nw, nh);
             let (top, left) = ((nh - dh) / 2, (nw - dw) / 2);
             let mut plane = Vec::with_capacity(dw * dh);
             for y in top..top + dh {
@@ -453,11 +449,7 @@ pub fn prepare_values(
                         square[(oy + y) * side + ox..(oy + y) * side + ox + sw]
                             .copy_from_slice(&pixels[y * sw..(y + 1) * sw]);
                     }
-                    if side == dw {
-                        square
-                    } else {
-                        resize(&square, side, side, dw, dh, p.filter)
-                    }
+                    resize(&square, side, side, dw, dh, p.filter)
                 })
                 .collect();
             let s = dw as f64 / side as f64;
@@ -465,16 +457,7 @@ pub fn prepare_values(
         }
         Fit::Stretch => (
             vec![resize_region(whole, dw, dh)],
-            Geometry {
-                src_width: width,
-                src_height: height,
-                dst_width: p.width,
-                dst_height: p.height,
-                scale_x: dw as f64 / sw as f64,
-                scale_y: dh as f64 / sh as f64,
-                offset_x: 0.0,
-                offset_y: 0.0,
-            },
+            geometry_of(dw as f64 / sw as f64, dh as f64 / sh as f64, 0.0, 0.0),
         ),
         Fit::Pad => {
             let s = (dw as f64 / sw as f64).min(dh as f64 / sh as f64);
@@ -489,16 +472,12 @@ pub fn prepare_values(
             }
             (
                 vec![plane],
-                Geometry {
-                    src_width: width,
-                    src_height: height,
-                    dst_width: p.width,
-                    dst_height: p.height,
-                    scale_x: rw as f64 / sw as f64,
-                    scale_y: rh as f64 / sh as f64,
-                    offset_x: ox as f64,
-                    offset_y: oy as f64,
-                },
+                geometry_of(
+                    rw as f64 / sw as f64,
+                    rh as f64 / sh as f64,
+                    ox as f64,
+                    oy as f64,
+                ),
             )
         }
         Fit::CenterCrop => {
@@ -520,16 +499,7 @@ pub fn prepare_values(
             };
             (
                 vec![resize_region(region, dw, dh)],
-                Geometry {
-                    src_width: width,
-                    src_height: height,
-                    dst_width: p.width,
-                    dst_height: p.height,
-                    scale_x: sx,
-                    scale_y: sy,
-                    offset_x: -(x0 as f64) * sx,
-                    offset_y: -(y0 as f64) * sy,
-                },
+                geometry_of(sx, sy, -(x0 as f64) * sx, -(y0 as f64) * sy),
             )
         }
     };
@@ -605,11 +575,6 @@ fn pad_fills(norm: Norm, max: f32, channels: u8) -> Vec<f32> {
         Norm::Xrv | Norm::XrvImageNet => vec![byte(0.5)],
         Norm::None | Norm::Unit | Norm::Byte | Norm::MinMax => vec![0.0],
     }
-}
-
-/// Pillow's 8-bit bicubic resampling (see [`resize_pil_u8`]).
-pub fn resize_pil_bicubic_u8(src: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
-    resize_pil_u8(src, w, h, nw, nh, PilKernel::Bicubic)
 }
 
 /// Pillow's resampling kernels ([`resize_pil_u8`]).
@@ -734,7 +699,8 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                         .collect();
                     normalised(start, weights)
                 }
-                // The skimage filters never get here: `resize` hands them to `skresize`.
+                // The skimage and Pillow-exact filters never get here: `resize` hands them to
+                // `skresize` and `resize_pil_u8`.
                 Filter::Bilinear
                 | Filter::PilBilinearU8
                 | Filter::Area

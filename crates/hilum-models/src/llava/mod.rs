@@ -570,9 +570,16 @@ mod tests {
     #[test]
     fn bicubic_keeps_a_flat_image_flat_and_pad_centres_the_image() {
         let flat = vec![77u8; 40 * 30];
-        assert!(hilum_imaging::resize_pil_bicubic_u8(&flat, 40, 30, 13, 9)
-            .iter()
-            .all(|&v| v == 77));
+        assert!(hilum_imaging::resize_pil_u8(
+            &flat,
+            40,
+            30,
+            13,
+            9,
+            hilum_imaging::PilKernel::Bicubic
+        )
+        .iter()
+        .all(|&v| v == 77));
         // A white 20x10 image padded to 20x20: rows 0..5 and 15..20 take the mean colour.
         let px = preprocess(&[255u8; 200], 20, 10, 20, AspectMode::Pad, &Device::Cpu)
             .expect("preprocess");
