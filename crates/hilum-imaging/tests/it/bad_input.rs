@@ -132,6 +132,27 @@ fn dicom_bomb_is_refused_from_its_header() {
 }
 
 #[test]
+fn a_jpeg_frame_of_another_size_than_the_header_is_an_error() {
+    // Rows says 1000; the JPEG inside is 1024x1024. Decoding it into a 1000-row image would
+    // silently drop or misplace pixels.
+    let bytes = data("dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
+    let mut obj = dicom_object::from_reader(&bytes[..]).unwrap();
+    obj.put(DataElement::new(
+        tags::ROWS,
+        VR::US,
+        PrimitiveValue::from(1000u16),
+    ));
+    let mut out = Vec::new();
+    obj.write_all(&mut out).unwrap();
+    let err = decode_with(&out, "rows.dcm", &opts()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rows.dcm") && msg.contains("1024x1024") && msg.contains("1024x1000"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn zero_size_images_are_refused() {
     let err = decode_with(&png_claiming(0, 10), "zero.png", &opts()).unwrap_err();
     assert!(err.to_string().contains("zero.png"), "{err}");
