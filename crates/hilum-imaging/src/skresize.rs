@@ -335,6 +335,12 @@ pub fn resize_cubic_mirror(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usi
     if sw == 0 || sh == 0 || dw == 0 || dh == 0 || src.len() < sw * sh {
         return vec![0.0; dw * dh];
     }
+    // Every zoom factor 1: scipy's `zoom` returns its input unchanged (its gh-20999 early exit,
+    // in the pinned 1.17.1), and sigma 0 leaves the Gaussian out. A spline round trip here would
+    // land just below whole values and truncate one level down.
+    if (sw, sh) == (dw, dh) {
+        return src[..sw * sh].iter().map(|&v| f64::from(v)).collect();
+    }
     let (lo, hi) = min_max(&src[..sw * sh]);
     // Rows to dw, then (transposed) columns to dh.
     let kx = gaussian_kernel(sw, dw);

@@ -48,7 +48,7 @@ pub enum Filter {
     /// preserve_range=True)` on an 8-bit image, then `astype(np.uint8)`, as MedSAM's inference
     /// script feeds SAM: the values are scaled to 0..=255 (the norms then see a maximum of 255),
     /// resized in f64 (see [`crate::skresize::resize_cubic_mirror`]) and truncated to whole
-    /// values. Always resampled, even at the same size (the spline's rounding can truncate).
+    /// values. At the same size the values pass unchanged, as scipy's `zoom` returns them.
     SkimageCubicU8,
     /// Pillow's `BICUBIC` on an 8-bit image (`a = -0.5`, support widened when shrinking,
     /// 22-bit fixed-point weights, each pass rounded and clipped to a byte), as the slow
