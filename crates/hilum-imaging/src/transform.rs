@@ -40,10 +40,6 @@ pub enum Filter {
     /// linear interpolation; skimage's `cval=0` is the value the recipe's `norm` maps to 0, e.g.
     /// mid-grey for [`Norm::Xrv`]; clipped to the input's range). See [`crate::skresize`].
     SkimageLinear,
-    /// PIL's `BILINEAR` on an 8-bit image, as Keras models trained on 8-bit files were fed: the
-    /// values are first scaled to 0..=255 (the norms then see a maximum of 255) and each of the
-    /// two passes is rounded to whole values in 0..=255.
-    PilBilinearU8,
     /// `skimage.transform.resize(order=3, mode="reflect", anti_aliasing=True,
     /// preserve_range=True)` on an 8-bit image, then `astype(np.uint8)`, as MedSAM's inference
     /// script feeds SAM: the values are scaled to 0..=255 (the norms then see a maximum of 255),
@@ -56,8 +52,8 @@ pub enum Filter {
     /// bytes (the norms then see a maximum of 255).
     PilBicubicU8,
     /// Pillow's `BILINEAR` exactly: [`Filter::PilBicubicU8`]'s fixed-point arithmetic with the
-    /// triangle kernel, as ViTImageProcessor resizes for the report models.
-    /// ([`Filter::PilBilinearU8`] rounds float passes: up to one level off on some pixels.)
+    /// triangle kernel, as ViTImageProcessor resizes for the report models and the lung U-Net's
+    /// Keras reference was fed.
     PilBilinearFixedU8,
 }
 
@@ -379,7 +375,7 @@ pub fn prepare_values(
             .map(|v| (v * s).round().clamp(0.0, 255.0))
             .collect();
         (&byte_scaled[..], 255.0)
-    } else if matches!(p.filter, Filter::PilBilinearU8 | Filter::SkimageCubicU8) {
+    } else if p.filter == Filter::SkimageCubicU8 {
         let s = 255.0 / max;
         byte_scaled = values.iter().map(|v| v * s).collect();
         (&byte_scaled[..], 255.0)
@@ -520,7 +516,6 @@ pub fn prepare_values(
             let f: Box<dyn Fn(f32) -> f32> = match p.norm {
                 Norm::None => Box::new(|v| v),
                 Norm::Unit => Box::new(move |v| v / max),
-                // Exact when the values are already bytes (`PilBilinearU8`).
                 Norm::Byte => Box::new(move |v| v * (255.0 / max)),
                 Norm::Xrv => Box::new(move |v| (2.0 * (v / max) - 1.0) * 1024.0),
                 Norm::ImageNet | Norm::XrvImageNet => {
@@ -702,7 +697,6 @@ fn taps(n_in: usize, n_out: usize, filter: Filter) -> Vec<Taps> {
                 // The skimage and Pillow-exact filters never get here: `resize` hands them to
                 // `skresize` and `resize_pil_u8`.
                 Filter::Bilinear
-                | Filter::PilBilinearU8
                 | Filter::Area
                 | Filter::SkimageLinear
                 | Filter::SkimageCubicU8
@@ -735,12 +729,6 @@ fn normalised(start: usize, weights: Vec<f64>) -> Taps {
 /// Resizes one row-major channel of `sw` x `sh` values to `dw` x `dh` (separable: rows
 /// first, then columns).
 pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: Filter) -> Vec<f32> {
-    let bytes = |mut v: Vec<f32>| {
-        if filter == Filter::PilBilinearU8 {
-            v.iter_mut().for_each(|x| *x = x.round().clamp(0.0, 255.0));
-        }
-        v
-    };
     if matches!(filter, Filter::PilBicubicU8 | Filter::PilBilinearFixedU8) {
         // Pillow copies an image resized to its own size.
         if sw == dw && sh == dh {
@@ -767,7 +755,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
             .collect();
     }
     if sw == dw && sh == dh {
-        return bytes(src[..sw * sh].to_vec());
+        return src[..sw * sh].to_vec();
     }
     if filter == Filter::SkimageLinear {
         let whole = Region::whole(sw, sh);
@@ -785,7 +773,6 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
                 .sum();
         }
     }
-    let tmp = bytes(tmp);
     let vy = taps(sh, dh, filter);
     let mut out = vec![0.0f32; dh * dw];
     for (row_out, t) in out.chunks_exact_mut(dw).zip(vy.iter()) {
@@ -796,7 +783,7 @@ pub fn resize(src: &[f32], sw: usize, sh: usize, dw: usize, dh: usize, filter: F
             }
         }
     }
-    bytes(out)
+    out
 }
 
 #[cfg(test)]

@@ -670,33 +670,30 @@ fn resample_axis(
     out
 }
 
-/// Model input from an interleaved 8-bit-range RGB image: resize to `size`² and round to whole
-/// values, as the reference (PIL on uint8) does.
+/// Model input from an interleaved 8-bit-range RGB image: each channel resized to `size`² as
+/// Pillow resizes an 8-bit picture (the reference feeds Keras from PIL); nothing when the image
+/// does not hold `width * height` pixels.
 pub fn preprocess_rgb(rgb: &[f32], width: usize, height: usize, size: usize) -> Vec<f32> {
-    resize_u8_like(rgb, width, height, 3, size)
-}
-
-/// PIL resizes 8-bit images in two passes, rounding to whole values after each.
-fn resize_u8_like(
-    src: &[f32],
-    width: usize,
-    height: usize,
-    channels: usize,
-    size: usize,
-) -> Vec<f32> {
-    let round = |mut v: Vec<f32>| {
-        v.iter_mut().for_each(|x| *x = x.round().clamp(0.0, 255.0));
-        v
-    };
-    let horizontal = round(resample_axis(src, width, height, channels, size, true));
-    round(resample_axis(
-        &horizontal,
-        size,
-        height,
-        channels,
-        size,
-        false,
-    ))
+    let n = width * height;
+    if rgb.len() < n * 3 {
+        return Vec::new();
+    }
+    let planes: Vec<Vec<f32>> = (0..3)
+        .map(|c| {
+            let plane: Vec<f32> = rgb.chunks_exact(3).take(n).map(|p| p[c]).collect();
+            hilum_imaging::resize(
+                &plane,
+                width,
+                height,
+                size,
+                size,
+                Filter::PilBilinearFixedU8,
+            )
+        })
+        .collect();
+    (0..size * size)
+        .flat_map(|i| planes.iter().map(move |p| p[i]))
+        .collect()
 }
 
 /// Model input from one luminance channel scaled to 0..255 (grey replicated to RGB): the
@@ -706,11 +703,12 @@ pub fn preprocess_gray(gray: &[f32], width: usize, height: usize, size: usize) -
     recipe_values(&recipe(size), gray, width, height, 255.0)
 }
 
-/// The U-Net's input: stretched to `size`², resized as PIL resizes an 8-bit image, 0..=255,
-/// grey in all three channels, interleaved (NHWC, as Keras takes it).
+/// The U-Net's input: stretched to `size`², resized exactly as Pillow resizes an 8-bit image
+/// (fixed-point bilinear), 0..=255, grey in all three channels, interleaved (NHWC, as Keras
+/// takes it).
 pub fn recipe(size: usize) -> Preprocess {
     Preprocess::stretch(size as u32, size as u32)
-        .filter(Filter::PilBilinearU8)
+        .filter(Filter::PilBilinearFixedU8)
         .norm(Norm::Byte)
         .channels(3)
         .layout(Layout::Hwc)
