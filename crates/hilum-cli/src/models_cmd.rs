@@ -95,14 +95,16 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
                 custom,
                 origin: None,
             };
-            let spinner = import_spinner(&id, &path);
             let inst = tokio::task::spawn_blocking(move || {
-                hilum_models::import(&registry, &id, &path, &opts).map(|i| (id, i))
+                let mut bar = ImportBar::new(&id);
+                let inst =
+                    hilum_models::import_with_progress(&registry, &id, &path, &opts, &mut bar);
+                bar.0.finish_and_clear();
+                inst.map(|i| (id, i))
             })
             .await
-            .context("import task");
-            spinner.finish_and_clear();
-            let inst = inst??;
+            .context("import task")?;
+            let inst = inst?;
             let (id, inst) = inst;
             println!(
                 "installed {id}{}: {} ({} bytes)\n  sha256 {}\n  source sha256 {} ({})",
@@ -281,28 +283,50 @@ fn human(bytes: u64) -> String {
     }
 }
 
-/// A progress bar on stderr for downloads.
-/// A spinner with the elapsed time while `models import` hashes, converts and copies the file
-/// (the import reports no byte progress). Drawn on stderr only when it is a terminal, so piped
-/// or captured output stays clean.
-fn import_spinner(id: &str, path: &std::path::Path) -> ProgressBar {
-    use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
+/// The steps of `models import` on stderr: a byte bar while it hashes and copies, a spinner
+/// while it converts and checks. Drawn only when stderr is a terminal, so piped or captured
+/// output stays clean.
+struct ImportBar(ProgressBar, String);
+
+impl ImportBar {
+    fn new(id: &str) -> Self {
+        use std::io::IsTerminal;
+        let bar = if std::io::stderr().is_terminal() {
+            ProgressBar::new_spinner()
+        } else {
+            ProgressBar::hidden()
+        };
+        ImportBar(bar, id.to_string())
     }
-    let bar = ProgressBar::new_spinner();
-    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} {elapsed}") {
-        bar.set_style(style);
-    }
-    let size = std::fs::metadata(path).map_or(0, |m| m.len());
-    bar.set_message(format!(
-        "importing {id} ({}; checking, converting, installing)",
-        indicatif::HumanBytes(size)
-    ));
-    bar.enable_steady_tick(std::time::Duration::from_millis(120));
-    bar
 }
 
+impl hilum_models::ImportProgress for ImportBar {
+    fn step(&mut self, what: &str, total: Option<u64>) {
+        let template = match total {
+            Some(_) => "{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            None => "{spinner} {msg} {elapsed}",
+        };
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            self.0.set_style(style);
+        }
+        self.0.set_message(format!("importing {}: {what}", self.1));
+        self.0.set_position(0);
+        match total {
+            Some(t) => {
+                self.0.disable_steady_tick();
+                self.0.set_length(t);
+            }
+            None => self
+                .0
+                .enable_steady_tick(std::time::Duration::from_millis(120)),
+        }
+    }
+    fn advance(&mut self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+/// A progress bar on stderr for downloads.
 struct Bar(Option<ProgressBar>);
 
 impl FetchProgress for Bar {

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::registry::check_architecture;
-use crate::{sha256_file, InstallRecord, InstalledModel, ModelError, ModelRegistry};
+use crate::{sha256_file_with, InstallRecord, InstalledModel, ModelError, ModelRegistry};
 
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
@@ -17,6 +17,17 @@ pub struct ImportOptions {
     pub origin: Option<String>,
 }
 
+/// Receives the steps of an import as they start and their byte progress (the CLI draws a
+/// bar: hashing, converting and copying a 15 GB checkpoint takes minutes).
+pub trait ImportProgress: Send {
+    /// A step starts; `total` is its size in bytes when it advances by bytes.
+    fn step(&mut self, _what: &str, _total: Option<u64>) {}
+    /// `bytes` more of the current step are done.
+    fn advance(&mut self, _bytes: u64) {}
+}
+
+impl ImportProgress for crate::NoProgress {}
+
 /// Checks, converts and installs `path` as model `id`.
 pub fn import(
     registry: &ModelRegistry,
@@ -24,11 +35,24 @@ pub fn import(
     path: &Path,
     opts: &ImportOptions,
 ) -> Result<InstalledModel, ModelError> {
+    import_with_progress(registry, id, path, opts, &mut crate::NoProgress)
+}
+
+/// [`import`], telling `progress` what it is doing.
+pub fn import_with_progress(
+    registry: &ModelRegistry,
+    id: &str,
+    path: &Path,
+    opts: &ImportOptions,
+    progress: &mut dyn ImportProgress,
+) -> Result<InstalledModel, ModelError> {
     let manifest = registry.manifest(id)?;
     if !path.is_file() {
         return Err(ModelError::io(path, "no such file"));
     }
-    let source_sha256 = sha256_file(path)?;
+    let size = |p: &Path| std::fs::metadata(p).ok().map(|m| m.len());
+    progress.step("checking the file's sha256", size(path));
+    let source_sha256 = sha256_file_with(path, &mut |n| progress.advance(n))?;
     if format_of(path, "") == "onnx" {
         return import_onnx(registry, id, path, source_sha256, opts);
     }
@@ -57,7 +81,11 @@ pub fn import(
     }
 
     let work = tempfile::tempdir().map_err(|e| ModelError::io(Path::new("temporary dir"), e))?;
-    let converted = match format_of(path, &manifest.source.format).as_str() {
+    let format = format_of(path, &manifest.source.format);
+    if format != "safetensors" {
+        progress.step("converting to safetensors", None);
+    }
+    let converted = match format.as_str() {
         "safetensors" => path.to_path_buf(),
         "keras-h5" => {
             let out = work.path().join("model.safetensors");
@@ -92,11 +120,19 @@ pub fn import(
             })
         }
     };
+    progress.step("checking tensor names and shapes", None);
     check_architecture(manifest, &converted)?;
 
+    // A safetensors file is installed as it is: its sha256 is the one already taken.
+    let sha256 = if converted == path {
+        source_sha256.clone()
+    } else {
+        progress.step("checking the converted weights' sha256", size(&converted));
+        sha256_file_with(&converted, &mut |n| progress.advance(n))?
+    };
     let record = InstallRecord {
         id: id.to_string(),
-        sha256: sha256_file(&converted)?,
+        sha256,
         source_sha256,
         source: opts.origin.clone().unwrap_or_else(|| {
             std::fs::canonicalize(path)
@@ -111,7 +147,8 @@ pub fn import(
         hilum_version: env!("CARGO_PKG_VERSION").to_string(),
         onnx_sha256: None,
     };
-    registry.install(id, &converted, &record)
+    progress.step("installing", size(&converted));
+    registry.install(id, &converted, &record, &mut |n| progress.advance(n))
 }
 
 /// Adds the ONNX graph of an installed model (the ONNX Runtime backend runs it).

@@ -39,7 +39,7 @@ pub use device::{Device, DeviceSet};
 pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
-pub use import::{import, ImportOptions};
+pub use import::{import, import_with_progress, ImportOptions, ImportProgress};
 pub use kserve::KserveSettings;
 pub use manifest::{InstallRecord, InstalledModel, Manifest, Source};
 pub use pool::{is_device_failure, DeviceStats, Lease, Model, ModelPool, Placed};
@@ -136,6 +136,14 @@ impl ModelError {
 
 /// Lowercase hex sha256 of a file, streamed.
 pub fn sha256_file(path: &std::path::Path) -> Result<String, ModelError> {
+    sha256_file_with(path, &mut |_| {})
+}
+
+/// [`sha256_file`], telling `read` how many bytes each chunk held (for a progress bar).
+pub(crate) fn sha256_file_with(
+    path: &std::path::Path,
+    read: &mut dyn FnMut(u64),
+) -> Result<String, ModelError> {
     use sha2::{Digest, Sha256};
     use std::io::Read;
     let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
@@ -147,6 +155,7 @@ pub fn sha256_file(path: &std::path::Path) -> Result<String, ModelError> {
             break;
         }
         h.update(&buf[..n]);
+        read(n as u64);
     }
     Ok(hex(&h.finalize()))
 }

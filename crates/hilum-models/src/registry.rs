@@ -185,6 +185,7 @@ impl ModelRegistry {
         id: &str,
         converted: &Path,
         record: &InstallRecord,
+        copied: &mut dyn FnMut(u64),
     ) -> Result<InstalledModel, ModelError> {
         let dir = self.model_dir(id);
         let from = converted.parent().unwrap_or(Path::new("."));
@@ -204,7 +205,7 @@ impl ModelRegistry {
             std::fs::copy(from.join(f), &dst).map_err(|e| ModelError::io(&dst, e))?;
         }
         let tmp = dir.join(format!("{WEIGHTS_FILE}.partial"));
-        std::fs::copy(converted, &tmp).map_err(|e| ModelError::io(&tmp, e))?;
+        copy_with(converted, &tmp, copied)?;
         let weights = dir.join(WEIGHTS_FILE);
         std::fs::rename(&tmp, &weights).map_err(|e| ModelError::io(&weights, e))?;
         // New weights make an older ONNX graph stale.
@@ -314,6 +315,24 @@ pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelE
         })?;
     }
     Ok(())
+}
+
+/// `std::fs::copy` in 8 MiB chunks, telling `copied` after each (weights can be 15 GB).
+fn copy_with(from: &Path, to: &Path, copied: &mut dyn FnMut(u64)) -> Result<(), ModelError> {
+    use std::io::{Read, Write};
+    let mut src = std::fs::File::open(from).map_err(|e| ModelError::io(from, e))?;
+    let mut dst = std::fs::File::create(to).map_err(|e| ModelError::io(to, e))?;
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = src.read(&mut buf).map_err(|e| ModelError::io(from, e))?;
+        if n == 0 {
+            break;
+        }
+        dst.write_all(&buf[..n])
+            .map_err(|e| ModelError::io(to, e))?;
+        copied(n as u64);
+    }
+    dst.sync_all().map_err(|e| ModelError::io(to, e))
 }
 
 #[cfg(test)]

@@ -166,6 +166,84 @@ fn another_file_needs_custom_and_must_fit_the_architecture() {
     assert!(err.is_some(), "a truncated checkpoint must be refused");
 }
 
+/// Records each step of an import and the bytes it reported.
+#[derive(Default)]
+struct Steps(Vec<(String, Option<u64>, u64)>);
+
+impl hilum_models::ImportProgress for Steps {
+    fn step(&mut self, what: &str, total: Option<u64>) {
+        self.0.push((what.to_string(), total, 0));
+    }
+    fn advance(&mut self, bytes: u64) {
+        if let Some(last) = self.0.last_mut() {
+            last.2 += bytes;
+        }
+    }
+}
+
+#[test]
+fn import_reports_each_step_with_its_bytes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = ModelRegistry::new(dir.path()).expect("registry");
+    let mut steps = Steps::default();
+    let inst = hilum_models::import_with_progress(
+        &reg,
+        "lung-unet",
+        &h5(),
+        &import_opts(false),
+        &mut steps,
+    )
+    .expect("import");
+    let names: Vec<&str> = steps.0.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "checking the file's sha256",
+            "converting to safetensors",
+            "checking tensor names and shapes",
+            "checking the converted weights' sha256",
+            "installing",
+        ]
+    );
+    let h5_len = std::fs::metadata(h5()).expect("h5").len();
+    // Byte steps announce their size and report all of it; the others have no size.
+    let sizes: Vec<(Option<u64>, u64)> = steps.0.iter().map(|s| (s.1, s.2)).collect();
+    assert_eq!(
+        sizes,
+        [
+            (Some(h5_len), h5_len),
+            (None, 0),
+            (None, 0),
+            (Some(inst.size), inst.size),
+            (Some(inst.size), inst.size),
+        ]
+    );
+
+    // A safetensors file is installed as it is, so it is hashed once, and not converted.
+    let again = tempfile::tempdir().expect("tempdir");
+    let other = ModelRegistry::new(again.path()).expect("registry");
+    let mut steps = Steps::default();
+    let custom = hilum_models::import_with_progress(
+        &other,
+        "lung-unet",
+        &inst.weights,
+        &import_opts(true),
+        &mut steps,
+    )
+    .expect("custom import");
+    let names: Vec<&str> = steps.0.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "checking the file's sha256",
+            "checking tensor names and shapes",
+            "installing"
+        ]
+    );
+    assert_eq!(custom.record.sha256, custom.record.source_sha256);
+    assert_eq!(custom.record.sha256, inst.record.sha256);
+}
+
 #[test]
 fn verify_detects_a_changed_file() {
     let dir = tempfile::tempdir().expect("tempdir");
