@@ -420,7 +420,9 @@ impl Hub {
         }))
     }
 
+    /// The token, and the bytes as stored (sizes and ETags are those of the raw file).
     fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let req = req.header(reqwest::header::ACCEPT_ENCODING, "identity");
         match &self.token {
             Some(t) => req.bearer_auth(t.secret()),
             None => req,
@@ -771,7 +773,10 @@ async fn download(
         reason,
     };
     let have = std::fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
-    let mut req = client.get(url);
+    // The file's own bytes: a compressed transfer could not be resumed by byte offset.
+    let mut req = client
+        .get(url)
+        .header(reqwest::header::ACCEPT_ENCODING, "identity");
     if let Some(t) = token {
         req = req.bearer_auth(t.secret());
     }
