@@ -1,5 +1,5 @@
 //! The one typed configuration: flags first, then environment (`OPENAI_API_KEY`,
-//! `OPENAI_BASE_URL`, `HILUM_*`), then a TOML file (`--config`, `HILUM_CONFIG`, or
+//! `OPENAI_BASE_URL`, `HILUM_*`, and the Hugging Face Hub's `HF_*` for `hilum models fetch`), then a TOML file (`--config`, `HILUM_CONFIG`, or
 //! `$XDG_CONFIG_HOME/hilum/config.toml`, by default `~/.config/hilum/config.toml`).
 //!
 //! This module is the only place outside `main`s that reads the environment: library crates
@@ -574,6 +574,59 @@ pub fn model_settings(devices: hilum_models::DeviceSet) -> hilum_models::ModelSe
     }
 }
 
+/// The Hugging Face Hub settings of `hilum models fetch`, read as `huggingface_hub` (Python)
+/// reads them, so that both use one cache and one login.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HubSettings {
+    /// `HF_ENDPOINT`: a mirror of the Hub (default https://huggingface.co).
+    pub endpoint: Option<String>,
+    /// `HF_TOKEN`, else the file `huggingface-cli login` wrote (`HF_TOKEN_PATH`, else
+    /// `$HF_HOME/token`). Never printed (its `Debug` hides it).
+    pub token: Option<hilum_models::HfToken>,
+    /// `HF_HUB_CACHE`, else `$HF_HOME/hub`; `HF_HOME` defaults to
+    /// `$XDG_CACHE_HOME/huggingface`, else `~/.cache/huggingface`.
+    pub cache: Option<PathBuf>,
+}
+
+/// [`HubSettings`] from this process's environment.
+pub fn hub_settings() -> HubSettings {
+    hub_settings_from(
+        |k| std::env::var(k).ok(),
+        |p| std::fs::read_to_string(p).ok(),
+    )
+}
+
+fn hub_settings_from(
+    var: impl Fn(&str) -> Option<String>,
+    read: impl Fn(&Path) -> Option<String>,
+) -> HubSettings {
+    let var = |k: &str| var(k).filter(|v| !v.trim().is_empty());
+    let home = var("HF_HOME").map(PathBuf::from).or_else(|| {
+        var("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|c| c.join("huggingface"))
+    });
+    let cache = var("HF_HUB_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| home.as_ref().map(|h| h.join("hub")));
+    let token = var("HF_TOKEN")
+        .or_else(|| {
+            let file = var("HF_TOKEN_PATH")
+                .map(PathBuf::from)
+                .or_else(|| home.as_ref().map(|h| h.join("token")))?;
+            read(&file)
+        })
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .map(hilum_models::HfToken::new);
+    HubSettings {
+        endpoint: var("HF_ENDPOINT").map(|e| e.trim().to_string()),
+        token,
+        cache,
+    }
+}
+
 /// `--device` on the commands that run tools (one flag, flattened into each).
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct DeviceFlag {
@@ -794,6 +847,61 @@ mod tests {
             e.starts_with("[models] device") && e.contains("different kinds"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn hub_settings_come_from_the_hugging_face_variables() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let no_file = |_: &Path| None;
+        let s = hub_settings_from(
+            env(&[
+                ("HF_TOKEN", " hf_abc \n"),
+                ("HF_ENDPOINT", "https://hf.hospital.example/"),
+                ("HF_HOME", "/srv/hf"),
+                ("HOME", "/home/u"),
+            ]),
+            no_file,
+        );
+        assert_eq!(s.token, Some(hilum_models::HfToken::new("hf_abc")));
+        assert_eq!(s.endpoint.as_deref(), Some("https://hf.hospital.example/"));
+        assert_eq!(s.cache, Some(PathBuf::from("/srv/hf/hub")));
+        assert!(
+            !format!("{s:?}").contains("hf_abc"),
+            "the token stays out of logs"
+        );
+        // HF_HUB_CACHE wins over HF_HOME; XDG_CACHE_HOME and HOME are the fallbacks.
+        let s = hub_settings_from(
+            env(&[("HF_HUB_CACHE", "/data/hub"), ("HF_HOME", "/srv/hf")]),
+            no_file,
+        );
+        assert_eq!(s.cache, Some(PathBuf::from("/data/hub")));
+        let s = hub_settings_from(env(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]), no_file);
+        assert_eq!(s.cache, Some(PathBuf::from("/x/huggingface/hub")));
+        let s = hub_settings_from(env(&[("HOME", "/h")]), no_file);
+        assert_eq!(s.cache, Some(PathBuf::from("/h/.cache/huggingface/hub")));
+        assert_eq!(s.endpoint, None);
+        assert_eq!(hub_settings_from(env(&[]), no_file), HubSettings::default());
+        // Without HF_TOKEN: the token `huggingface-cli login` saved under HF_HOME.
+        let login = |p: &Path| (p == Path::new("/srv/hf/token")).then(|| "hf_saved\n".to_string());
+        let s = hub_settings_from(env(&[("HF_HOME", "/srv/hf")]), login);
+        assert_eq!(s.token, Some(hilum_models::HfToken::new("hf_saved")));
+        let s = hub_settings_from(
+            env(&[("HF_HOME", "/srv/hf"), ("HF_TOKEN", "hf_env")]),
+            login,
+        );
+        assert_eq!(s.token, Some(hilum_models::HfToken::new("hf_env")));
+        let s = hub_settings_from(
+            env(&[("HF_TOKEN_PATH", "/run/secrets/hf"), ("HF_HOME", "/srv/hf")]),
+            |p: &Path| (p == Path::new("/run/secrets/hf")).then(|| "hf_secret".to_string()),
+        );
+        assert_eq!(s.token, Some(hilum_models::HfToken::new("hf_secret")));
     }
 
     #[test]

@@ -20,7 +20,10 @@ pub enum ModelsCmd {
     },
     /// Download a model's published weights (HTTPS, resumable, sha256-verified), convert them
     /// to safetensors where needed and install them, with the config and tokenizer files its
-    /// manifest lists (`fetch_files`).
+    /// manifest lists (`fetch_files`). Hugging Face models come through the Hub cache shared
+    /// with Python tools (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; a file
+    /// already there is not downloaded again); HF_TOKEN for gated models, HF_ENDPOINT for a
+    /// mirror of the Hub.
     Fetch {
         /// Model id, e.g. lung-unet (see `hilum models list`).
         id: String,
@@ -76,8 +79,12 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
     match cmd {
         ModelsCmd::List { json } => list(&registry, json),
         ModelsCmd::Fetch { id, url } => {
+            let hub = crate::config::hub_settings();
             let opts = FetchOptions {
                 url,
+                endpoint: hub.endpoint,
+                token: hub.token,
+                hub_cache: hub.cache,
                 import: ImportOptions::default(),
             };
             let mut bar = Bar(None);

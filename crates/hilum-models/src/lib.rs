@@ -36,7 +36,7 @@ pub mod xrv;
 
 pub use backend::Backend;
 pub use device::{Device, DeviceSet};
-pub use fetch::{fetch, FetchOptions, FetchProgress, NoProgress};
+pub use fetch::{fetch, FetchOptions, FetchProgress, HfToken, NoProgress, DEFAULT_HUB_ENDPOINT};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
 pub use hilum_kernels as kernels;
 pub use import::{import, import_with_progress, ImportOptions, ImportProgress};

@@ -39,7 +39,8 @@ pub struct Source {
     /// Direct HTTPS download of the published file.
     #[serde(default)]
     pub url: Option<String>,
-    /// Hugging Face repository, file and revision (downloaded through `url` when given).
+    /// Hugging Face repository, file and revision: `hilum models fetch` downloads them through
+    /// the Hub and its cache (see `fetch.rs`), unless `url` is given.
     #[serde(default)]
     pub hf_repo: Option<String>,
     #[serde(default)]
@@ -80,7 +81,8 @@ impl Source {
         }
         match (&self.hf_repo, &self.hf_file) {
             (Some(repo), Some(file)) => Some(format!(
-                "https://huggingface.co/{repo}/resolve/{}/{file}",
+                "{}/{repo}/resolve/{}/{file}",
+                crate::DEFAULT_HUB_ENDPOINT,
                 self.revision.as_deref().unwrap_or("main")
             )),
             _ => None,
