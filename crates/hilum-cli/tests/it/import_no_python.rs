@@ -4,7 +4,8 @@
 //! views of one value where the reader allows it, so most files stay a few KB); the lung
 //! U-Net is the real Keras
 //! .h5 from ../shared/data; the LLaVA and report models take the safetensors fixtures of
-//! tests/fixtures with their config.json.
+//! tests/fixtures with their config.json. `hilum models fetch` installs the published lung
+//! U-Net from a mirror on 127.0.0.1 the same way.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -224,4 +225,63 @@ fn every_manifest_imports_with_no_python_on_path() {
     ] {
         assert!(done.iter().any(|d| d == id), "{id} not among {done:?}");
     }
+}
+
+/// Serves `body` to every GET on 127.0.0.1 (a site mirror), from a thread; returns the base URL.
+fn serve_file(body: Vec<u8>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn fetch_installs_the_published_checkpoint_with_no_python_on_path() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let empty_bin = dir.path().join("bin");
+    std::fs::create_dir(&empty_bin).expect("mkdir");
+    let models = dir.path().join("models");
+    let h5 = repo().join("../shared/data/models/lung_seg_unet/lung_seg_valiou_088.h5");
+    let base = serve_file(std::fs::read(&h5).expect("lung U-Net .h5"));
+    let out = Command::new(env!("CARGO_BIN_EXE_hilum"))
+        .env_clear()
+        .env("PATH", &empty_bin)
+        .env("HOME", "/nonexistent-hilum-home")
+        .env("HILUM_MODELS_DIR", &models)
+        .env("HILUM_CONFIG", "/dev/null")
+        .args(["models", "fetch", "lung-unet", "--url"])
+        .arg(format!("{base}/lung_seg_valiou_088.h5"))
+        .output()
+        .expect("run hilum");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "hilum models fetch failed without Python:\n{}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("installed lung-unet"), "{stdout}");
+    // The .h5 was converted in Rust and installed under the published checksum.
+    let registry = ModelRegistry::new(&models).expect("registry");
+    let inst = registry.installed("lung-unet").expect("installed");
+    assert!(!inst.record.custom);
+    assert!(registry.verify("lung-unet").expect("verify").ok);
 }
