@@ -1228,7 +1228,13 @@ mod tests {
         let mut get = |name: &str| -> candle_core::Result<Tensor> {
             let shape: Vec<usize> = match name.rsplit_once('.').map(|(n, _)| n) {
                 Some(n) if n.ends_with("norm") || n.ends_with("layernorm") => vec![32],
-                Some(n) if name.ends_with(".bias") && n.ends_with("q_proj") => vec![32],
+                Some(n)
+                    if name.ends_with(".bias")
+                        && !n.ends_with("k_proj")
+                        && !n.ends_with("v_proj") =>
+                {
+                    vec![32]
+                }
                 Some(_) if name.ends_with(".bias") => vec![16],
                 Some(n) if n.ends_with("q_proj") || n.ends_with("o_proj") => vec![32, 32],
                 Some(n) if n.ends_with("k_proj") || n.ends_with("v_proj") => vec![16, 32],
