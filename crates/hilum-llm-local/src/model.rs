@@ -1,4 +1,6 @@
-//! Qwen2 / Llama-style decoder run from a GGUF file, written for an agent loop rather than a demo.
+//! Qwen2 / Llama-style decoder run from a GGUF file, written for an agent loop rather than a demo,
+//! or from a Hugging Face Llama/Mistral checkpoint's f32 tensors ([`Model::from_dense`], LLaVA's
+//! text decoder in hilum-models), where input embeddings can stand in for token ids.
 //!
 //! Matches llama.cpp's `qwen2` and `llama` graphs (RMSNorm, GQA attention with NeoX rotary
 //! embeddings — `rope` on halves for qwen2, interleaved `rope_i` for llama — SwiGLU MLP). It differs
@@ -61,6 +63,16 @@ pub struct Config {
     pub context_length: usize,
     pub rms_eps: f64,
     pub rope_base: f32,
+    pub rope: Rope,
+}
+
+/// Which elements of a head the rotary embedding turns together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rope {
+    /// NeoX: element `i` with `i + head_dim / 2` (qwen2 GGUFs, Hugging Face checkpoints).
+    Halves,
+    /// Pairs `(2i, 2i + 1)`: llama GGUFs, whose converter permutes the q/k rows to this order.
+    Pairs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,6 +153,10 @@ impl Config {
             rope_base: md(ct, &k("rope.freq_base"))
                 .and_then(|v| v.to_f32())
                 .unwrap_or(10_000.0),
+            rope: match arch {
+                Arch::Qwen2 => Rope::Halves,
+                Arch::Llama => Rope::Pairs,
+            },
         })
     }
 }
@@ -169,6 +185,29 @@ impl Linear {
             b: None,
             b_v: None,
         }
+    }
+
+    /// A layer on an f32 matrix (out, in) quantized to `dtype` blocks for candle's `QMatMul`
+    /// alone (no f32 copy: the point is the memory); a matrix whose rows do not split into
+    /// whole blocks stays f32.
+    pub(crate) fn quantized(w: Tensor, dtype: GgmlDType) -> candle_core::Result<Self> {
+        if !w.dim(D::Minus1)?.is_multiple_of(dtype.block_size()) {
+            return Ok(Self::from_dense(w));
+        }
+        Ok(Linear {
+            dense: None,
+            quant: Some(QMatMul::from_qtensor(QTensor::quantize(&w, dtype)?)?),
+            blocks: None,
+            b: None,
+            b_v: None,
+        })
+    }
+
+    /// The layer with a bias `b` (out) added to its products.
+    pub(crate) fn with_bias(mut self, b: Option<Tensor>) -> candle_core::Result<Self> {
+        self.b_v = b.as_ref().map(|b| b.to_vec1()).transpose()?;
+        self.b = b;
+        Ok(self)
     }
 
     /// Whether the GGUF blocks are kept for the one-row kernels.
@@ -313,7 +352,7 @@ struct Layer {
 /// Keys and values of the processed positions, per layer, position-major: (len, n_kv_head *
 /// head_dim). A new position is appended in place (no copy of the cache per token), and a
 /// truncation is a `Vec::truncate`. Shared by the qwen2/llama and the Gemma 3 decoders.
-pub(crate) struct KvCache {
+pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     /// On a GPU, each layer's keys and values as device tensors (n_kv_head, len, head_dim),
@@ -343,8 +382,12 @@ impl KvCache {
     }
 
     /// Positions every layer holds.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Forgets every position from `len` on.
@@ -585,6 +628,43 @@ fn quantized_for_dot(q: QTensor, w: &Tensor) -> candle_core::Result<QMatMul> {
     }
 }
 
+/// What a Hugging Face Llama/Mistral checkpoint adds to [`Config`] for [`Model::from_dense`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DenseLayout {
+    pub vocab: usize,
+    pub intermediate: usize,
+    /// q/k/v/o carry biases (`attention_bias`).
+    pub attention_bias: bool,
+    /// gate/up/down carry biases (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// The output layer is the embedding matrix (`tie_word_embeddings`).
+    pub tied_embeddings: bool,
+    /// Blocks the matrices are quantized to at load (Q8_0, Q4_K), for candle's `QMatMul`; `None`
+    /// keeps them f32. A tied output layer stays f32, as the embedding lookup needs it.
+    pub quantize: Option<GgmlDType>,
+}
+
+/// A layer `name` (`name.weight`, optionally `name.bias`) of a dense checkpoint.
+fn dense_linear(
+    get: &mut dyn FnMut(&str, &[usize]) -> candle_core::Result<Tensor>,
+    name: &str,
+    (out, inp): (usize, usize),
+    bias: bool,
+    quantize: Option<GgmlDType>,
+) -> candle_core::Result<Linear> {
+    let w = get(&format!("{name}.weight"), &[out, inp])?;
+    let l = match quantize {
+        Some(dt) => Linear::quantized(w, dt)?,
+        None => Linear::from_dense(w),
+    };
+    let b = if bias {
+        Some(get(&format!("{name}.bias"), &[out])?)
+    } else {
+        None
+    };
+    l.with_bias(b)
+}
+
 impl Model {
     /// Loads every tensor in the form `mode` multiplies with; rotary tables are sized for
     /// `max_positions`.
@@ -604,10 +684,7 @@ impl Model {
             } else {
                 None
             };
-            let mut l = linear_weights(ct, r, &format!("{n}.weight"), mode, dev)?;
-            l.b_v = b.as_ref().map(|b| b.to_vec1()).transpose()?;
-            l.b = b;
-            Ok(l)
+            linear_weights(ct, r, &format!("{n}.weight"), mode, dev)?.with_bias(b)
         };
         let embed = dense(ct, r, "token_embd.weight", dev)?; // (vocab, n_embd)
                                                              // Only the last position goes through the output layer, even in a prompt chunk, so it
@@ -639,23 +716,109 @@ impl Model {
             });
         }
         let norm_out = norm(r, "output_norm.weight")?;
+        Self::assemble(cfg, embed, layers, norm_out, output, max_positions, dev)
+    }
+
+    /// A decoder on f32 weights in Hugging Face's `LlamaForCausalLM` / `MistralForCausalLM`
+    /// layout (`model.layers.N.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`):
+    /// `get(name)` returns the tensor `name` under the decoder's prefix, shapes are checked
+    /// here. `cfg.rope` should be [`Rope::Halves`] (transformers' `rotate_half`). The matrices
+    /// are quantized as `layout.quantize` says; such a model runs candle's kernels throughout
+    /// (the one-token block path needs GGUF blocks).
+    pub fn from_dense(
+        cfg: Config,
+        layout: &DenseLayout,
+        get: &mut dyn FnMut(&str) -> candle_core::Result<Tensor>,
+        max_positions: usize,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
+        let (d, inter, vocab) = (cfg.n_embd, layout.intermediate, layout.vocab);
+        let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        if cfg.n_head == 0 || cfg.n_kv_head == 0 || !cfg.n_head.is_multiple_of(cfg.n_kv_head) {
+            candle_core::bail!(
+                "inconsistent head counts ({} heads, {} kv heads)",
+                cfg.n_head,
+                cfg.n_kv_head
+            );
+        }
+        let mut get = |name: &str, shape: &[usize]| -> candle_core::Result<Tensor> {
+            let w = get(name)?.to_dtype(DType::F32)?;
+            if w.dims() != shape {
+                candle_core::bail!("{name} has shape {:?}, expected {shape:?}", w.dims());
+            }
+            Ok(w)
+        };
+        let eps = cfg.rms_eps as f32;
+        let (ab, mb, q) = (layout.attention_bias, layout.mlp_bias, layout.quantize);
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = format!("model.layers.{i}");
+            let mut lin = |s: &str, shape: (usize, usize), bias: bool| {
+                dense_linear(&mut get, &format!("{p}.{s}"), shape, bias, q)
+            };
+            let wq = lin("self_attn.q_proj", (qd, d), ab)?;
+            let wk = lin("self_attn.k_proj", (kvd, d), ab)?;
+            let wv = lin("self_attn.v_proj", (kvd, d), ab)?;
+            let wo = lin("self_attn.o_proj", (d, qd), ab)?;
+            let gate = lin("mlp.gate_proj", (inter, d), mb)?;
+            let up = lin("mlp.up_proj", (inter, d), mb)?;
+            let down = lin("mlp.down_proj", (d, inter), mb)?;
+            let mut norm =
+                |s: &str| RmsNorm::from_weight(get(&format!("{p}.{s}.weight"), &[d])?, eps);
+            layers.push(Layer {
+                attn_norm: norm("input_layernorm")?,
+                ffn_norm: norm("post_attention_layernorm")?,
+                wq,
+                wk,
+                wv,
+                wo,
+                gate,
+                up,
+                down,
+            });
+        }
+        let norm_out = RmsNorm::from_weight(get("model.norm.weight", &[d])?, eps)?;
+        let embed = get("model.embed_tokens.weight", &[vocab, d])?;
+        let output = if layout.tied_embeddings {
+            Linear::from_dense(embed.clone())
+        } else {
+            dense_linear(&mut get, "lm_head", (vocab, d), false, q)?
+        };
+        Self::assemble(cfg, embed, layers, norm_out, output, max_positions, dev)
+    }
+
+    fn assemble(
+        cfg: Config,
+        embed: Tensor,
+        layers: Vec<Layer>,
+        norm: RmsNorm,
+        output: Linear,
+        max_positions: usize,
+        dev: &Device,
+    ) -> candle_core::Result<Self> {
         let max_positions = max_positions.min(cfg.context_length).max(1);
         let (cos, sin) = rotary_tables(cfg.head_dim, cfg.rope_base, max_positions, dev)?;
         let (n_layer, kvd) = (cfg.n_layer, cfg.n_kv_head * cfg.head_dim);
+        // `forward_one` adds the biases of q/k/v only (qwen2's), so a model with others (a
+        // checkpoint's `mlp_bias`) stays on the tensor path.
         let one_token_path = one_token_ready(
             dev,
             &output,
             layers
                 .iter()
                 .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]),
-        );
+        ) && layers.iter().all(|l| {
+            [&l.wo, &l.gate, &l.up, &l.down]
+                .iter()
+                .all(|m| m.b.is_none())
+        });
         let cos_v = cos.flatten_all()?.to_vec1()?;
         let sin_v = sin.flatten_all()?.to_vec1()?;
         Ok(Model {
             cfg,
             embed,
             layers,
-            norm: norm_out,
+            norm,
             output,
             cos,
             sin,
@@ -672,6 +835,11 @@ impl Model {
         self.cos.dims()[0]
     }
 
+    /// Rows of the embedding matrix.
+    pub fn vocab(&self) -> usize {
+        self.embed.dims()[0]
+    }
+
     /// Number of positions in the KV cache.
     pub fn cached_len(&self) -> usize {
         self.cache.len()
@@ -681,22 +849,96 @@ impl Model {
         &mut self.cache
     }
 
+    /// An empty KV cache of this model's shape, for [`Model::forward_embeds`] (the model's own
+    /// cache serves [`Model::forward`]; a separate one lets a shared model serve requests).
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.cfg.n_layer,
+            self.cfg.n_kv_head * self.cfg.head_dim,
+            &self.device,
+        )
+    }
+
     /// Forgets every cached position from `len` on.
     pub fn truncate_cache(&mut self, len: usize) -> candle_core::Result<()> {
         self.cache.truncate(len);
         Ok(())
     }
 
+    /// The input embeddings of `tokens`: (tokens, n_embd).
+    pub fn embed_tokens(&self, tokens: &[u32]) -> candle_core::Result<Tensor> {
+        let n = self.vocab();
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= n) {
+            candle_core::bail!("token id {t} is outside the vocabulary of {n}");
+        }
+        self.embed
+            .index_select(&Tensor::new(tokens, &self.device)?, 0)
+    }
+
     /// Runs `tokens` (appended after the cached positions) and returns the logits of the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
         let t = tokens.len();
-        let pos = self.cache.len();
-        check_span(pos, t, self.max_positions())?;
-        if t == 1 && self.one_token_path {
-            return self.forward_one(tokens[0]);
+        check_span(self.cache.len(), t, self.max_positions())?;
+        // The cache is lent to the steps, which take it apart from `&self`.
+        let mut cache = std::mem::replace(&mut self.cache, KvCache::new(0, 0, &self.device));
+        let out = if t == 1 && self.one_token_path {
+            self.embed
+                .get(tokens[0] as usize)
+                .and_then(|x| x.to_vec1())
+                .and_then(|x| self.forward_one(x, &mut cache))
+        } else {
+            self.embed_tokens(tokens)
+                .and_then(|x| self.hidden(x, &mut cache))
+                .and_then(|h| self.logits(&h.i(t - 1..t)?)?.squeeze(0))
+        };
+        self.cache = cache;
+        out
+    }
+
+    /// Runs input embeddings `x` (t, n_embd) appended after the positions in `cache` (from
+    /// [`Model::new_cache`]) and returns the logits of every position (t, vocab), or of the
+    /// last one (vocab) when `all` is false. Embeddings rather than ids let a multimodal model
+    /// put image features where its image tokens are.
+    pub fn forward_embeds(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        all: bool,
+    ) -> candle_core::Result<Tensor> {
+        let (t, n) = x.dims2()?;
+        let kvd = self.cfg.n_kv_head * self.cfg.head_dim;
+        if n != self.cfg.n_embd {
+            candle_core::bail!(
+                "embeddings of width {n}, the model's is {}",
+                self.cfg.n_embd
+            );
         }
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?; // (t, n_embd)
+        if cache.n_layer() != self.cfg.n_layer || cache.kvd() != kvd {
+            candle_core::bail!("the KV cache belongs to a model of another shape");
+        }
+        check_span(cache.len(), t, self.max_positions())?;
+        if t == 1 && self.one_token_path {
+            let l = self.forward_one(x.flatten_all()?.to_vec1()?, cache)?;
+            return if all { l.unsqueeze(0) } else { Ok(l) };
+        }
+        let h = self.hidden(x.clone(), cache)?;
+        if all {
+            self.logits(&h)
+        } else {
+            self.logits(&h.i(t - 1..t)?)?.squeeze(0)
+        }
+    }
+
+    /// Final norm and output layer of hidden states (rows, n_embd).
+    fn logits(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        self.output.forward(&self.norm.forward(h)?)
+    }
+
+    /// The decoder layers over `x` (t, n_embd) after the positions in `cache`; returns the
+    /// hidden states before the final norm and counts the positions in the cache.
+    fn hidden(&self, mut x: Tensor, cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        let t = x.dim(0)?;
+        let pos = cache.len();
         let mask = if t > 1 {
             Some(attention_mask(t, pos, 0, None, &self.device)?)
         } else {
@@ -727,7 +969,7 @@ impl Model {
             let q = self.rotate(&q.contiguous()?, &cos, &sin)?;
             let k = self.rotate(&k.contiguous()?, &cos, &sin)?;
             let v = v.contiguous()?;
-            let (k, v) = self.cache.append(li, &k, &v)?;
+            let (k, v) = cache.append(li, &k, &v)?;
             // Grouped-query attention: the query heads of one group share a kv head, so fold
             // the group into the rows: (nkv, group*t, hd) x (nkv, hd, kv_len).
             let group = nh / nkv;
@@ -754,22 +996,19 @@ impl Model {
             let u = layer.up.forward(&h)?;
             x = (layer.down.forward(&(g * u)?)? + &x)?;
         }
-        self.cache.advance(t);
-        let last = x.i(t - 1..t)?;
-        let last = self.norm.forward(&last)?;
-        self.output.forward(&last)?.squeeze(0)
+        cache.advance(t);
+        Ok(x)
     }
 
-    /// One token after the cached positions, on slices: the same arithmetic as `forward`
-    /// without a tensor allocation per operation, with q/k/v and gate/up each in one parallel
-    /// product (decode is bound by reading the weights once per token).
-    fn forward_one(&mut self, token: u32) -> candle_core::Result<Tensor> {
-        let pos = self.cache.len();
+    /// One position (its input embedding `x`) after those in `cache`, on slices: the same
+    /// arithmetic as `hidden` without a tensor allocation per operation, with q/k/v and gate/up
+    /// each in one parallel product (decode is bound by reading the weights once per token).
+    fn forward_one(&self, mut x: Vec<f32>, cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        let pos = cache.len();
         let (nh, nkv, hd) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim);
         let (kvd, qd, half, group) = (nkv * hd, nh * hd, hd / 2, nh / nkv);
         let n_embd = self.cfg.n_embd;
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut x: Vec<f32> = self.embed.get(token as usize)?.to_vec1()?;
         let cos = &self.cos_v[pos * half..(pos + 1) * half];
         let sin = &self.sin_v[pos * half..(pos + 1) * half];
         let mut h = vec![0f32; n_embd];
@@ -798,9 +1037,9 @@ impl Model {
                 }
             }
             for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
-                rope_slice(self.cfg.arch, head, cos, sin);
+                rope_slice(self.cfg.rope, head, cos, sin);
             }
-            let (kc, vc) = self.cache.push(li, k, v);
+            let (kc, vc) = cache.push(li, k, v);
             attend(q, kc, vc, pos + 1, (group, hd, kvd), scale, &mut att);
             qmatvec::matvec(&att, &[blocks(&layer.wo)?], &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
@@ -818,16 +1057,16 @@ impl Model {
                 *a += b;
             }
         }
-        self.cache.advance(1);
+        cache.advance(1);
         self.norm.forward_slice(&x, &mut h);
         logits_one(&h, &self.output, &self.device)
     }
 
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
         let x = x.unsqueeze(0)?;
-        let y = match self.cfg.arch {
-            Arch::Qwen2 => candle_nn::rotary_emb::rope(&x, cos, sin)?,
-            Arch::Llama => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
+        let y = match self.cfg.rope {
+            Rope::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+            Rope::Pairs => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
         };
         y.squeeze(0)
     }
@@ -876,12 +1115,12 @@ pub(crate) fn blocks(l: &Linear) -> candle_core::Result<&QMat> {
         .ok_or_else(|| candle_core::Error::Msg("a layer has no quantized blocks".into()))
 }
 
-/// Rotary embedding of one head at one position: halves for qwen2 (NeoX), pairs for llama.
-fn rope_slice(arch: Arch, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+/// Rotary embedding of one head at one position, halves (NeoX) or pairs.
+fn rope_slice(rope: Rope, x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
-    match arch {
-        Arch::Qwen2 => rope_halves(x, cos, sin),
-        Arch::Llama => {
+    match rope {
+        Rope::Halves => rope_halves(x, cos, sin),
+        Rope::Pairs => {
             for i in 0..half {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
                 x[2 * i] = a * cos[i] - b * sin[i];
@@ -961,6 +1200,102 @@ pub fn argmax(logits: &Tensor) -> candle_core::Result<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tiny Hugging Face-layout decoder (2 layers, GQA 4/2, head 8, attention biases) on
+    /// seeded weights, optionally quantized.
+    fn tiny_dense(quantize: Option<GgmlDType>) -> Model {
+        let cfg = Config {
+            arch: Arch::Llama,
+            n_layer: 2,
+            n_embd: 32,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 8,
+            context_length: 64,
+            rms_eps: 1e-5,
+            rope_base: 10_000.0,
+            rope: Rope::Halves,
+        };
+        let layout = DenseLayout {
+            vocab: 50,
+            intermediate: 64,
+            attention_bias: true,
+            mlp_bias: false,
+            tied_embeddings: false,
+            quantize,
+        };
+        let mut seed = 0x9E37_79B9u64;
+        let mut get = |name: &str| -> candle_core::Result<Tensor> {
+            let shape: Vec<usize> = match name.rsplit_once('.').map(|(n, _)| n) {
+                Some(n) if n.ends_with("norm") || n.ends_with("layernorm") => vec![32],
+                Some(n)
+                    if name.ends_with(".bias")
+                        && !n.ends_with("k_proj")
+                        && !n.ends_with("v_proj") =>
+                {
+                    vec![32]
+                }
+                Some(_) if name.ends_with(".bias") => vec![16],
+                Some(n) if n.ends_with("q_proj") || n.ends_with("o_proj") => vec![32, 32],
+                Some(n) if n.ends_with("k_proj") || n.ends_with("v_proj") => vec![16, 32],
+                Some(n) if n.ends_with("gate_proj") || n.ends_with("up_proj") => vec![64, 32],
+                Some(n) if n.ends_with("down_proj") => vec![32, 64],
+                _ => vec![50, 32],
+            };
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    if shape.len() == 1 && !name.ends_with(".bias") {
+                        1.0 + 0.2 * u
+                    } else {
+                        u * 0.6
+                    }
+                })
+                .collect();
+            Tensor::from_vec(v, shape, &Device::Cpu)
+        };
+        Model::from_dense(cfg, &layout, &mut get, 64, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+            .unwrap()
+    }
+
+    /// Embeddings in, a separate cache, one position at a time: the logits of one pass over
+    /// the ids, row for row; and `forward` over the ids (the model's own cache) agrees.
+    #[test]
+    fn forward_embeds_steps_agree_with_one_pass() {
+        for quantize in [None, Some(GgmlDType::Q8_0)] {
+            let mut m = tiny_dense(quantize);
+            let ids = [3u32, 17, 42, 8, 0, 49];
+            let x = m.embed_tokens(&ids).unwrap();
+            let all = m.forward_embeds(&x, &mut m.new_cache(), true).unwrap();
+            assert_eq!(all.dims(), [6, 50]);
+            let mut cache = m.new_cache();
+            m.forward_embeds(&x.narrow(0, 0, 3).unwrap(), &mut cache, false)
+                .unwrap();
+            for p in 3..6 {
+                let l = m
+                    .forward_embeds(&x.narrow(0, p, 1).unwrap(), &mut cache, false)
+                    .unwrap();
+                let d = max_diff(&l, &all.get(p).unwrap());
+                assert!(d < 1e-4, "{quantize:?} position {p}: {d}");
+            }
+            assert_eq!(cache.len(), 6);
+            let last = m.forward(&ids).unwrap();
+            assert!(max_diff(&last, &all.get(5).unwrap()) < 1e-4);
+            assert!(m.embed_tokens(&[50]).is_err());
+            assert!(m
+                .forward_embeds(&x, &mut KvCache::new(1, 16, &Device::Cpu), true)
+                .is_err());
+        }
+    }
 
     /// (n_kv_head 2, t, head_dim 3) keys and values numbered from `start`.
     fn kv(t: usize, start: f32) -> (Tensor, Tensor) {

@@ -32,7 +32,7 @@ pub(crate) struct ClipLayer {
 impl ClipLayer {
     pub(crate) fn load(vb: VarBuilder, c: &VisionConfig) -> Result<ClipLayer, ModelError> {
         let d = c.hidden_size;
-        let lin = |n: &str, i, o| Lin::load(vb.pp(n), i, o, true, Precision::Dense);
+        let lin = |n: &str, i, o| Lin::load(vb.pp(n), i, o, true);
         Ok(ClipLayer {
             q_proj: lin("self_attn.q_proj", d, d)?,
             k_proj: lin("self_attn.k_proj", d, d)?,

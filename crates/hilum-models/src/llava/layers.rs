@@ -1,7 +1,7 @@
-//! What the CLIP tower, the projector and the decoder share: linear layers (dense or
-//! quantized), activations and softmax attention.
+//! What the CLIP tower and the projector share: dense linear layers, activations and softmax
+//! attention; and how the text decoder's matrices are stored ([`Precision`]).
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
@@ -40,7 +40,7 @@ impl Act {
     }
 }
 
-/// How the decoder's linear layers are stored.
+/// How the text decoder's linear layers are stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
     /// As loaded (f32 on CPU).
@@ -74,10 +74,10 @@ impl Precision {
     }
 }
 
-/// A linear layer, dense or quantized (`x @ W^T + b`).
+/// A dense linear layer (`x @ W^T + b`).
 #[derive(Debug)]
 pub(crate) struct Lin {
-    pub(crate) w: QMatMul,
+    pub(crate) w: Tensor,
     pub(crate) b: Option<Tensor>,
 }
 
@@ -87,15 +87,8 @@ impl Lin {
         inp: usize,
         out: usize,
         bias: bool,
-        p: Precision,
     ) -> candle_core::Result<Lin> {
         let w = vb.get((out, inp), "weight")?;
-        let w = match p.ggml() {
-            Some(dt) if inp.is_multiple_of(dt.block_size()) => {
-                QMatMul::from_qtensor(QTensor::quantize(&w, dt)?)?
-            }
-            _ => QMatMul::Tensor(w),
-        };
         let b = if bias {
             Some(vb.get(out, "bias")?)
         } else {
@@ -107,17 +100,12 @@ impl Lin {
 
 impl Module for Lin {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let y = match &self.w {
-            // Dense weights: a broadcast matmul against W^T, as candle_nn::Linear does.
-            QMatMul::Tensor(w) => {
-                let wt = match xs.dims() {
-                    [b, _, _] => w.broadcast_left(*b)?.t()?,
-                    _ => w.t()?,
-                };
-                xs.matmul(&wt)?
-            }
-            q => q.forward(xs)?,
+        // A broadcast matmul against W^T, as candle_nn::Linear does.
+        let wt = match xs.dims() {
+            [b, _, _] => self.w.broadcast_left(*b)?.t()?,
+            _ => self.w.t()?,
         };
+        let y = xs.matmul(&wt)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),

@@ -19,17 +19,19 @@
 //! in HF mode it requires an `image_newline` tensor (a LLaVA-NeXT parameter that
 //! `LlavaForConditionalGeneration` checkpoints lack), reads the original LLaVA repository's
 //! config rather than the HF `LlavaConfig`, and its Llama returns only the last position's
-//! logits. The blocks below are written on candle-nn's layers instead.
+//! logits. The vision tower and projector are written on candle-nn's layers instead; the text
+//! decoder is the local GGUF engine's Llama-family decoder
+//! ([`hilum_llm_local::model::Model::from_dense`]), so one implementation serves both.
 //!
 //! Its input is an image-store recipe ([`recipe`]): the slow `CLIPImageProcessor` (PIL bicubic
 //! resize of the shortest side, centre crop, CLIP mean/std), optionally after LLaVA-1.5's
 //! `expand2square` padding with the mean colour (`image_aspect_ratio = "pad"`).
 //!
 //! Its parts: [`config`] (the HF configurations and their defaults), [`clip`] (the CLIP vision
-//! tower and the `CLIPImageProcessor` preprocessing), [`decoder`] (the Llama/Mistral text
-//! decoder), [`layers`] (what those share: linear layers dense or quantized, activations,
-//! attention); this file is the LLaVA glue (projector, image-token merge, greedy decoding) and
-//! the installed model.
+//! tower and the `CLIPImageProcessor` preprocessing), [`layers`] (the tower's and the
+//! projector's linear layers, activations and attention; the decoder's [`Precision`]); this
+//! file is the LLaVA glue (projector, text decoder, image-token merge, greedy decoding) and the
+//! installed model.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -38,38 +40,101 @@ use std::time::Instant;
 use candle_core::{Device, IndexOp, Module, Tensor, D};
 use candle_nn::VarBuilder;
 use hilum_imaging::{Prepared, Preprocess};
+use hilum_llm_local::model::{self as lm, Model as TextModel};
 
 use crate::ModelError;
 
 pub mod clip;
 pub mod config;
-pub mod decoder;
 pub mod layers;
 
 pub use clip::{preprocess, recipe, AspectMode, CLIP_MEAN, CLIP_STD};
 pub use config::{Config, Decoder, TextConfig, VisionConfig};
-pub use decoder::KvCache;
 pub use layers::Precision;
 
 use clip::ClipVision;
 use config::bad_config;
-use decoder::TextModel;
 use layers::{activation, Act, Lin};
+
+/// Keys and values of every decoder layer for the positions seen so far (empty until the
+/// first [`Llava::forward_embeds`]: the model it belongs to gives it its shape).
+#[derive(Default)]
+pub struct KvCache(Option<lm::KvCache>);
+
+impl KvCache {
+    /// Positions already in the cache.
+    pub fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, lm::KvCache::len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache").field("len", &self.len()).finish()
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The model
 // ---------------------------------------------------------------------------------------------
 
 /// `LlavaForConditionalGeneration`.
-#[derive(Debug)]
 pub struct Llava {
     vision: ClipVision,
     linear_1: Lin,
     linear_2: Lin,
     projector_act: Act,
     text: TextModel,
+    /// The resolved text configuration (vocabulary, positions, Mistral's window).
+    dec: Decoder,
     cfg: Config,
     device: Device,
+}
+
+impl std::fmt::Debug for Llava {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llava")
+            .field("cfg", &self.cfg)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The text decoder of a `LlavaForConditionalGeneration` checkpoint (`language_model.*`).
+fn text_model(vb: VarBuilder, t: &Decoder, precision: Precision) -> candle_core::Result<TextModel> {
+    let cfg = lm::Config {
+        arch: lm::Arch::Llama,
+        n_layer: t.num_hidden_layers,
+        n_embd: t.hidden_size,
+        n_head: t.num_attention_heads,
+        n_kv_head: t.num_key_value_heads,
+        head_dim: t.head_dim,
+        context_length: t.max_position_embeddings,
+        rms_eps: t.rms_norm_eps,
+        rope_base: t.rope_theta as f32,
+        // transformers' rotate_half on the checkpoint's unpermuted q/k rows.
+        rope: lm::Rope::Halves,
+    };
+    let layout = lm::DenseLayout {
+        vocab: t.vocab_size,
+        intermediate: t.intermediate_size,
+        attention_bias: t.attention_bias,
+        mlp_bias: t.mlp_bias,
+        tied_embeddings: t.tie_word_embeddings,
+        quantize: precision.ggml(),
+    };
+    let dev = vb.device().clone();
+    TextModel::from_dense(
+        cfg,
+        &layout,
+        &mut |n| vb.get_unchecked(n),
+        t.max_position_embeddings,
+        &dev,
+    )
 }
 
 /// What greedy decoding produced.
@@ -100,16 +165,11 @@ impl Llava {
                 &cfg.vision_config,
                 cfg.feature_layer_index()?,
             )?,
-            linear_1: Lin::load(mp.pp("linear_1"), vd, t.hidden_size, bias, Precision::Dense)?,
-            linear_2: Lin::load(
-                mp.pp("linear_2"),
-                t.hidden_size,
-                t.hidden_size,
-                bias,
-                Precision::Dense,
-            )?,
+            linear_1: Lin::load(mp.pp("linear_1"), vd, t.hidden_size, bias)?,
+            linear_2: Lin::load(mp.pp("linear_2"), t.hidden_size, t.hidden_size, bias)?,
             projector_act: activation(&cfg.projector_hidden_act)?,
-            text: TextModel::load(vb.pp("language_model"), &t, precision)?,
+            text: text_model(vb.pp("language_model"), &t, precision)?,
+            dec: t,
             cfg: cfg.clone(),
             device: vb.device().clone(),
         })
@@ -140,7 +200,7 @@ impl Llava {
     /// Replaces the image-token runs of `ids` by the rows of `features` (n_images * seq, d),
     /// in order, as transformers' `masked_scatter` does. Returns (1, len(ids), d).
     pub fn embed(&self, ids: &[u32], features: Option<&Tensor>) -> Result<Tensor, ModelError> {
-        let vocab = self.text.cfg.vocab_size;
+        let vocab = self.dec.vocab_size;
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(ModelError::Compute(format!(
                 "token id {bad} is outside the vocabulary ({vocab}): the tokenizer does not \
@@ -155,8 +215,7 @@ impl Llava {
                 "the prompt has {n_img} image tokens but the images give {n_feat} features"
             )));
         }
-        let t = Tensor::new(ids, &self.device)?;
-        let text = self.text.embed_tokens.forward(&t)?;
+        let text = self.text.embed_tokens(ids)?;
         let Some(features) = features.filter(|_| n_img > 0) else {
             return Ok(text.unsqueeze(0)?);
         };
@@ -180,14 +239,25 @@ impl Llava {
         Ok(Tensor::cat(&parts, 0)?.unsqueeze(0)?)
     }
 
-    /// Logits (1, t, vocab) for embeddings that follow the cached positions.
+    /// Logits (1, t, vocab) for embeddings (1, t, hidden) that follow the cached positions.
     pub fn forward_embeds(
         &self,
         embeds: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor, ModelError> {
-        let t = embeds.dim(1)?;
-        let c = &self.text.cfg;
+        Ok(self.run(embeds, cache, true)?.unsqueeze(0)?)
+    }
+
+    /// The decoder over `embeds` (1, t, hidden): logits of every position (t, vocab), or of the
+    /// last (vocab) when `all` is false.
+    fn run(&self, embeds: &Tensor, cache: &mut KvCache, all: bool) -> Result<Tensor, ModelError> {
+        let (b, t, _) = embeds.dims3()?;
+        if b != 1 {
+            return Err(ModelError::Compute(format!(
+                "the decoder runs one sequence at a time, not {b}"
+            )));
+        }
+        let c = &self.dec;
         let total = cache.len() + t;
         if let Some(w) = c.sliding_window.filter(|&w| total > w) {
             return Err(ModelError::Compute(format!(
@@ -200,7 +270,8 @@ impl Llava {
                 c.max_position_embeddings
             )));
         }
-        Ok(self.text.forward(embeds, cache)?)
+        let kv = cache.0.get_or_insert_with(|| self.text.new_cache());
+        Ok(self.text.forward_embeds(&embeds.squeeze(0)?, kv, all)?)
     }
 
     /// Logits of the whole prompt, (1, t, vocab), from a fresh cache.
@@ -230,7 +301,7 @@ impl Llava {
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation, ModelError> {
         // The answer ends where the model's positions (or Mistral's window) run out.
-        let c = &self.text.cfg;
+        let c = &self.dec;
         let limit = c.sliding_window.map_or(c.max_position_embeddings, |w| {
             w.min(c.max_position_embeddings)
         });
@@ -242,7 +313,8 @@ impl Llava {
             None => None,
         };
         let e = self.embed(ids, feats.as_ref())?;
-        let mut logits = self.forward_embeds(&e, &mut cache)?;
+        // Only the last position's logits choose the next token.
+        let mut logits = self.run(&e, &mut cache, false)?;
         // GPU kernels run asynchronously: wait for them, or the prefill time is only the launch.
         self.device.synchronize()?;
         let prefill_secs = t0.elapsed().as_secs_f64();
@@ -250,8 +322,7 @@ impl Llava {
         let mut out = Vec::new();
         let mut stopped = false;
         while out.len() < max_new_tokens {
-            let last = logits.i((0, logits.dim(1)? - 1))?;
-            let next = last.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
             out.push(next);
             on_token(next);
             if stop.contains(&next) {
@@ -262,7 +333,7 @@ impl Llava {
                 break;
             }
             let e = self.embed(&[next], None)?;
-            logits = self.forward_embeds(&e, &mut cache)?;
+            logits = self.run(&e, &mut cache, false)?;
         }
         Ok(Generation {
             ids: out,
