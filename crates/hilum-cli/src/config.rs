@@ -705,6 +705,18 @@ mod tests {
     use super::*;
     use hilum_models::Backend;
 
+    /// An environment holding exactly `pairs`, as the `*_from` readers take it.
+    fn env(
+        pairs: &'static [(&'static str, &'static str)],
+    ) -> impl Fn(&str) -> Option<String> + Copy {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
     #[test]
     fn serve_table_sets_the_image_bound_and_the_flag_wins() {
         let none = ServeSection::default();
@@ -776,14 +788,6 @@ mod tests {
              onnxruntime = \"/opt/ort/libonnxruntime.so\"\nllava_quantize = \"q4k\"\n",
         )
         .expect("parse");
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         let from = |e| {
             let e = env(e);
             hilum_models::ModelSettings::from_vars(|k| models_var(k, e, Some(&file.models)))
@@ -851,14 +855,6 @@ mod tests {
 
     #[test]
     fn hub_settings_come_from_the_hugging_face_variables() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(name, _)| *name == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         let no_file = |_: &Path| None;
         let s = hub_settings_from(
             env(&[
@@ -906,14 +902,6 @@ mod tests {
 
     #[test]
     fn tool_settings_come_from_the_documented_variables() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(name, _)| *name == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         let s = tool_settings_from(env(&[
             ("HILUM_LUNG_UNET_BACKEND", "onnx"),
             ("HILUM_BACKEND", "resnet50-res512-all=native"),
