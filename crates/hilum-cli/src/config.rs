@@ -481,7 +481,8 @@ pub fn models_dir() -> PathBuf {
 
 /// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
 /// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar), `HILUM_LOCAL_DEVICE`
-/// (cpu|cuda:N|metal:N) and `CANDLE_NUM_THREADS`.
+/// (cpu|cuda:N|metal:N), `HILUM_VLM_QUANTIZE` (none|q8_0|q4k: a multimodal snapshot's decoder)
+/// and `CANDLE_NUM_THREADS`.
 pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut cfg = LocalConfig::new(path);
@@ -499,6 +500,11 @@ pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
         cfg.device = v
             .parse()
             .map_err(|e| anyhow::anyhow!("HILUM_LOCAL_DEVICE: {e}"))?;
+    }
+    if let Some(v) = var("HILUM_VLM_QUANTIZE") {
+        cfg.snapshot_precision = v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("HILUM_VLM_QUANTIZE: {e}"))?;
     }
     if let Some(v) = var("CANDLE_NUM_THREADS") {
         cfg.quantized_threads = Some(

@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::model::{argmax, MatmulMode, Model};
+use crate::model::{argmax, MatmulMode, Model, Precision};
 use crate::vlm::{Gemma3Vlm, VlmConfig};
 use crate::{LocalDevice, LocalError};
 
@@ -211,7 +211,7 @@ pub fn run_vlm(
             });
             Tensor::from_vec(uniform(n, seed, 0.035), shape, d)
         };
-        Gemma3Vlm::from_weights(cfg.clone(), &mut get, 1024, d)
+        Gemma3Vlm::from_weights(cfg.clone(), &mut get, 1024, Precision::Dense, d)
     };
     let mut cpu = build(&Device::Cpu)?;
     let mut gpu = build(&dev)?;

@@ -24,6 +24,45 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use crate::prefix::KvSnapshot;
 use crate::qmatvec::{self, QMat};
 
+/// How a checkpoint's f32 matrices are stored once loaded (LLaVA's and a multimodal snapshot's
+/// decoder): `none|q8_0|q4k`, see [`std::str::FromStr`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// As loaded (f32 on CPU).
+    #[default]
+    Dense,
+    /// 8-bit blocks (GGML Q8_0), quantized at load.
+    Q8_0,
+    /// 4-bit k-quants (GGML Q4_K), quantized at load; rows must split into 256-element blocks
+    /// (a matrix whose rows do not stays f32).
+    Q4K,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    /// `none` (also `dense`, `f32`, empty), `q8_0` (`q8`) or `q4k` (`q4_k`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "f32" | "dense" | "none" => Ok(Precision::Dense),
+            "q8_0" | "q8" => Ok(Precision::Q8_0),
+            "q4k" | "q4_k" => Ok(Precision::Q4K),
+            other => Err(format!("quantize = `{other}`: use none, q8_0 or q4k")),
+        }
+    }
+}
+
+impl Precision {
+    /// The block type, `None` for f32.
+    pub fn ggml(self) -> Option<GgmlDType> {
+        match self {
+            Precision::Dense => None,
+            Precision::Q8_0 => Some(GgmlDType::Q8_0),
+            Precision::Q4K => Some(GgmlDType::Q4K),
+        }
+    }
+}
+
 /// How the weight matrices are multiplied (`dense|quantized|hybrid`, see [`std::str::FromStr`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulMode {
@@ -194,9 +233,14 @@ impl Linear {
         if !w.dim(D::Minus1)?.is_multiple_of(dtype.block_size()) {
             return Ok(Self::from_dense(w));
         }
+        Self::from_qtensor(QTensor::quantize(&w, dtype)?)
+    }
+
+    /// A layer on quantized blocks for candle's `QMatMul` alone.
+    pub(crate) fn from_qtensor(q: QTensor) -> candle_core::Result<Self> {
         Ok(Linear {
             dense: None,
-            quant: Some(QMatMul::from_qtensor(QTensor::quantize(&w, dtype)?)?),
+            quant: Some(QMatMul::from_qtensor(q)?),
             blocks: None,
             b: None,
             b_v: None,
@@ -1295,6 +1339,27 @@ mod tests {
                 .forward_embeds(&x, &mut KvCache::new(1, 16, &Device::Cpu), true)
                 .is_err());
         }
+    }
+
+    #[test]
+    fn precision_names() {
+        for (s, p) in [
+            ("", Precision::Dense),
+            ("None", Precision::Dense),
+            ("f32", Precision::Dense),
+            ("Q8_0", Precision::Q8_0),
+            (" q8 ", Precision::Q8_0),
+            ("q4_k", Precision::Q4K),
+        ] {
+            assert_eq!(s.parse::<Precision>(), Ok(p), "{s:?}");
+        }
+        let e = "q5_0".parse::<Precision>().unwrap_err();
+        assert!(
+            e.contains("`q5_0`") && e.contains("none, q8_0 or q4k"),
+            "{e}"
+        );
+        assert_eq!(Precision::Q4K.ggml(), Some(GgmlDType::Q4K));
+        assert_eq!(Precision::Dense.ggml(), None);
     }
 
     /// (n_kv_head 2, t, head_dim 3) keys and values numbered from `start`.

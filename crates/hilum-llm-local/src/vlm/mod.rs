@@ -24,6 +24,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::gemma3::Gemma3;
+use crate::model::Precision;
 use crate::LocalError;
 pub use config::VlmConfig;
 use siglip::{Projector, VisionTower};
@@ -82,9 +83,15 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LocalError> {
 
 impl Gemma3Vlm {
     /// Loads a snapshot directory. Every parameter [`VlmConfig::parameters`] lists must be
-    /// there with its shape, and nothing else; weights are converted to f32 on `dev`. The
-    /// decoder's rotary tables and cache are sized for `max_positions`.
-    pub fn load(dir: &Path, max_positions: usize, dev: &Device) -> Result<Self, LocalError> {
+    /// there with its shape, and nothing else; weights are converted to f32 on `dev`, and the
+    /// decoder's matrices then stored as `precision` says. The decoder's rotary tables and
+    /// cache are sized for `max_positions`.
+    pub fn load(
+        dir: &Path,
+        max_positions: usize,
+        precision: Precision,
+        dev: &Device,
+    ) -> Result<Self, LocalError> {
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| LocalError::Io {
             path: cfg_path.display().to_string(),
@@ -118,21 +125,24 @@ impl Gemma3Vlm {
                 .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor {name}")))?;
             st.load(key, dev)?.to_dtype(DType::F32)
         };
-        Self::from_weights(cfg, &mut get, max_positions, dev)
+        Self::from_weights(cfg, &mut get, max_positions, precision, dev)
     }
 
     /// The model from `get(published name)`, which returns each tensor of
-    /// [`VlmConfig::parameters`] in f32.
+    /// [`VlmConfig::parameters`] in f32; the decoder's matrices are stored as `precision` says
+    /// (the vision tower and projector stay f32).
     pub fn from_weights(
         cfg: VlmConfig,
         get: &mut dyn FnMut(&str) -> candle_core::Result<Tensor>,
         max_positions: usize,
+        precision: Precision,
         dev: &Device,
     ) -> Result<Self, LocalError> {
         let decoder = Gemma3::from_dense(
             cfg.decoder(),
             &mut |n| get(&format!("language_model.model.{n}")),
             max_positions,
+            precision,
             dev,
         )?;
         Self::assemble(cfg, get, decoder, dev)

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use candle_core::{Device, IndexOp, Tensor};
-use hilum_llm_local::model::{argmax, MatmulMode};
+use hilum_llm_local::model::{argmax, MatmulMode, Precision};
 use hilum_llm_local::vlm::{check_parameters, Gemma3Vlm, VlmConfig};
 use serde_json::Value;
 
@@ -66,7 +66,8 @@ fn images(r: &HashMap<String, Tensor>) -> Vec<(Vec<u8>, usize, usize, usize)> {
 fn tiny_model_matches_transformers() {
     let (r, j) = reference();
     let dev = Device::Cpu;
-    let mut vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 256, &dev).expect("load tiny model");
+    let mut vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 256, Precision::Dense, &dev)
+        .expect("load tiny model");
 
     // Pixel values: the processor's resize and normalisation.
     let want_px = &r["pixel_values"];
@@ -117,8 +118,13 @@ fn tiny_model_matches_transformers() {
 #[test]
 fn prefill_after_cached_text_matches() {
     let (r, j) = reference();
-    let mut vlm =
-        Gemma3Vlm::load(&fixtures().join("tiny"), 256, &Device::Cpu).expect("load tiny model");
+    let mut vlm = Gemma3Vlm::load(
+        &fixtures().join("tiny"),
+        256,
+        Precision::Dense,
+        &Device::Cpu,
+    )
+    .expect("load tiny model");
     let prompt = ids(&j["prompt_ids"]);
     let feats: Vec<Tensor> = (0..2)
         .map(|i| {
@@ -142,7 +148,7 @@ fn gguf_and_mmproj_match_the_safetensors_model() {
     let (r, j) = reference();
     let dir = fixtures().join("tiny");
     let dev = Device::Cpu;
-    let mut st = Gemma3Vlm::load(&dir, 256, &dev).expect("safetensors");
+    let mut st = Gemma3Vlm::load(&dir, 256, Precision::Dense, &dev).expect("safetensors");
     let mut gg = Gemma3Vlm::load_gguf(
         &dir.join("text.gguf"),
         &dir.join("mmproj.gguf"),
@@ -199,8 +205,13 @@ fn gguf_and_mmproj_match_the_safetensors_model() {
 #[test]
 fn wrong_image_count_is_a_clear_error() {
     let (r, j) = reference();
-    let mut vlm =
-        Gemma3Vlm::load(&fixtures().join("tiny"), 256, &Device::Cpu).expect("load tiny model");
+    let mut vlm = Gemma3Vlm::load(
+        &fixtures().join("tiny"),
+        256,
+        Precision::Dense,
+        &Device::Cpu,
+    )
+    .expect("load tiny model");
     let f = vlm
         .image_features(&r["pixel_values"].i(0).unwrap())
         .unwrap();
@@ -216,7 +227,8 @@ fn wrong_image_count_is_a_clear_error() {
 
 #[test]
 fn image_placeholders_expand_as_the_processor() {
-    let vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 64, &Device::Cpu).expect("load");
+    let vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 64, Precision::Dense, &Device::Cpu)
+        .expect("load");
     let text = "<start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n";
     let soft = "<image_soft_token>".repeat(16);
     assert_eq!(

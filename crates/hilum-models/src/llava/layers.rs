@@ -1,7 +1,6 @@
 //! What the CLIP tower and the projector share: dense linear layers, activations and softmax
-//! attention; and how the text decoder's matrices are stored ([`Precision`]).
+//! attention.
 
-use candle_core::quantized::GgmlDType;
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
@@ -36,40 +35,6 @@ impl Act {
             Act::QuickGelu => xs * candle_nn::ops::sigmoid(&(xs * 1.702)?)?,
             Act::Gelu => xs.gelu_erf(),
             Act::GeluTanh => xs.gelu(),
-        }
-    }
-}
-
-/// How the text decoder's linear layers are stored.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Precision {
-    /// As loaded (f32 on CPU).
-    #[default]
-    Dense,
-    /// 8-bit blocks (GGML Q8_0) for the text decoder's linear layers, quantized at load.
-    Q8_0,
-    /// 4-bit k-quants (GGML Q4_K), quantized at load; needs dimensions divisible by 256.
-    Q4K,
-}
-
-impl Precision {
-    pub fn parse(s: &str) -> Result<Precision, ModelError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "f32" | "dense" | "none" => Ok(Precision::Dense),
-            "q8_0" | "q8" => Ok(Precision::Q8_0),
-            "q4k" | "q4_k" => Ok(Precision::Q4K),
-            other => Err(ModelError::Manifest {
-                id: "llava".into(),
-                reason: format!("quantize = `{other}`: use none, q8_0 or q4k"),
-            }),
-        }
-    }
-
-    pub(crate) fn ggml(self) -> Option<GgmlDType> {
-        match self {
-            Precision::Dense => None,
-            Precision::Q8_0 => Some(GgmlDType::Q8_0),
-            Precision::Q4K => Some(GgmlDType::Q4K),
         }
     }
 }

@@ -29,7 +29,7 @@
 //!
 //! Its parts: [`config`] (the HF configurations and their defaults), [`clip`] (the CLIP vision
 //! tower and the `CLIPImageProcessor` preprocessing), [`layers`] (the tower's and the
-//! projector's linear layers, activations and attention; the decoder's [`Precision`]); this
+//! projector's linear layers, activations and attention); this
 //! file is the LLaVA glue (projector, text decoder, image-token merge, greedy decoding) and the
 //! installed model.
 
@@ -50,7 +50,8 @@ pub mod layers;
 
 pub use clip::{preprocess, recipe, AspectMode, CLIP_MEAN, CLIP_STD};
 pub use config::{Config, Decoder, TextConfig, VisionConfig};
-pub use layers::Precision;
+/// How the text decoder's matrices are stored: the local engine's, as the decoder is.
+pub use hilum_llm_local::model::Precision;
 
 use clip::ClipVision;
 use config::bad_config;
@@ -419,16 +420,18 @@ pub fn precision_for(
     manifest: &crate::Manifest,
     quantize: Option<&str>,
 ) -> Result<Precision, ModelError> {
-    if let Some(v) = quantize.filter(|v| !v.is_empty()) {
-        return Precision::parse(v);
-    }
-    Precision::parse(
-        manifest
+    let v = match quantize.filter(|v| !v.is_empty()) {
+        Some(v) => v,
+        None => manifest
             .postprocessing
             .get("quantize")
             .and_then(|v| v.as_str())
             .unwrap_or("none"),
-    )
+    };
+    v.parse().map_err(|reason| ModelError::Manifest {
+        id: "llava".into(),
+        reason,
+    })
 }
 
 impl NativeVlm {
