@@ -615,6 +615,27 @@ pub(crate) fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
+impl Activation {
+    /// `x` quantized for every block family `mats` hold.
+    fn of(x: &[f32], mats: &[&QMat]) -> Self {
+        let mut act = Activation {
+            q8_d: Vec::new(),
+            q8_qs: Vec::new(),
+            pairs: Vec::new(),
+            q8k: Vec::new(),
+        };
+        if mats.iter().any(|m| !m.needs_q8k()) {
+            quantize_q8(x, &mut act.q8_d, &mut act.q8_qs);
+            act.pairs = PairConsts::build(&act.q8_d, &act.q8_qs);
+        }
+        if mats.iter().any(|m| m.needs_q8k()) {
+            act.q8k = vec![BlockQ8K::zeros(); x.len() / BlockQ8K::BLCK_SIZE];
+            BlockQ8K::from_float(x, &mut act.q8k);
+        }
+        act
+    }
+}
+
 /// `W_i x` for every matrix of `mats` (all with `x.len()` columns), written one after another
 /// into `out` (length: the sum of their rows). One parallel region for all of them.
 pub(crate) fn matvec(x: &[f32], mats: &[&QMat], out: &mut [f32]) -> candle_core::Result<()> {
@@ -625,20 +646,7 @@ pub(crate) fn matvec(x: &[f32], mats: &[&QMat], out: &mut [f32]) -> candle_core:
     if let Some(m) = mats.iter().find(|m| m.cols != x.len()) {
         candle_core::bail!("matvec: {} columns for an input of {}", m.cols, x.len());
     }
-    let mut act = Activation {
-        q8_d: Vec::new(),
-        q8_qs: Vec::new(),
-        pairs: Vec::new(),
-        q8k: Vec::new(),
-    };
-    if mats.iter().any(|m| !m.needs_q8k()) {
-        quantize_q8(x, &mut act.q8_d, &mut act.q8_qs);
-        act.pairs = PairConsts::build(&act.q8_d, &act.q8_qs);
-    }
-    if mats.iter().any(|m| m.needs_q8k()) {
-        act.q8k = vec![BlockQ8K::zeros(); x.len() / BlockQ8K::BLCK_SIZE];
-        BlockQ8K::from_float(x, &mut act.q8k);
-    }
+    let act = Activation::of(x, mats);
     // Work items: groups of four rows, numbered across the matrices in order.
     let mut starts = Vec::with_capacity(mats.len() + 1);
     let mut items = 0usize;
@@ -660,6 +668,47 @@ pub(crate) fn matvec(x: &[f32], mats: &[&QMat], out: &mut [f32]) -> candle_core:
             // outlives the parallel region (execute_chunked returns after every item ran).
             let dst = unsafe { std::slice::from_raw_parts_mut((out_ptr as *mut f32).add(row0), n) };
             m.rows_dot(r, n, act, dst);
+        }
+    };
+    candle_core::utils::barrier_pool().execute_chunked(items, run);
+    Ok(())
+}
+
+/// `Y = X W^T` for a few rows of `x` (row-major, `m.cols` wide): `out` gets one row of
+/// `m.rows` per input row. Each group of four weight rows is read from memory once and dotted
+/// with every input row while it is in cache, where one `matvec` per row streams all the
+/// weights again for each row. Every product is the one `matvec` computes, bit for bit.
+pub(crate) fn matmat(x: &[f32], m: &QMat, out: &mut [f32]) -> candle_core::Result<()> {
+    if m.cols == 0 || !x.len().is_multiple_of(m.cols) {
+        candle_core::bail!("matmat: an input of {} for {} columns", x.len(), m.cols);
+    }
+    let n_x = x.len() / m.cols;
+    if out.len() != n_x * m.rows {
+        candle_core::bail!(
+            "matmat: output of {} for {n_x} x {} rows",
+            out.len(),
+            m.rows
+        );
+    }
+    let acts: Vec<Activation> = x
+        .chunks_exact(m.cols)
+        .map(|r| Activation::of(r, &[m]))
+        .collect();
+    let items = m.rows.div_ceil(ROWS_PER_ITEM);
+    let out_ptr = out.as_mut_ptr() as usize;
+    let (acts, rows) = (&acts, m.rows);
+    let run = |range: std::ops::Range<usize>| {
+        for item in range {
+            let r = item * ROWS_PER_ITEM;
+            let n = ROWS_PER_ITEM.min(rows - r);
+            for (j, act) in acts.iter().enumerate() {
+                // SAFETY: item `item` writes rows r..r+n of each output row j, disjoint across
+                // items; `out` outlives the parallel region.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut((out_ptr as *mut f32).add(j * rows + r), n)
+                };
+                m.rows_dot(r, n, act, dst);
+            }
         }
     };
     candle_core::utils::barrier_pool().execute_chunked(items, run);
@@ -736,6 +785,44 @@ mod tests {
         matvec(&x, &refs, &mut fused)?;
         let single: Vec<f32> = mats.iter().flat_map(|(_, y)| y.clone()).collect();
         assert_eq!(fused, single);
+        Ok(())
+    }
+
+    /// A batch of rows through `matmat` equals one `matvec` per row, bit for bit, for every
+    /// block type; bad shapes are errors.
+    #[test]
+    fn a_batch_of_rows_equals_one_product_per_row() -> candle_core::Result<()> {
+        let cols = 512;
+        let xs = weights(5, cols, 21);
+        for (i, (dtype, rows)) in [
+            (GgmlDType::Q5_0, 13usize),
+            (GgmlDType::Q8_0, 9),
+            (GgmlDType::Q4K, 12),
+            (GgmlDType::Q6K, 7),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let w = Tensor::from_vec(
+                weights(rows, cols, 31 + i as u64),
+                (rows, cols),
+                &Device::Cpu,
+            )?;
+            let m = QMat::from_qtensor(&QTensor::quantize(&w, dtype)?)?.expect("supported");
+            let mut batch = vec![0f32; 5 * rows];
+            matmat(&xs, &m, &mut batch)?;
+            for (j, x) in xs.chunks_exact(cols).enumerate() {
+                let mut one = vec![0f32; rows];
+                matvec(x, &[&m], &mut one)?;
+                assert_eq!(
+                    &batch[j * rows..(j + 1) * rows],
+                    &one[..],
+                    "{dtype:?} row {j}"
+                );
+            }
+            assert!(matmat(&xs[..cols + 1], &m, &mut batch).is_err());
+            assert!(matmat(&xs, &m, &mut batch[1..]).is_err());
+        }
         Ok(())
     }
 
