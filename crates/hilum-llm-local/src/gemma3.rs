@@ -747,11 +747,8 @@ mod tests {
             let n: usize = shape.iter().product();
             let v: Vec<f32> = (0..n)
                 .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
                     // Norm weights are stored as `w` and multiply as `1 + w`.
-                    let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    let u = crate::model::xorshift_unit(&mut seed);
                     if shape.len() == 1 {
                         0.2 * u
                     } else {

@@ -1239,6 +1239,15 @@ pub fn argmax(logits: &Tensor) -> candle_core::Result<u32> {
     logits.argmax(D::Minus1)?.to_scalar::<u32>()
 }
 
+/// xorshift64: a value in [-0.5, 0.5) per call, for seeded test weights.
+#[cfg(test)]
+pub(crate) fn xorshift_unit(seed: &mut u64) -> f32 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1287,10 +1296,7 @@ mod tests {
             let n: usize = shape.iter().product();
             let v: Vec<f32> = (0..n)
                 .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    let u = xorshift_unit(&mut seed);
                     if shape.len() == 1 && !name.ends_with(".bias") {
                         1.0 + 0.2 * u
                     } else {

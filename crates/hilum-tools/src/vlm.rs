@@ -255,6 +255,12 @@ impl VlmSettings {
         if let Some(v) = get("HILUM_VLM_API_KEY") {
             self.default.api_key = Some(v);
         }
+        if let Some(v) = get("HILUM_VLM_QUANTIZE") {
+            let p = v
+                .parse()
+                .map_err(|e| VlmError::Config(format!("HILUM_VLM_QUANTIZE: {e}")))?;
+            self.local_models.set_precision(p);
+        }
         Ok(())
     }
 
@@ -659,6 +665,11 @@ mod tests {
             s.apply_env(|k| (k == "HILUM_VLM_FAMILY").then(|| "gpt".to_string())),
             Err(VlmError::Config(_))
         ));
+        let q = |v: &'static str| move |k: &str| (k == "HILUM_VLM_QUANTIZE").then(|| v.to_string());
+        s.apply_env(q("q4k")).expect("a precision");
+        assert!(format!("{:?}", s.local_models).contains("Q4K"));
+        let e = s.apply_env(q("q3")).expect_err("not a precision");
+        assert!(e.to_string().contains("HILUM_VLM_QUANTIZE"), "{e}");
     }
 
     #[test]

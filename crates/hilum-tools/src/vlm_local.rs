@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use hilum_agent::ToolError;
 use hilum_llm::{ChatRequest, FinishReason, ImagePayload, Llm, Message};
+use hilum_llm_local::model::Precision;
 use hilum_llm_local::{GenStats, LocalConfig, LocalDevice, LocalLlm, VlmFiles};
 use tokio::sync::OnceCell;
 
@@ -31,6 +32,9 @@ type Slot = Arc<OnceCell<Arc<LoadedVlm>>>;
 #[derive(Clone, Default)]
 pub struct LocalVlms {
     models: Arc<Mutex<HashMap<String, Slot>>>,
+    /// How a snapshot's decoder is stored once loaded (`HILUM_VLM_QUANTIZE`); `None`: the local
+    /// engine's default (Q8_0).
+    precision: Option<Precision>,
 }
 
 impl std::fmt::Debug for LocalVlms {
@@ -47,6 +51,7 @@ impl std::fmt::Debug for LocalVlms {
             .unwrap_or_default();
         f.debug_struct("LocalVlms")
             .field("loaded", &loaded)
+            .field("precision", &self.precision)
             .finish()
     }
 }
@@ -63,6 +68,11 @@ pub struct LocalAnswer {
 }
 
 impl LocalVlms {
+    /// Snapshots load with their decoder stored as `precision` (models loaded later).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = Some(precision);
+    }
+
     /// The model of `spec`, loaded now if this is its first use; with the time spent loading.
     pub async fn get(
         &self,
@@ -80,7 +90,7 @@ impl LocalVlms {
         let model = slot
             .get_or_try_init(|| async {
                 let t0 = Instant::now();
-                let m = load_model(spec.to_string(), device).await?;
+                let m = load_model(spec.to_string(), device, self.precision).await?;
                 load = t0.elapsed();
                 Ok::<_, ToolError>(Arc::new(m))
             })
@@ -102,12 +112,19 @@ fn key(spec: &str, device: LocalDevice) -> String {
 }
 
 /// Loads `spec`'s files on a blocking thread; any failure says which file and what to set.
-async fn load_model(spec: String, device: LocalDevice) -> Result<LoadedVlm, ToolError> {
+async fn load_model(
+    spec: String,
+    device: LocalDevice,
+    precision: Option<Precision>,
+) -> Result<LoadedVlm, ToolError> {
     let what = format!("{LOCAL_VLM_PREFIX}{spec}");
     let loaded = tokio::task::spawn_blocking(move || {
         let files = VlmFiles::parse(&spec)?;
         let mut cfg = LocalConfig::new(files.main_path());
         cfg.device = device;
+        if let Some(p) = precision {
+            cfg.snapshot_precision = p;
+        }
         LocalLlm::load_vlm(cfg, files)
     })
     .await

@@ -19,6 +19,17 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma3_vlm")
 }
 
+/// The tiny snapshot in f32 (the fixtures are transformers' f32 outputs) on the CPU.
+fn tiny(max_positions: usize) -> Gemma3Vlm {
+    Gemma3Vlm::load(
+        &fixtures().join("tiny"),
+        max_positions,
+        Precision::Dense,
+        &Device::Cpu,
+    )
+    .expect("load tiny model")
+}
+
 fn reference() -> (HashMap<String, Tensor>, Value) {
     let dir = fixtures().join("tiny");
     let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
@@ -65,9 +76,7 @@ fn images(r: &HashMap<String, Tensor>) -> Vec<(Vec<u8>, usize, usize, usize)> {
 #[test]
 fn tiny_model_matches_transformers() {
     let (r, j) = reference();
-    let dev = Device::Cpu;
-    let mut vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 256, Precision::Dense, &dev)
-        .expect("load tiny model");
+    let mut vlm = tiny(256);
 
     // Pixel values: the processor's resize and normalisation.
     let want_px = &r["pixel_values"];
@@ -118,13 +127,7 @@ fn tiny_model_matches_transformers() {
 #[test]
 fn prefill_after_cached_text_matches() {
     let (r, j) = reference();
-    let mut vlm = Gemma3Vlm::load(
-        &fixtures().join("tiny"),
-        256,
-        Precision::Dense,
-        &Device::Cpu,
-    )
-    .expect("load tiny model");
+    let mut vlm = tiny(256);
     let prompt = ids(&j["prompt_ids"]);
     let feats: Vec<Tensor> = (0..2)
         .map(|i| {
@@ -148,7 +151,7 @@ fn gguf_and_mmproj_match_the_safetensors_model() {
     let (r, j) = reference();
     let dir = fixtures().join("tiny");
     let dev = Device::Cpu;
-    let mut st = Gemma3Vlm::load(&dir, 256, Precision::Dense, &dev).expect("safetensors");
+    let mut st = tiny(256);
     let mut gg = Gemma3Vlm::load_gguf(
         &dir.join("text.gguf"),
         &dir.join("mmproj.gguf"),
@@ -205,13 +208,7 @@ fn gguf_and_mmproj_match_the_safetensors_model() {
 #[test]
 fn wrong_image_count_is_a_clear_error() {
     let (r, j) = reference();
-    let mut vlm = Gemma3Vlm::load(
-        &fixtures().join("tiny"),
-        256,
-        Precision::Dense,
-        &Device::Cpu,
-    )
-    .expect("load tiny model");
+    let mut vlm = tiny(256);
     let f = vlm
         .image_features(&r["pixel_values"].i(0).unwrap())
         .unwrap();
@@ -227,8 +224,7 @@ fn wrong_image_count_is_a_clear_error() {
 
 #[test]
 fn image_placeholders_expand_as_the_processor() {
-    let vlm = Gemma3Vlm::load(&fixtures().join("tiny"), 64, Precision::Dense, &Device::Cpu)
-        .expect("load");
+    let vlm = tiny(64);
     let text = "<start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n";
     let soft = "<image_soft_token>".repeat(16);
     assert_eq!(
