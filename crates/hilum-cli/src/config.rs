@@ -1,6 +1,7 @@
 //! The one typed configuration: flags first, then environment (`OPENAI_API_KEY`,
-//! `OPENAI_BASE_URL`, `HILUM_*`, and the Hugging Face Hub's `HF_*` for `hilum models fetch`), then a TOML file (`--config`, `HILUM_CONFIG`, or
-//! `$XDG_CONFIG_HOME/hilum/config.toml`, by default `~/.config/hilum/config.toml`).
+//! `OPENAI_BASE_URL`, `HILUM_*`, and the Hugging Face Hub's `HF_*` for `hilum models fetch`),
+//! then a TOML file (`--config`, `HILUM_CONFIG`, or `$XDG_CONFIG_HOME/hilum/config.toml`, by
+//! default `~/.config/hilum/config.toml`).
 //!
 //! This module is the only place outside `main`s that reads the environment: library crates
 //! take their settings as values (a test in `tests/it/env_reads.rs` keeps it so). The models'

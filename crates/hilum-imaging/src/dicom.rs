@@ -472,7 +472,6 @@ impl VoiTable {
     }
 }
 
-/// Reads the first VOI LUT Sequence item; an error says why it cannot be used.
 /// The first frame's stored values through dicom-rs's codecs.
 fn dicom_rs_frame(
     obj: &DicomFile,
@@ -557,6 +556,7 @@ fn libjpeg_turbo_frame(
     Ok(Some(jpeg.samples.into_iter().map(f32::from).collect()))
 }
 
+/// Reads the first VOI LUT Sequence item; an error says why it cannot be used.
 fn voi_table(obj: &DicomFile, signed_pixels: bool) -> Result<VoiTable, String> {
     let item = obj
         .get(tags::VOILUT_SEQUENCE)

@@ -331,10 +331,7 @@ impl Gemma3 {
             let post_attn_norm = norm("post_attention_layernorm")?;
             let ffn_norm = norm("pre_feedforward_layernorm")?;
             let post_ffn_norm = norm("post_feedforward_layernorm")?;
-            let mut lin = |s: &str| match quantize {
-                Some(dt) => Linear::quantized(w(s)?, dt),
-                None => Ok(Linear::from_dense(w(s)?)),
-            };
+            let mut lin = |s: &str| Linear::stored(w(s)?, quantize);
             layers.push(Layer {
                 attn_norm,
                 wq: lin("self_attn.q_proj")?,

@@ -226,14 +226,16 @@ impl Linear {
         }
     }
 
-    /// A layer on an f32 matrix (out, in) quantized to `dtype` blocks for candle's `QMatMul`
-    /// alone (no f32 copy: the point is the memory); a matrix whose rows do not split into
-    /// whole blocks stays f32.
-    pub(crate) fn quantized(w: Tensor, dtype: GgmlDType) -> candle_core::Result<Self> {
-        if !w.dim(D::Minus1)?.is_multiple_of(dtype.block_size()) {
-            return Ok(Self::from_dense(w));
+    /// A layer on an f32 matrix (out, in), quantized to `quantize` blocks for candle's
+    /// `QMatMul` alone (no f32 copy: the point is the memory); `None`, or a matrix whose rows
+    /// do not split into whole blocks, stays f32.
+    pub(crate) fn stored(w: Tensor, quantize: Option<GgmlDType>) -> candle_core::Result<Self> {
+        match quantize {
+            Some(dt) if w.dim(D::Minus1)?.is_multiple_of(dt.block_size()) => {
+                Self::from_qtensor(QTensor::quantize(&w, dt)?)
+            }
+            _ => Ok(Self::from_dense(w)),
         }
-        Self::from_qtensor(QTensor::quantize(&w, dtype)?)
     }
 
     /// A layer on quantized blocks for candle's `QMatMul` alone.
@@ -695,10 +697,7 @@ fn dense_linear(
     quantize: Option<GgmlDType>,
 ) -> candle_core::Result<Linear> {
     let w = get(&format!("{name}.weight"), &[out, inp])?;
-    let l = match quantize {
-        Some(dt) => Linear::quantized(w, dt)?,
-        None => Linear::from_dense(w),
-    };
+    let l = Linear::stored(w, quantize)?;
     let b = if bias {
         Some(get(&format!("{name}.bias"), &[out])?)
     } else {

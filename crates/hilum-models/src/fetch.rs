@@ -420,15 +420,6 @@ impl Hub {
         }))
     }
 
-    /// The token, and the bytes as stored (sizes and ETags are those of the raw file).
-    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        let req = req.header(reqwest::header::ACCEPT_ENCODING, "identity");
-        match &self.token {
-            Some(t) => req.bearer_auth(t.secret()),
-            None => req,
-        }
-    }
-
     /// What a 401 or 403 from the Hub means, and what to do.
     fn refusal(&self, status: reqwest::StatusCode) -> Option<String> {
         if !matches!(
@@ -466,8 +457,7 @@ impl Hub {
             url: url.to_string(),
             reason,
         };
-        let resp = self
-            .authorized(self.head_client.head(url))
+        let resp = file_request(self.head_client.head(url), self.token.as_ref())
             .send()
             .await
             .map_err(|e| {
@@ -757,6 +747,16 @@ fn client(url: &str) -> Result<reqwest::Client, ModelError> {
     })
 }
 
+/// `req` for the file's own bytes (sizes and ETags are the raw file's, and a compressed
+/// transfer could not be resumed by byte offset), with the token when there is one.
+fn file_request(req: reqwest::RequestBuilder, token: Option<&HfToken>) -> reqwest::RequestBuilder {
+    let req = req.header(reqwest::header::ACCEPT_ENCODING, "identity");
+    match token {
+        Some(t) => req.bearer_auth(t.secret()),
+        None => req,
+    }
+}
+
 /// Downloads `url` into `partial`, continuing from its current length when the server
 /// supports ranges. `token` goes with the request (reqwest drops it on a redirect to another
 /// host); `explain` words a refusal (401, 403) for the user.
@@ -773,13 +773,7 @@ async fn download(
         reason,
     };
     let have = std::fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
-    // The file's own bytes: a compressed transfer could not be resumed by byte offset.
-    let mut req = client
-        .get(url)
-        .header(reqwest::header::ACCEPT_ENCODING, "identity");
-    if let Some(t) = token {
-        req = req.bearer_auth(t.secret());
-    }
+    let mut req = file_request(client.get(url), token);
     if have > 0 {
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
     }
