@@ -441,19 +441,20 @@ impl TypedTool for MeasureChest {
 
         let r = measure(&masks);
         let spacing = img.meta.pixel_spacing_mm;
-        let mut notes: Vec<String> = Vec::new();
-        match view {
-            View::Ap => notes.push(
+        // What the view means for the CTR threshold (said only where a CTR was measured).
+        let view_note: Option<String> = match view {
+            View::Ap => Some(
                 "AP projection: the heart is magnified, so the CTR overestimates (the 0.50 \
                  threshold is for PA views)"
                     .into(),
             ),
-            View::Unknown => notes.push(
+            View::Unknown => Some(
                 "view not stated: the 0.50 CTR threshold assumes PA; on AP the CTR overestimates"
                     .into(),
             ),
-            _ => {}
-        }
+            _ => None,
+        };
+        let mut notes: Vec<String> = view_note.iter().cloned().collect();
         if pediatric {
             notes.push(
                 "pediatric patient: adult thresholds do not apply (CTR up to ~0.60 can be normal \
@@ -461,12 +462,13 @@ impl TypedTool for MeasureChest {
                     .into(),
             );
         }
-        if !anatomy {
-            notes.push(format!(
+        let heart_note = (!anatomy).then(|| {
+            format!(
                 "no heart mask: install {ANATOMY_MODEL_ID} (`hilum models fetch {ANATOMY_MODEL_ID}`) \
                  to measure the CTR"
-            ));
-        }
+            )
+        });
+        notes.extend(heart_note.clone());
         let cm = |s: &Option<Span>| match (s, spacing) {
             (Some(s), Some((_, col))) => {
                 json!((s.width() as f64 * col / 10.0 * 100.0).round() / 100.0)
@@ -514,33 +516,51 @@ impl TypedTool for MeasureChest {
         });
         let px =
             |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
+        // Only what was measured, each number once: a small model copies the observation it
+        // answers from, so every repeated or inapplicable clause costs prompt and answer tokens.
+        // The view's note only with a CTR; the missing heart mask is said in the CTR's place.
+        let said: Vec<&str> = notes
+            .iter()
+            .filter(|n| r.ctr.is_some() || Some(*n) != view_note.as_ref())
+            .filter(|n| Some(*n) != heart_note.as_ref())
+            .map(|n| n.as_str())
+            .collect();
+        let heart = match (r.ctr, anatomy) {
+            (Some(c), _) => format!(
+                "CTR {c:.2}{}; heart {}, ",
+                interpretation.map_or(String::new(), |i| format!(" ({i})")),
+                px(r.heart)
+            ),
+            (None, false) => format!(
+                "CTR not measured (no heart mask: `hilum models fetch {ANATOMY_MODEL_ID}`); "
+            ),
+            (None, true) => format!("CTR not measured; heart {}, ", px(r.heart)),
+        };
+        let lungs = match (r.left_lung_px, r.right_lung_px) {
+            (Some(l), Some(rt)) => {
+                let t = crate::segment_lungs::thousands;
+                crate::segment_lungs::compare_sides(
+                    l as f64,
+                    rt as f64,
+                    &format!("{} px", t(l)),
+                    &format!("{} px", t(rt)),
+                )
+            }
+            _ => "lung areas not measured".into(),
+        };
         let summary = format!(
-            "{id}: CTR {}{}; heart {}, thorax {}, mediastinum {}; lung areas: {}. Masks: {source}.{}",
-            r.ctr.map_or("not measured".into(), |c| format!("{c:.2}")),
-            interpretation.map_or(String::new(), |i| format!(" ({i})")),
-            px(r.heart),
+            "{id}: {heart}thorax {}, mediastinum {}; {lungs}.{}{}",
             px(r.thorax),
             px(r.mediastinum),
-            // In the patient's terms, not as a bare ratio a small model misreads.
-            match (r.left_lung_px, r.right_lung_px, r.left_right_area_ratio) {
-                (Some(l), Some(rt), Some(ratio)) => {
-                    let t = crate::segment_lungs::thousands;
-                    format!(
-                        "{} (L/R ratio {ratio:.2})",
-                        crate::segment_lungs::compare_sides(
-                            l as f64,
-                            rt as f64,
-                            &format!("{} px", t(l)),
-                            &format!("{} px", t(rt)),
-                        )
-                    )
-                }
-                _ => "not measured".into(),
+            if anatomy {
+                format!(" Masks: {source}.")
+            } else {
+                String::new()
             },
-            if notes.is_empty() {
+            if said.is_empty() {
                 String::new()
             } else {
-                format!(" Notes: {}", notes.join("; "))
+                format!(" Notes: {}", said.join("; "))
             }
         );
         let overlay = overlay_png(&img, &masks, &r)?;

@@ -336,26 +336,26 @@ impl TypedTool for SegmentLungs {
             (Some(r), None) => format!("{} px", thousands(r.0.area_px)),
             (None, _) => "not found".into(),
         };
-        // The comparison comes first and in the patient's terms: a small model answers from the
-        // first words of an observation and misreads a bare ratio.
-        let comparison = match (right, left) {
-            (Some(r), Some(l)) => format!(
-                "{}; ",
-                compare_sides(
-                    l.0.area_px as f64,
-                    r.0.area_px as f64,
-                    &area(left),
-                    &area(right)
-                )
+        // With both lungs the comparison alone, in the patient's terms: a small model answers
+        // from the first words of an observation, misreads a bare ratio, and copies what it
+        // reads into its answer, so the per-side list and ratio (in `data`) would only repeat
+        // the comparison's numbers at the cost of prompt and answer tokens.
+        let fields = match (right, left) {
+            (Some(r), Some(l)) => compare_sides(
+                l.0.area_px as f64,
+                r.0.area_px as f64,
+                &area(left),
+                &area(right),
             ),
-            _ => String::new(),
+            _ => format!(
+                "{} lung field(s); patient's right {}, left {}",
+                lungs.len(),
+                area(right),
+                area(left)
+            ),
         };
         let summary = format!(
-            "{id}: {comparison}{} lung field(s); patient's right {}, left {}{}; lungs cover {:.1}% of the image{}",
-            lungs.len(),
-            area(right),
-            area(left),
-            ratio.map_or(String::new(), |r| format!(", left/right area ratio {r}")),
+            "{id}: {fields}; lungs cover {:.1}% of the image{}",
             total_px as f64 / (w * h).max(1) as f64 * 100.0,
             if record.custom {
                 " (custom site checkpoint of lung-unet)"

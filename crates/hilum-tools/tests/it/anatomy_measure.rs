@@ -209,6 +209,15 @@ async fn measure_chest_with_the_real_lung_unet_says_what_it_could_not_measure() 
     assert!((0.5..1.6).contains(&ratio), "{ratio}");
     let overlay = image::load_from_memory(&out.artifacts[0].bytes).expect("overlay PNG");
     assert!(overlay.width() <= 1024 && overlay.width() > 0);
+    // Without a CTR the summary says why and what to install, once, and leaves out the view's
+    // note on the CTR threshold (still in `notes`).
+    let s = &out.summary;
+    assert!(
+        s.contains("CTR not measured (no heart mask: `hilum models fetch chestx-det-pspnet`)"),
+        "{s}"
+    );
+    assert_eq!(s.matches("chestx-det-pspnet").count(), 1, "{s}");
+    assert!(s.contains("lung is larger:") && !s.contains("threshold"), "{s}");
 
     let out = tool
         .call(

@@ -82,6 +82,30 @@ async fn mask_matches_ground_truth_at_original_resolution() {
     let lx = out.data["left_lung"]["bbox"][0].as_u64().expect("bbox");
     assert!(rx < lx);
     assert!(out.artifacts.iter().any(|a| a.kind == "overlay"));
+    // The summary states the comparison from the data, in the patient's terms, each area once
+    // (a small model copies the summary into its answer).
+    let area = |side: &str| out.data[side]["area_px"].as_u64().expect("area");
+    let (r, l) = (area("right_lung"), area("left_lung"));
+    let larger = if l > r { "left" } else { "right" };
+    assert!(
+        out.summary
+            .contains(&format!("the patient's {larger} lung is larger:")),
+        "{}",
+        out.summary
+    );
+    for a in [r, l] {
+        let digits = a.to_string();
+        let printed: String = digits
+            .chars()
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let comma = i > 0 && (digits.len() - i).is_multiple_of(3);
+                comma.then_some(',').into_iter().chain([c])
+            })
+            .collect();
+        assert_eq!(out.summary.matches(&printed).count(), 1, "{}", out.summary);
+    }
+    assert!(out.summary.contains("lungs cover"), "{}", out.summary);
 }
 
 #[tokio::test]
