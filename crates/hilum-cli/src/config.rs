@@ -482,8 +482,8 @@ pub fn models_dir() -> PathBuf {
 
 /// The local model's settings for `path`, with the tuning variables `HILUM_LOCAL_MATMUL`
 /// (dense|quantized|hybrid), `HILUM_LOCAL_SIMD` (auto|avx2|scalar), `HILUM_LOCAL_DEVICE`
-/// (cpu|cuda:N|metal:N), `HILUM_VLM_QUANTIZE` (none|q8_0|q4k: a multimodal snapshot's decoder)
-/// and `CANDLE_NUM_THREADS`.
+/// (cpu|cuda:N|metal:N), `HILUM_VLM_QUANTIZE` (none|q8_0|q4k: a multimodal snapshot's decoder),
+/// `HILUM_LOCAL_LOOKUP` (on|off: prompt lookup drafting) and `CANDLE_NUM_THREADS`.
 pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut cfg = LocalConfig::new(path);
@@ -506,6 +506,13 @@ pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
         cfg.snapshot_precision = v
             .parse()
             .map_err(|e| anyhow::anyhow!("HILUM_VLM_QUANTIZE: {e}"))?;
+    }
+    if let Some(v) = var("HILUM_LOCAL_LOOKUP") {
+        cfg.prompt_lookup = match v.as_str() {
+            "on" | "1" | "true" => true,
+            "off" | "0" | "false" => false,
+            _ => anyhow::bail!("HILUM_LOCAL_LOOKUP={v}: expected on or off"),
+        };
     }
     if let Some(v) = var("CANDLE_NUM_THREADS") {
         cfg.quantized_threads = Some(

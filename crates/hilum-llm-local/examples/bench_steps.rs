@@ -21,7 +21,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut f = std::fs::File::open(&path)?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
     let mut m = Model::load(&ct, &mut f, 4096, MatmulMode::Hybrid, &Device::Cpu)?;
-    let toks: Vec<u32> = (0..prefix as u32).map(|i| 1000 + (i * 7919) % 20000).collect();
+    let toks: Vec<u32> = (0..prefix as u32)
+        .map(|i| 1000 + (i * 7919) % 20000)
+        .collect();
     let t = Instant::now();
     for c in toks.chunks(256) {
         m.forward(c)?;
@@ -30,7 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // An optional third argument times that batch size alone, many times (for a profiler).
     let only: Option<usize> = args.get(3).map(|s| s.parse()).transpose()?;
     let sizes = only.map_or(vec![1usize, 2, 4, 8, 12, 16, 32], |n| vec![n]);
-    let reps = if only.is_some() { 100 } else { 3 };
+    let reps = if only.is_some() { 30 } else { 3 };
     for &n in &sizes {
         let mut best = f64::MAX;
         for _ in 0..reps {

@@ -2,6 +2,7 @@
 //! prefill the rest in batches, then sample token by token (constrained inside tool calls),
 //! streaming text and finished calls.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -69,6 +70,11 @@ pub struct GenStats {
     pub image_tokens: usize,
     /// Seconds spent encoding pictures not already encoded (the vision tower).
     pub image_secs: f64,
+    /// Answer tokens guessed from the prompt (prompt lookup) and checked in the pass of the
+    /// token before them, and of those the ones greedy decoding then chose (no pass of their
+    /// own).
+    pub drafted_tokens: usize,
+    pub draft_kept: usize,
 }
 
 impl GenStats {
@@ -879,7 +885,18 @@ fn decode(
     // Whether the answer's lead was decided (see `Prepared::lead_after_results`).
     let mut led = false;
     let t_decode = Instant::now();
+    // Draft tokens already run after the last chosen one, with the logits that follow each.
+    let mut drafts: VecDeque<(u32, Tensor)> = VecDeque::new();
     loop {
+        // Prose with nothing left to rewind it: no ReAct block, no held call, no lead to come.
+        let greedy_prose = inner.cfg.prompt_lookup
+            && matches!(prep.sampling, Sampling::ArgMax)
+            && react.is_none()
+            && !text.hold_all
+            && (led || !prep.lead_after_results);
+        if !drafts.is_empty() && !(greedy_prose && matches!(mode, Mode::Free)) {
+            drop_drafts(st, &mut drafts, 0)?;
+        }
         if generated.len() >= prep.max_new {
             if let Mode::Call { body: Some(b), .. } = &mode {
                 if calls > 0 {
@@ -1203,12 +1220,55 @@ fn decode(
                 window: inner.cfg.repetition_window,
             });
         }
-        logits = st.model.forward(&[next])?;
-        st.cached.push(next);
+        match drafts.pop_front() {
+            // The token greedy decoding chose was the draft's: its pass already ran.
+            Some((t, l)) if t == next => {
+                stats.draft_kept += 1;
+                logits = l;
+            }
+            rejected => {
+                if rejected.is_some() {
+                    drop_drafts(st, &mut drafts, 1)?;
+                }
+                // Drafts only while the answer is plain prose that nothing rewinds, and only
+                // under greedy decoding, which keeps a draft exactly when it would have written
+                // it: the text is greedy decoding's.
+                let draft = if greedy_prose && matches!(mode, Mode::Free) {
+                    let room = prep
+                        .max_new
+                        .saturating_sub(generated.len() + 1)
+                        .min(st.model.max_positions().saturating_sub(st.cached.len() + 2));
+                    lookup_draft(tokens, &generated, DRAFT_TOKENS.min(room))
+                } else {
+                    Vec::new()
+                };
+                let batch: Vec<u32> = std::iter::once(next).chain(draft.iter().copied()).collect();
+                let all = if draft.is_empty() {
+                    None
+                } else {
+                    st.model.forward_all(&batch).transpose()?
+                };
+                match all {
+                    Some(all) => {
+                        stats.drafted_tokens += draft.len();
+                        logits = all.get(0)?;
+                        for (i, &t) in draft.iter().enumerate() {
+                            drafts.push_back((t, all.get(i + 1)?));
+                        }
+                        st.cached.extend_from_slice(&batch);
+                    }
+                    None => {
+                        logits = st.model.forward(&[next])?;
+                        st.cached.push(next);
+                    }
+                }
+            }
+        }
         if tx.is_closed() {
             return Ok(());
         }
     }
+    drop_drafts(st, &mut drafts, 0)?;
     let rest = text.flush();
     let rest = rest + &utf8.push(&[]);
     if !rest.is_empty() && !send(tx, ChatDelta::Text(rest)) {
@@ -1323,6 +1383,46 @@ fn choose(
 
 /// The tokens the grammar leaves no choice about next, up to the first control token (left to
 /// the sampler) and at most `room`.
+/// Tokens of a draft checked in one pass (with the chosen token before them, eight rows: one
+/// group of the block kernels' batch).
+const DRAFT_TOKENS: usize = 7;
+/// Tokens of the answer's end looked up in the prompt.
+const DRAFT_NGRAM: usize = 3;
+
+/// Prompt lookup: an answer that quotes a tool result goes on as the result does. The tokens
+/// after the latest earlier place in `prompt` where the last `DRAFT_NGRAM` tokens of `written`
+/// occur, at most `max`.
+fn lookup_draft(prompt: &[u32], written: &[u32], max: usize) -> Vec<u32> {
+    if max == 0 || written.len() < DRAFT_NGRAM {
+        return Vec::new();
+    }
+    let tail = &written[written.len() - DRAFT_NGRAM..];
+    prompt
+        .windows(DRAFT_NGRAM)
+        .rposition(|w| w == tail)
+        .map(|i| {
+            let from = i + DRAFT_NGRAM;
+            prompt[from..(from + max).min(prompt.len())].to_vec()
+        })
+        .unwrap_or_default()
+}
+
+/// Forgets the unchecked drafts and, in the cache, their positions and `extra` more before them.
+fn drop_drafts(
+    st: &mut crate::State,
+    drafts: &mut VecDeque<(u32, Tensor)>,
+    extra: usize,
+) -> Result<(), LocalError> {
+    let n = drafts.len() + extra;
+    drafts.clear();
+    if n > 0 {
+        let keep = st.cached.len().saturating_sub(n);
+        st.model.truncate_cache(keep)?;
+        st.cached.truncate(keep);
+    }
+    Ok(())
+}
+
 fn forced_tokens(m: &mut Matcher, tok: &crate::tokenizer::GgufTokenizer, room: usize) -> Vec<u32> {
     let mut ff = m.compute_ff_tokens();
     if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {
@@ -1522,6 +1622,20 @@ mod tests {
         assert_eq!(run_start(&tokens, 600), 500);
         assert_eq!(run_start(&tokens, 500), 500);
         assert_eq!(run_start(&tokens, 400), 400);
+    }
+
+    #[test]
+    fn a_draft_continues_the_latest_place_the_answer_quotes() {
+        let prompt = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14, 15];
+        // "2 3 4" occurs twice: the later one (followed by 7 8 ...) is the one quoted.
+        assert_eq!(lookup_draft(&prompt, &[0, 2, 3, 4], 3), [7, 8, 10]);
+        // The draft stops at the prompt's end and at `max`.
+        assert_eq!(lookup_draft(&prompt, &[12, 13, 14], 7), [15]);
+        assert!(lookup_draft(&prompt, &[13, 14, 15], 7).is_empty());
+        assert!(lookup_draft(&prompt, &[2, 3, 4], 0).is_empty());
+        // Too short an answer, or a tail the prompt does not hold: no draft.
+        assert!(lookup_draft(&prompt, &[3, 4], 5).is_empty());
+        assert!(lookup_draft(&prompt, &[4, 3, 2], 5).is_empty());
     }
 
     #[test]

@@ -169,6 +169,10 @@ pub struct LocalConfig {
     pub constrain_tool_calls: bool,
     /// Stop when the last `repetition_window` tokens repeat a period of at most 32 tokens.
     pub repetition_window: usize,
+    /// Under greedy decoding, guess a prose answer's next tokens from the prompt where the
+    /// answer is quoting it, and check the guess in one pass (default on; the text is the
+    /// same greedy text up to the batched pass's rounding).
+    pub prompt_lookup: bool,
     /// f32 gemm and/or quantized dot products (default hybrid).
     pub matmul: model::MatmulMode,
     /// The widest SIMD the block kernels may use (process-wide; default: what the CPU has).
@@ -197,6 +201,7 @@ impl LocalConfig {
             seed: 299_792_458,
             constrain_tool_calls: true,
             repetition_window: 96,
+            prompt_lookup: true,
             matmul: model::MatmulMode::Hybrid,
             simd: SimdCap::Auto,
             quantized_threads: None,
@@ -250,6 +255,18 @@ impl Decoder {
             Decoder::Llama(m) => m.forward(tokens),
             Decoder::Gemma3(m) => m.forward(tokens),
             Decoder::Vlm(m) => m.forward(tokens),
+        }
+    }
+
+    /// Runs `tokens` after the cached positions and returns the logits of each (tokens,
+    /// vocab); `None` for a decoder without that pass (nothing is run then).
+    pub fn forward_all(
+        &mut self,
+        tokens: &[u32],
+    ) -> Option<candle_core::Result<candle_core::Tensor>> {
+        match self {
+            Decoder::Llama(m) => Some(m.forward_all(tokens)),
+            Decoder::Gemma3(_) | Decoder::Vlm(_) => None,
         }
     }
 
@@ -511,8 +528,8 @@ impl Llm for LocalLlm {
 /// (default: all cores), created on first use. On an idle machine that pool is the fastest
 /// decode (2 cores: 51 tokens/s vs 32 on one thread); on a busy one the spinning threads wait on
 /// each other and decode drops to 3-7 tokens/s, while one thread keeps 25-33. Unless the caller
-/// chose a value, the pool gets all cores when the 1-minute load average is below the core
-/// count, else none besides the calling thread. Done once, before candle reads the variable
+/// chose a value, the pool gets all cores when the other processes used less than all but half
+/// a core over 100 ms, else none besides the calling thread. Done once, before candle reads the variable
 /// (candle takes its size from there only).
 fn size_quantized_matmul_pool(chosen: Option<usize>) {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -522,14 +539,50 @@ fn size_quantized_matmul_pool(chosen: Option<usize>) {
             return;
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let load = std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok());
-        let busy = load.is_none_or(|l| l >= cores as f64);
-        let threads = if busy { 1 } else { cores };
-        tracing::debug!(?load, threads, "quantized matmul threads");
+        // The pool's threads spin at their barriers, so they must not share cores with other
+        // work. Measured, not read from the load average: a 2-core VM here reported 1.3-2.0
+        // while `/proc/stat` showed both cores idle, which at 2.0 picks one thread.
+        let busy = busy_cores(std::time::Duration::from_millis(100));
+        let threads = match busy {
+            Some(b) if b > cores as f64 - 0.5 => 1,
+            None => 1,
+            Some(_) => cores,
+        };
+        tracing::debug!(?busy, threads, "quantized matmul threads");
         std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     });
+}
+
+/// Cores' worth of CPU time all processes but this one used over `window` (from `/proc/stat`
+/// and `/proc/self/stat`); `None` where they cannot be read.
+fn busy_cores(window: std::time::Duration) -> Option<f64> {
+    // (busy, all) ticks of every CPU, and this process's ticks.
+    fn sample() -> Option<(u64, u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal ...: idle and iowait are free.
+        let all: u64 = cpu.iter().take(8).sum();
+        let free = cpu.get(3)? + cpu.get(4).copied().unwrap_or(0);
+        let own = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command's closing parenthesis; utime and stime are 14 and 15.
+        let rest = own.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let mine = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        Some((all - free, all, mine))
+    }
+    let (b0, a0, m0) = sample()?;
+    std::thread::sleep(window);
+    let (b1, a1, m1) = sample()?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let elapsed = a1.checked_sub(a0).filter(|&t| t > 0)? as f64;
+    let others = (b1.saturating_sub(b0)).saturating_sub(m1.saturating_sub(m0)) as f64;
+    Some(others / elapsed * cores)
 }
 
 pub(crate) fn next_call_id(inner: &Inner) -> String {
@@ -537,4 +590,24 @@ pub(crate) fn next_call_id(inner: &Inner) -> String {
         "call_{}",
         inner.call_counter.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    /// Another process spinning shows as busy cores; this process's own work does not.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn busy_cores_counts_other_processes_only() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let window = std::time::Duration::from_millis(300);
+        let mut spinner = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .expect("sh runs");
+        let busy = super::busy_cores(window);
+        let _ = spinner.kill();
+        let _ = spinner.wait();
+        let busy = busy.expect("/proc is readable");
+        assert!(busy >= 0.5 && busy <= cores + 0.5, "{busy} of {cores}");
+    }
 }

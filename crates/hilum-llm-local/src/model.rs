@@ -936,6 +936,20 @@ impl Model {
         out
     }
 
+    /// Runs `tokens` after the cached positions and returns the logits of every one of them
+    /// (tokens, vocab): a draft checked in one pass.
+    pub fn forward_all(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
+        let t = tokens.len();
+        check_span(self.cache.len(), t, self.max_positions())?;
+        let mut cache = std::mem::replace(&mut self.cache, KvCache::new(0, 0, &self.device));
+        let out = self
+            .embed_tokens(tokens)
+            .and_then(|x| self.hidden(x, &mut cache))
+            .and_then(|h| self.logits(&h));
+        self.cache = cache;
+        out
+    }
+
     /// Runs input embeddings `x` (t, n_embd) appended after the positions in `cache` (from
     /// [`Model::new_cache`]) and returns the logits of every position (t, vocab), or of the
     /// last one (vocab) when `all` is false. Embeddings rather than ids let a multimodal model

@@ -20,6 +20,8 @@ const Q5_0_BYTES: usize = 22;
 const Q8_0_BYTES: usize = 34;
 /// Rows per work item (one activation load serves four rows).
 const ROWS_PER_ITEM: usize = 4;
+/// Activations one unpacked weight row serves at once in `matmat` (accumulators in registers).
+const BATCH: usize = 8;
 
 enum Blocks {
     Q5_0(Vec<u8>),
@@ -141,6 +143,47 @@ impl QMat {
 
     pub(crate) fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// Whether `row_times` serves this matrix on this CPU (Q5_0 / Q8_0 with AVX-512 VNNI).
+    fn batch_kernel(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            matches!(self.blocks, Blocks::Q5_0(_) | Blocks::Q8_0(_)) && simd_level() == Simd::Avx512
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Row `r` of `W` times each activation of `acts` (at most `BATCH`) into `out`, the row's
+    /// blocks unpacked once for all of them. Only where `batch_kernel` says so.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    fn row_times(&self, r: usize, acts: &[Activation], out: &mut [f32; BATCH]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (q5, b) = match &self.blocks {
+                Blocks::Q5_0(b) => (true, b),
+                Blocks::Q8_0(b) => (false, b),
+                _ => return,
+            };
+            let row_bytes = self.cols / QK * if q5 { Q5_0_BYTES } else { Q8_0_BYTES };
+            let row = &b[r * row_bytes..(r + 1) * row_bytes];
+            fn chunk<const N: usize>(q5: bool, row: &[u8], acts: &[Activation], out: &mut [f32]) {
+                let refs: [&Activation; N] = std::array::from_fn(|k| &acts[k]);
+                // SAFETY: called only when `simd_level()` is AVX-512 (see `batch_kernel`).
+                out[..N].copy_from_slice(&unsafe { avx512_batch::dot_n::<N>(q5, row, &refs) });
+            }
+            match acts.len() {
+                1 => chunk::<1>(q5, row, acts, out),
+                2 => chunk::<2>(q5, row, acts, out),
+                3 => chunk::<3>(q5, row, acts, out),
+                4 => chunk::<4>(q5, row, acts, out),
+                5 => chunk::<5>(q5, row, acts, out),
+                6 => chunk::<6>(q5, row, acts, out),
+                7 => chunk::<7>(q5, row, acts, out),
+                _ => chunk::<BATCH>(q5, row, acts, out),
+            }
+        }
     }
 
     fn needs_q8k(&self) -> bool {
@@ -505,7 +548,7 @@ mod avx512 {
     /// The weight scales of two consecutive blocks (f16 at `p` and `p + stride`), each spread
     /// over the eight lanes of its half.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    unsafe fn scales2(p: *const u8, stride: usize) -> __m512 {
+    pub(super) unsafe fn scales2(p: *const u8, stride: usize) -> __m512 {
         let h0 = (p as *const u16).read_unaligned() as i32;
         let h1 = (p.add(stride) as *const u16).read_unaligned() as i32;
         let w = _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | (h1 << 16)));
@@ -514,13 +557,13 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    unsafe fn hsum(v: __m512) -> f32 {
+    pub(super) unsafe fn hsum(v: __m512) -> f32 {
         _mm512_reduce_add_ps(v)
     }
 
     /// Q5_0 blocks b, b+1 as 64 unsigned bytes 0..=31 (the stored value + 16).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    unsafe fn q5_0_pair(p: *const u8) -> __m512i {
+    pub(super) unsafe fn q5_0_pair(p: *const u8) -> __m512i {
         let q0 = _mm_loadu_si128(p.add(6) as *const __m128i);
         let q1 = _mm_loadu_si128(p.add(Q5_0_BYTES + 6) as *const __m128i);
         let both = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
@@ -586,6 +629,67 @@ mod avx512 {
             sum += super::scalar::dot_q8_0(&row[b * Q8_0_BYTES..], &d[b..], &qs[b * QK..]);
         }
         sum
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_batch {
+    use std::arch::x86_64::*;
+
+    use super::avx512::{hsum, q5_0_pair, scales2};
+    use super::{scalar, Activation, Q5_0_BYTES, Q8_0_BYTES, QK};
+
+    /// One row of Q5_0 (`q5`) or Q8_0 blocks times each of `N` activations: the row's blocks
+    /// are unpacked once for all of them. Per activation the arithmetic, and its order, is
+    /// `avx512::dot_q5_0`'s / `dot_q8_0`'s, so each result equals that kernel's bit for bit.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+    pub(super) unsafe fn dot_n<const N: usize>(
+        q5: bool,
+        row: &[u8],
+        acts: &[&Activation; N],
+    ) -> [f32; N] {
+        let bytes = if q5 { Q5_0_BYTES } else { Q8_0_BYTES };
+        let nb = acts
+            .iter()
+            .fold(row.len() / bytes, |n, a| n.min(a.q8_d.len()));
+        let p = row.as_ptr();
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut b = 0;
+        while b + 1 < nb {
+            let blk = p.add(b * bytes);
+            let w = if q5 {
+                q5_0_pair(blk)
+            } else {
+                let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let w1 = _mm256_loadu_si256(blk.add(Q8_0_BYTES + 2) as *const __m256i);
+                _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), flip)
+            };
+            let sw = scales2(blk, bytes);
+            for (acc, a) in acc.iter_mut().zip(acts) {
+                let c = &a.pairs[b / 2];
+                let x = _mm512_loadu_si512(a.q8_qs.as_ptr().add(b * QK) as *const __m512i);
+                let off = if q5 { &c.off5 } else { &c.off8 };
+                let off = _mm512_load_si512(off.as_ptr() as *const __m512i);
+                let i = _mm512_dpbusd_epi32(off, w, x);
+                let s = _mm512_mul_ps(sw, _mm512_load_ps(c.dx.as_ptr()));
+                *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(i), *acc);
+            }
+            b += 2;
+        }
+        let mut out = [0f32; N];
+        for ((o, acc), a) in out.iter_mut().zip(acc).zip(acts) {
+            *o = hsum(acc);
+            if b < nb {
+                let (d, qs) = (&a.q8_d[b..], &a.q8_qs[b * QK..]);
+                *o += if q5 {
+                    scalar::dot_q5_0(&row[b * bytes..], d, qs)
+                } else {
+                    scalar::dot_q8_0(&row[b * bytes..], d, qs)
+                };
+            }
+        }
+        out
     }
 }
 
@@ -698,9 +802,24 @@ pub(crate) fn matmat(x: &[f32], m: &QMat, out: &mut [f32]) -> candle_core::Resul
     let out_ptr = out.as_mut_ptr() as usize;
     let (acts, rows) = (&acts, m.rows);
     let run = |range: std::ops::Range<usize>| {
+        let mut col = [0f32; BATCH];
         for item in range {
             let r = item * ROWS_PER_ITEM;
             let n = ROWS_PER_ITEM.min(rows - r);
+            if m.batch_kernel() {
+                for i in 0..n {
+                    for (c, chunk) in acts.chunks(BATCH).enumerate() {
+                        m.row_times(r + i, chunk, &mut col);
+                        for (k, &v) in col[..chunk.len()].iter().enumerate() {
+                            let j = c * BATCH + k;
+                            // SAFETY: item `item` writes rows r..r+n of each output row j,
+                            // disjoint across items; `out` outlives the parallel region.
+                            unsafe { *(out_ptr as *mut f32).add(j * rows + r + i) = v };
+                        }
+                    }
+                }
+                continue;
+            }
             for (j, act) in acts.iter().enumerate() {
                 // SAFETY: item `item` writes rows r..r+n of each output row j, disjoint across
                 // items; `out` outlives the parallel region.
@@ -792,24 +911,26 @@ mod tests {
     /// block type; bad shapes are errors.
     #[test]
     fn a_batch_of_rows_equals_one_product_per_row() -> candle_core::Result<()> {
-        let cols = 512;
-        let xs = weights(5, cols, 21);
-        for (i, (dtype, rows)) in [
-            (GgmlDType::Q5_0, 13usize),
-            (GgmlDType::Q8_0, 9),
-            (GgmlDType::Q4K, 12),
-            (GgmlDType::Q6K, 7),
+        // 11 inputs: a full group of `BATCH` and a partial one; Q5_0/Q8_0 rows of an odd
+        // block count (the AVX-512 kernels take blocks in pairs, the last one alone).
+        for (i, (dtype, rows, cols)) in [
+            (GgmlDType::Q5_0, 13usize, 17 * QK),
+            (GgmlDType::Q8_0, 9, 17 * QK),
+            (GgmlDType::Q5_0, 6, 512),
+            (GgmlDType::Q4K, 12, 512),
+            (GgmlDType::Q6K, 7, 512),
         ]
         .into_iter()
         .enumerate()
         {
+            let xs = weights(11, cols, 21);
             let w = Tensor::from_vec(
                 weights(rows, cols, 31 + i as u64),
                 (rows, cols),
                 &Device::Cpu,
             )?;
             let m = QMat::from_qtensor(&QTensor::quantize(&w, dtype)?)?.expect("supported");
-            let mut batch = vec![0f32; 5 * rows];
+            let mut batch = vec![0f32; 11 * rows];
             matmat(&xs, &m, &mut batch)?;
             for (j, x) in xs.chunks_exact(cols).enumerate() {
                 let mut one = vec![0f32; rows];

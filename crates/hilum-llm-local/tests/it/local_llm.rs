@@ -774,3 +774,45 @@ invent numbers, and name the tool result behind every statement you make. Be bri
     assert_eq!(other.prefix_source, None, "{other:?}");
     assert_eq!(other.reused_tokens, 0);
 }
+
+/// Prompt lookup: an answer quoting a tool result is drafted from it and the drafts are kept
+/// (fewer passes), and the text is the one decoding without drafts writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quoted_answer_is_drafted_from_the_result_and_reads_as_without_drafts() {
+    let Some(llm) = llm() else { return };
+    let _g = serial().await;
+    let id = "img_5d41402abc4b";
+    let mut messages = after_one_call(id);
+    messages.push(Message::user(
+        "No more tools can be called. Quote the tool result above word for word.",
+        vec![],
+    ));
+    let req = ChatRequest {
+        messages,
+        max_tokens: Some(60),
+        ..Default::default()
+    };
+    let drafted = collect_turn(llm.chat(req.clone()).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    let s = llm.last_stats();
+    eprintln!(
+        "{:?} drafted {} kept {}",
+        drafted.text, s.drafted_tokens, s.draft_kept
+    );
+    assert!(
+        s.draft_kept > 0 && s.drafted_tokens >= s.draft_kept,
+        "{s:?}"
+    );
+    assert!(drafted.text.contains("2048"), "{:?}", drafted.text);
+
+    let mut cfg = common::local_config(&model_path().expect("model"));
+    cfg.context = 2048;
+    cfg.prompt_lookup = false;
+    let plain_llm = LocalLlm::load(cfg).expect("the installed GGUF loads");
+    let plain = collect_turn(plain_llm.chat(req).await.unwrap(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(plain_llm.last_stats().drafted_tokens, 0);
+    assert_eq!(drafted.text, plain.text);
+}

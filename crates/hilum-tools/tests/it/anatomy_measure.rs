@@ -217,7 +217,10 @@ async fn measure_chest_with_the_real_lung_unet_says_what_it_could_not_measure() 
         "{s}"
     );
     assert_eq!(s.matches("chestx-det-pspnet").count(), 1, "{s}");
-    assert!(s.contains("lung is larger:") && !s.contains("threshold"), "{s}");
+    assert!(
+        s.contains("lung is larger:") && !s.contains("threshold"),
+        "{s}"
+    );
 
     let out = tool
         .call(
