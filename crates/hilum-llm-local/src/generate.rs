@@ -54,6 +54,8 @@ pub struct GenStats {
     /// Of `decode_tokens`, those the tool-call grammar forced and that ran as one batch.
     pub forced_tokens: usize,
     pub forced_secs: f64,
+    /// The passes those forced tokens ran in.
+    pub forced_batches: usize,
     /// Of `decode_tokens`, those thrown away when the answer restarted from the prompt.
     pub rewound_tokens: usize,
     /// Seconds from the request to the end of its first complete tool call.
@@ -933,6 +935,7 @@ fn decode(
                 stats.forced_secs += t_ff.elapsed().as_secs_f64();
                 st.cached.extend_from_slice(&ff);
                 stats.forced_tokens += ff.len();
+                stats.forced_batches += 1;
                 if (!out.is_empty() && !send(tx, ChatDelta::Text(out))) || tx.is_closed() {
                     return Ok(());
                 }
@@ -964,6 +967,7 @@ fn decode(
                 stats.forced_secs += t_ff.elapsed().as_secs_f64();
                 st.cached.extend_from_slice(&ff);
                 stats.forced_tokens += ff.len();
+                stats.forced_batches += 1;
                 if tx.is_closed() {
                     return Ok(());
                 }
