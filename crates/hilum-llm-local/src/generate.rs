@@ -1385,8 +1385,6 @@ fn choose(
     Ok(())
 }
 
-/// The tokens the grammar leaves no choice about next, up to the first control token (left to
-/// the sampler) and at most `room`.
 /// Tokens of a draft checked in one pass (with the chosen token before them, eight rows: one
 /// group of the block kernels' batch).
 const DRAFT_TOKENS: usize = 7;
@@ -1427,6 +1425,8 @@ fn drop_drafts(
     Ok(())
 }
 
+/// The tokens the grammar leaves no choice about next, up to the first control token (left to
+/// the sampler) and at most `room`.
 fn forced_tokens(m: &mut Matcher, tok: &crate::tokenizer::GgufTokenizer, room: usize) -> Vec<u32> {
     let mut ff = m.compute_ff_tokens();
     if let Some(cut) = ff.iter().position(|&t| tok.is_special(t)) {

@@ -566,8 +566,9 @@ fn busy_cores(window: std::time::Duration) -> Option<f64> {
             .skip(1)
             .map(|v| v.parse().ok())
             .collect::<Option<_>>()?;
-        // user nice system idle iowait irq softirq steal ...: idle and iowait are free.
-        let all: u64 = cpu.iter().take(8).sum();
+        // user nice system idle iowait irq softirq steal ...: idle and iowait are free; steal
+        // (time the hypervisor gave to other machines) is left out, as no process here ran.
+        let all: u64 = cpu.iter().take(7).sum();
         let free = cpu.get(3)? + cpu.get(4).copied().unwrap_or(0);
         let own = std::fs::read_to_string("/proc/self/stat").ok()?;
         // Fields after the command's closing parenthesis; utime and stime are 14 and 15.

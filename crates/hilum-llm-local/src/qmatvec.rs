@@ -8,6 +8,8 @@
 //! runtime-detected, scalar fallback) and several matrices sharing one input (q/k/v, gate/up)
 //! run in one parallel region on candle's own thread pool (so no second pool spins beside it).
 //! K-quant matrices keep candle's SIMD kernels (`GgmlType::vec_dot`) inside the same region.
+//! `matmat` serves a few rows at once (a grammar-forced batch, a checked draft): there an
+//! AVX-512 Q5_0/Q8_0 row is unpacked once for up to eight inputs.
 
 use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -181,7 +183,10 @@ impl QMat {
                 5 => chunk::<5>(q5, row, acts, out),
                 6 => chunk::<6>(q5, row, acts, out),
                 7 => chunk::<7>(q5, row, acts, out),
-                _ => chunk::<BATCH>(q5, row, acts, out),
+                n => {
+                    debug_assert_eq!(n, BATCH, "row_times takes 1..=BATCH inputs");
+                    chunk::<BATCH>(q5, row, acts, out)
+                }
             }
         }
     }
