@@ -896,7 +896,8 @@ fn decode(
             && react.is_none()
             && !text.hold_all
             && (led || !prep.lead_after_results);
-        if !drafts.is_empty() && !(greedy_prose && matches!(mode, Mode::Free)) {
+        let may_draft = greedy_prose && matches!(mode, Mode::Free);
+        if !may_draft {
             drop_drafts(st, &mut drafts, 0)?;
         }
         if generated.len() >= prep.max_new {
