@@ -485,7 +485,18 @@ pub fn models_dir() -> PathBuf {
 /// (cpu|cuda:N|metal:N), `HILUM_VLM_QUANTIZE` (none|q8_0|q4k: a multimodal snapshot's decoder),
 /// `HILUM_LOCAL_LOOKUP` (on|off: prompt lookup drafting) and `CANDLE_NUM_THREADS`.
 pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let mut cfg = local_config_from(path, |k| std::env::var(k).ok())?;
+    // The system prompt and tools' KV state, saved for the next `hilum analyze`.
+    cfg.prefix_cache_dir = cache_dir().map(|d| d.join("llm-prefix"));
+    Ok(cfg)
+}
+
+/// [`local_config`] with the variables read from `env`.
+fn local_config_from(
+    path: PathBuf,
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<LocalConfig> {
+    let var = |k: &str| env(k).filter(|v| !v.is_empty());
     let mut cfg = LocalConfig::new(path);
     if let Some(v) = var("HILUM_LOCAL_MATMUL") {
         cfg.matmul = v
@@ -520,8 +531,6 @@ pub(crate) fn local_config(path: PathBuf) -> anyhow::Result<LocalConfig> {
                 .with_context(|| format!("CANDLE_NUM_THREADS={v} is not a number of threads"))?,
         );
     }
-    // The system prompt and tools' KV state, saved for the next `hilum analyze`.
-    cfg.prefix_cache_dir = cache_dir().map(|d| d.join("llm-prefix"));
     Ok(cfg)
 }
 
@@ -728,6 +737,30 @@ mod tests {
                 .iter()
                 .find(|(name, _)| *name == k)
                 .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn local_model_variables_are_read_and_bad_values_name_the_variable() {
+        let path = PathBuf::from("m.gguf");
+        let cfg = local_config_from(path.clone(), env(&[])).expect("defaults");
+        assert!(cfg.prompt_lookup);
+        let cfg = local_config_from(
+            path.clone(),
+            env(&[("HILUM_LOCAL_LOOKUP", "off"), ("CANDLE_NUM_THREADS", "3")]),
+        )
+        .expect("valid");
+        assert!(!cfg.prompt_lookup);
+        assert_eq!(cfg.quantized_threads, Some(3));
+        let bad: [&'static [(&'static str, &'static str)]; 3] = [
+            &[("HILUM_LOCAL_LOOKUP", "maybe")],
+            &[("HILUM_LOCAL_MATMUL", "sparse")],
+            &[("CANDLE_NUM_THREADS", "many")],
+        ];
+        for pairs in bad {
+            let k = pairs[0].0;
+            let e = local_config_from(path.clone(), env(pairs)).expect_err(k);
+            assert!(format!("{e:#}").contains(k), "{e:#}");
         }
     }
 
