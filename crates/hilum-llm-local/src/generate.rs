@@ -1237,7 +1237,7 @@ fn decode(
                 }
                 // Drafts only while the answer is plain prose that nothing rewinds, and only
                 // under greedy decoding, which keeps a draft exactly when it would have written
-                // it: the text is greedy decoding's.
+                // it: the text is greedy decoding's, up to the batched pass's rounding.
                 let draft = if greedy_prose && matches!(mode, Mode::Free) {
                     let room = prep
                         .max_new

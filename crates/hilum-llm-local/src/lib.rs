@@ -528,9 +528,9 @@ impl Llm for LocalLlm {
 /// (default: all cores), created on first use. On an idle machine that pool is the fastest
 /// decode (2 cores: 51 tokens/s vs 32 on one thread); on a busy one the spinning threads wait on
 /// each other and decode drops to 3-7 tokens/s, while one thread keeps 25-33. Unless the caller
-/// chose a value, the pool gets all cores when the other processes used less than all but half
-/// a core over 100 ms, else none besides the calling thread. Done once, before candle reads the variable
-/// (candle takes its size from there only).
+/// chose a value, the pool gets all cores when the other processes used at most all but half a
+/// core over 100 ms, else none besides the calling thread. Done once, before candle reads the
+/// variable (candle takes its size from there only).
 fn size_quantized_matmul_pool(chosen: Option<usize>) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -544,9 +544,8 @@ fn size_quantized_matmul_pool(chosen: Option<usize>) {
         // while `/proc/stat` showed both cores idle, which at 2.0 picks one thread.
         let busy = busy_cores(std::time::Duration::from_millis(100));
         let threads = match busy {
-            Some(b) if b > cores as f64 - 0.5 => 1,
-            None => 1,
-            Some(_) => cores,
+            Some(b) if b <= cores as f64 - 0.5 => cores,
+            _ => 1,
         };
         tracing::debug!(?busy, threads, "quantized matmul threads");
         std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());

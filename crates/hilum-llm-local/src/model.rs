@@ -939,13 +939,10 @@ impl Model {
     /// Runs `tokens` after the cached positions and returns the logits of every one of them
     /// (tokens, vocab): a draft checked in one pass.
     pub fn forward_all(&mut self, tokens: &[u32]) -> candle_core::Result<Tensor> {
-        let t = tokens.len();
-        check_span(self.cache.len(), t, self.max_positions())?;
+        let x = self.embed_tokens(tokens)?;
+        // The cache is lent to the pass, which takes it apart from `&self`.
         let mut cache = std::mem::replace(&mut self.cache, KvCache::new(0, 0, &self.device));
-        let out = self
-            .embed_tokens(tokens)
-            .and_then(|x| self.hidden(x, &mut cache))
-            .and_then(|h| self.logits(&h));
+        let out = self.forward_embeds(&x, &mut cache, true);
         self.cache = cache;
         out
     }

@@ -173,7 +173,14 @@ impl QMat {
             fn chunk<const N: usize>(q5: bool, row: &[u8], acts: &[Activation], out: &mut [f32]) {
                 let refs: [&Activation; N] = std::array::from_fn(|k| &acts[k]);
                 // SAFETY: called only when `simd_level()` is AVX-512 (see `batch_kernel`).
-                out[..N].copy_from_slice(&unsafe { avx512_batch::dot_n::<N>(q5, row, &refs) });
+                let y = unsafe {
+                    if q5 {
+                        avx512::dot_rows::<N, true>(row, &refs)
+                    } else {
+                        avx512::dot_rows::<N, false>(row, &refs)
+                    }
+                };
+                out[..N].copy_from_slice(&y);
             }
             match acts.len() {
                 1 => chunk::<1>(q5, row, acts, out),
@@ -257,9 +264,9 @@ fn dot(q5: bool, row: &[u8], a: &Activation) -> f32 {
             // SAFETY: the CPU has the features of the level (detected once at run time).
             Simd::Avx512 => unsafe {
                 return if q5 {
-                    avx512::dot_q5_0(row, a)
+                    avx512::dot_rows::<1, true>(row, &[a])[0]
                 } else {
-                    avx512::dot_q8_0(row, a)
+                    avx512::dot_rows::<1, false>(row, &[a])[0]
                 };
             },
             Simd::Avx2 => unsafe {
@@ -548,12 +555,12 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Activation, Q5_0_BYTES, Q8_0_BYTES, QK};
+    use super::{scalar, Activation, Q5_0_BYTES, Q8_0_BYTES, QK};
 
     /// The weight scales of two consecutive blocks (f16 at `p` and `p + stride`), each spread
     /// over the eight lanes of its half.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn scales2(p: *const u8, stride: usize) -> __m512 {
+    unsafe fn scales2(p: *const u8, stride: usize) -> __m512 {
         let h0 = (p as *const u16).read_unaligned() as i32;
         let h1 = (p.add(stride) as *const u16).read_unaligned() as i32;
         let w = _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | (h1 << 16)));
@@ -562,13 +569,13 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn hsum(v: __m512) -> f32 {
+    unsafe fn hsum(v: __m512) -> f32 {
         _mm512_reduce_add_ps(v)
     }
 
     /// Q5_0 blocks b, b+1 as 64 unsigned bytes 0..=31 (the stored value + 16).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn q5_0_pair(p: *const u8) -> __m512i {
+    unsafe fn q5_0_pair(p: *const u8) -> __m512i {
         let q0 = _mm_loadu_si128(p.add(6) as *const __m128i);
         let q1 = _mm_loadu_si128(p.add(Q5_0_BYTES + 6) as *const __m128i);
         let both = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
@@ -582,78 +589,16 @@ mod avx512 {
         _mm512_mask_add_epi8(nib, h0 | (h1 << 32), nib, _mm512_set1_epi8(0x10))
     }
 
+    /// One row of Q5_0 (`Q5`) or Q8_0 blocks times each of `N` activations, the row's blocks
+    /// unpacked once for all of them; `N = 1` is the one-token product. Per activation the
+    /// arithmetic and its order do not depend on `N`, so a batch's products equal one-row ones
+    /// bit for bit.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn dot_q5_0(row: &[u8], a: &Activation) -> f32 {
-        let (d, qs) = (&a.q8_d, &a.q8_qs);
-        let nb = d.len().min(row.len() / Q5_0_BYTES);
-        let p = row.as_ptr();
-        let mut acc = _mm512_setzero_ps();
-        let mut b = 0;
-        while b + 1 < nb {
-            let c = &a.pairs[b / 2];
-            let blk = p.add(b * Q5_0_BYTES);
-            let w = q5_0_pair(blk);
-            let x = _mm512_loadu_si512(qs.as_ptr().add(b * QK) as *const __m512i);
-            let off = _mm512_load_si512(c.off5.as_ptr() as *const __m512i);
-            let i = _mm512_dpbusd_epi32(off, w, x);
-            let s = _mm512_mul_ps(scales2(blk, Q5_0_BYTES), _mm512_load_ps(c.dx.as_ptr()));
-            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(i), acc);
-            b += 2;
-        }
-        let mut sum = hsum(acc);
-        if b < nb {
-            sum += super::scalar::dot_q5_0(&row[b * Q5_0_BYTES..], &d[b..], &qs[b * QK..]);
-        }
-        sum
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn dot_q8_0(row: &[u8], a: &Activation) -> f32 {
-        let (d, qs) = (&a.q8_d, &a.q8_qs);
-        let nb = d.len().min(row.len() / Q8_0_BYTES);
-        let p = row.as_ptr();
-        let mut acc = _mm512_setzero_ps();
-        let flip = _mm512_set1_epi8(-128);
-        let mut b = 0;
-        while b + 1 < nb {
-            let blk = p.add(b * Q8_0_BYTES);
-            let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-            let w1 = _mm256_loadu_si256(blk.add(Q8_0_BYTES + 2) as *const __m256i);
-            // Signed bytes + 128 = the same bits with the top one flipped.
-            let w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), flip);
-            let x = _mm512_loadu_si512(qs.as_ptr().add(b * QK) as *const __m512i);
-            let c = &a.pairs[b / 2];
-            let off = _mm512_load_si512(c.off8.as_ptr() as *const __m512i);
-            let i = _mm512_dpbusd_epi32(off, w, x);
-            let s = _mm512_mul_ps(scales2(blk, Q8_0_BYTES), _mm512_load_ps(c.dx.as_ptr()));
-            acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(i), acc);
-            b += 2;
-        }
-        let mut sum = hsum(acc);
-        if b < nb {
-            sum += super::scalar::dot_q8_0(&row[b * Q8_0_BYTES..], &d[b..], &qs[b * QK..]);
-        }
-        sum
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512_batch {
-    use std::arch::x86_64::*;
-
-    use super::avx512::{hsum, q5_0_pair, scales2};
-    use super::{scalar, Activation, Q5_0_BYTES, Q8_0_BYTES, QK};
-
-    /// One row of Q5_0 (`q5`) or Q8_0 blocks times each of `N` activations: the row's blocks
-    /// are unpacked once for all of them. Per activation the arithmetic, and its order, is
-    /// `avx512::dot_q5_0`'s / `dot_q8_0`'s, so each result equals that kernel's bit for bit.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
-    pub(super) unsafe fn dot_n<const N: usize>(
-        q5: bool,
+    pub(super) unsafe fn dot_rows<const N: usize, const Q5: bool>(
         row: &[u8],
         acts: &[&Activation; N],
     ) -> [f32; N] {
-        let bytes = if q5 { Q5_0_BYTES } else { Q8_0_BYTES };
+        let bytes = if Q5 { Q5_0_BYTES } else { Q8_0_BYTES };
         let nb = acts
             .iter()
             .fold(row.len() / bytes, |n, a| n.min(a.q8_d.len()));
@@ -663,7 +608,7 @@ mod avx512_batch {
         let mut b = 0;
         while b + 1 < nb {
             let blk = p.add(b * bytes);
-            let w = if q5 {
+            let w = if Q5 {
                 q5_0_pair(blk)
             } else {
                 let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
@@ -674,7 +619,7 @@ mod avx512_batch {
             for (acc, a) in acc.iter_mut().zip(acts) {
                 let c = &a.pairs[b / 2];
                 let x = _mm512_loadu_si512(a.q8_qs.as_ptr().add(b * QK) as *const __m512i);
-                let off = if q5 { &c.off5 } else { &c.off8 };
+                let off = if Q5 { &c.off5 } else { &c.off8 };
                 let off = _mm512_load_si512(off.as_ptr() as *const __m512i);
                 let i = _mm512_dpbusd_epi32(off, w, x);
                 let s = _mm512_mul_ps(sw, _mm512_load_ps(c.dx.as_ptr()));
@@ -687,7 +632,7 @@ mod avx512_batch {
             *o = hsum(acc);
             if b < nb {
                 let (d, qs) = (&a.q8_d[b..], &a.q8_qs[b * QK..]);
-                *o += if q5 {
+                *o += if Q5 {
                     scalar::dot_q5_0(&row[b * bytes..], d, qs)
                 } else {
                     scalar::dot_q8_0(&row[b * bytes..], d, qs)
@@ -806,12 +751,13 @@ pub(crate) fn matmat(x: &[f32], m: &QMat, out: &mut [f32]) -> candle_core::Resul
     let items = m.rows.div_ceil(ROWS_PER_ITEM);
     let out_ptr = out.as_mut_ptr() as usize;
     let (acts, rows) = (&acts, m.rows);
+    let batched = m.batch_kernel();
     let run = |range: std::ops::Range<usize>| {
         let mut col = [0f32; BATCH];
         for item in range {
             let r = item * ROWS_PER_ITEM;
             let n = ROWS_PER_ITEM.min(rows - r);
-            if m.batch_kernel() {
+            if batched {
                 for i in 0..n {
                     for (c, chunk) in acts.chunks(BATCH).enumerate() {
                         m.row_times(r + i, chunk, &mut col);
@@ -998,9 +944,9 @@ mod tests {
                     // SAFETY: detected above.
                     let v = unsafe {
                         if q5 {
-                            avx512::dot_q5_0(row, &a)
+                            avx512::dot_rows::<1, true>(row, &[&a])[0]
                         } else {
-                            avx512::dot_q8_0(row, &a)
+                            avx512::dot_rows::<1, false>(row, &[&a])[0]
                         }
                     };
                     got.push(("avx512", v));

@@ -454,21 +454,21 @@ impl TypedTool for MeasureChest {
             ),
             _ => None,
         };
-        let mut notes: Vec<String> = view_note.iter().cloned().collect();
-        if pediatric {
-            notes.push(
-                "pediatric patient: adult thresholds do not apply (CTR up to ~0.60 can be normal \
-                 in infants; the thymus widens the mediastinum)"
-                    .into(),
-            );
-        }
+        let pediatric_note = pediatric.then(|| {
+            "pediatric patient: adult thresholds do not apply (CTR up to ~0.60 can be normal in \
+             infants; the thymus widens the mediastinum)"
+                .to_string()
+        });
         let heart_note = (!anatomy).then(|| {
             format!(
                 "no heart mask: install {ANATOMY_MODEL_ID} (`hilum models fetch {ANATOMY_MODEL_ID}`) \
                  to measure the CTR"
             )
         });
-        notes.extend(heart_note.clone());
+        let notes: Vec<&String> = [&view_note, &pediatric_note, &heart_note]
+            .into_iter()
+            .flatten()
+            .collect();
         let cm = |s: &Option<Span>| match (s, spacing) {
             (Some(s), Some((_, col))) => {
                 json!((s.width() as f64 * col / 10.0 * 100.0).round() / 100.0)
@@ -519,11 +519,10 @@ impl TypedTool for MeasureChest {
         // Only what was measured, each number once: a small model copies the observation it
         // answers from, so every repeated or inapplicable clause costs prompt and answer tokens.
         // The view's note only with a CTR; the missing heart mask is said in the CTR's place.
-        let said: Vec<&str> = notes
-            .iter()
-            .filter(|n| r.ctr.is_some() || Some(*n) != view_note.as_ref())
-            .filter(|n| Some(*n) != heart_note.as_ref())
-            .map(|n| n.as_str())
+        let said: Vec<&str> = [r.ctr.and(view_note.as_ref()), pediatric_note.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
             .collect();
         let heart = match (r.ctr, anatomy) {
             (Some(c), _) => format!(
