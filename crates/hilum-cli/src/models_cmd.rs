@@ -50,8 +50,8 @@ pub enum ModelsCmd {
     /// the architecture. All installed models when no id is given.
     Verify { ids: Vec<String> },
     /// Write a Triton Inference Server model repository for the installed CNNs Hilum has ONNX
-    /// graphs of (DenseNet-121, ResNet-50, the lung U-Net, the ChestX-Det PSPNet):
-    /// DIR/<model>/1/model.onnx and DIR/<model>/config.pbtxt. Serve it with `tritonserver
+    /// graphs of (DenseNet-121, ResNet-50, the lung U-Net, the ChestX-Det PSPNet, MedSAM's image
+    /// encoder): DIR/<model>/1/model.onnx and DIR/<model>/config.pbtxt. Serve it with `tritonserver
     /// --model-repository DIR`, then run the tools with `--backend kserve` and `[remote] url`
     /// (or HILUM_KSERVE_URL) set.
     ExportTriton {

@@ -174,14 +174,60 @@ impl GraphBuilder {
 
     /// Adds int64 `values` (shapes, sizes) of shape `[values.len()]` as the initializer `name`.
     pub fn constant_i64(&mut self, name: &str, values: &[i64]) -> String {
+        self.constant_i64_shaped(name, &[values.len()], values)
+    }
+
+    /// Adds int64 `values` of shape `dims` (`[]`: a scalar) as the initializer `name`.
+    fn constant_i64_shaped(&mut self, name: &str, dims: &[usize], values: &[i64]) -> String {
         let mut t = Pb::default();
-        t.int(1, values.len() as i64);
+        for &d in dims {
+            t.int(1, d as i64);
+        }
         t.int(2, INT64);
         t.str(8, name);
         let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         t.bytes(9, &raw);
         self.initializers.push(t);
         name.to_string()
+    }
+
+    /// A 1-D int64 constant (a shape, permutation or pad list) under a generated name.
+    pub fn ints(&mut self, values: &[i64]) -> String {
+        self.next += 1;
+        let name = format!("ints_{}", self.next);
+        self.constant_i64(&name, values)
+    }
+
+    /// A scalar int64 constant (an index for `Gather` that drops the axis).
+    pub fn index(&mut self, value: i64) -> String {
+        self.next += 1;
+        let name = format!("index_{}", self.next);
+        self.constant_i64_shaped(&name, &[], &[value])
+    }
+
+    /// A scalar f32 constant under a generated name.
+    pub fn scalar(&mut self, value: f32) -> String {
+        self.next += 1;
+        let name = format!("scalar_{}", self.next);
+        self.constant(&name, &[], &[value])
+    }
+
+    /// `Reshape` to `shape` (-1 once for the free batch).
+    pub fn reshape(&mut self, x: &str, shape: &[i64]) -> String {
+        let s = self.ints(shape);
+        self.node("Reshape", &[x, &s], &[])
+    }
+
+    pub fn transpose(&mut self, x: &str, perm: &[i64]) -> String {
+        self.node("Transpose", &[x], &[Attr::Ints("perm", perm.to_vec())])
+    }
+
+    pub fn matmul(&mut self, a: &str, b: &str) -> String {
+        self.node("MatMul", &[a, b], &[])
+    }
+
+    pub fn mul(&mut self, a: &str, b: &str) -> String {
+        self.node("Mul", &[a, b], &[])
     }
 
     /// Adds a node; returns its (single) output's name.

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use hilum_imaging::{Filter, Norm, Prepared, Preprocess};
 
 use crate::manifest::{InstalledModel, Manifest};
+use crate::onnx_graph::{self, Attr, Dim, GraphBuilder};
 use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Device, ModelError};
 
@@ -610,6 +611,233 @@ impl Module for ImageEncoder {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The image encoder as an ONNX graph (ONNX Runtime, Triton), op for op as the candle code above:
+// two-pass LayerNorms, the erf GELU, the decomposed relative positions added before the softmax.
+
+/// Name of the encoder graph's output: (batch, prompt_embed_dim, grid, grid).
+pub const ONNX_EMBEDDINGS: &str = "embeddings";
+
+impl Lin {
+    /// `x @ weight.T + bias` over the last axis of any rank; the runtime folds the transpose
+    /// of the initializer once, and the initializer keeps the checkpoint's name and layout.
+    fn to_onnx(&self, g: &mut GraphBuilder, name: &str, x: &str) -> candle_core::Result<String> {
+        let w = g.weight(&format!("{name}.weight"), &self.weight)?;
+        let wt = g.transpose(&w, &[1, 0]);
+        let y = g.matmul(x, &wt);
+        Ok(match &self.bias {
+            Some(b) => {
+                let b = g.weight(&format!("{name}.bias"), b)?;
+                g.add(&y, &b)
+            }
+            None => y,
+        })
+    }
+}
+
+impl LayerNorm {
+    /// Over the last axis, two passes as [`LayerNorm::forward`] (not ONNX's fused
+    /// `LayerNormalization`, which ONNX Runtime computes in one pass).
+    fn to_onnx(&self, g: &mut GraphBuilder, name: &str, x: &str) -> candle_core::Result<String> {
+        let mean_of = |g: &mut GraphBuilder, x: &str| {
+            g.node(
+                "ReduceMean",
+                &[x],
+                &[Attr::Ints("axes", vec![-1]), Attr::Int("keepdims", 1)],
+            )
+        };
+        let mean = mean_of(g, x);
+        let d = g.node("Sub", &[x, &mean], &[]);
+        let sq = g.mul(&d, &d);
+        let var = mean_of(g, &sq);
+        let eps = g.scalar(self.eps as f32);
+        let var = g.add(&var, &eps);
+        let sd = g.node("Sqrt", &[&var], &[]);
+        let n = g.node("Div", &[&d, &sd], &[]);
+        let w = g.weight(&format!("{name}.weight"), &self.weight)?;
+        let b = g.weight(&format!("{name}.bias"), &self.bias)?;
+        let y = g.mul(&n, &w);
+        Ok(g.add(&y, &b))
+    }
+}
+
+impl Mlp {
+    fn to_onnx(&self, g: &mut GraphBuilder, name: &str, x: &str) -> candle_core::Result<String> {
+        let h = self.lin1.to_onnx(g, &format!("{name}.lin1"), x)?;
+        let h = if self.gelu {
+            // 0.5 * x * (1 + erf(x / sqrt(2))): opset 17 has no Gelu.
+            let r = g.scalar(std::f32::consts::FRAC_1_SQRT_2);
+            let e = g.mul(&h, &r);
+            let e = g.node("Erf", &[&e], &[]);
+            let one = g.scalar(1.0);
+            let e = g.add(&e, &one);
+            let half = g.scalar(0.5);
+            let y = g.mul(&h, &e);
+            g.mul(&y, &half)
+        } else {
+            g.relu(&h)
+        };
+        self.lin2.to_onnx(g, &format!("{name}.lin2"), &h)
+    }
+}
+
+impl EncoderAttention {
+    /// `x`: (n, h, w, c) -> (n, h, w, c). The gathered relative position tables are constants
+    /// of the graph (`{name}.rel_pos_h.gathered`: (h, head_dim, h)), as `get_rel_pos` is.
+    fn to_onnx(
+        &self,
+        g: &mut GraphBuilder,
+        name: &str,
+        x: &str,
+        (h, w): (usize, usize),
+    ) -> candle_core::Result<String> {
+        let c = self.qkv.weight.dim(1)?;
+        let (nh, hd) = (self.num_heads, c / self.num_heads);
+        let (h_, w_, nh_, hd_, hw) = (h as i64, w as i64, nh as i64, hd as i64, (h * w) as i64);
+        let qkv = self.qkv.to_onnx(g, &format!("{name}.qkv"), x)?;
+        let qkv = g.reshape(&qkv, &[-1, hw, 3, nh_, hd_]);
+        let qkv = g.transpose(&qkv, &[2, 0, 3, 1, 4]); // (3, n, nh, hw, hd)
+        let mut part = |i| {
+            let idx = g.index(i);
+            g.node("Gather", &[&qkv, &idx], &[Attr::Int("axis", 0)])
+        };
+        let (q, k, v) = (part(0), part(1), part(2));
+        let scale = g.scalar(self.scale as f32);
+        let qs = g.mul(&q, &scale);
+        let kt = g.transpose(&k, &[0, 1, 3, 2]);
+        let attn = g.matmul(&qs, &kt); // (n, nh, hw, hw)
+
+        let r_h = get_rel_pos(h, h, &self.rel_pos_h)?.transpose(1, 2)?; // (h, hd, kh)
+        let r_w = get_rel_pos(w, w, &self.rel_pos_w)?.transpose(1, 2)?; // (w, hd, kw)
+        let r_h = g.weight(&format!("{name}.rel_pos_h.gathered"), &r_h.contiguous()?)?;
+        let r_w = g.weight(&format!("{name}.rel_pos_w.gathered"), &r_w.contiguous()?)?;
+        let r_q = g.reshape(&q, &[-1, nh_, h_, w_, hd_]);
+        let rel_h = g.matmul(&r_q, &r_h); // (n, nh, h, w, kh)
+        let r_qt = g.transpose(&r_q, &[0, 1, 3, 2, 4]);
+        let rel_w = g.matmul(&r_qt, &r_w); // (n, nh, w, h, kw)
+        let rel_w = g.transpose(&rel_w, &[0, 1, 3, 2, 4]);
+        let a = g.reshape(&attn, &[-1, nh_, h_, w_, h_, w_]);
+        let rel_h = g.reshape(&rel_h, &[-1, nh_, h_, w_, h_, 1]);
+        let rel_w = g.reshape(&rel_w, &[-1, nh_, h_, w_, 1, w_]);
+        let a = g.add(&a, &rel_h);
+        let a = g.add(&a, &rel_w);
+        let a = g.reshape(&a, &[-1, nh_, hw, hw]);
+        let a = g.node("Softmax", &[&a], &[Attr::Int("axis", -1)]);
+        let o = g.matmul(&a, &v); // (n, nh, hw, hd)
+        let o = g.transpose(&o, &[0, 2, 1, 3]);
+        let o = g.reshape(&o, &[-1, h_, w_, c as i64]);
+        self.proj.to_onnx(g, &format!("{name}.proj"), &o)
+    }
+}
+
+impl EncoderBlock {
+    /// `x`: (b, grid, grid, c) -> the same.
+    fn to_onnx(
+        &self,
+        g: &mut GraphBuilder,
+        name: &str,
+        x: &str,
+        grid: usize,
+    ) -> candle_core::Result<String> {
+        let c = self.norm1.weight.dim(0)? as i64;
+        let y = self.norm1.to_onnx(g, &format!("{name}.norm1"), x)?;
+        let attn = format!("{name}.attn");
+        let y = if self.window > 0 {
+            let ws = self.window;
+            let pad = (ws - grid % ws) % ws;
+            let (hp, nw, ws_) = ((grid + pad) as i64, ((grid + pad) / ws) as i64, ws as i64);
+            let y = if pad > 0 {
+                let pads = g.ints(&[0, 0, 0, 0, 0, pad as i64, pad as i64, 0]);
+                g.node("Pad", &[&y, &pads], &[])
+            } else {
+                y
+            };
+            let y = g.reshape(&y, &[-1, nw, ws_, nw, ws_, c]);
+            let y = g.transpose(&y, &[0, 1, 3, 2, 4, 5]);
+            let y = g.reshape(&y, &[-1, ws_, ws_, c]);
+            let y = self.attn.to_onnx(g, &attn, &y, (ws, ws))?;
+            let y = g.reshape(&y, &[-1, nw, nw, ws_, ws_, c]);
+            let y = g.transpose(&y, &[0, 1, 3, 2, 4, 5]);
+            let y = g.reshape(&y, &[-1, hp, hp, c]);
+            if pad > 0 {
+                let (starts, ends, axes) =
+                    (g.ints(&[0, 0]), g.ints(&[grid as i64; 2]), g.ints(&[1, 2]));
+                g.node("Slice", &[&y, &starts, &ends, &axes], &[])
+            } else {
+                y
+            }
+        } else {
+            self.attn.to_onnx(g, &attn, &y, (grid, grid))?
+        };
+        let x = g.add(x, &y);
+        let z = self.norm2.to_onnx(g, &format!("{name}.norm2"), &x)?;
+        let z = self.mlp.to_onnx(g, &format!("{name}.mlp"), &z)?;
+        Ok(g.add(&x, &z))
+    }
+}
+
+impl ImageEncoder {
+    /// The whole encoder from [`onnx_graph::INPUT`] (b, 3, S, S) to its NCHW output; the
+    /// checkpoint's names under `image_encoder.`, its convolutions as `Conv`s again.
+    fn to_onnx(&self, g: &mut GraphBuilder, image_size: usize) -> candle_core::Result<String> {
+        let (d, p) = (self.patch_w.dim(0)?, self.patch);
+        let grid = image_size / p;
+        let e = self.neck0.dim(0)?;
+        // (kernel, stride, padding)
+        let conv = |g: &mut GraphBuilder,
+                    x: &str,
+                    w: &str,
+                    b: Option<&str>,
+                    (k, s, pad): (i64, i64, i64)| {
+            let mut inputs = vec![x, w];
+            inputs.extend(b);
+            g.node(
+                "Conv",
+                &inputs,
+                &[
+                    Attr::Ints("kernel_shape", vec![k, k]),
+                    Attr::Ints("strides", vec![s, s]),
+                    Attr::Ints("pads", vec![pad; 4]),
+                ],
+            )
+        };
+        let pre = "image_encoder";
+        let w = g.weight(
+            &format!("{pre}.patch_embed.proj.weight"),
+            &self.patch_w.reshape((d, 3, p, p))?,
+        )?;
+        let b = g.weight(&format!("{pre}.patch_embed.proj.bias"), &self.patch_b)?;
+        let x = conv(g, onnx_graph::INPUT, &w, Some(&b), (p as i64, p as i64, 0));
+        let x = g.transpose(&x, &[0, 2, 3, 1]); // NHWC, as SAM's blocks run
+        let pos = g.weight(&format!("{pre}.pos_embed"), &self.pos_embed)?;
+        let mut x = g.add(&x, &pos);
+        for (i, blk) in self.blocks.iter().enumerate() {
+            x = blk.to_onnx(g, &format!("{pre}.blocks.{i}"), &x, grid)?;
+        }
+        let nchw = |g: &mut GraphBuilder, x: &str| g.transpose(x, &[0, 3, 1, 2]);
+        let nhwc = |g: &mut GraphBuilder, x: &str| g.transpose(x, &[0, 2, 3, 1]);
+        let w0 = g.weight(
+            &format!("{pre}.neck.0.weight"),
+            &self.neck0.reshape((e, d, 1, 1))?,
+        )?;
+        let x = nchw(g, &x);
+        let x = conv(g, &x, &w0, None, (1, 1, 0));
+        let x = nhwc(g, &x);
+        let x = self.neck1.to_onnx(g, &format!("{pre}.neck.1"), &x)?;
+        let w2 = self
+            .neck2
+            .reshape((e, 3, 3, e))?
+            .permute((0, 3, 1, 2))?
+            .contiguous()?;
+        let w2 = g.weight(&format!("{pre}.neck.2.weight"), &w2)?;
+        let x = nchw(g, &x);
+        let x = conv(g, &x, &w2, None, (3, 1, 1));
+        let x = nhwc(g, &x);
+        let x = self.neck3.to_onnx(g, &format!("{pre}.neck.3"), &x)?;
+        Ok(nchw(g, &x))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Prompt encoder
 
 /// A prompt in encoder-input pixel coordinates (0..image_size, e.g. 1024-px frame).
@@ -1083,6 +1311,28 @@ impl Sam {
         let s = self.config.image_size;
         let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
         Ok(self.embed_image(&x)?)
+    }
+
+    /// The image encoder as an ONNX graph (IR 8, opset 17): input [`onnx_graph::INPUT`]
+    /// (batch, 3, S, S) as [`recipe`] prepares it, output [`ONNX_EMBEDDINGS`]
+    /// (batch, prompt_embed_dim, S/p, S/p), what [`Sam::embed_image`] returns. The prompt
+    /// encoder and mask decoder stay in process: they are small and run once per prompt.
+    pub fn encoder_onnx(&self) -> candle_core::Result<Vec<u8>> {
+        let (s, e, grid) = (
+            self.config.image_size,
+            self.config.prompt_embed_dim,
+            self.config.grid(),
+        );
+        let mut g = GraphBuilder::new("sam_image_encoder");
+        let y = self.image_encoder.to_onnx(&mut g, s)?;
+        let batch = Dim::Named("batch");
+        let (s, e, grid) = (Dim::Fixed(s), Dim::Fixed(e), Dim::Fixed(grid));
+        Ok(g.finish(
+            (onnx_graph::INPUT, &[batch, Dim::Fixed(3), s, s]),
+            &y,
+            (ONNX_EMBEDDINGS, &[batch, e, grid, grid]),
+            "Segment Anything image encoder (MedSAM ViT-B), written by Hilum from the installed weights",
+        ))
     }
 
     /// The prompt encoder: (sparse (1, n, e), dense (1, e, g, g)).

@@ -5,8 +5,8 @@
 //! DIR/<model id>/config.pbtxt      platform onnxruntime_onnx, FP32 tensors, max_batch_size,
 //!                                  dynamic_batching, one instance_group per GPU (or KIND_CPU)
 //! DIR/<model id>/1/model.onnx      the graph Hilum runs on ONNX Runtime: built from the
-//!                                  installed weights (classifiers, PSPNet) or the imported
-//!                                  model.onnx
+//!                                  installed weights (classifiers, PSPNet, MedSAM's image
+//!                                  encoder) or the imported model.onnx
 //! ```
 //!
 //! The model is named by its Hilum id, which is the name the kserve backend asks the server for.
@@ -144,11 +144,11 @@ pub fn export_triton(
     Ok(out)
 }
 
-/// Which graph Hilum has for a manifest's architecture: built (classifiers, PSPNet), imported
-/// only (lung U-Net), or none.
+/// Which graph Hilum has for a manifest's architecture: built (classifiers, PSPNet, SAM's image
+/// encoder), imported only (lung U-Net), or none.
 fn graph_kind(m: &Manifest) -> Option<bool> {
     match m.architecture.as_str() {
-        "densenet121" | "resnet50" | "pspnet" => Some(true),
+        "densenet121" | "resnet50" | "pspnet" | "sam" => Some(true),
         "lung-unet" => Some(false),
         _ => None,
     }
@@ -170,13 +170,21 @@ fn graph_of(
         )));
     }
     let vb = crate::weights::var_builder(&installed.weights, Device::Cpu)?;
-    let built = if manifest.architecture == "pspnet" {
-        let cfg = crate::pspnet::Config::from_manifest(manifest)?;
-        crate::pspnet::PspNet::load(vb, &cfg)
-            .and_then(|net| net.to_onnx(cfg.input_size))
-            .map_err(ModelError::from)
-    } else {
-        XrvSpec::from_manifest(manifest).and_then(|spec| Classifier::onnx_graph(vb, &spec))
+    let built = match manifest.architecture.as_str() {
+        "pspnet" => {
+            let cfg = crate::pspnet::Config::from_manifest(manifest)?;
+            crate::pspnet::PspNet::load(vb, &cfg)
+                .and_then(|net| net.to_onnx(cfg.input_size))
+                .map_err(ModelError::from)
+        }
+        // The image encoder only: the prompt encoder and mask decoder run in Hilum.
+        "sam" => {
+            let cfg = crate::sam::Config::from_manifest(manifest)?;
+            crate::sam::Sam::load(vb, &cfg)
+                .and_then(|sam| sam.encoder_onnx())
+                .map_err(ModelError::from)
+        }
+        _ => XrvSpec::from_manifest(manifest).and_then(|spec| Classifier::onnx_graph(vb, &spec)),
     };
     let bytes = built.map_err(|e| match e {
         ModelError::Compute(reason) => ModelError::Corrupt {
@@ -354,12 +362,16 @@ mod tests {
         assert!(done
             .iter()
             .any(|e| matches!(e, Exported::Skipped { id, reason }
-            if id == "medsam-vit-b" && reason.contains("no ONNX graph"))));
-        // The PSPNet has a graph now: only skipped because it is not installed.
-        assert!(done
-            .iter()
-            .any(|e| matches!(e, Exported::Skipped { id, reason }
-            if id == "chestx-det-pspnet" && reason == "not installed")));
+            if id == "llava-med-v1.5" && reason.contains("no ONNX graph"))));
+        // The PSPNet and MedSAM's encoder have graphs: only skipped as not installed.
+        for with_graph in ["chestx-det-pspnet", "medsam-vit-b"] {
+            assert!(
+                done.iter()
+                    .any(|e| matches!(e, Exported::Skipped { id, reason }
+                    if id == with_graph && reason == "not installed")),
+                "{with_graph}: {done:?}"
+            );
+        }
         let named = export_triton(
             &registry,
             &repo,

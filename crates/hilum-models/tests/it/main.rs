@@ -8,6 +8,7 @@ mod llava_fixture;
 mod lung_unet;
 mod lung_unet_onnx;
 mod medsam_fixture;
+mod medsam_onnx;
 mod multi_device;
 mod pspnet_fixture;
 mod pspnet_onnx;

@@ -1,0 +1,204 @@
+//! The MedSAM (SAM ViT) image encoder's ONNX graph, written by Hilum from the weights, on ONNX
+//! Runtime: the seeded small configuration against segment-anything's own embedding (fixture
+//! from scripts/make_medsam_fixtures.py) and against candle; ViT-B's full width (768 channels,
+//! 12 heads, 14-px windows padded) at a smaller image against candle; a free batch; and
+//! `export-triton` writing the graph for `medsam-vit-b`.
+//!
+//! Needs ORT_DYLIB_PATH (scripts/setup_onnxruntime.sh prints it); without it the tests say so
+//! and pass without checking anything.
+
+use std::path::PathBuf;
+
+use candle_core::Tensor;
+use hilum_models::onnx::OnnxModel;
+use hilum_models::onnx_graph::{graph_io, INPUT};
+use hilum_models::sam::{self, Config, Sam, ONNX_EMBEDDINGS};
+use hilum_models::triton::{export_triton, ExportOptions, Exported};
+use hilum_models::{Device, ImportOptions, ModelRegistry};
+
+fn fixtures() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/medsam");
+    assert!(p.is_dir(), "{} missing", p.display());
+    p
+}
+
+fn ort_ready() -> bool {
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        hilum_models::onnx::use_runtime(p.into());
+    }
+    if hilum_models::onnx::dylib_path().is_none() {
+        eprintln!(
+            "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \
+             test the ONNX Runtime backend"
+        );
+        return false;
+    }
+    true
+}
+
+fn small_config() -> Config {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sam_small_config.json")).expect("config"),
+    )
+    .expect("config parses")
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("f32 values")
+}
+
+/// Largest difference relative to the larger magnitude of `want` (at least 1).
+fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
+
+/// A (b, 3, s, s) input with structure (not constant per channel).
+fn image(batch: usize, s: usize) -> Vec<f32> {
+    (0..batch * 3 * s * s)
+        .map(|i| {
+            let (y, x) = ((i / s) % s, i % s);
+            (((x * 7 + y * 13 + i / (s * s) * 5) % 17) as f32 / 16.0).powf(1.5)
+        })
+        .collect()
+}
+
+fn run_both(model: &Sam, input: &[f32], batch: usize) -> (Vec<f32>, Vec<f32>, Vec<usize>) {
+    let s = model.config().image_size;
+    let graph = model.encoder_onnx().expect("graph");
+    let ort = OnnxModel::from_memory(&graph, "sam encoder", 2, Device::Cpu).expect("ORT loads");
+    let (shape, got) = ort.run(&[batch, 3, s, s], input).expect("ORT run");
+    let x = Tensor::from_slice(input, (batch, 3, s, s), model.device()).expect("input");
+    let want = flat(&model.embed_image(&x).expect("candle"));
+    (got, want, shape)
+}
+
+#[test]
+fn small_sam_encoder_graph_matches_segment_anything_and_candle() {
+    if !ort_ready() {
+        return;
+    }
+    let cfg = small_config();
+    let dir = fixtures();
+    let model = sam::load_file(&dir.join("sam_small.safetensors"), &cfg, Device::Cpu)
+        .expect("small weights load");
+    let io = candle_core::safetensors::load(
+        dir.join("sam_small_io.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .expect("io fixture");
+    let input = flat(&io["image"]);
+    let (got, by_candle, shape) = run_both(&model, &input, 1);
+    let g = cfg.grid();
+    assert_eq!(shape, vec![1, cfg.prompt_embed_dim, g, g]);
+    let reference = flat(&io["embedding"]);
+    let (d_ref, d_candle) = (rel_diff(&got, &reference), rel_diff(&got, &by_candle));
+    eprintln!(
+        "small SAM encoder ({g}x{g} grid, window {} padded): ONNX Runtime vs segment-anything \
+         {d_ref:.2e}, vs candle {d_candle:.2e} (relative)",
+        cfg.window_size
+    );
+    assert!(d_ref < 1e-4 && d_candle < 1e-5, "{d_ref} {d_candle}");
+}
+
+/// ViT-B's width, heads and window at 256 px (a 16 x 16 grid, so the 14-px windows are padded
+/// to 28), one windowed and one global block, seeded weights.
+#[test]
+fn vit_b_width_encoder_graph_matches_candle_with_a_free_batch() {
+    if !ort_ready() {
+        return;
+    }
+    let cfg = Config {
+        image_size: 256,
+        encoder_depth: 2,
+        global_attn_indexes: vec![1],
+        ..Config::vit_b()
+    };
+    let model = sam::random(&cfg, 5, Device::Cpu).expect("seeded ViT-B slice");
+    let graph = model.encoder_onnx().expect("graph");
+    let io = graph_io(&graph).expect("parses");
+    assert_eq!(io.inputs.len(), 1);
+    assert_eq!(io.inputs[0].name, INPUT);
+    assert_eq!(io.inputs[0].dims, vec![None, Some(3), Some(256), Some(256)]);
+    assert_eq!(io.outputs[0].name, ONNX_EMBEDDINGS);
+    assert_eq!(
+        io.outputs[0].dims,
+        vec![None, Some(256), Some(16), Some(16)]
+    );
+
+    let input = image(2, 256);
+    let (got, want, shape) = run_both(&model, &input, 2);
+    assert_eq!(shape, vec![2, 256, 16, 16]);
+    let d = rel_diff(&got, &want);
+    let half = got.len() / 2;
+    let apart = rel_diff(&got[..half], &got[half..]);
+    eprintln!("ViT-B width, 256 px, batch 2: ONNX Runtime vs candle {d:.2e} (relative); the two images' embeddings differ by {apart:.2e}");
+    assert!(d < 1e-4, "{d}");
+    assert!(apart > 1e-2, "the batch's images gave the same embedding");
+}
+
+#[test]
+fn export_triton_writes_the_medsam_encoder() {
+    if !ort_ready() {
+        return;
+    }
+    let cfg = small_config();
+    let weights = fixtures().join("sam_small.safetensors");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+    let mut manifest = registry.manifest("medsam-vit-b").expect("manifest").clone();
+    manifest.config = match toml::Value::try_from(&cfg).expect("config to toml") {
+        toml::Value::Table(t) => t,
+        other => panic!("not a table: {other}"),
+    };
+    let registry = registry.with_manifest(manifest);
+    let opts = ImportOptions {
+        custom: true,
+        ..Default::default()
+    };
+    hilum_models::import(&registry, "medsam-vit-b", &weights, &opts).expect("import");
+    let repo = dir.path().join("repo");
+    let done = export_triton(
+        &registry,
+        &repo,
+        &["medsam-vit-b".to_string()],
+        &ExportOptions::default(),
+    )
+    .expect("export");
+    assert!(
+        matches!(
+            &done[..],
+            [Exported::Written {
+                max_batch_size: 16,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+    let config =
+        std::fs::read_to_string(repo.join("medsam-vit-b/config.pbtxt")).expect("config.pbtxt");
+    for want in [
+        "name: \"medsam-vit-b\"",
+        "name: \"x\"",
+        "dims: [ 3, 128, 128 ]",
+        "name: \"embeddings\"",
+        "dims: [ 32, 8, 8 ]",
+        "dynamic_batching",
+    ] {
+        assert!(config.contains(want), "{want} missing from\n{config}");
+    }
+    let served = OnnxModel::load(&repo.join("medsam-vit-b/1/model.onnx"), 2).expect("load");
+    let model = sam::load_file(&weights, &cfg, Device::Cpu).expect("load");
+    let input = image(1, 128);
+    let (_, got) = served.run(&[1, 3, 128, 128], &input).expect("run");
+    let (_, want, _) = run_both(&model, &input, 1);
+    let d = rel_diff(&got, &want);
+    assert!(d < 1e-5, "exported graph differs by {d}");
+}
