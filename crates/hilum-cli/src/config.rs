@@ -698,7 +698,8 @@ pub fn tool_deps(
 }
 
 /// The tools' backend choices from the environment (read through `var`):
-/// `HILUM_LUNG_UNET_BACKEND=native|candle|onnx` (anything else: chosen per machine) and
+/// `HILUM_LUNG_UNET_BACKEND=native|candle|onnx|kserve` (anything else: chosen per machine),
+/// `HILUM_MEDSAM_BACKEND=candle|onnx|kserve` (MedSAM's image encoder; default candle) and
 /// `HILUM_BACKEND` (see [`resolve_backends`]; a bad value is reported by each classifier call,
 /// the other tools keep working). `--backend` and `[backends]` are applied on top by the
 /// commands that take them.
@@ -717,6 +718,9 @@ fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::Tool
     hilum_tools::ToolSettings {
         // `HILUM_BACKEND=kserve` serves the lung U-Net too, unless it has its own variable.
         lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND")
+            .and_then(|b| b.parse().ok())
+            .or(served.then_some(hilum_models::Backend::Kserve)),
+        medsam_backend: var("HILUM_MEDSAM_BACKEND")
             .and_then(|b| b.parse().ok())
             .or(served.then_some(hilum_models::Backend::Kserve)),
         classifier_backends,
@@ -958,8 +962,16 @@ mod tests {
         assert_eq!(b.get("resnet50-res512-all"), Some(&Backend::Native));
         let s = tool_settings_from(env(&[]));
         assert_eq!(s.lung_unet_backend, None);
+        assert_eq!(s.medsam_backend, None);
         assert_eq!(s.classifier_backends, Ok(Default::default()));
         let s = tool_settings_from(env(&[("HILUM_BACKEND", "kserve")]));
+        assert_eq!(s.lung_unet_backend, Some(Backend::Kserve));
+        assert_eq!(s.medsam_backend, Some(Backend::Kserve));
+        let s = tool_settings_from(env(&[
+            ("HILUM_BACKEND", "kserve"),
+            ("HILUM_MEDSAM_BACKEND", "onnx"),
+        ]));
+        assert_eq!(s.medsam_backend, Some(Backend::Onnx));
         assert_eq!(s.lung_unet_backend, Some(Backend::Kserve));
         let s = tool_settings_from(env(&[
             ("HILUM_BACKEND", "kserve"),

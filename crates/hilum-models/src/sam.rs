@@ -1250,10 +1250,32 @@ impl MaskDecoder {
 
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
 
+/// Where the image encoder runs: candle on the model's device, or its ONNX graph
+/// ([`Sam::encoder_onnx`]) on ONNX Runtime or on a KServe v2 server (Triton). The prompt encoder
+/// and mask decoder always run in candle, in process.
+enum EncoderRun {
+    Candle,
+    #[cfg(feature = "onnx")]
+    Onnx(crate::onnx::OnnxModel),
+    Remote(crate::kserve::KserveModel),
+}
+
+impl std::fmt::Debug for EncoderRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EncoderRun::Candle => "candle",
+            #[cfg(feature = "onnx")]
+            EncoderRun::Onnx(_) => "onnx",
+            EncoderRun::Remote(_) => "kserve",
+        })
+    }
+}
+
 /// SAM / MedSAM: encode an image once, then decode any number of prompts against it.
 #[derive(Debug)]
 pub struct Sam {
     image_encoder: ImageEncoder,
+    encoder_run: EncoderRun,
     prompt_encoder: PromptEncoder,
     mask_decoder: MaskDecoder,
     image_pe: Tensor,
@@ -1271,6 +1293,7 @@ impl Sam {
         let image_pe = prompt_encoder.dense_pe()?;
         Ok(Sam {
             image_encoder: ImageEncoder::load(vb.pp("image_encoder"), cfg)?,
+            encoder_run: EncoderRun::Candle,
             prompt_encoder,
             mask_decoder: MaskDecoder::load(vb.pp("mask_decoder"), cfg)?,
             image_pe,
@@ -1305,12 +1328,92 @@ impl Sam {
         self.image_encoder.forward(input)
     }
 
-    /// [`Sam::embed_image`] on the output of [`preprocess`] / [`recipe`] (`3 * S * S` values).
+    /// Where the image encoder runs (the rest is candle's).
+    pub fn backend(&self) -> crate::Backend {
+        match self.encoder_run {
+            EncoderRun::Candle => crate::Backend::Candle,
+            #[cfg(feature = "onnx")]
+            EncoderRun::Onnx(_) => crate::Backend::Onnx,
+            EncoderRun::Remote(_) => crate::Backend::Kserve,
+        }
+    }
+
+    /// The image encoder on `backend`: `Onnx` runs [`Sam::encoder_onnx`] of these weights on
+    /// ONNX Runtime (CPU, `threads`), `Kserve` sends it to the server of `remote`, which serves
+    /// that graph as model `id` (`hilum models export-triton`), checked at connection.
+    pub fn with_encoder_on(
+        mut self,
+        backend: crate::Backend,
+        id: &str,
+        threads: usize,
+        remote: Option<&crate::KserveSettings>,
+    ) -> Result<Self, ModelError> {
+        let (s, e, g) = (
+            self.config.image_size as i64,
+            self.config.prompt_embed_dim as i64,
+            self.config.grid() as i64,
+        );
+        self.encoder_run = match backend {
+            crate::Backend::Candle => EncoderRun::Candle,
+            crate::Backend::Kserve => {
+                use crate::kserve::{KserveModel, TensorSpec};
+                let remote = remote.ok_or(ModelError::NoRemote)?;
+                let input = TensorSpec::new(onnx_graph::INPUT, &[-1, 3, s, s]);
+                let output = TensorSpec::new(ONNX_EMBEDDINGS, &[-1, e, g, g]);
+                EncoderRun::Remote(KserveModel::connect(remote, id, input, output)?)
+            }
+            #[cfg(feature = "onnx")]
+            crate::Backend::Onnx => {
+                let graph = self.encoder_onnx()?;
+                EncoderRun::Onnx(crate::onnx::OnnxModel::from_memory(
+                    &graph,
+                    &format!("{id}'s image encoder"),
+                    threads,
+                    Device::Cpu,
+                )?)
+            }
+            other => {
+                let _ = threads;
+                return Err(ModelError::Backend {
+                    what: format!("{id} (SAM)"),
+                    backend: other,
+                    supported: if cfg!(feature = "onnx") {
+                        "candle, onnx or kserve".into()
+                    } else {
+                        "candle or kserve".into()
+                    },
+                });
+            }
+        };
+        Ok(self)
+    }
+
+    /// [`Sam::embed_image`] on the output of [`preprocess`] / [`recipe`] (`3 * S * S` values),
+    /// on the encoder's backend.
     pub fn embed_prepared(&self, input: &[f32]) -> Result<Tensor, ModelError> {
         crate::fault::check()?;
-        let s = self.config.image_size;
-        let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
-        Ok(self.embed_image(&x)?)
+        let c = &self.config;
+        let s = c.image_size;
+        let (e, g) = (c.prompt_embed_dim, c.grid());
+        let served = match &self.encoder_run {
+            EncoderRun::Candle => {
+                let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
+                return Ok(self.embed_image(&x)?);
+            }
+            #[cfg(feature = "onnx")]
+            EncoderRun::Onnx(m) => m.run(&[1, 3, s, s], input)?,
+            EncoderRun::Remote(m) => m.infer(&[1, 3, s, s], input)?,
+        };
+        self.encoder_runs.fetch_add(1, Ordering::Relaxed);
+        let (shape, values) = served;
+        if shape != [1, e, g, g] || values.len() != e * g * g {
+            return Err(ModelError::Compute(format!(
+                "the {} backend's image embedding has shape {shape:?} ({} values), expected [1, {e}, {g}, {g}]",
+                self.backend(),
+                values.len()
+            )));
+        }
+        Ok(Tensor::from_vec(values, (1, e, g, g), &self.device)?)
     }
 
     /// The image encoder as an ONNX graph (IR 8, opset 17): input [`onnx_graph::INPUT`]
@@ -1481,15 +1584,20 @@ impl crate::Model for Sam {
         installed: &InstalledModel,
         device: Device,
         backend: crate::Backend,
-        _: &crate::ModelSettings,
+        settings: &crate::ModelSettings,
     ) -> Result<Self, ModelError> {
-        backend.expect(&[crate::Backend::Candle], &manifest.id)?;
         let cfg = Config::from_manifest(manifest)?;
         let vb = crate::weights::var_builder(&installed.weights, device)?;
-        Sam::load(vb, &cfg).map_err(|e| ModelError::Corrupt {
+        let sam = Sam::load(vb, &cfg).map_err(|e| ModelError::Corrupt {
             id: manifest.id.clone(),
             reason: e.to_string(),
-        })
+        })?;
+        sam.with_encoder_on(
+            backend,
+            &manifest.id,
+            settings.cpu.threads(),
+            settings.remote.as_ref(),
+        )
     }
 }
 

@@ -61,6 +61,9 @@ pub struct ToolSettings {
     /// default. An `Err` is a setting that did not parse: each classifier call reports it and
     /// the other tools keep working.
     pub classifier_backends: Result<BTreeMap<String, hilum_models::Backend>, String>,
+    /// Where `segment_region` runs MedSAM's image encoder; `None`: candle. `onnx` and `kserve`
+    /// run the graph `Sam::encoder_onnx` writes; the decoder stays in candle.
+    pub medsam_backend: Option<hilum_models::Backend>,
 }
 
 impl Default for ToolSettings {
@@ -68,6 +71,7 @@ impl Default for ToolSettings {
         ToolSettings {
             lung_unet_backend: None,
             classifier_backends: Ok(BTreeMap::new()),
+            medsam_backend: None,
         }
     }
 }
@@ -86,12 +90,16 @@ impl ToolDeps {
     }
 
     /// Classifier backends per model id (`*`: every model), replacing the settings' ones.
-    /// `*` = kserve also sends the lung U-Net to the inference server unless its backend was
-    /// chosen on its own: a served deployment serves every CNN it exported.
+    /// `*` = kserve also sends the lung U-Net and MedSAM's image encoder to the inference server
+    /// unless their backends were chosen on their own: a served deployment serves every network
+    /// it exported.
     pub fn with_backends(mut self, backends: BTreeMap<String, hilum_models::Backend>) -> Self {
         if backends.get("*") == Some(&hilum_models::Backend::Kserve) {
             self.settings
                 .lung_unet_backend
+                .get_or_insert(hilum_models::Backend::Kserve);
+            self.settings
+                .medsam_backend
                 .get_or_insert(hilum_models::Backend::Kserve);
         }
         self.settings.classifier_backends = Ok(backends);

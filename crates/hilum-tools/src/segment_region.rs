@@ -16,12 +16,12 @@ use hilum_agent::{
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::runner::Runner;
 use hilum_models::sam::{self, Prompt, Sam};
-use hilum_models::{Device, ModelError, ModelPool, Placed};
+use hilum_models::{Backend, Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::common::{round2, run_blocking, run_model, Fail, ImageId};
+use crate::common::{round2, run_blocking, run_model_on, Fail, ImageId};
 
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
@@ -277,6 +277,9 @@ enum Source {
         models: Arc<ModelPool>,
         /// `None`: each call routed across the pool's devices.
         pin: Option<Device>,
+        /// The image encoder's backend; `None`: candle. `kserve` sends it to the inference
+        /// server of the pool's settings (the graph `hilum models export-triton` wrote).
+        backend: Option<Backend>,
     },
     Fixed(Arc<Sam>),
 }
@@ -302,16 +305,25 @@ pub struct Args {
 impl SegmentRegion {
     /// The tool, ready to register (its schema generated from its arguments' type).
     pub fn new(store: Arc<ImageStore>, models: Arc<ModelPool>) -> Typed<Self> {
-        Self::on_device(store, models, None)
+        Self::on_device(store, models, None, None)
     }
 
-    /// `pin`: one device for every call; `None`: routed across the pool's devices.
+    /// `pin`: one device for every call; `None`: routed across the pool's devices. `backend`:
+    /// where the image encoder runs (`None`: candle, with the rest of the model).
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
         pin: Option<Device>,
+        backend: Option<Backend>,
     ) -> Typed<Self> {
-        Self::build(store, Source::Pool { models, pin })
+        Self::build(
+            store,
+            Source::Pool {
+                models,
+                pin,
+                backend,
+            },
+        )
     }
 
     /// The tool over an already loaded network instead of the registry's `medsam-vit-b`.
@@ -334,7 +346,12 @@ impl SegmentRegion {
 
 impl crate::BuildTool for SegmentRegion {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(SegmentRegion::new(deps.images.clone(), deps.models.clone()))
+        Arc::new(SegmentRegion::on_device(
+            deps.images.clone(),
+            deps.models.clone(),
+            None,
+            deps.settings.medsam_backend,
+        ))
     }
 }
 
@@ -419,11 +436,18 @@ impl TypedTool for SegmentRegion {
             };
             Ok((map, timing))
         };
-        let (map, timing) = match &self.source {
-            Source::Pool { models, pin } => {
-                let candle = |_: &_, _| hilum_models::Backend::Candle;
-                let work = move |p: Placed<'_, Sam>, _: &_| work(p.model);
-                run_model(models, MODEL_ID, *pin, candle, work).await?
+        let ((map, timing, backend), fallback) = match &self.source {
+            Source::Pool {
+                models,
+                pin,
+                backend,
+            } => {
+                let candle = |_: &_, _| Backend::Candle;
+                let work = move |p: Placed<'_, Sam>, _: &_| {
+                    let b = p.model.backend();
+                    work(p.model).map(|(m, t)| (m, t, b))
+                };
+                run_model_on(models, MODEL_ID, *pin, *backend, candle, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();
@@ -431,10 +455,17 @@ impl TypedTool for SegmentRegion {
                     Fail::Model(e) => ToolError::Internal(e.to_string()),
                     Fail::Tool(e) => e,
                 };
-                run_blocking(move || work(&model).map_err(tool_error)).await?
+                let b = model.backend();
+                let done = run_blocking(move || work(&model).map_err(tool_error)).await?;
+                ((done.0, done.1, b), None)
             }
         };
-        assemble(&id, &img, &prompt, &map, &label, timing)
+        let mut out = assemble(&id, &img, &prompt, &map, &label, timing)?;
+        out.data["backend"] = json!(backend);
+        if let Some(why) = fallback {
+            out.data["fallback"] = json!(why);
+        }
+        Ok(out)
     }
 }
 

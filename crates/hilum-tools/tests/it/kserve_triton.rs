@@ -6,7 +6,8 @@
 //!
 //! Classifier: seeded DenseNet-121 weights imported as a site checkpoint. Lung U-Net: the real
 //! one, copied from the installed models (HILUM_MODELS_DIR or ~/.local/share/hilum/models) or
-//! imported from ../shared/data/models/lung_seg_unet.
+//! imported from ../shared/data/models/lung_seg_unet. MedSAM: the small SAM configuration that
+//! matches segment-anything (tests/fixtures/medsam), its image encoder served, its decoder here.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -17,15 +18,17 @@ use std::time::{Duration, Instant};
 
 use hilum_agent::{Tool, ToolContext, ToolOutput};
 use hilum_imaging::ImageStore;
+use hilum_models::sam::Sam;
 use hilum_models::triton::{export_triton, ExportOptions, Exported};
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::xrv::{self, XrvSpec};
 use hilum_models::{Backend, Device, KserveSettings, ModelPool, ModelRegistry, ModelSettings};
-use hilum_tools::{ClassifyChestXray, ImageInfo, SegmentLungs};
+use hilum_tools::{ClassifyChestXray, ImageInfo, SegmentLungs, SegmentRegion};
 use serde_json::{json, Value};
 
 const CLASSIFIER: &str = "densenet121-res224-all";
 const LUNGS: &str = "lung-unet";
+const MEDSAM: &str = "medsam-vit-b";
 const TOLERANCE: f64 = 1e-5;
 
 type Shared = Arc<dyn Tool>;
@@ -172,6 +175,20 @@ fn registry(dir: &Path) -> ModelRegistry {
     };
     hilum_models::import(&registry, CLASSIFIER, &ckpt, &opts).expect("custom import");
     install_lung_unet(&registry);
+    // MedSAM at the small configuration of its fixture (the published weights are not here).
+    let sam = root().join("tests/fixtures/medsam");
+    let config: toml::Value = serde_json::from_str(
+        &std::fs::read_to_string(sam.join("sam_small_config.json")).expect("SAM config"),
+    )
+    .expect("SAM config parses");
+    let mut manifest = registry.manifest(MEDSAM).expect("manifest").clone();
+    manifest.config = match config {
+        toml::Value::Table(t) => t,
+        other => panic!("not a table: {other}"),
+    };
+    let registry = registry.with_manifest(manifest);
+    hilum_models::import(&registry, MEDSAM, &sam.join("sam_small.safetensors"), &opts)
+        .expect("MedSAM import");
     registry
 }
 
@@ -257,10 +274,15 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
     let exported = export_triton(
         &reg,
         &repo,
-        &[CLASSIFIER.to_string(), LUNGS.to_string()],
+        &[
+            CLASSIFIER.to_string(),
+            LUNGS.to_string(),
+            MEDSAM.to_string(),
+        ],
         &ExportOptions::default(),
     )
     .expect("export-triton");
+    assert_eq!(exported.len(), 3, "{exported:?}");
     assert!(exported.iter().all(|e| matches!(
         e,
         Exported::Written {
@@ -288,6 +310,7 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         .collect();
     let classify = |b| ClassifyChestXray::with_backend(store.clone(), models.clone(), b);
     let segment = |b| SegmentLungs::with_backend(store.clone(), models.clone(), b);
+    let region = |b| SegmentRegion::on_device(store.clone(), models.clone(), None, Some(b));
 
     // The networks' raw outputs first. Against ONNX Runtime in process (the same graph and the
     // same library as the server's callable) the transport must be lossless; against the
@@ -317,27 +340,46 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         let [p_served, p_ort, p_native] = [Backend::Kserve, Backend::Onnx, Backend::Native]
             .map(|b| get(b).predict(&y).expect("U-Net").concat());
         let scale = native.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+        let get = |b| {
+            m.get_or_load::<Sam>(MEDSAM, Device::Cpu, b)
+                .expect("MedSAM")
+        };
+        let z: Vec<f32> = (0..3 * 128 * 128)
+            .map(|i| ((i * 13) % 97) as f32 / 96.0)
+            .collect();
+        let [e_served, e_ort, e_candle] =
+            [Backend::Kserve, Backend::Onnx, Backend::Candle].map(|b| {
+                let sam = get(b);
+                assert_eq!(sam.backend(), b);
+                let e = sam.embed_prepared(&z).expect("image embedding");
+                e.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("f32")
+            });
         [
             max_diff(&served, &ort),
             max_diff(&p_served, &p_ort),
+            max_diff(&e_served, &e_ort),
             max_diff(&served, &native) / scale.max(1.0),
             max_diff(&p_served, &p_native),
+            max_diff(&e_served, &e_candle),
         ]
     })
     .await
     .expect("forward passes");
     eprintln!(
-        "batch of 2, max |kserve - onnx in process|: logits {:.1e}, U-Net {:.1e}; max |kserve - \
-         native|: logits {:.1e} (relative to the largest), U-Net {:.1e}",
-        raw[0], raw[1], raw[2], raw[3]
+        "batch of 2, max |kserve - onnx in process|: logits {:.1e}, U-Net {:.1e}, MedSAM \
+         embedding {:.1e}; max |kserve - native|: logits {:.1e} (relative to the largest), \
+         U-Net {:.1e}, MedSAM embedding vs candle {:.1e}",
+        raw[0], raw[1], raw[2], raw[3], raw[4], raw[5]
     );
-    assert!(raw[0] <= TOLERANCE && raw[1] <= TOLERANCE, "{raw:?}");
-    assert!(raw[2] <= 1e-4 && raw[3] <= 1e-4, "{raw:?}");
+    assert!(raw[..3].iter().all(|d| *d <= TOLERANCE), "{raw:?}");
+    assert!(raw[3..].iter().all(|d| *d <= 1e-4), "{raw:?}");
 
     // The tools: same outputs on both backends, served ones saying so.
     let mut results = Vec::new();
     for id in &images {
-        let pairs: [(&str, Shared, Shared); 2] = [
+        let pairs: [(&str, Shared, Shared); 3] = [
             (
                 "classify",
                 Arc::new(classify(Backend::Kserve)),
@@ -348,9 +390,17 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
                 Arc::new(segment(Backend::Kserve)),
                 Arc::new(segment(Backend::Native)),
             ),
+            (
+                "region",
+                Arc::new(region(Backend::Kserve)),
+                Arc::new(region(Backend::Candle)),
+            ),
         ];
         for (name, served, native) in pairs {
-            let args = json!({ "image": id });
+            let mut args = json!({ "image": id });
+            if name == "region" {
+                args["box"] = json!([100, 150, 420, 700]);
+            }
             let a = call(served.as_ref(), args.clone())
                 .await
                 .expect("served call");
@@ -380,11 +430,23 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
     assert_eq!(before.data["backend"], "kserve");
     triton.kill();
     let (served_classify, served_segment) = (classify(Backend::Kserve), segment(Backend::Kserve));
+    // A new tool: its embedding cache is empty, so it needs the served encoder.
+    let served_region = region(Backend::Kserve);
     let info = ImageInfo::new(store.clone());
-    let (c, s, i) = tokio::join!(
+    let (c, s, r, i) = tokio::join!(
         call(&served_classify, json!({ "image": images[0] })),
         call(&served_segment, json!({ "image": images[1] })),
+        call(
+            &served_region,
+            json!({ "image": images[1], "box": [100, 150, 420, 700] })
+        ),
         call(&info, json!({ "image": images[0] })),
+    );
+    let err = r.err().unwrap_or_default();
+    eprintln!("region after the kill: {err}");
+    assert!(
+        err.contains("is not answering") && err.contains(&triton.url),
+        "region: {err}"
     );
     for (what, r) in [("classify", c), ("segment", s)] {
         let err = r.err().unwrap_or_default();
@@ -398,7 +460,7 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         );
     }
     assert!(i.is_ok(), "a tool without a model keeps working: {i:?}");
-    assert_eq!(results.len(), 2 * images.len());
+    assert_eq!(results.len(), 3 * images.len());
     for (native, served) in &results {
         assert_same(&served.data, native, "kept result");
     }
