@@ -1338,7 +1338,8 @@ impl Sam {
         }
     }
 
-    /// The image encoder on `backend`: `Onnx` runs [`Sam::encoder_onnx`] of these weights on
+    /// The image encoder on `backend`: `Candle` (and `Native`) in process on the model's device,
+    /// `Onnx` runs [`Sam::encoder_onnx`] of these weights on
     /// ONNX Runtime (CPU, `threads`), `Kserve` sends it to the server of `remote`, which serves
     /// that graph as model `id` (`hilum models export-triton`), checked at connection.
     pub fn with_encoder_on(
@@ -1354,7 +1355,9 @@ impl Sam {
             self.config.grid() as i64,
         );
         self.encoder_run = match backend {
-            crate::Backend::Candle => EncoderRun::Candle,
+            // SAM has no kernels of Hilum's own: in process, `native` (a `[remote] fallback`
+            // written for the CNNs) is candle.
+            crate::Backend::Candle | crate::Backend::Native => EncoderRun::Candle,
             crate::Backend::Kserve => {
                 use crate::kserve::{KserveModel, TensorSpec};
                 let remote = remote.ok_or(ModelError::NoRemote)?;
@@ -1372,17 +1375,13 @@ impl Sam {
                     Device::Cpu,
                 )?)
             }
-            other => {
+            #[cfg(not(feature = "onnx"))]
+            crate::Backend::Onnx => {
                 let _ = threads;
-                return Err(ModelError::Backend {
-                    what: format!("{id} (SAM)"),
-                    backend: other,
-                    supported: if cfg!(feature = "onnx") {
-                        "candle, onnx or kserve".into()
-                    } else {
-                        "candle or kserve".into()
-                    },
-                });
+                return Err(ModelError::Onnx(
+                    "this hilum was built without the `onnx` feature; use the candle backend"
+                        .into(),
+                ));
             }
         };
         Ok(self)

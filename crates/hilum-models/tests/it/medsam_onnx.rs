@@ -202,3 +202,42 @@ fn export_triton_writes_the_medsam_encoder() {
     let d = rel_diff(&got, &want);
     assert!(d < 1e-5, "exported graph differs by {d}");
 }
+
+/// Full-size ViT-B (seeded) at 1024 px: ONNX Runtime vs candle, agreement and time, the two
+/// alternated twice on the same input (`HILUM_CPU_THREADS` threads for ONNX Runtime, candle's
+/// pool of all cores). Minutes and ~6 GB on a 2-core machine, so run on request:
+/// `cargo test --release -p hilum-models --test it medsam_onnx::full -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn full_vit_b_encoder_graph_matches_candle() {
+    if !ort_ready() {
+        return;
+    }
+    let cfg = Config::vit_b();
+    let model = sam::random(&cfg, 9, Device::Cpu).expect("seeded ViT-B");
+    let graph = model.encoder_onnx().expect("graph");
+    let threads = std::env::var("HILUM_CPU_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let ort = OnnxModel::from_memory(&graph, "ViT-B encoder", threads, Device::Cpu).expect("ORT");
+    let input = image(1, 1024);
+    let x = Tensor::from_slice(&input, (1, 3, 1024, 1024), model.device()).expect("input");
+    let (mut t_ort, mut t_candle) = (Vec::new(), Vec::new());
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        got = ort.run(&[1, 3, 1024, 1024], &input).expect("ORT run").1;
+        t_ort.push(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        want = flat(&model.embed_image(&x).expect("candle"));
+        t_candle.push(t.elapsed().as_secs_f64());
+    }
+    let d = rel_diff(&got, &want);
+    eprintln!(
+        "ViT-B 1024 px ({} MB graph): ONNX Runtime vs candle {d:.2e} (relative); seconds ONNX \
+         Runtime {t_ort:.2?} ({threads} threads), candle {t_candle:.2?}",
+        graph.len() >> 20
+    );
+    assert!(d < 1e-4, "{d}");
+}

@@ -476,4 +476,19 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         "{why}"
     );
     assert_same(&fell.data, &before.data, "fallback");
+    // MedSAM has no native kernels: its fallback runs the encoder in candle.
+    let region_fell =
+        SegmentRegion::on_device(store.clone(), with_fallback, None, Some(Backend::Kserve));
+    let args = json!({ "image": images[1], "box": [100, 150, 420, 700] });
+    let fell = call(&region_fell, args.clone())
+        .await
+        .expect("region fallback");
+    assert_eq!(fell.data["backend"], "candle", "{}", fell.data);
+    assert!(fell.data["fallback"]
+        .as_str()
+        .is_some_and(|w| w.contains("did not answer")));
+    let by_candle = call(&region(Backend::Candle), args)
+        .await
+        .expect("candle region");
+    assert_same(&fell.data, &by_candle.data, "region fallback");
 }
