@@ -78,7 +78,7 @@ pub struct AnalyzeArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Classifier backend: BACKEND for every classifier, or MODEL=BACKEND (native, candle,
-    /// onnx, kserve; `kserve` for every classifier serves the lung U-Net too); repeatable. Overrides HILUM_BACKEND and the config file's [backends] table.
+    /// onnx, kserve; `kserve` for every classifier serves the lung U-Net and MedSAM's image encoder too); repeatable. Overrides HILUM_BACKEND and the config file's [backends] table.
     #[arg(long)]
     pub backend: Vec<String>,
     /// Log lines on stderr: -v info, -vv debug, -vvv trace (RUST_LOG, when set, filters

@@ -716,7 +716,8 @@ fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::Tool
     let served = matches!(&classifier_backends,
         Ok(b) if b.get("*") == Some(&hilum_models::Backend::Kserve));
     hilum_tools::ToolSettings {
-        // `HILUM_BACKEND=kserve` serves the lung U-Net too, unless it has its own variable.
+        // `HILUM_BACKEND=kserve` serves the lung U-Net and MedSAM's encoder too, unless they
+        // have their own variables.
         lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND")
             .and_then(|b| b.parse().ok())
             .or(served.then_some(hilum_models::Backend::Kserve)),
