@@ -699,7 +699,8 @@ pub fn tool_deps(
 
 /// The tools' backend choices from the environment (read through `var`):
 /// `HILUM_LUNG_UNET_BACKEND=native|candle|onnx|kserve` (anything else: chosen per machine),
-/// `HILUM_MEDSAM_BACKEND=candle|onnx|kserve` (MedSAM's image encoder; default candle) and
+/// `HILUM_MEDSAM_BACKEND=candle|onnx|kserve` (MedSAM's image encoder; default
+/// `sam::auto_backend`) and
 /// `HILUM_BACKEND` (see [`resolve_backends`]; a bad value is reported by each classifier call,
 /// the other tools keep working). `--backend` and `[backends]` are applied on top by the
 /// commands that take them.

@@ -61,8 +61,9 @@ pub struct ToolSettings {
     /// default. An `Err` is a setting that did not parse: each classifier call reports it and
     /// the other tools keep working.
     pub classifier_backends: Result<BTreeMap<String, hilum_models::Backend>, String>,
-    /// Where `segment_region` runs MedSAM's image encoder; `None`: candle. `onnx` and `kserve`
-    /// run the graph `Sam::encoder_onnx` writes; the decoder stays in candle.
+    /// Where `segment_region` runs MedSAM's image encoder; `None`: `sam::auto_backend` (ONNX
+    /// Runtime on the CPU where it loads, else candle). `onnx` and `kserve` run the graph
+    /// `Sam::encoder_onnx` writes; the decoder stays in candle.
     pub medsam_backend: Option<hilum_models::Backend>,
 }
 

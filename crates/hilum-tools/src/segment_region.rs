@@ -277,8 +277,8 @@ enum Source {
         models: Arc<ModelPool>,
         /// `None`: each call routed across the pool's devices.
         pin: Option<Device>,
-        /// The image encoder's backend; `None`: candle. `kserve` sends it to the inference
-        /// server of the pool's settings (the graph `hilum models export-triton` wrote).
+        /// The image encoder's backend; `None`: [`sam::auto_backend`]. `kserve` sends it to the
+        /// inference server of the pool's settings (the graph `hilum models export-triton` wrote).
         backend: Option<Backend>,
     },
     Fixed(Arc<Sam>),
@@ -309,7 +309,7 @@ impl SegmentRegion {
     }
 
     /// `pin`: one device for every call; `None`: routed across the pool's devices. `backend`:
-    /// where the image encoder runs (`None`: candle, with the rest of the model).
+    /// where the image encoder runs (`None`: [`sam::auto_backend`]).
     pub fn on_device(
         store: Arc<ImageStore>,
         models: Arc<ModelPool>,
@@ -442,12 +442,12 @@ impl TypedTool for SegmentRegion {
                 pin,
                 backend,
             } => {
-                let candle = |_: &_, _| Backend::Candle;
+                let default = |_: &_, d| sam::auto_backend(d);
                 let work = move |p: Placed<'_, Sam>, _: &_| {
                     let b = p.model.backend();
                     work(p.model).map(|(m, t)| (m, t, b))
                 };
-                run_model_on(models, MODEL_ID, *pin, *backend, candle, work).await?
+                run_model_on(models, MODEL_ID, *pin, *backend, default, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();

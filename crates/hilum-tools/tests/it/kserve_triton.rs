@@ -419,6 +419,15 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         }
     }
 
+    // With no backend chosen, MedSAM's encoder runs on ONNX Runtime on the CPU
+    // (sam::auto_backend), to candle's output.
+    let args = json!({ "image": images[0], "box": [100, 150, 420, 700] });
+    let auto = SegmentRegion::new(store.clone(), models.clone());
+    let auto = call(&auto, args.clone()).await.expect("default backend");
+    assert_eq!(auto.data["backend"], "onnx", "{}", auto.data);
+    let by_candle = call(&region(Backend::Candle), args).await.expect("candle");
+    assert_same(&auto.data, &by_candle.data, "region on the default backend");
+
     // Triton dies mid-run: the next round's served calls fail with the error that says what
     // to do, the call without a model still answers, and the results already in are intact.
     let with_fallback = pool(&dir.path().join("b"), &triton.url, Some(Backend::Native));
