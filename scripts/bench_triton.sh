@@ -19,7 +19,6 @@ if [ ! -x "$bin" ]; then
     echo "building $bin ..." >&2
     (cd "$root" && cargo build --release -p hilum-cli >&2)
 fi
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 work="$(mktemp -d)"
 triton_pid=""
 cleanup() {
@@ -33,17 +32,10 @@ export HILUM_MODELS_DIR="$work/models"
 (cd "$root" && cargo run --release -q -p hilum-models --example seeded_classifier -- "$work/densenet.safetensors" >&2)
 "$bin" models import --custom densenet121-res224-all "$work/densenet.safetensors" >&2
 "$bin" models export-triton "$work/repo" densenet121-res224-all >&2
-tp=$(free_port); tg=$(free_port); tm=$(free_port)
-"$root/scripts/.venv-triton/bin/python" "$root/scripts/triton_serve.py" "$work/repo" \
-    --http-port "$tp" --grpc-port "$tg" --metrics-port "$tm" --ready-file "$work/ready" \
-    --threads "${TRITON_THREADS:-$(nproc)}" > "$work/triton.log" 2>&1 &
-triton_pid=$!
-for _ in $(seq 1 1200); do
-    [ -f "$work/ready" ] && break
-    kill -0 "$triton_pid" 2>/dev/null || { cat "$work/triton.log" >&2; echo "bench_triton: Triton died" >&2; exit 1; }
-    sleep 0.2
-done
-[ -f "$work/ready" ] || { cat "$work/triton.log" >&2; echo "bench_triton: Triton not ready in 240 s" >&2; exit 1; }
+# shellcheck source=scripts/triton_start.sh
+. "$root/scripts/triton_start.sh"
+triton_start "$work/repo" "$work"
+tp=$triton_http_port
 echo "== $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; Triton on 127.0.0.1:$tp" >&2
 if [ $# -eq 0 ]; then
     set -- --backend native,kserve --batch 1,16 --concurrent 16 -n 10 --no-round

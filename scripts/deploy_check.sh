@@ -62,19 +62,11 @@ export HILUM_MODELS_DIR="$work/models"
 "$bin" models import lung-unet "$weights" >&2
 "$bin" models import lung-unet "${weights%.h5}.onnx" >&2  # Triton serves the model's ONNX graph
 "$bin" models export-triton "$work/triton-repo" lung-unet >&2
-tp=$(free_port); tg=$(free_port); tm=$(free_port)
-"$root/scripts/.venv-triton/bin/python" "$root/scripts/triton_serve.py" "$work/triton-repo" \
-    --http-port "$tp" --grpc-port "$tg" --metrics-port "$tm" --ready-file "$work/triton-ready" \
-    > "$work/triton.log" 2>&1 &
-pids+=($!)
-# Triton answers its health route before the models are bound, and its log threads share the
-# script's stdout (a `ready` line can arrive spliced): wait for the script's ready file.
-for _ in $(seq 1 1200); do
-    [ -f "$work/triton-ready" ] && break
-    kill -0 "${pids[-1]}" 2>/dev/null || { cat "$work/triton.log" >&2; echo "deploy_check: Triton died" >&2; exit 1; }
-    sleep 0.2
-done
-[ -f "$work/triton-ready" ] || { cat "$work/triton.log" >&2; echo "deploy_check: Triton not ready in 240 s" >&2; exit 1; }
+# shellcheck source=scripts/triton_start.sh
+. "$root/scripts/triton_start.sh"
+triton_start "$work/triton-repo" "$work"
+pids+=("$triton_pid")
+tp=$triton_http_port; tm=$triton_metrics_port
 triton_count() {
     curl -fsS "http://127.0.0.1:$tm/metrics" \
         | awk '/^nv_inference_request_success\{.*model="lung-unet"/ {s += $2} END {print s + 0}'

@@ -10,6 +10,8 @@ use hilum_models::onnx::OnnxModel;
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::{Device, ImportOptions, ModelPool, ModelRegistry};
 
+use crate::common::ort_ready;
+
 fn data() -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
     assert!(
@@ -18,26 +20,6 @@ fn data() -> PathBuf {
         d.display()
     );
     d
-}
-
-/// The program's part, done here: hand the models crate the ONNX Runtime library named by
-/// `ORT_DYLIB_PATH` (the crate reads no environment variables).
-fn use_ort_from_env() {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        hilum_models::onnx::use_runtime(p.into());
-    }
-}
-
-fn ort_ready() -> bool {
-    use_ort_from_env();
-    if hilum_models::onnx::dylib_path().is_none() {
-        eprintln!(
-            "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \
-             test the ONNX Runtime backend"
-        );
-        return false;
-    }
-    true
 }
 
 fn import_opts() -> ImportOptions {

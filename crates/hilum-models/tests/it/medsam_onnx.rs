@@ -14,26 +14,14 @@ use hilum_models::onnx::OnnxModel;
 use hilum_models::onnx_graph::{graph_io, INPUT};
 use hilum_models::sam::{self, Config, Sam, ONNX_EMBEDDINGS};
 use hilum_models::triton::{export_triton, ExportOptions, Exported};
-use hilum_models::{Device, ImportOptions, ModelRegistry};
+use hilum_models::{Device, ModelRegistry};
+
+use crate::common::{ort_ready, with_custom};
 
 fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/medsam");
     assert!(p.is_dir(), "{} missing", p.display());
     p
-}
-
-fn ort_ready() -> bool {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        hilum_models::onnx::use_runtime(p.into());
-    }
-    if hilum_models::onnx::dylib_path().is_none() {
-        eprintln!(
-            "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \
-             test the ONNX Runtime backend"
-        );
-        return false;
-    }
-    true
 }
 
 fn small_config() -> Config {
@@ -153,17 +141,7 @@ fn export_triton_writes_the_medsam_encoder() {
     let weights = fixtures().join("sam_small.safetensors");
     let dir = tempfile::tempdir().expect("tempdir");
     let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
-    let mut manifest = registry.manifest("medsam-vit-b").expect("manifest").clone();
-    manifest.config = match toml::Value::try_from(&cfg).expect("config to toml") {
-        toml::Value::Table(t) => t,
-        other => panic!("not a table: {other}"),
-    };
-    let registry = registry.with_manifest(manifest);
-    let opts = ImportOptions {
-        custom: true,
-        ..Default::default()
-    };
-    hilum_models::import(&registry, "medsam-vit-b", &weights, &opts).expect("import");
+    let registry = with_custom(registry, "medsam-vit-b", &cfg, &weights);
     let repo = dir.path().join("repo");
     let done = export_triton(
         &registry,

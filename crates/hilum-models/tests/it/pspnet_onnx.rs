@@ -13,7 +13,9 @@ use hilum_models::onnx::OnnxModel;
 use hilum_models::onnx_graph::{graph_io, INPUT};
 use hilum_models::pspnet::{self, AnatomySegmenter, Config, PspNet, ONNX_OUTPUT};
 use hilum_models::triton::{export_triton, ExportOptions, Exported};
-use hilum_models::{Backend, Device, ImportOptions, ModelRegistry};
+use hilum_models::{Backend, Device, ModelRegistry};
+
+use crate::common::{ort_ready, with_custom};
 
 /// Tighter than the 1e-4 asked for: the probabilities here stay near 0.5, where sampling the
 /// pyramid's resizes with align_corners=True instead moves them by only ~2e-4.
@@ -23,20 +25,6 @@ fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/anatomy");
     assert!(p.is_dir(), "{} missing", p.display());
     p
-}
-
-fn ort_ready() -> bool {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        hilum_models::onnx::use_runtime(p.into());
-    }
-    if hilum_models::onnx::dylib_path().is_none() {
-        eprintln!(
-            "SKIPPED: ORT_DYLIB_PATH is not set; run `eval \"$(scripts/setup_onnxruntime.sh)\"` to \
-             test the ONNX Runtime backend"
-        );
-        return false;
-    }
-    true
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -264,20 +252,7 @@ fn export_triton_writes_the_pspnet_graph() {
     let (cfg, input, weights) = small();
     let dir = tempfile::tempdir().expect("tempdir");
     let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
-    let mut manifest = registry
-        .manifest("chestx-det-pspnet")
-        .expect("manifest")
-        .clone();
-    manifest.config = match toml::Value::try_from(&cfg).expect("config to toml") {
-        toml::Value::Table(t) => t,
-        other => panic!("not a table: {other}"),
-    };
-    let registry = registry.with_manifest(manifest);
-    let opts = ImportOptions {
-        custom: true,
-        ..Default::default()
-    };
-    hilum_models::import(&registry, "chestx-det-pspnet", &weights, &opts).expect("import");
+    let registry = with_custom(registry, "chestx-det-pspnet", &cfg, &weights);
     let repo = dir.path().join("repo");
     let done = export_triton(
         &registry,

@@ -14,29 +14,7 @@ use hilum_models::xrv::{self, Arch, Classifier, OnnxSource, XrvSpec};
 use hilum_models::Backend;
 use hilum_models::{densenet, resnet, ModelRegistry};
 
-/// The program's part, done here: hand the models crate the ONNX Runtime library named by
-/// `ORT_DYLIB_PATH` (the crate reads no environment variables).
-fn use_ort_from_env() {
-    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        hilum_models::onnx::use_runtime(p.into());
-    }
-}
-
-/// Whether ONNX Runtime loads; prints why a test is skipped when it does not.
-fn ort_or_skip(test: &str) -> bool {
-    use_ort_from_env();
-    if hilum_models::onnx::available() {
-        return true;
-    }
-    let why = match hilum_models::onnx::dylib_path() {
-        None => "ORT_DYLIB_PATH is not set".to_string(),
-        Some(p) => format!("ONNX Runtime does not load from {}", p.display()),
-    };
-    eprintln!(
-        "SKIPPED {test}: {why}; run `eval \"$(scripts/setup_onnxruntime.sh)\"` (scripts/test.sh does)"
-    );
-    false
-}
+use crate::common::ort_ready;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/classifier")
@@ -100,7 +78,7 @@ fn check_fixture(arch: Arch, weights: &str, io: &str) {
 
 #[test]
 fn small_densenet_onnx_matches_native_and_torchxrayvision() {
-    if !ort_or_skip("small_densenet_onnx_matches_native_and_torchxrayvision") {
+    if !ort_ready() {
         return;
     }
     let cfg: densenet::Config = serde_json::from_value(small_config("densenet")).expect("cfg");
@@ -113,7 +91,7 @@ fn small_densenet_onnx_matches_native_and_torchxrayvision() {
 
 #[test]
 fn small_resnet_onnx_matches_native_and_torchvision() {
-    if !ort_or_skip("small_resnet_onnx_matches_native_and_torchvision") {
+    if !ort_ready() {
         return;
     }
     let cfg: resnet::Config = serde_json::from_value(small_config("resnet")).expect("cfg");
@@ -161,7 +139,7 @@ fn full_size_parity(spec: XrvSpec) {
 
 #[test]
 fn densenet121_onnx_matches_native_at_224_batch2() {
-    if !ort_or_skip("densenet121_onnx_matches_native_at_224_batch2") {
+    if !ort_ready() {
         return;
     }
     full_size_parity(XrvSpec::densenet121_res224_all());
@@ -169,7 +147,7 @@ fn densenet121_onnx_matches_native_at_224_batch2() {
 
 #[test]
 fn resnet50_onnx_matches_native_at_512_batch2() {
-    if !ort_or_skip("resnet50_onnx_matches_native_at_512_batch2") {
+    if !ort_ready() {
         return;
     }
     full_size_parity(XrvSpec::resnet50_res512_all());
@@ -179,7 +157,7 @@ fn resnet50_onnx_matches_native_at_512_batch2() {
 /// weights imported as a site's checkpoint) on ONNX Runtime and natively, one warm copy each.
 #[test]
 fn installed_model_runs_on_both_backends_from_the_pool() {
-    if !ort_or_skip("installed_model_runs_on_both_backends_from_the_pool") {
+    if !ort_ready() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
