@@ -50,3 +50,52 @@ pub fn with_custom(
     hilum_models::import(&registry, id, weights, &opts).expect("import");
     registry
 }
+
+/// `hilum models export-triton` of `id` alone, configured as `config` with `weights` (see
+/// [`with_custom`]), into a new folder: one model written with dynamic batching up to 16, its
+/// `config.pbtxt` holding every line of `want`; returns the folder and the written graph on
+/// ONNX Runtime (2 threads), as Triton's ONNX Runtime would load it.
+pub fn export_one(
+    id: &str,
+    config: &impl serde::Serialize,
+    weights: &Path,
+    want: &[&str],
+) -> (tempfile::TempDir, hilum_models::onnx::OnnxModel) {
+    use hilum_models::triton::{export_triton, ExportOptions, Exported};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+    let registry = with_custom(registry, id, config, weights);
+    let repo = dir.path().join("repo");
+    let done = export_triton(
+        &registry,
+        &repo,
+        &[id.to_string()],
+        &ExportOptions::default(),
+    )
+    .expect("export");
+    assert!(
+        matches!(
+            &done[..],
+            [Exported::Written {
+                max_batch_size: 16,
+                ..
+            }]
+        ),
+        "{done:?}"
+    );
+    let text = std::fs::read_to_string(repo.join(id).join("config.pbtxt")).expect("config.pbtxt");
+    for line in [
+        format!("name: \"{id}\""),
+        "platform: \"onnxruntime_onnx\"".into(),
+        "dynamic_batching".into(),
+    ]
+    .iter()
+    .map(String::as_str)
+    .chain(want.iter().copied())
+    {
+        assert!(text.contains(line), "{line} missing from\n{text}");
+    }
+    let graph = repo.join(id).join("1/model.onnx");
+    let served = hilum_models::onnx::OnnxModel::load(&graph, 2).expect("load the exported graph");
+    (dir, served)
+}

@@ -13,10 +13,9 @@ use candle_core::Tensor;
 use hilum_models::onnx::OnnxModel;
 use hilum_models::onnx_graph::{graph_io, INPUT};
 use hilum_models::sam::{self, Config, Sam, ONNX_EMBEDDINGS};
-use hilum_models::triton::{export_triton, ExportOptions, Exported};
-use hilum_models::{Device, ModelRegistry};
+use hilum_models::Device;
 
-use crate::common::{ort_ready, with_custom};
+use crate::common::{export_one, ort_ready};
 
 fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/medsam");
@@ -139,40 +138,13 @@ fn export_triton_writes_the_medsam_encoder() {
     }
     let cfg = small_config();
     let weights = fixtures().join("sam_small.safetensors");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
-    let registry = with_custom(registry, "medsam-vit-b", &cfg, &weights);
-    let repo = dir.path().join("repo");
-    let done = export_triton(
-        &registry,
-        &repo,
-        &["medsam-vit-b".to_string()],
-        &ExportOptions::default(),
-    )
-    .expect("export");
-    assert!(
-        matches!(
-            &done[..],
-            [Exported::Written {
-                max_batch_size: 16,
-                ..
-            }]
-        ),
-        "{done:?}"
-    );
-    let config =
-        std::fs::read_to_string(repo.join("medsam-vit-b/config.pbtxt")).expect("config.pbtxt");
-    for want in [
-        "name: \"medsam-vit-b\"",
+    let want = [
         "name: \"x\"",
         "dims: [ 3, 128, 128 ]",
         "name: \"embeddings\"",
         "dims: [ 32, 8, 8 ]",
-        "dynamic_batching",
-    ] {
-        assert!(config.contains(want), "{want} missing from\n{config}");
-    }
-    let served = OnnxModel::load(&repo.join("medsam-vit-b/1/model.onnx"), 2).expect("load");
+    ];
+    let (_dir, served) = export_one("medsam-vit-b", &cfg, &weights, &want);
     let model = sam::load_file(&weights, &cfg, Device::Cpu).expect("load");
     let input = image(1, 128);
     let (_, got) = served.run(&[1, 3, 128, 128], &input).expect("run");
