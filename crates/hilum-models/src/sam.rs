@@ -782,31 +782,27 @@ impl ImageEncoder {
         let (d, p) = (self.patch_w.dim(0)?, self.patch);
         let grid = image_size / p;
         let e = self.neck0.dim(0)?;
-        // (kernel, stride, padding)
-        let conv = |g: &mut GraphBuilder,
-                    x: &str,
-                    w: &str,
-                    b: Option<&str>,
-                    (k, s, pad): (i64, i64, i64)| {
-            let mut inputs = vec![x, w];
-            inputs.extend(b);
-            g.node(
-                "Conv",
-                &inputs,
-                &[
-                    Attr::Ints("kernel_shape", vec![k, k]),
-                    Attr::Ints("strides", vec![s, s]),
-                    Attr::Ints("pads", vec![pad; 4]),
-                ],
-            )
+        // The convolutions as candle layers again, so the builder's `Conv` writes them.
+        let conv = |w: Tensor, b: Option<Tensor>, stride: usize, padding: usize| {
+            let cfg = candle_nn::Conv2dConfig {
+                stride,
+                padding,
+                ..Default::default()
+            };
+            candle_nn::Conv2d::new(w, b, cfg)
         };
         let pre = "image_encoder";
-        let w = g.weight(
-            &format!("{pre}.patch_embed.proj.weight"),
-            &self.patch_w.reshape((d, 3, p, p))?,
+        let patch = conv(
+            self.patch_w.reshape((d, 3, p, p))?,
+            Some(self.patch_b.clone()),
+            p,
+            0,
+        );
+        let x = g.conv2d(
+            &format!("{pre}.patch_embed.proj"),
+            &patch,
+            onnx_graph::INPUT,
         )?;
-        let b = g.weight(&format!("{pre}.patch_embed.proj.bias"), &self.patch_b)?;
-        let x = conv(g, onnx_graph::INPUT, &w, Some(&b), (p as i64, p as i64, 0));
         let x = g.transpose(&x, &[0, 2, 3, 1]); // NHWC, as SAM's blocks run
         let pos = g.weight(&format!("{pre}.pos_embed"), &self.pos_embed)?;
         let mut x = g.add(&x, &pos);
@@ -815,12 +811,9 @@ impl ImageEncoder {
         }
         let nchw = |g: &mut GraphBuilder, x: &str| g.transpose(x, &[0, 3, 1, 2]);
         let nhwc = |g: &mut GraphBuilder, x: &str| g.transpose(x, &[0, 2, 3, 1]);
-        let w0 = g.weight(
-            &format!("{pre}.neck.0.weight"),
-            &self.neck0.reshape((e, d, 1, 1))?,
-        )?;
+        let neck0 = conv(self.neck0.reshape((e, d, 1, 1))?, None, 1, 0);
         let x = nchw(g, &x);
-        let x = conv(g, &x, &w0, None, (1, 1, 0));
+        let x = g.conv2d(&format!("{pre}.neck.0"), &neck0, &x)?;
         let x = nhwc(g, &x);
         let x = self.neck1.to_onnx(g, &format!("{pre}.neck.1"), &x)?;
         let w2 = self
@@ -828,9 +821,8 @@ impl ImageEncoder {
             .reshape((e, 3, 3, e))?
             .permute((0, 3, 1, 2))?
             .contiguous()?;
-        let w2 = g.weight(&format!("{pre}.neck.2.weight"), &w2)?;
         let x = nchw(g, &x);
-        let x = conv(g, &x, &w2, None, (3, 1, 1));
+        let x = g.conv2d(&format!("{pre}.neck.2"), &conv(w2, None, 1, 1), &x)?;
         let x = nhwc(g, &x);
         let x = self.neck3.to_onnx(g, &format!("{pre}.neck.3"), &x)?;
         Ok(nchw(g, &x))
