@@ -716,17 +716,16 @@ fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::Tool
     };
     let served = matches!(&classifier_backends,
         Ok(b) if b.get("*") == Some(&hilum_models::Backend::Kserve));
-    hilum_tools::ToolSettings {
-        // `HILUM_BACKEND=kserve` serves the lung U-Net and MedSAM's encoder too, unless they
-        // have their own variables.
-        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND")
-            .and_then(|b| b.parse().ok())
-            .or(served.then_some(hilum_models::Backend::Kserve)),
-        medsam_backend: var("HILUM_MEDSAM_BACKEND")
-            .and_then(|b| b.parse().ok())
-            .or(served.then_some(hilum_models::Backend::Kserve)),
+    let mut settings = hilum_tools::ToolSettings {
+        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND").and_then(|b| b.parse().ok()),
+        medsam_backend: var("HILUM_MEDSAM_BACKEND").and_then(|b| b.parse().ok()),
         classifier_backends,
+    };
+    // `HILUM_BACKEND=kserve` serves the other networks too, unless they have their own variables.
+    if served {
+        settings.serve_every_network();
     }
+    settings
 }
 
 #[cfg(test)]

@@ -67,6 +67,17 @@ pub struct ToolSettings {
     pub medsam_backend: Option<hilum_models::Backend>,
 }
 
+impl ToolSettings {
+    /// `kserve` for every classifier: the lung U-Net and MedSAM's image encoder go to the
+    /// inference server too, unless their backends were chosen on their own — a served
+    /// deployment serves every network it exported.
+    pub fn serve_every_network(&mut self) {
+        let kserve = hilum_models::Backend::Kserve;
+        self.lung_unet_backend.get_or_insert(kserve);
+        self.medsam_backend.get_or_insert(kserve);
+    }
+}
+
 impl Default for ToolSettings {
     fn default() -> Self {
         ToolSettings {
@@ -91,17 +102,10 @@ impl ToolDeps {
     }
 
     /// Classifier backends per model id (`*`: every model), replacing the settings' ones.
-    /// `*` = kserve also sends the lung U-Net and MedSAM's image encoder to the inference server
-    /// unless their backends were chosen on their own: a served deployment serves every network
-    /// it exported.
+    /// `*` = kserve serves the other networks too ([`ToolSettings::serve_every_network`]).
     pub fn with_backends(mut self, backends: BTreeMap<String, hilum_models::Backend>) -> Self {
         if backends.get("*") == Some(&hilum_models::Backend::Kserve) {
-            self.settings
-                .lung_unet_backend
-                .get_or_insert(hilum_models::Backend::Kserve);
-            self.settings
-                .medsam_backend
-                .get_or_insert(hilum_models::Backend::Kserve);
+            self.settings.serve_every_network();
         }
         self.settings.classifier_backends = Ok(backends);
         self
