@@ -1,0 +1,4 @@
+//! Integration tests of hilum-pacs on the real radiographs in ../shared/data/cxr/dicom.
+
+mod common;
+mod source;
