@@ -6,7 +6,7 @@ use dicom_core::{DataElement, Length, VR};
 use dicom_dictionary_std::{tags, uids};
 use dicom_object::{FileDicomObject, FileMetaTableBuilder, InMemDicomObject, Tag};
 
-use crate::codes::Code;
+use crate::codes::{self, Code};
 use crate::error::{PacsError, Result};
 use crate::result::{ResultSet, Timestamp};
 use crate::uid;
@@ -42,19 +42,6 @@ pub(crate) fn put_opt(o: &mut InMemDicomObject, tag: Tag, vr: VR, value: Option<
     }
 }
 
-pub(crate) fn put_strs(o: &mut InMemDicomObject, tag: Tag, vr: VR, values: &[&str]) {
-    let values: Vec<String> = values.iter().map(|s| s.to_string()).collect();
-    o.put(DataElement::new(
-        tag,
-        vr,
-        PrimitiveValue::Strs(values.into()),
-    ));
-}
-
-pub(crate) fn put_u16(o: &mut InMemDicomObject, tag: Tag, value: u16) {
-    o.put(DataElement::new(tag, VR::US, PrimitiveValue::from(value)));
-}
-
 pub(crate) fn put_seq(o: &mut InMemDicomObject, tag: Tag, items: Vec<InMemDicomObject>) {
     o.put(DataElement::new(
         tag,
@@ -74,7 +61,11 @@ pub(crate) fn ds(v: f64) -> String {
         for decimals in (0..=15).rev() {
             let s = format!("{v:.decimals$}");
             if s.len() <= 16 {
-                return s;
+                return if s.contains('.') {
+                    s.trim_end_matches('0').trim_end_matches('.').to_string()
+                } else {
+                    s
+                };
             }
         }
     }
@@ -200,6 +191,31 @@ pub(crate) fn sop_common(
     put_str(o, tags::SOP_INSTANCE_UID, VR::UI, instance_uid);
 }
 
+/// Coding Scheme Identification Sequence (SOP Common, PS3.3 C.12.1.1.9): declares the private
+/// `99HILUM` scheme for readers that meet its codes.
+pub(crate) fn declare_private_scheme(o: &mut InMemDicomObject) {
+    let mut item = InMemDicomObject::new_empty();
+    put_str(
+        &mut item,
+        tags::CODING_SCHEME_DESIGNATOR,
+        VR::SH,
+        codes::PRIVATE_SCHEME,
+    );
+    put_str(
+        &mut item,
+        tags::CODING_SCHEME_NAME,
+        VR::ST,
+        "Hilum private concepts",
+    );
+    put_str(
+        &mut item,
+        tags::CODING_SCHEME_RESPONSIBLE_ORGANIZATION,
+        VR::ST,
+        "Hilum",
+    );
+    put_seq(o, tags::CODING_SCHEME_IDENTIFICATION_SEQUENCE, vec![item]);
+}
+
 /// Wraps a data set in a File Meta table: Explicit VR Little Endian, Hilum's implementation.
 pub(crate) fn into_file(
     o: InMemDicomObject,
@@ -249,5 +265,6 @@ mod tests {
             assert!((back - v).abs() <= tolerance, "{v}: {s}");
         }
         assert_eq!(ds(1234.5), "1234.5");
+        assert_eq!(ds(61_234.0 * 0.168 * 0.168), "1728.268416");
     }
 }

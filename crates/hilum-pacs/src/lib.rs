@@ -25,6 +25,7 @@ mod dataset;
 pub mod error;
 pub mod result;
 pub mod source;
+pub mod sr;
 pub mod uid;
 
 pub use dataset::to_bytes;
