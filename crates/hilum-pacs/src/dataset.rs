@@ -42,6 +42,19 @@ pub(crate) fn put_opt(o: &mut InMemDicomObject, tag: Tag, vr: VR, value: Option<
     }
 }
 
+pub(crate) fn put_strs(o: &mut InMemDicomObject, tag: Tag, vr: VR, values: &[&str]) {
+    let values: Vec<String> = values.iter().map(|s| s.to_string()).collect();
+    o.put(DataElement::new(
+        tag,
+        vr,
+        PrimitiveValue::Strs(values.into()),
+    ));
+}
+
+pub(crate) fn put_u16(o: &mut InMemDicomObject, tag: Tag, value: u16) {
+    o.put(DataElement::new(tag, VR::US, PrimitiveValue::from(value)));
+}
+
 pub(crate) fn put_seq(o: &mut InMemDicomObject, tag: Tag, items: Vec<InMemDicomObject>) {
     o.put(DataElement::new(
         tag,

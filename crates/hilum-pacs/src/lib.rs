@@ -24,6 +24,7 @@ pub mod codes;
 mod dataset;
 pub mod error;
 pub mod result;
+pub mod seg;
 pub mod source;
 pub mod sr;
 pub mod uid;
@@ -33,7 +34,7 @@ pub use dicom_object::{FileDicomObject, InMemDicomObject};
 pub use error::PacsError;
 pub use result::{
     Device, Finding, Measurement, ModelInfo, Overlay, Quantity, ResultSet, Segment, Side,
-    Timestamp, RESEARCH_ONLY_STATEMENT,
+    Timestamp, RESEARCH_ONLY_SHORT, RESEARCH_ONLY_STATEMENT,
 };
 pub use source::{read_dicom, PixelSpacing, SourceImage, SpacingSource};
 pub use uid::{ObjectKind, ResultUids};

@@ -282,10 +282,14 @@ pub struct ResultSet {
     pub created: Timestamp,
 }
 
-/// The statement written where [`ResultSet::research_only`] asks for it.
-pub const RESEARCH_ONLY_STATEMENT: &str =
-    "For research use only. Not for diagnostic use. Generated automatically by software; \
-     not reviewed by a physician.";
+/// The statement written where [`ResultSet::research_only`] asks for it, in the SR.
+pub const RESEARCH_ONLY_STATEMENT: &str = concat!(
+    "For research use only. Not for diagnostic use.",
+    " Generated automatically by software; not reviewed by a physician."
+);
+
+/// Its first sentence, where a 64-character LO holds it (SEG ContentDescription, SC).
+pub const RESEARCH_ONLY_SHORT: &str = "For research use only. Not for diagnostic use.";
 
 impl ResultSet {
     /// A result set with no results yet, for `source`, made now.

@@ -78,6 +78,8 @@ pub struct SourceImage {
     /// archives write `0\0`), in which case areas are reported in pixels.
     pub pixel_spacing: Option<PixelSpacing>,
     pub frame_of_reference_uid: Option<String>,
+    /// SliceThickness (0018,0050) in mm, when the source has a positive one.
+    pub slice_thickness: Option<f64>,
     pub modality: Option<String>,
     pub body_part_examined: Option<String>,
     pub view_position: Option<String>,
@@ -87,6 +89,13 @@ pub struct SourceImage {
     /// Whether the source's pixels went through lossy compression (LossyImageCompression "01"
     /// or a lossy transfer syntax): derived images must say so too (PS3.3 C.7.6.1.1.5).
     pub lossy: bool,
+    /// The lossy methods (LossyImageCompressionMethod, or the one the transfer syntax implies:
+    /// `ISO_10918_1` JPEG, `ISO_15444_1` JPEG 2000, ...), copied into derived images.
+    pub lossy_methods: Vec<String>,
+    /// Whether the source has patient-space geometry (ImagePositionPatient or
+    /// ImageOrientationPatient), as cross-sectional images do. The SEG writer describes
+    /// projection radiographs, which have none, and refuses such sources.
+    pub has_patient_geometry: bool,
 }
 
 /// Reads a DICOM object from bytes: a Part 10 file (with or without the 128-byte preamble), or a
@@ -207,21 +216,23 @@ fn spacing(obj: &InMemDicomObject, tag: Tag, source: SpacingSource) -> Option<Pi
     }
 }
 
-/// Transfer syntaxes whose pixel data went through lossy compression.
-fn lossy_transfer_syntax(uid: &str) -> bool {
-    const LOSSY: [&str; 10] = [
-        uids::JPEG_BASELINE8_BIT,
-        uids::JPEG_EXTENDED12_BIT,
-        uids::JPEGLS_NEAR_LOSSLESS,
-        uids::JPEG2000,
-        uids::JPEG2000MC,
-        uids::HTJ2K,
-        uids::MPEG2MPML,
-        uids::MPEG4HP41,
-        uids::HEVCMP51,
-        uids::JPEGXL,
+/// The lossy compression method (PS3.3 C.7.6.1.1.5.1 defined terms) of a lossy transfer
+/// syntax; `None` for a lossless or unknown one.
+fn lossy_transfer_syntax(uid: &str) -> Option<&'static str> {
+    const LOSSY: [(&str, &str); 10] = [
+        (uids::JPEG_BASELINE8_BIT, "ISO_10918_1"),
+        (uids::JPEG_EXTENDED12_BIT, "ISO_10918_1"),
+        (uids::JPEGLS_NEAR_LOSSLESS, "ISO_14495_1"),
+        (uids::JPEG2000, "ISO_15444_1"),
+        (uids::JPEG2000MC, "ISO_15444_1"),
+        (uids::HTJ2K, "ISO_15444_15"),
+        (uids::MPEG2MPML, "ISO_13818_2"),
+        (uids::MPEG4HP41, "ISO_14496_10"),
+        (uids::HEVCMP51, "ISO_23008_2"),
+        (uids::JPEGXL, "ISO_18181_1"),
     ];
-    LOSSY.contains(&uid.trim_end_matches('\0'))
+    let uid = uid.trim_end_matches('\0');
+    LOSSY.iter().find(|(u, _)| *u == uid).map(|(_, m)| *m)
 }
 
 impl SourceImage {
@@ -231,7 +242,12 @@ impl SourceImage {
     /// one projection radiograph).
     pub fn from_object(obj: &FileDicomObject<InMemDicomObject>) -> Result<Self> {
         let mut image = Self::from_dataset(obj)?;
-        image.lossy |= lossy_transfer_syntax(obj.meta().transfer_syntax());
+        if let Some(method) = lossy_transfer_syntax(obj.meta().transfer_syntax()) {
+            image.lossy = true;
+            if !image.lossy_methods.iter().any(|m| m == method) {
+                image.lossy_methods.push(method.to_string());
+            }
+        }
         Ok(image)
     }
 
@@ -305,11 +321,25 @@ impl SourceImage {
             columns: dimension(obj, tags::COLUMNS, "Columns", "(0028,0011)")?,
             pixel_spacing,
             frame_of_reference_uid: text(obj, tags::FRAME_OF_REFERENCE_UID),
+            slice_thickness: obj
+                .get(tags::SLICE_THICKNESS)
+                .and_then(|e| e.to_float64().ok())
+                .filter(|t| t.is_finite() && *t > 0.0),
             modality: text(obj, tags::MODALITY),
             body_part_examined: text(obj, tags::BODY_PART_EXAMINED),
             view_position: text(obj, tags::VIEW_POSITION),
             patient_orientation,
             lossy: text(obj, tags::LOSSY_IMAGE_COMPRESSION).as_deref() == Some("01"),
+            lossy_methods: obj
+                .get(tags::LOSSY_IMAGE_COMPRESSION_METHOD)
+                .and_then(|e| e.to_multi_str().ok().map(|v| v.to_vec()))
+                .unwrap_or_default()
+                .into_iter()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            has_patient_geometry: obj.get(tags::IMAGE_POSITION_PATIENT).is_some()
+                || obj.get(tags::IMAGE_ORIENTATION_PATIENT).is_some(),
         })
     }
 

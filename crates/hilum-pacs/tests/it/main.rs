@@ -1,5 +1,6 @@
 //! Integration tests of hilum-pacs on the real radiographs in ../shared/data/cxr/dicom.
 
 mod common;
+mod seg;
 mod source;
 mod sr;

@@ -37,6 +37,8 @@ fn jpeg_baseline_secondary_capture_with_pixel_spacing() {
     assert_eq!(s.view_position.as_deref(), Some("PA"));
     assert_eq!(s.frame_of_reference_uid, None);
     assert!(s.lossy, "JPEG baseline is lossy");
+    assert_eq!(s.lossy_methods, vec!["ISO_10918_1".to_string()]);
+    assert!(!s.has_patient_geometry);
 }
 
 #[test]
@@ -59,6 +61,7 @@ fn jpeg2000_cr_with_zero_spacing_has_no_spacing() {
         vec!["L".to_string(), "F".to_string()]
     );
     assert!(s.lossy, "JPEG 2000 (1.2.840.10008.1.2.4.91) is lossy");
+    assert_eq!(s.lossy_methods, vec!["ISO_15444_1".to_string()]);
 }
 
 #[test]
@@ -81,6 +84,7 @@ fn bare_dataset_without_preamble_or_meta_is_read() {
     assert_eq!(s.patient.id, None);
     assert_eq!(s.study.accession_number.as_deref(), Some("FUJI95714"));
     assert!(!s.lossy);
+    assert!(s.lossy_methods.is_empty());
 }
 
 #[test]
