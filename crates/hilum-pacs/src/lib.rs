@@ -24,6 +24,7 @@ pub mod codes;
 mod dataset;
 pub mod error;
 pub mod result;
+pub mod sc;
 pub mod seg;
 pub mod source;
 pub mod sr;
