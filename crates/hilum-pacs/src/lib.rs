@@ -18,7 +18,13 @@
 //!
 //! Independent readers prove the objects: the crate's integration tests read them with highdicom
 //! (`scripts/pacs_check.py`), dicom3tools' `dciodvfy` and dcmtk's `dsrdump`
-//! (`scripts/setup_pacs_tools.sh` installs them); docs/pacs.md says how to run the same checks.
+//! (`scripts/setup_pacs_tools.sh` installs them); docs/pacs.md says how to run the same checks,
+//! and `cargo run -p hilum-pacs --example demo_results -- SOURCE.dcm OUT_DIR` writes the three
+//! objects with synthetic results to check by hand.
+//!
+//! The crate reads no environment variables and never panics on outside data: malformed DICOM
+//! is a [`PacsError::Read`], a missing attribute names itself, an inconsistent result set names
+//! the field to fix.
 
 pub mod codes;
 mod dataset;

@@ -25,7 +25,7 @@ pub struct Device {
 }
 
 impl Device {
-    /// Hilum at `version`: manufacturer and name "Hilum", model name "Hilum <version>".
+    /// Hilum at `version`: manufacturer and name "Hilum", model name `Hilum <version>`.
     pub fn hilum(version: &str, serial_number: &str) -> Self {
         Self {
             manufacturer: "Hilum".into(),

@@ -13,7 +13,7 @@
 //! so, as highdicom does for a source without a usable frame of reference, the frames carry no
 //! Plane Position / Plane Orientation; they reference the source through DerivationImageSequence
 //! (SpatialLocationsPreserved YES) and the General Image module's PatientOrientation is copied.
-//! A FrameOfReferenceUID of the source is copied; see [`pixel_measures`] for why pixel spacing
+//! A FrameOfReferenceUID of the source is copied; see `pixel_measures` (below) for why pixel spacing
 //! is written only with one.
 
 use dicom_core::value::PrimitiveValue;
