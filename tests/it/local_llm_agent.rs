@@ -22,7 +22,7 @@ use serde_json::Value;
 mod common;
 use common::default_model_path;
 
-fn shared_data() -> PathBuf {
+pub(crate) fn shared_data() -> PathBuf {
     let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
     assert!(
         d.join("cxr/images").is_dir(),
@@ -32,12 +32,12 @@ fn shared_data() -> PathBuf {
     d
 }
 
-fn shared_image(name: &str) -> PathBuf {
+pub(crate) fn shared_image(name: &str) -> PathBuf {
     shared_data().join("cxr/images").join(name)
 }
 
 /// One loaded model for the whole binary, used by one test at a time (it holds one KV cache).
-fn llm() -> Option<Arc<LocalLlm>> {
+pub(crate) fn llm() -> Option<Arc<LocalLlm>> {
     static LLM: OnceLock<Option<Arc<LocalLlm>>> = OnceLock::new();
     LLM.get_or_init(|| {
         let path = match std::env::var_os("HILUM_LOCAL_LLM") {
@@ -59,13 +59,13 @@ fn llm() -> Option<Arc<LocalLlm>> {
     .clone()
 }
 
-async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+pub(crate) async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     LOCK.lock().await
 }
 
 /// The real lung U-Net, imported into a models folder of this test run.
-fn lung_models() -> Arc<ModelPool> {
+pub(crate) fn lung_models() -> Arc<ModelPool> {
     static POOL: OnceLock<(tempfile::TempDir, Arc<ModelPool>)> = OnceLock::new();
     POOL.get_or_init(|| {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -2,6 +2,7 @@
 //! module is one former test file; run one with `cargo test -p hilum --test it MODULE::`.
 
 mod agent_loop;
+mod answers_local;
 mod common;
 mod env_reads;
 mod local_llm_agent;

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::checkpoint::{order_tool_messages, Checkpointer, Progress, Resume};
+use crate::coverage::{self, CapabilityRow, Coverage};
 use crate::event::{CallInfo, Event, EventSender, RunEvent};
 use crate::grounding::{self, Sources};
 use crate::protocol::{ParsedTurn, Protocol};
@@ -178,6 +179,15 @@ pub struct RunOutcome {
     pub grounded: Option<bool>,
     /// What the answer states that no tool result supports.
     pub unsupported: Vec<String>,
+    /// Whether the answer addresses each part of the question a tool result covered; `None`
+    /// when the question names no known topic.
+    pub answers_question: Option<bool>,
+    /// Parts Hilum stated from the tool results because the model's answer left them out.
+    pub unanswered: Vec<String>,
+    /// Parts no installed tool covers.
+    pub cannot_assess: Vec<String>,
+    /// Sentences removed from the model's answer (findings no tool result covers).
+    pub dropped: Vec<String>,
 }
 
 /// The agent: a model, a toolbox and budgets.
@@ -221,6 +231,22 @@ struct RunState {
     unsupported: Option<Vec<String>>,
     /// Ids of the pictures given to the model as pixels so far.
     images_seen: Vec<String>,
+    /// What the question asks about and which tools cover each part.
+    coverage: Coverage,
+    /// What every tool can answer here, installed or not.
+    capabilities: Vec<CapabilityRow>,
+    /// Tools whose results earlier turns of the session hold.
+    history_tools: Vec<String>,
+    /// The relevance revision request was made.
+    relevance_requested: bool,
+    /// Hilum ran the tools covering the parts no call of the model answered.
+    covering_run: bool,
+    /// Ids of the images the question is about.
+    images: Vec<String>,
+    /// The relevance verdict and what Hilum added or removed (see [`Agent::complete_answer`]).
+    answers_question: Option<bool>,
+    unanswered: Vec<String>,
+    dropped: Vec<String>,
     /// Where a durable run stores its steps.
     checkpointer: Option<Arc<dyn Checkpointer>>,
     /// How many of `messages` are stored (system prompt and history count as stored).
@@ -452,6 +478,24 @@ impl Agent {
                 _ => None,
             })
             .collect();
+        let history_tools = input
+            .history
+            .iter()
+            .filter_map(|m| match m {
+                Message::Tool {
+                    name,
+                    is_error: false,
+                    ..
+                } => Some(name.clone()),
+                _ => None,
+            })
+            .collect();
+        let capabilities = if self.toolbox.vocabulary().is_empty() {
+            Vec::new()
+        } else {
+            coverage::capability_table(&self.toolbox.all_tools(), &self.env)
+        };
+        let coverage = Coverage::of(&input.question, self.toolbox.vocabulary(), &capabilities);
         let history_results = input.history.iter().any(|m| {
             matches!(
                 m,
@@ -463,6 +507,7 @@ impl Agent {
         });
         let question = input.question.clone();
         let has_images = !input.images.is_empty();
+        let images = input.images.clone();
         let mut messages = vec![Message::system(self.config.system_prompt.clone())];
         messages.extend(
             input
@@ -502,12 +547,27 @@ impl Agent {
             revision_requested: false,
             unsupported: None,
             images_seen: Vec::new(),
+            coverage,
+            capabilities,
+            history_tools,
+            relevance_requested: false,
+            covering_run: false,
+            images,
+            answers_question: None,
+            unanswered: Vec::new(),
+            dropped: Vec::new(),
             checkpointer: None,
             saved,
         }
     }
 
     async fn drive(&self, st: &mut RunState) -> Result<(String, StopReason), String> {
+        if st.coverage.nothing_covered() {
+            // No installed tool answers any part: Hilum says so itself, and no model is asked
+            // (a model would answer from whatever unrelated result it could get).
+            let answer = self.complete_answer(st, String::new());
+            return Ok((answer, StopReason::Answered));
+        }
         loop {
             if let Some(reason) = self.exhausted_budget(st) {
                 return self.synthesize(st, reason).await;
@@ -533,13 +593,21 @@ impl Agent {
                 self.critique(st, answer).await?;
                 continue;
             }
-            match self.ground(st, &answer, true) {
-                Verdict::Revise(request) => {
+            let request = match self.ground(st, &answer, true) {
+                Verdict::Revise(request) => Some(request),
+                Verdict::Pass | Verdict::Fail => self.relevance_request(st, &answer, true),
+            };
+            match request {
+                Some(request) => {
                     st.messages.push(Message::assistant(answer, vec![]));
                     st.messages.push(Message::user(request, vec![]));
                     st.phase = "revise";
                 }
-                Verdict::Pass | Verdict::Fail => return Ok((answer, StopReason::Answered)),
+                None => {
+                    self.run_covering_tools(st).await?;
+                    let answer = self.complete_answer(st, answer);
+                    return Ok((answer, StopReason::Answered));
+                }
             }
         }
     }
@@ -1049,7 +1117,265 @@ impl Agent {
             }
             self.ground(st, &answer, false);
         }
+        if let Some(request) = self.relevance_request(st, &answer, false) {
+            st.messages.push(Message::assistant(answer.clone(), vec![]));
+            st.messages.push(Message::user(request, vec![]));
+            let budget = if reason == StopReason::Deadline {
+                SYNTHESIS_GRACE / 2
+            } else {
+                self.remaining(st)
+            };
+            let turn = self.reason(st, false, budget).await?;
+            let revised = turn.answer.unwrap_or(turn.text);
+            if !revised.trim().is_empty() {
+                answer = revised;
+            }
+        }
+        if reason != StopReason::Deadline {
+            self.run_covering_tools(st).await?;
+        }
+        let answer = self.complete_answer(st, answer);
         Ok((answer, reason))
+    }
+
+    /// Whether an earlier turn of the session holds a result covering `topic`.
+    fn in_history(&self, st: &RunState, topic: &'static coverage::Topic) -> bool {
+        st.capabilities.iter().any(|row| {
+            row.ready
+                && st.history_tools.contains(&row.tool)
+                && (std::ptr::eq(row.capability.topic, topic)
+                    || row.capability.topic.id == coverage::ANY_TOPIC.id)
+        })
+    }
+
+    /// Whether a tool's only required argument is the image (so Hilum can call it itself).
+    fn takes_image_only(&self, name: &str) -> bool {
+        let Some(tool) = self.toolbox.get(name) else {
+            return false;
+        };
+        let params = &tool.spec().parameters;
+        params["properties"].get("image").is_some()
+            && params["required"]
+                .as_array()
+                .is_none_or(|r| r.iter().all(|k| k == "image"))
+    }
+
+    /// A covered part of the question that no result of the run (or the session) answers: Hilum
+    /// runs, once, a tool that covers it on the question's first image, so the answer can state
+    /// that part from the right tool instead of leaving it out.
+    async fn run_covering_tools(&self, st: &mut RunState) -> Result<(), String> {
+        if st.covering_run {
+            return Ok(());
+        }
+        st.covering_run = true;
+        let Some(image) = st.images.first().cloned() else {
+            return Ok(());
+        };
+        let mut calls: Vec<ToolCall> = Vec::new();
+        for part in &st.coverage.parts {
+            let coverage::PartStatus::Covered { tools } = &part.status else {
+                continue;
+            };
+            if !self.results_about(st, part.topic).is_empty() || self.in_history(st, part.topic) {
+                continue;
+            }
+            let Some(tool) = tools.iter().find(|t| self.takes_image_only(t)) else {
+                continue;
+            };
+            if !calls.iter().any(|c| &c.name == tool) {
+                let id = format!("hilum_{}", calls.len() + 1);
+                calls.push(ToolCall::new(
+                    id,
+                    tool.clone(),
+                    &serde_json::json!({"image": image}),
+                ));
+            }
+        }
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let turn = ParsedTurn {
+            text: String::new(),
+            tool_calls: calls,
+            answer: None,
+            problems: Vec::new(),
+            notices: Vec::new(),
+        };
+        self.act(st, turn).await.map(|_| ())
+    }
+
+    /// The tools (with their capability rows) whose successful results of this run cover
+    /// `topic`, each with its output.
+    fn results_about<'a>(
+        &'a self,
+        st: &'a RunState,
+        topic: &'static coverage::Topic,
+    ) -> Vec<(&'a CapabilityRow, &'a crate::ToolOutput)> {
+        let mut found = Vec::new();
+        for r in &st.results {
+            let Ok(out) = &r.result else { continue };
+            for row in st.capabilities.iter().filter(|row| {
+                row.ready
+                    && row.tool == r.call.name
+                    && (std::ptr::eq(row.capability.topic, topic)
+                        || row.capability.topic.id == coverage::ANY_TOPIC.id)
+            }) {
+                found.push((row, out));
+            }
+        }
+        found
+    }
+
+    /// Whether a result of this run or of the session covers `topic`.
+    fn supported(&self, st: &RunState, topic: &'static coverage::Topic) -> bool {
+        !self.results_about(st, topic).is_empty() || self.in_history(st, topic)
+    }
+
+    /// What the tools' results of the run state about `topic`, one sentence per result.
+    fn statements(&self, st: &RunState, topic: &'static coverage::Topic) -> Vec<String> {
+        let tools = self.toolbox.all_tools();
+        self.results_about(st, topic)
+            .iter()
+            .filter_map(|(row, out)| {
+                let tool = tools.iter().find(|t| t.spec().name == row.tool)?;
+                Some(coverage::statement(tool.as_ref(), &row.capability, out))
+            })
+            .collect()
+    }
+
+    /// The covered parts of the question that `answer` does not address: it must name the
+    /// topic and, where a tool result states it with numbers, quote one of them.
+    fn unaddressed(&self, st: &RunState, answer: &str) -> Vec<&'static coverage::Topic> {
+        st.coverage
+            .parts
+            .iter()
+            .filter(|p| p.covered())
+            .filter(|p| {
+                !coverage::addresses(answer, p.topic)
+                    || !coverage::quotes_any(answer, &self.statements(st, p.topic))
+            })
+            .map(|p| p.topic)
+            .collect()
+    }
+
+    /// The relevance check: one request to address the covered parts the answer leaves out.
+    fn relevance_request(
+        &self,
+        st: &mut RunState,
+        answer: &str,
+        tools_left: bool,
+    ) -> Option<String> {
+        if st.relevance_requested {
+            return None;
+        }
+        let missing = self.unaddressed(st, answer);
+        if missing.is_empty() {
+            return None;
+        }
+        st.relevance_requested = true;
+        let mut lines = Vec::new();
+        for topic in missing {
+            let ran: Vec<String> = self
+                .results_about(st, topic)
+                .iter()
+                .map(|(row, _)| row.tool.clone())
+                .collect();
+            let line = if !ran.is_empty() {
+                format!(
+                    "- {}: the result of {} above covers it",
+                    topic.label,
+                    ran.join(", ")
+                )
+            } else if tools_left {
+                let tools: Vec<String> = match &st
+                    .coverage
+                    .parts
+                    .iter()
+                    .find(|p| std::ptr::eq(p.topic, topic))
+                    .map(|p| &p.status)
+                {
+                    Some(coverage::PartStatus::Covered { tools }) => tools.clone(),
+                    _ => Vec::new(),
+                };
+                format!("- {}: call {} first", topic.label, tools.join(" or "))
+            } else {
+                format!("- {}: say that it was not assessed", topic.label)
+            };
+            lines.push(line);
+        }
+        Some(format!(
+            "Your answer does not address part of the question:\n{}\nAnswer each part of the question directly, quoting the tool results that cover it.",
+            lines.join("\n")
+        ))
+    }
+
+    /// The answer as it reaches the user: the model's sentences about findings no tool result
+    /// covers are removed; a covered part the answer still leaves out is stated by Hilum from
+    /// the tool results (and the answer marked `answers_question: false`); each part no
+    /// installed tool covers gets Hilum's "I cannot assess …" line.
+    fn complete_answer(&self, st: &mut RunState, answer: String) -> String {
+        let vocabulary = self.toolbox.vocabulary();
+        if vocabulary.is_empty() || coverage::is_multiple_choice(&st.question) {
+            return answer;
+        }
+        let mut kept = Vec::new();
+        for sentence in grounding::sentences(&answer) {
+            let invented = vocabulary
+                .iter()
+                .any(|t| coverage::mentions(sentence, t) && !self.supported(st, t))
+                && !coverage::states_inability(sentence);
+            if invented {
+                st.dropped.push(sentence.to_string());
+            } else {
+                kept.push(sentence);
+            }
+        }
+        let mut text = if st.dropped.is_empty() {
+            answer.trim().to_string()
+        } else {
+            kept.join(" ")
+        };
+        let mut added = Vec::new();
+        for topic in self.unaddressed(st, &text) {
+            let said = self.statements(st, topic);
+            if said.is_empty() && self.in_history(st, topic) {
+                // An earlier turn's result covers it: the model may have answered from it in words
+                // the check does not know.
+                continue;
+            }
+            let line = if said.is_empty() {
+                let tools = match st
+                    .coverage
+                    .parts
+                    .iter()
+                    .find(|p| std::ptr::eq(p.topic, topic))
+                    .map(|p| &p.status)
+                {
+                    Some(coverage::PartStatus::Covered { tools }) => tools.join(" or "),
+                    _ => String::new(),
+                };
+                format!(
+                    "{} was not assessed in this run: {tools}, which covers it, was not called.",
+                    capitalise_first(topic.label)
+                )
+            } else {
+                format!("On {}: {}", topic.label, said.join(" "))
+            };
+            st.unanswered.push(topic.label.to_string());
+            added.push(line);
+        }
+        let cannot = st.coverage.cannot_assess();
+        st.answers_question = (!st.coverage.is_empty()).then_some(st.unanswered.is_empty());
+        for extra in added.into_iter().chain(cannot) {
+            if !text.is_empty() {
+                text.push_str("\n\n");
+            }
+            text.push_str(&extra);
+        }
+        if text.trim().is_empty() {
+            text = "The tool results of this run do not answer the question.".to_string();
+        }
+        text
     }
 
     fn finish(&self, st: RunState, result: Result<(String, StopReason), String>) -> RunOutcome {
@@ -1060,6 +1386,10 @@ impl Agent {
                     reason: reason.as_str().to_string(),
                     grounded: st.unsupported.as_ref().map(Vec::is_empty),
                     unsupported: st.unsupported.clone().unwrap_or_default(),
+                    answers_question: st.answers_question,
+                    unanswered: st.unanswered.clone(),
+                    cannot_assess: st.coverage.uncovered_labels(),
+                    dropped: st.dropped.clone(),
                 });
                 (Some(answer), reason, None)
             }
@@ -1091,7 +1421,19 @@ impl Agent {
             results: st.results,
             grounded: st.unsupported.as_ref().map(Vec::is_empty),
             unsupported: st.unsupported.unwrap_or_default(),
+            answers_question: st.answers_question,
+            unanswered: st.unanswered,
+            cannot_assess: st.coverage.uncovered_labels(),
+            dropped: st.dropped,
         }
+    }
+}
+
+fn capitalise_first(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().chain(c).collect(),
+        None => String::new(),
     }
 }
 

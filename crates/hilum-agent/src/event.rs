@@ -72,6 +72,20 @@ pub enum Event {
         /// What the answer states that nothing supports (empty when grounded).
         #[serde(default)]
         unsupported: Vec<String>,
+        /// Whether the answer addresses every part of the question a tool result covered;
+        /// `null` when the question names no known topic (or is multiple choice).
+        #[serde(default)]
+        answers_question: Option<bool>,
+        /// Parts the model's answer left out, stated by Hilum from the tool results instead.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        unanswered: Vec<String>,
+        /// Parts no installed tool covers: the answer says so and names the install command.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        cannot_assess: Vec<String>,
+        /// Sentences of the model's answer removed because they speak of a finding no tool
+        /// result of the run covers.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        dropped: Vec<String>,
     },
     Error {
         message: String,

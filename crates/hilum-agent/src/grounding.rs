@@ -580,7 +580,7 @@ fn check_tools(answer: &str, sources: &Sources) -> Vec<String> {
 // Laterality
 
 /// Sentences, split at `.`/`!`/`?`/`;` followed by a space or the end, and at line breaks.
-fn sentences(text: &str) -> Vec<&str> {
+pub(crate) fn sentences(text: &str) -> Vec<&str> {
     let mut out = Vec::new();
     let mut start = 0;
     let bytes = text.as_bytes();

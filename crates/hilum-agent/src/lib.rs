@@ -5,6 +5,7 @@
 
 mod agent;
 mod checkpoint;
+pub mod coverage;
 mod event;
 pub mod grounding;
 pub mod protocol;
@@ -16,6 +17,7 @@ pub use agent::{
     Agent, AgentConfig, Mode, RunInput, RunOutcome, StopReason, ToolPolicy, DEFAULT_SYSTEM_PROMPT,
 };
 pub use checkpoint::{Checkpointer, Progress, Resume};
+pub use coverage::{Capability, Coverage, Topic};
 pub use event::{CallInfo, Event, EventSender, RunEvent};
 pub use protocol::{ParsedTurn, Protocol};
 pub use schemars;

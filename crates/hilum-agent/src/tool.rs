@@ -12,6 +12,8 @@ use thiserror::Error;
 
 pub use hilum_llm::ToolSpec;
 
+use crate::coverage::Capability;
+
 /// Facts about the running environment that decide which tools are offered to the model
 /// (for instance `models.lung-unet = installed`, `vlm.endpoint = configured`).
 #[derive(Clone, Debug, Default)]
@@ -132,10 +134,23 @@ impl Requirements {
     pub fn model_fact(id: &str) -> String {
         format!("model:{id}")
     }
+    /// The fact key whose value is the command that installs model `id` (set for the models
+    /// that are not installed).
+    pub fn install_fact(id: &str) -> String {
+        format!("install:{id}")
+    }
     /// The fact key saying that a VLM is configured.
     pub const VLM_FACT: &'static str = "vlm";
     /// The fact key saying that a DICOM image is among the inputs.
     pub const DICOM_FACT: &'static str = "input:dicom";
+
+    /// Whether every model the tool could use is known to be missing: `env` names the command
+    /// that installs each ([`Requirements::install_fact`]) and none is installed. An
+    /// environment that says nothing about a model (a program that never asked the registry)
+    /// withholds nothing.
+    pub fn models_missing(&self, env: &Environment) -> bool {
+        models_missing(self.models, env)
+    }
 
     /// What does not hold in `env`, in words; empty when the tool can run and inform an answer.
     pub fn unmet(&self, env: &Environment) -> Vec<String> {
@@ -161,6 +176,15 @@ impl Requirements {
     }
 }
 
+/// See [`Requirements::models_missing`].
+pub(crate) fn models_missing(models: &[&str], env: &Environment) -> bool {
+    !models.is_empty()
+        && models.iter().all(|m| {
+            env.get(&Requirements::model_fact(m)).is_none()
+                && env.get(&Requirements::install_fact(m)).is_some()
+        })
+}
+
 #[async_trait]
 pub trait Tool: Send + Sync {
     fn spec(&self) -> &ToolSpec;
@@ -175,6 +199,18 @@ pub trait Tool: Send + Sync {
     /// [`crate::Toolbox::runnable`]).
     fn available(&self, _env: &Environment) -> bool {
         true
+    }
+
+    /// The topics the tool can answer (see [`crate::coverage`]); empty: it speaks to none in
+    /// particular (image metadata, drawings).
+    fn capabilities(&self) -> Vec<Capability> {
+        Vec::new()
+    }
+
+    /// What a result of this tool says about one of its capabilities, in one sentence without
+    /// the tool's name; `None`: its summary says it.
+    fn state(&self, _capability: &Capability, _out: &ToolOutput) -> Option<String> {
+        None
     }
 
     /// Runs the call. `args` already passed the spec's JSON Schema.
@@ -198,6 +234,16 @@ pub trait TypedTool: Send + Sync + 'static {
 
     fn available(&self, _env: &Environment) -> bool {
         true
+    }
+
+    /// See [`Tool::capabilities`].
+    fn capabilities(&self) -> Vec<Capability> {
+        Vec::new()
+    }
+
+    /// See [`Tool::state`].
+    fn state(&self, _capability: &Capability, _out: &ToolOutput) -> Option<String> {
+        None
     }
 
     async fn run(&self, ctx: &ToolContext, args: Self::Args) -> Result<ToolOutput, ToolError>;
@@ -312,6 +358,14 @@ impl<T: TypedTool> Tool for Typed<T> {
 
     fn available(&self, env: &Environment) -> bool {
         self.inner.available(env)
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        self.inner.capabilities()
+    }
+
+    fn state(&self, capability: &Capability, out: &ToolOutput) -> Option<String> {
+        self.inner.state(capability, out)
     }
 
     async fn call(&self, ctx: &ToolContext, args: Value) -> Result<ToolOutput, ToolError> {

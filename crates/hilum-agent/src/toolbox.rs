@@ -9,6 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tracing::Instrument;
 
+use crate::coverage::Topic;
 use crate::repair::parse_lenient;
 use crate::tool::{Environment, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_llm::ToolCall;
@@ -83,16 +84,21 @@ pub struct PreparedCall {
     pub repaired: bool,
 }
 
+#[derive(Clone)]
 struct Entry {
     tool: Arc<dyn Tool>,
     validator: Option<Arc<jsonschema::Validator>>,
+    /// Left out of the offer by [`Toolbox::runnable`]; still known for the capability table.
+    withheld: bool,
 }
 
-/// The registered tools, in registration order.
+/// The registered tools, in registration order, and the vocabulary of topics a question can
+/// ask about (see [`crate::coverage`]).
 #[derive(Default)]
 pub struct Toolbox {
     order: Vec<String>,
     tools: BTreeMap<String, Entry>,
+    vocabulary: Vec<&'static Topic>,
 }
 
 impl Toolbox {
@@ -114,9 +120,34 @@ impl Toolbox {
             Entry {
                 tool,
                 validator: Some(Arc::new(validator)),
+                withheld: false,
             },
         );
         Ok(())
+    }
+
+    /// The topics questions are matched against before the first round; empty: no coverage
+    /// check.
+    pub fn set_vocabulary(&mut self, topics: Vec<&'static Topic>) {
+        self.vocabulary = topics;
+    }
+
+    pub fn vocabulary(&self) -> &[&'static Topic] {
+        &self.vocabulary
+    }
+
+    /// Every registered tool, offered or not, in registration order (the capability table's
+    /// rows, [`crate::coverage::capability_table`]).
+    pub fn all_tools(&self) -> Vec<Arc<dyn Tool>> {
+        self.order
+            .iter()
+            .filter_map(|n| self.tools.get(n))
+            .map(|e| e.tool.clone())
+            .collect()
+    }
+
+    fn offered(&self, name: &str) -> Option<&Entry> {
+        self.tools.get(name).filter(|e| !e.withheld)
     }
 
     pub fn with(mut self, tool: Arc<dyn Tool>) -> Result<Self, String> {
@@ -125,19 +156,27 @@ impl Toolbox {
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
-        self.tools.get(name).map(|e| e.tool.clone())
+        self.offered(name).map(|e| e.tool.clone())
     }
 
+    /// Names of the offered tools, in registration order.
     pub fn names(&self) -> Vec<String> {
-        self.order.clone()
+        self.order
+            .iter()
+            .filter(|n| self.offered(n).is_some())
+            .cloned()
+            .collect()
     }
 
-    /// Specs of the tools available in `env`, in registration order.
+    /// Specs of the tools offered in `env`, in registration order: available, and with a
+    /// model installed where the tool needs one. Every front end (CLI, server, MCP, eval)
+    /// offers these; a tool whose model is missing is named by the coverage check where a
+    /// question needs it, not offered to fail.
     pub fn specs(&self, env: &Environment) -> Vec<ToolSpec> {
         self.order
             .iter()
-            .filter_map(|n| self.tools.get(n))
-            .filter(|e| e.tool.available(env))
+            .filter_map(|n| self.offered(n))
+            .filter(|e| e.tool.available(env) && !e.tool.requirements().models_missing(env))
             .map(|e| e.tool.spec().clone())
             .collect()
     }
@@ -145,21 +184,18 @@ impl Toolbox {
     /// The tools whose declared [`crate::Requirements`] hold in `env` (models installed, VLM
     /// configured, DICOM input present, not presentation-only): the offer for a small local
     /// model, which calls whatever it is shown.
+    /// The others stay known to the capability table (withheld, not offered).
     pub fn runnable(&self, env: &Environment) -> Toolbox {
-        let mut kept = Toolbox::new();
-        for name in &self.order {
-            if let Some(entry) = self.tools.get(name) {
-                if entry.tool.available(env) && entry.tool.requirements().unmet(env).is_empty() {
-                    kept.order.push(name.clone());
-                    kept.tools.insert(
-                        name.clone(),
-                        Entry {
-                            tool: entry.tool.clone(),
-                            validator: entry.validator.clone(),
-                        },
-                    );
-                }
-            }
+        let mut kept = Toolbox {
+            order: self.order.clone(),
+            tools: BTreeMap::new(),
+            vocabulary: self.vocabulary.clone(),
+        };
+        for (name, entry) in &self.tools {
+            let runs = entry.tool.available(env) && entry.tool.requirements().unmet(env).is_empty();
+            let mut entry = entry.clone();
+            entry.withheld |= !runs;
+            kept.tools.insert(name.clone(), entry);
         }
         kept
     }
@@ -167,8 +203,7 @@ impl Toolbox {
     /// Resolves the tool and reads and validates the arguments.
     pub fn prepare(&self, call: &ToolCall, env: &Environment) -> Result<PreparedCall, CallFailure> {
         let entry = self
-            .tools
-            .get(&call.name)
+            .offered(&call.name)
             .filter(|e| e.tool.available(env))
             .ok_or_else(|| CallFailure {
                 kind: FailureKind::UnknownTool,

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
+use hilum_agent::{
+    Capability, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::ImageStore;
 
 use hilum_models::runner::Runner;
@@ -170,6 +172,31 @@ impl TypedTool for ClassifyChestXray {
             models: &["densenet121-res224-all"],
             ..Requirements::NONE
         }
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        crate::topics::CLASSIFIER_LABELS
+            .iter()
+            .map(|(label, topic)| Capability::keyed(topic, &[], label))
+            .collect()
+    }
+
+    fn state(&self, capability: &Capability, out: &ToolOutput) -> Option<String> {
+        let score = out.data["scores"]
+            .as_array()?
+            .iter()
+            .find(|s| s["label"] == capability.key)?;
+        let value = score["score"].as_f64()?;
+        let model = out.data["model"].as_str().unwrap_or("the classifier");
+        let side = if score["positive"].as_bool() == Some(true) {
+            "at or above"
+        } else {
+            "below"
+        };
+        Some(format!(
+            "{} scores {value:.2} on {model}, {side} its operating point 0.5 (a screening score, not a diagnosis)",
+            capability.key
+        ))
     }
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {

@@ -13,6 +13,7 @@ pub mod report;
 pub mod segment_anatomy;
 mod segment_lungs;
 pub mod segment_region;
+pub mod topics;
 mod visualize;
 pub mod vlm;
 pub mod vlm_local;
@@ -175,6 +176,7 @@ impl Registry {
     /// Builds every registered tool over `deps`.
     pub fn toolbox(&self, deps: &ToolDeps) -> Result<Toolbox, String> {
         let mut tb = Toolbox::new();
+        tb.set_vocabulary(topics::vocabulary());
         for build in &self.builders {
             tb.register(build(deps))?;
         }
@@ -195,6 +197,13 @@ pub fn environment(deps: &ToolDeps, inputs: &[String]) -> Environment {
     for manifest in registry.manifests() {
         if registry.installed(&manifest.id).is_ok() {
             env = env.with(Requirements::model_fact(&manifest.id), "installed");
+        } else {
+            let fix = if manifest.source.download_url().is_some() {
+                format!("hilum models fetch {}", manifest.id)
+            } else {
+                format!("hilum models import {} PATH", manifest.id)
+            };
+            env = env.with(Requirements::install_fact(&manifest.id), fix);
         }
     }
     let vlm = [ground::NAME, vqa::NAME]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use hilum_agent::{
-    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+    Artifact, Capability, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::AnatomySegmenter;
@@ -366,6 +366,45 @@ impl TypedTool for MeasureChest {
         Requirements {
             models: &["chestx-det-pspnet", "lung-unet"],
             ..Requirements::NONE
+        }
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        use crate::topics::{CARDIOMEGALY, CTR, LUNG_SIZE, MEDIASTINUM};
+        vec![
+            Capability::new(&LUNG_SIZE, &[]),
+            Capability::new(&CTR, &[ANATOMY_MODEL_ID]),
+            Capability::new(&CARDIOMEGALY, &[ANATOMY_MODEL_ID]),
+            Capability::new(&MEDIASTINUM, &[ANATOMY_MODEL_ID]),
+        ]
+    }
+
+    fn state(&self, capability: &Capability, out: &ToolOutput) -> Option<String> {
+        let d = &out.data;
+        match capability.topic.id {
+            "lung_size" => {
+                let (r, l) = (d["right_lung_px"].as_u64()?, d["left_lung_px"].as_u64()?);
+                let image = d["width"].as_u64()? * d["height"].as_u64()?;
+                let t = |n: u64| crate::segment_lungs::thousands(n as usize);
+                Some(format!(
+                    "the lungs cover {:.1}% of the image; the patient's right lung's area is {} px, the left's {} px",
+                    (r + l) as f64 / image.max(1) as f64 * 100.0,
+                    t(r),
+                    t(l)
+                ))
+            }
+            "ctr" | "cardiomegaly" => {
+                let ctr = d["cardiothoracic_ratio"].as_f64()?;
+                let why = d["ctr_interpretation"].as_str().unwrap_or("");
+                Some(format!(
+                    "the cardiothoracic ratio is {ctr:.2} (threshold 0.50 on a PA view: {why})"
+                ))
+            }
+            "mediastinum" => {
+                let px = d["mediastinal_width_px"].as_u64()?;
+                Some(format!("the superior mediastinum measures {px} px wide"))
+            }
+            _ => None,
         }
     }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use hilum_agent::{Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool};
+use hilum_agent::{
+    Capability, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+};
 use hilum_imaging::ImageStore;
 use hilum_models::report::ReportModel;
 use hilum_models::{Device, ModelPool, Placed};
@@ -123,6 +125,10 @@ impl TypedTool for GenerateReport {
             models: &["chexpert-report-findings", "chexpert-report-impression"],
             ..Requirements::NONE
         }
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        vec![Capability::new(&crate::topics::REPORT, &[])]
     }
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{
-    Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+    Artifact, Capability, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::runner::Runner;
@@ -242,6 +242,14 @@ impl TypedTool for SegmentLungs {
         }
     }
 
+    fn capabilities(&self) -> Vec<Capability> {
+        vec![Capability::new(&crate::topics::LUNG_SIZE, &[])]
+    }
+
+    fn state(&self, _capability: &Capability, out: &ToolOutput) -> Option<String> {
+        lung_size_statement(&out.data)
+    }
+
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
         let (store, image_id) = (self.store.clone(), args.image.clone());
@@ -367,6 +375,36 @@ impl TypedTool for SegmentLungs {
             .with_artifact(Artifact::png("lung_mask.png", "mask", mask_png))
             .with_artifact(Artifact::png("lung_overlay.png", "overlay", overlay_png)))
     }
+}
+
+/// The lungs' coverage of the image and both areas, in cm² when the pixel spacing is known,
+/// else in pixels with the reason.
+fn lung_size_statement(d: &Value) -> Option<String> {
+    let fraction = d["lung_fraction"].as_f64()?;
+    let area = |side: &Value| -> Option<String> {
+        match side["area_cm2"].as_f64() {
+            Some(cm2) => Some(format!("{cm2:.1} cm²")),
+            None => Some(format!(
+                "{} px",
+                thousands(side["area_px"].as_u64()? as usize)
+            )),
+        }
+    };
+    let sides = match (area(&d["right_lung"]), area(&d["left_lung"])) {
+        (Some(r), Some(l)) => format!("; the patient's right lung's area is {r}, the left's {l}"),
+        (Some(r), None) => format!("; only the patient's right lung was found ({r})"),
+        (None, Some(l)) => format!("; only the patient's left lung was found ({l})"),
+        (None, None) => "; no lung field was found".to_string(),
+    };
+    let unit_note = if d["pixel_spacing_mm"].is_null() {
+        " (areas in pixels: the image states no pixel spacing)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "the lungs cover {:.1}% of the image{sides}{unit_note}",
+        fraction * 100.0
+    ))
 }
 
 /// `686311` → `686,311`.

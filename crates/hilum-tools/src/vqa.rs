@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use hilum_agent::{
-    Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
+    Capability, Environment, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed,
+    TypedTool,
 };
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::llava::NativeVlm;
@@ -201,6 +202,11 @@ impl TypedTool for AnswerVisualQuestion {
             vlm: true,
             ..Requirements::NONE
         }
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        // It takes any question about the image.
+        vec![Capability::new(&hilum_agent::coverage::ANY_TOPIC, &[])]
     }
 
     fn available(&self, _env: &Environment) -> bool {
