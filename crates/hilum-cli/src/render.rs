@@ -106,6 +106,9 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                 reason,
                 grounded,
                 unsupported,
+                unanswered,
+                dropped,
+                ..
             } => {
                 let note = if reason == "answered" {
                     String::new()
@@ -119,6 +122,18 @@ pub async fn live(mut rx: UnboundedReceiver<RunEvent>, out: Option<&Path>) -> an
                     println!("\nWARNING: grounded: false: this answer states what no tool result supports:");
                     for u in unsupported {
                         println!("  - {u}");
+                    }
+                }
+                if !unanswered.is_empty() {
+                    println!(
+                        "\nNOTE: answers_question: false: the model left out {}; Hilum stated it from the tool results.",
+                        unanswered.join(", ")
+                    );
+                }
+                if !dropped.is_empty() {
+                    println!("\nNOTE: removed from the model's answer (no tool result covers it):");
+                    for d in dropped {
+                        println!("  - {d}");
                     }
                 }
             }

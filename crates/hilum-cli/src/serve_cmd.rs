@@ -10,7 +10,6 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
-use hilum_agent::Environment;
 use hilum_imaging::ImageStore;
 use hilum_server::{AppState, Db, LlmFactory, RateLimit, ServerConfig};
 
@@ -334,6 +333,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // One model pool for the whole process: every token's toolbox shares it.
     let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm.clone())?;
     cfg.models = Some(shared.models.clone());
+    // Which models are installed (and what installs the others): the offer and the coverage
+    // check read it, as `hilum analyze` does.
+    cfg.env = hilum_tools::environment(&shared, &[]);
     cfg.toolbox = hilum_server::toolbox_factory(crate::registry().clone(), shared);
     let state = AppState::new(cfg)
         .with_context(|| format!("cannot open {}", hilum_server::db::shown_url(&args.db)))?;
@@ -394,9 +396,10 @@ pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {
     logging::install(args.log_format, "info")?;
     let file = crate::config::load_file(None)?;
     let shared = crate::config::tool_deps(Arc::new(ImageStore::default()), file.vlm)?;
+    let env = hilum_tools::environment(&shared, &[]);
     hilum_server::mcp::serve_stdio(
         &hilum_server::toolbox_factory(crate::registry().clone(), shared),
-        Environment::default(),
+        env,
         Duration::from_secs(args.tool_timeout),
     )
     .await

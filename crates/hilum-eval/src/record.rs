@@ -112,6 +112,9 @@ pub struct QuestionRecord {
     pub grounded: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unsupported: Option<Value>,
+    /// From the `final` event: whether the answer addressed each covered part of the question.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answers_question: Option<Value>,
     pub tools_offered: Vec<String>,
     /// The model's reply to the letter step, when it was asked (the letter is read from it).
     #[serde(default, skip_serializing_if = "Option::is_none")]

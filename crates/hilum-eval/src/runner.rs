@@ -311,6 +311,7 @@ struct Observed {
     completion_tokens: u64,
     grounded: Option<Value>,
     unsupported: Option<Value>,
+    answers_question: Option<Value>,
 }
 
 fn observe(events: Vec<RunEvent>) -> Observed {
@@ -366,6 +367,8 @@ fn observe(events: Vec<RunEvent>) -> Observed {
                 if let Ok(v) = serde_json::to_value(&ev) {
                     o.grounded = v.get("grounded").cloned().filter(|g| !g.is_null());
                     o.unsupported = v.get("unsupported").cloned().filter(|g| !g.is_null());
+                    o.answers_question =
+                        v.get("answers_question").cloned().filter(|g| !g.is_null());
                 }
             }
             _ => {}
@@ -419,6 +422,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         completion_tokens: 0,
         grounded: None,
         unsupported: None,
+        answers_question: None,
         tools_offered: vec![],
         letter_reply: None,
         option_in_answer: None,
@@ -515,6 +519,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
     rec.completion_tokens = seen.completion_tokens;
     rec.grounded = seen.grounded;
     rec.unsupported = seen.unsupported;
+    rec.answers_question = seen.answers_question;
     match outcome {
         Err(_) => {
             rec.status = Status::Timeout;

@@ -456,6 +456,11 @@ async function onEvent(run, ev) {
           el("strong", { text: "Not grounded: this answer states what no tool result supports. Check it against the tool results." }),
           el("ul", {}, ...(ev.unsupported || []).map((u) => el("li", { text: u })))));
       }
+      if (ev.answers_question === false) {
+        // The relevance check (issue 34): the model left out a part; Hilum stated it.
+        run.answerEl.after(el("div", { class: "msg ungrounded", role: "note", "data-role": "unanswered" },
+          el("strong", { text: `The model's answer left out ${(ev.unanswered || []).join(", ")}: Hilum added what the tool results say.` })));
+      }
       break;
     case "error":
       showError(explainRunError(ev.message));

@@ -134,3 +134,70 @@ async fn workstation_ui_in_headless_chromium() {
         assert!(len > 10_000, "screenshot {} missing or empty", p.display());
     }
 }
+
+/// Issue 34 in the browser: with only the lung U-Net installed, "are there nodules?" shows
+/// Hilum's "cannot assess … install with …" line once and no tool rows; a two-part question
+/// shows the lungs' coverage, the line once, the relevance flag, and no failed rows for tools
+/// that were never offered (tests/ui/answers.test.mjs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ui_answers_in_headless_chromium() {
+    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
+    assert!(
+        chromium().is_file() && node_modules.is_dir(),
+        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh",
+        chromium().display(),
+        node_modules.display()
+    );
+    let image = data_dir().join("cxr/images").join(IMAGE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, lungs) = lung_models(&dir.path().join("models"));
+    assert!(
+        lungs,
+        "the lung U-Net must import from the shared data for this test"
+    );
+    // The model's answer ignores the lungs' size twice: Hilum states it from segment_lungs.
+    let lead = "The patient's left lung is larger.";
+    let script = write_script(
+        dir.path(),
+        json!([
+            {"content": "", "tool_calls": [{"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}]},
+            {"content": lead},
+            {"content": lead}
+        ]),
+    );
+    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
+    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
+    // As `hilum serve` sets it: which models are installed, and what installs the others.
+    cfg.env = hilum_tools::environment(&deps, &[]);
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        default_toolbox(&ToolDeps::new(store, pool.clone()))
+    });
+    let srv = start(cfg).await;
+    let tok = token(&srv.state, "radiologist");
+    let shots = repo().join("target/ui-screenshots");
+    std::fs::create_dir_all(&shots).expect("create target/ui-screenshots");
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg("answers.test.mjs")
+        .current_dir(repo().join("tests/ui"))
+        .env("HILUM_URL", srv.url("/"))
+        .env("HILUM_TOKEN", &tok)
+        .env("HILUM_IMAGE", &image)
+        .env("HILUM_SCREENSHOTS", &shots)
+        .env("HILUM_CHROMIUM", chromium())
+        .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
+        .await
+        .expect("the browser test took over 180 s")
+        .expect("run node (see scripts/setup_ui_tests.sh)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    srv.stop().await;
+    assert!(
+        out.status.success() && stdout.contains("UI ANSWERS TEST PASSED"),
+        "browser test failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+}

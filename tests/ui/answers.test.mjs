@@ -1,0 +1,74 @@
+// Browser test: the workstation shows what Hilum cannot assess once, with the install command,
+// and no failed tool rows for tools that were never offered (issue 34). Started by
+// crates/hilum-server/tests/it/ui_browser.rs (`ui_answers_in_headless_chromium`), which runs a
+// server with only the lung U-Net installed and a script LLM.
+import { chromium } from "playwright-core";
+import assert from "node:assert/strict";
+import path from "node:path";
+import fs from "node:fs";
+
+const env = (k) => {
+  const v = process.env[k];
+  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test it ui_browser::`);
+  return v;
+};
+const URL_ = env("HILUM_URL");
+const TOKEN = env("HILUM_TOKEN");
+const IMAGE = env("HILUM_IMAGE");
+const SHOTS = env("HILUM_SCREENSHOTS");
+const PROFILE = env("HILUM_PROFILE");
+fs.mkdirSync(PROFILE, { recursive: true });
+
+const context = await chromium.launchPersistentContext(PROFILE, {
+  executablePath: process.env.HILUM_CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+  viewport: { width: 1440, height: 900 },
+  bypassCSP: true,
+});
+const errors = [];
+const count = (text, part) => text.split(part).length - 1;
+try {
+  const page = context.pages()[0] || await context.newPage();
+  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(`console: ${m.text()}`); });
+  page.setDefaultTimeout(30_000);
+  await page.goto(URL_);
+  await page.fill("#token", TOKEN);
+  await page.press("#token", "Enter");
+  await page.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await page.setInputFiles("#file", IMAGE);
+  await page.waitForSelector("#canvas[data-image]");
+
+  // No installed model covers nodules: Hilum answers itself, the model is never asked.
+  await page.fill("#question", "Are there any nodules?");
+  await page.press("#question", "Control+Enter");
+  await page.waitForSelector("#run-state[data-done=true]", { timeout: 60_000 });
+  let answer = await page.textContent("[data-role=answer]");
+  assert.match(answer, /I cannot assess nodules: no installed model covers it\./);
+  assert.match(answer, /hilum models (fetch|import) densenet121-res224-all/);
+  assert.equal(count(answer, "I cannot assess nodules"), 1, answer);
+  assert.equal(await page.locator(".call").count(), 0, "no tool rows for a question no tool covers");
+  await page.screenshot({ path: path.join(SHOTS, "11-cannot-assess.png"), fullPage: true });
+
+  // Two parts: the lungs are measured; nodules get the line once; nothing fails.
+  await page.fill("#question", "How large are the lungs, and are there any nodules?");
+  await page.press("#question", "Control+Enter");
+  await page.waitForFunction(() => document.querySelectorAll("[data-role=answer]").length >= 2
+    && document.getElementById("run-state").dataset.done === "true", null, { timeout: 60_000 });
+  const answers = await page.$$eval("[data-role=answer]", (els) => els.map((e) => e.textContent));
+  answer = answers[answers.length - 1];
+  assert.equal(count(answer, "I cannot assess nodules"), 1, answer);
+  assert.match(answer, /the lungs cover [0-9.]+% of the image/);
+  const rows = await page.$$eval(".call", (rs) => rs.map((r) => [r.dataset.tool, r.dataset.status]));
+  assert.ok(rows.length > 0 && rows.every(([, s]) => s === "ok"), `tool rows: ${JSON.stringify(rows)}`);
+  assert.ok(!rows.some(([t]) => t === "classify_chest_xray"), "a tool never offered has no row");
+  assert.equal(await page.locator("[data-role=unanswered]").count(), 1, "the relevance flag is shown");
+  await page.screenshot({ path: path.join(SHOTS, "12-two-parts.png"), fullPage: true });
+
+  assert.deepEqual(errors, [], "browser errors");
+  console.log("UI ANSWERS TEST PASSED");
+} finally {
+  await context.close();
+}
