@@ -38,6 +38,11 @@ pub enum PacsError {
     /// with the message).
     #[error("cannot encode the DICOM object: {0}")]
     Encode(String),
+
+    /// A multipart/related body (DICOMweb STOW-RS request, WADO-RS response) is malformed; the
+    /// message says how.
+    #[error("malformed multipart/related body: {0}")]
+    Multipart(crate::multipart::MultipartError),
 }
 
 pub type Result<T, E = PacsError> = std::result::Result<T, E>;

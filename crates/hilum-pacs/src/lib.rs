@@ -28,7 +28,9 @@
 
 pub mod codes;
 mod dataset;
+pub mod dicomweb;
 pub mod error;
+pub mod multipart;
 pub mod result;
 pub mod sc;
 pub mod seg;

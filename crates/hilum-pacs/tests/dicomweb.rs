@@ -1,0 +1,460 @@
+//! The DICOMweb client against a real Orthanc (Debian's orthanc 1.10.1 with orthanc-dicomweb):
+//! STOW-RS of the shared radiographs and of the SR, SEG and overlay the writers make for one of
+//! them, QIDO-RS finding the three result series in the source's study, WADO-RS returning the
+//! pixel data byte for byte, a resend that adds nothing, `pull_study`, and the error for a PACS
+//! that is not there.
+//!
+//! The test starts its own Orthanc with scripts/orthanc_start.sh (on free 127.0.0.1 ports, files
+//! under Cargo's target tmp folder) and kills it at the end; with HILUM_ORTHANC_URL set it uses
+//! that server instead (and leaves it running). Without Orthanc it fails, naming
+//! scripts/setup_pacs_tools.sh, unless HILUM_SKIP_PACS_TOOLS=1 says to skip.
+
+#[allow(dead_code)]
+#[path = "it/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use dicom_dictionary_std::tags;
+use hilum_pacs::dicomweb::{pull_study, DicomWebClient, DicomWebConfig, DicomWebError};
+use hilum_pacs::{
+    read_dicom, sc, seg, sr, to_bytes, Device, FileDicomObject, Finding, InMemDicomObject,
+    Measurement, ModelInfo, Overlay, ResultSet, Segment, Side, SourceImage,
+};
+
+use common::{dicom_dir, CR_NO_META, RG1, SIIM};
+
+/// An Orthanc for this test: started by scripts/orthanc_start.sh (killed and its files removed
+/// on drop), or the one HILUM_ORTHANC_URL names.
+struct Orthanc {
+    url: String,
+    pid: Option<u32>,
+    work: Option<PathBuf>,
+}
+
+impl Orthanc {
+    fn start(test: &str) -> Option<Self> {
+        if let Ok(url) = std::env::var("HILUM_ORTHANC_URL") {
+            eprintln!("{test}: using the Orthanc at HILUM_ORTHANC_URL={url}");
+            return Some(Self {
+                url,
+                pid: None,
+                work: None,
+            });
+        }
+        if std::env::var("HILUM_SKIP_PACS_TOOLS").as_deref() == Ok("1") {
+            eprintln!("{test}: skipped: HILUM_SKIP_PACS_TOOLS=1 (no Orthanc is started)");
+            return None;
+        }
+        let fix = "run `bash scripts/setup_pacs_tools.sh` (installs Debian's orthanc and \
+                   orthanc-dicomweb), or set HILUM_SKIP_PACS_TOOLS=1 to skip the Orthanc tests";
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let out = Command::new("bash")
+            .arg(root.join("scripts/orthanc_start.sh"))
+            .arg(env!("CARGO_TARGET_TMPDIR"))
+            .output()
+            .unwrap_or_else(|e| panic!("{test}: cannot run scripts/orthanc_start.sh ({e}): {fix}"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let var = |name: &str| {
+            stdout.lines().find_map(|l| {
+                l.strip_prefix(&format!("export {name}="))
+                    .map(str::to_string)
+            })
+        };
+        let started = Self {
+            url: var("HILUM_ORTHANC_URL").unwrap_or_default(),
+            pid: var("HILUM_ORTHANC_PID").and_then(|p| p.parse().ok()),
+            work: var("HILUM_ORTHANC_WORK").map(PathBuf::from),
+        };
+        assert!(
+            out.status.success() && !started.url.is_empty(),
+            "{test}: scripts/orthanc_start.sh failed: {}\n{fix}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(started)
+    }
+
+    fn client(&self) -> DicomWebClient {
+        DicomWebClient::new(DicomWebConfig::new(format!("{}/dicom-web", self.url))).unwrap()
+    }
+}
+
+impl Drop for Orthanc {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline
+                && Command::new("kill")
+                    .args(["-0", &pid.to_string()])
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        if let Some(work) = &self.work {
+            let _ = std::fs::remove_dir_all(work);
+        }
+    }
+}
+
+/// A scratch folder removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("dicomweb-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Synthetic results for a source (as the demo_results example makes them): lung and heart
+/// rectangles, areas, the CTR, two findings, an overlay.
+fn results(source: SourceImage) -> ResultSet {
+    let models = vec![
+        ModelInfo {
+            id: "test-classifier".into(),
+            sha256: "0".repeat(64),
+        },
+        ModelInfo {
+            id: "test-segmenter".into(),
+            sha256: "f".repeat(64),
+        },
+    ];
+    let mut rs = ResultSet::new(
+        source,
+        "dicomweb-test",
+        Device::hilum(env!("CARGO_PKG_VERSION"), "test"),
+        models,
+    );
+    rs.research_only = true;
+    let (rows, cols) = (usize::from(rs.source.rows), usize::from(rs.source.columns));
+    let rect = |y0: usize, y1: usize, x0: usize, x1: usize| -> Vec<u8> {
+        (0..rows * cols)
+            .map(|i| u8::from((y0..y1).contains(&(i / cols)) && (x0..x1).contains(&(i % cols))))
+            .collect()
+    };
+    let right = rect(rows / 5, 4 * rows / 5, cols / 8, cols / 2 - cols / 20);
+    let left = rect(rows / 5, 4 * rows / 5, cols / 2 + cols / 20, 7 * cols / 8);
+    let heart = rect(rows / 2, 3 * rows / 4, 2 * cols / 5, 3 * cols / 5);
+    let count = |m: &[u8]| m.iter().map(|&v| u64::from(v)).sum::<u64>();
+    rs.measurements = vec![
+        Measurement::lung_area(Side::Right, count(&right), "test-segmenter"),
+        Measurement::lung_area(Side::Left, count(&left), "test-segmenter"),
+        Measurement::cardiothoracic_ratio(0.45, "test-segmenter"),
+    ];
+    rs.findings = vec![Finding::new("Cardiomegaly", 0.5, "test-classifier")];
+    let rgb = right
+        .iter()
+        .zip(&left)
+        .zip(&heart)
+        .flat_map(|((&r, &l), &h)| [r * 200, l * 200, h * 200])
+        .collect();
+    rs.segments = vec![
+        Segment::right_lung(right, "test-segmenter"),
+        Segment::left_lung(left, "test-segmenter"),
+        Segment::heart(heart, "test-segmenter"),
+    ];
+    rs.overlay = Some(Overlay {
+        rows: rs.source.rows,
+        columns: rs.source.columns,
+        rgb,
+        description: "Test masks".into(),
+    });
+    rs
+}
+
+fn text(obj: &InMemDicomObject, tag: dicom_object::Tag) -> String {
+    obj.element(tag)
+        .unwrap_or_else(|e| panic!("{tag}: {e}"))
+        .to_str()
+        .unwrap()
+        .trim_end_matches(['\0', ' '])
+        .to_string()
+}
+
+/// What was sent: the Part 10 bytes, and the data set for the comparisons.
+struct Sent {
+    name: String,
+    bytes: Vec<u8>,
+    obj: FileDicomObject<InMemDicomObject>,
+}
+
+impl Sent {
+    fn study(&self) -> String {
+        text(&self.obj, tags::STUDY_INSTANCE_UID)
+    }
+    fn series(&self) -> String {
+        text(&self.obj, tags::SERIES_INSTANCE_UID)
+    }
+    fn instance(&self) -> String {
+        text(&self.obj, tags::SOP_INSTANCE_UID)
+    }
+}
+
+fn sent(name: &str, bytes: Vec<u8>) -> Sent {
+    let obj = read_dicom(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Sent {
+        name: name.to_string(),
+        bytes,
+        obj,
+    }
+}
+
+/// The shared radiographs as Part 10 bytes. The one without a Part 10 header is read as
+/// source.rs reads it (a File Meta built from its own SOP class and instance) and re-encoded.
+/// `fake_monochrome1_variant.dcm` is left out: it is SIIM's image with SIIM's SOP Instance UID
+/// and only PhotometricInterpretation changed, so a PACS would replace one with the other.
+fn shared_sources() -> Vec<Sent> {
+    [SIIM, RG1, CR_NO_META]
+        .into_iter()
+        .map(|name| {
+            let raw = std::fs::read(dicom_dir().join(name))
+                .unwrap_or_else(|e| panic!("{name}: {e} (../shared/data beside the checkout)"));
+            let bytes = if name == CR_NO_META {
+                to_bytes(&read_dicom(&raw).unwrap()).unwrap()
+            } else {
+                raw
+            };
+            sent(name, bytes)
+        })
+        .collect()
+}
+
+/// PixelData (7FE0,0010) as dicom-object reads it: native bytes, or the encapsulated fragments.
+fn pixel_data(obj: &InMemDicomObject) -> &dicom_core::value::Value<InMemDicomObject> {
+    obj.element(tags::PIXEL_DATA).unwrap().value()
+}
+
+async fn instance_uids(client: &DicomWebClient, study: &str) -> BTreeSet<String> {
+    let mut uids = BTreeSet::new();
+    for series in client.qido_series(study, &[]).await.unwrap() {
+        for inst in client
+            .qido_instances(study, &series.series_instance_uid)
+            .await
+            .unwrap()
+        {
+            uids.insert(inst.sop_instance_uid);
+        }
+    }
+    uids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orthanc_stow_qido_wado_pull() {
+    let test = "orthanc_stow_qido_wado_pull";
+    let Some(orthanc) = Orthanc::start(test) else {
+        return;
+    };
+    let client = orthanc.client();
+
+    // STOW-RS the shared radiographs in one request.
+    let sources = shared_sources();
+    let bytes: Vec<Vec<u8>> = sources.iter().map(|s| s.bytes.clone()).collect();
+    let resp = client.stow(None, &bytes).await.unwrap();
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert!(resp.failed.is_empty(), "{:?}", resp.failed);
+    let stored: BTreeSet<_> = resp.stored.iter().cloned().collect();
+    let expected: BTreeSet<_> = sources.iter().map(Sent::instance).collect();
+    assert_eq!(stored, expected);
+
+    // The results the writers make for SIIM, into its study (STOW-RS with the study UID).
+    let source = sources.iter().find(|s| s.name == SIIM).unwrap();
+    let study = source.study();
+    let rs = results(SourceImage::from_object(&source.obj).unwrap());
+    let written: Vec<Sent> = [
+        ("sr", sr::write(&rs).unwrap()),
+        ("seg", seg::write(&rs).unwrap()),
+        ("sc", sc::write(&rs).unwrap()),
+    ]
+    .into_iter()
+    .map(|(name, file)| sent(name, to_bytes(&file).unwrap()))
+    .collect();
+    let result_bytes: Vec<Vec<u8>> = written.iter().map(|s| s.bytes.clone()).collect();
+    let resp = client.stow(Some(&study), &result_bytes).await.unwrap();
+    assert_eq!(resp.status, 200, "{resp:?}");
+    let stored: BTreeSet<_> = resp.stored.iter().cloned().collect();
+    assert_eq!(
+        stored,
+        written.iter().map(Sent::instance).collect::<BTreeSet<_>>()
+    );
+
+    // QIDO-RS: the study, and the SR, SEG and overlay series in it, beside the source's.
+    let studies = client
+        .qido_studies(&[("StudyInstanceUID", study.as_str())])
+        .await
+        .unwrap();
+    assert_eq!(studies.len(), 1, "{studies:?}");
+    assert_eq!(studies[0].study_instance_uid, study);
+    let all = client.qido_studies(&[]).await.unwrap();
+    for s in &sources {
+        assert!(
+            all.iter().any(|r| r.study_instance_uid == s.study()),
+            "{}",
+            s.name
+        );
+    }
+    let series = client.qido_series(&study, &[]).await.unwrap();
+    let source_modality = text(&source.obj, tags::MODALITY);
+    for (w, modality) in written.iter().zip(["SR", "SEG", source_modality.as_str()]) {
+        assert_eq!(
+            w.study(),
+            study,
+            "{}: written into the source's study",
+            w.name
+        );
+        assert_eq!(text(&w.obj, tags::MODALITY), modality, "{}", w.name);
+        let found = series
+            .iter()
+            .find(|s| s.series_instance_uid == w.series())
+            .unwrap_or_else(|| panic!("{}: series not found by QIDO-RS: {series:?}", w.name));
+        assert_eq!(found.modality.as_deref(), Some(modality), "{}", w.name);
+        let instances = client
+            .qido_instances(&study, &found.series_instance_uid)
+            .await
+            .unwrap();
+        assert_eq!(instances.len(), 1, "{}", w.name);
+        assert_eq!(instances[0].sop_instance_uid, w.instance());
+        assert_eq!(
+            instances[0].sop_class_uid.as_deref(),
+            Some(
+                w.obj
+                    .meta()
+                    .media_storage_sop_class_uid()
+                    .trim_end_matches('\0')
+            )
+        );
+    }
+    assert!(series
+        .iter()
+        .any(|s| s.series_instance_uid == source.series()));
+    // A filter: only the SEG series.
+    let segs = client
+        .qido_series(&study, &[("Modality", "SEG")])
+        .await
+        .unwrap();
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].series_instance_uid, written[1].series());
+
+    // WADO-RS: every source's pixel data and every result object come back byte for byte.
+    for s in sources.iter().chain(&written) {
+        let got = client
+            .wado_instance(&s.study(), &s.series(), &s.instance())
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", s.name));
+        // Orthanc keeps the file as sent and `transfer-syntax=*` returns it as stored.
+        assert!(
+            got == s.bytes,
+            "{}: the file differs after the round trip",
+            s.name
+        );
+        let got = read_dicom(&got).unwrap_or_else(|e| panic!("{}: {e}", s.name));
+        assert_eq!(text(&got, tags::SOP_INSTANCE_UID), s.instance());
+        if s.obj.element(tags::PIXEL_DATA).is_ok() {
+            assert!(
+                pixel_data(&got) == pixel_data(&s.obj),
+                "{}: PixelData differs after the round trip",
+                s.name
+            );
+        }
+    }
+
+    // A resend of the sources and the results stores nothing new.
+    let before = instance_uids(&client, &study).await;
+    let total_before = client.qido_studies(&[]).await.unwrap();
+    let resp = client.stow(None, &bytes).await.unwrap();
+    assert!(resp.failed.is_empty(), "{resp:?}");
+    let resp = client.stow(Some(&study), &result_bytes).await.unwrap();
+    assert!(resp.failed.is_empty(), "{resp:?}");
+    assert_eq!(resp.stored.len(), 3);
+    let after = instance_uids(&client, &study).await;
+    assert_eq!(before, after);
+    assert_eq!(after.len(), 4, "SIIM's study: source + SR + SEG + overlay");
+    let total_after = client.qido_studies(&[]).await.unwrap();
+    let counts = |v: &[hilum_pacs::dicomweb::StudyRecord]| {
+        v.iter()
+            .map(|s| (s.study_instance_uid.clone(), s.number_of_instances))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(counts(&total_before), counts(&total_after));
+
+    // pull_study writes every instance of the study as <SOPInstanceUID>.dcm.
+    let dest = Scratch::new("pull");
+    let paths = pull_study(&client, &study, &dest.0).await.unwrap();
+    let names: BTreeSet<_> = paths
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        after
+            .iter()
+            .map(|u| format!("{u}.dcm"))
+            .collect::<BTreeSet<_>>()
+    );
+    let listed = std::fs::read_dir(&dest.0).unwrap().count();
+    assert_eq!(listed, 4, "no temporary files are left");
+    for p in &paths {
+        let obj = read_dicom(&std::fs::read(p).unwrap()).unwrap();
+        let uid = text(&obj, tags::SOP_INSTANCE_UID);
+        assert_eq!(
+            p.file_name().unwrap().to_string_lossy(),
+            format!("{uid}.dcm")
+        );
+        if uid == source.instance() {
+            assert!(pixel_data(&obj) == pixel_data(&source.obj));
+        }
+    }
+
+    // Errors that say what to check.
+    let e = client.wado_study("1.2.3.4.5.6.7.8.9").await.unwrap_err();
+    assert!(matches!(e, DicomWebError::Http { status: 404, .. }), "{e}");
+    let e = client.wado_study("../system").await.unwrap_err();
+    assert!(matches!(e, DicomWebError::InvalidUid { .. }), "{e}");
+    let nothing = client
+        .qido_studies(&[("StudyInstanceUID", "1.2.3.4.5.6.7.8.9")])
+        .await
+        .unwrap();
+    assert!(nothing.is_empty());
+}
+
+#[tokio::test]
+async fn unreachable_pacs_says_to_check_it_is_running() {
+    // A port nothing listens on: bind one, note it, close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let base = format!("http://127.0.0.1:{port}/dicom-web");
+    let client = DicomWebClient::new(
+        DicomWebConfig::new(&base).timeouts(Duration::from_secs(2), Duration::from_secs(5)),
+    )
+    .unwrap();
+    let e = client
+        .qido_studies(&[("PatientName", "Secret^Name")])
+        .await
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, DicomWebError::Unreachable { .. }), "{msg}");
+    assert!(
+        msg.contains(&format!("is the PACS at {base} running")),
+        "{msg}"
+    );
+    assert!(!msg.contains("Secret"), "no query string in errors: {msg}");
+    let e = client.stow(None, &[b"x".to_vec()]).await.unwrap_err();
+    assert!(matches!(e, DicomWebError::Unreachable { .. }), "{e}");
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Starts a throw-away Orthanc (Debian's orthanc 1.10.1 + orthanc-dicomweb) on 127.0.0.1, for the
+# DICOMweb tests (crates/hilum-pacs/tests/dicomweb.rs) and for trying `hilum pacs pull` by hand:
+#
+#   eval "$(scripts/orthanc_start.sh)"          # or: source scripts/orthanc_start.sh
+#   curl "$HILUM_ORTHANC_URL/system"
+#   kill "$HILUM_ORTHANC_PID"                   # stops it; rm -rf "$HILUM_ORTHANC_WORK" clears it
+#
+# Usage: scripts/orthanc_start.sh [PARENT_DIR]
+#   The storage, the index, the config and orthanc.log go in a new folder under PARENT_DIR
+#   (default: target/ in the repository). HTTP and DICOM ports are free ports picked at random;
+#   RemoteAccessAllowed is false and AuthenticationEnabled false (127.0.0.1 only), AE title ORTHANC,
+#   DICOMweb at /dicom-web/, OverwriteInstances true (a resend replaces, as Hilum's results expect).
+# Prints on stdout, once `GET /system` answers:
+#   export HILUM_ORTHANC_URL=http://127.0.0.1:PORT        (DICOMweb: $HILUM_ORTHANC_URL/dicom-web)
+#   export HILUM_ORTHANC_DICOM_PORT=PORT
+#   export HILUM_ORTHANC_PID=PID
+#   export HILUM_ORTHANC_WORK=DIR
+# Progress and errors go to stderr. Orthanc missing: `bash scripts/setup_pacs_tools.sh` installs it.
+
+_hilum_orthanc_start() {
+    local root parent work bin plugin http dicom pid try i
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    parent="${1:-$root/target}"
+    plugin=/usr/share/orthanc/plugins/libOrthancDicomWeb.so
+    bin="$(command -v Orthanc 2>/dev/null || true)"
+    [ -z "$bin" ] && [ -x /usr/sbin/Orthanc ] && bin=/usr/sbin/Orthanc
+    if [ -z "$bin" ] || [ ! -f "$plugin" ]; then
+        echo "orthanc_start: Orthanc or its DICOMweb plugin ($plugin) is missing: run bash scripts/setup_pacs_tools.sh" >&2
+        return 1
+    fi
+    mkdir -p "$parent" || return 1
+    work="$(mktemp -d "$parent/orthanc.XXXXXX")" || return 1
+    free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+    for try in 1 2 3; do
+        http=$(free_port) && dicom=$(free_port) || return 1
+        [ "$http" = "$dicom" ] && continue
+        cat > "$work/orthanc.json" <<EOF
+{
+  "Name": "hilum-test",
+  "StorageDirectory": "$work/storage",
+  "IndexDirectory": "$work/index",
+  "HttpPort": $http,
+  "DicomPort": $dicom,
+  "DicomAet": "ORTHANC",
+  "RemoteAccessAllowed": false,
+  "AuthenticationEnabled": false,
+  "OverwriteInstances": true,
+  "HttpsCACertificates": "",
+  "Plugins": ["$plugin"],
+  "DicomWeb": { "Enable": true, "Root": "/dicom-web/" }
+}
+EOF
+        # setsid and closed descriptors: the caller (a test reading this script's stdout) is not
+        # kept waiting by Orthanc's inherited pipe.
+        setsid "$bin" "$work/orthanc.json" < /dev/null > "$work/orthanc.log" 2>&1 &
+        pid=$!
+        for i in $(seq 1 300); do
+            if curl -sf -o /dev/null "http://127.0.0.1:$http/system"; then
+                echo "orthanc_start: Orthanc $pid on 127.0.0.1:$http (DICOM $dicom), files in $work" >&2
+                echo "export HILUM_ORTHANC_URL=http://127.0.0.1:$http"
+                echo "export HILUM_ORTHANC_DICOM_PORT=$dicom"
+                echo "export HILUM_ORTHANC_PID=$pid"
+                echo "export HILUM_ORTHANC_WORK=$work"
+                export HILUM_ORTHANC_URL="http://127.0.0.1:$http" HILUM_ORTHANC_DICOM_PORT="$dicom" \
+                    HILUM_ORTHANC_PID="$pid" HILUM_ORTHANC_WORK="$work"
+                return 0
+            fi
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill "$pid" 2>/dev/null
+        echo "orthanc_start: Orthanc did not answer on port $http (try $try); its log:" >&2
+        tail -n 20 "$work/orthanc.log" >&2
+    done
+    echo "orthanc_start: Orthanc did not start; see $work/orthanc.log" >&2
+    return 1
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    _hilum_orthanc_start "$@"
+    exit $?
+else
+    _hilum_orthanc_start "$@"
+fi
