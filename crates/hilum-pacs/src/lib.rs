@@ -33,6 +33,7 @@ pub mod error;
 pub mod multipart;
 pub mod result;
 pub mod sc;
+pub mod scp;
 pub mod seg;
 pub mod source;
 pub mod sr;

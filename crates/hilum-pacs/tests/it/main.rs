@@ -3,6 +3,7 @@
 mod common;
 mod readers;
 mod sc;
+mod scp;
 mod seg;
 mod source;
 mod sr;
