@@ -22,6 +22,12 @@
 //! and `cargo run -p hilum-pacs --example demo_results -- SOURCE.dcm OUT_DIR` writes the three
 //! objects with synthetic results to check by hand.
 //!
+//! The DICOM node, [`scp`], receives studies: a Storage SCP (C-STORE, C-ECHO) on dicom-rs's
+//! upper layer (`dicom-ul`) that refuses unknown AE titles and hosts, limits associations and
+//! object sizes, and stores each instance atomically before it answers success (PS3.4 Annex B,
+//! PS3.7 9.1.1 and 9.3.1, PS3.8 upper layer through dicom-ul); `cargo run -p hilum-pacs --example
+//! scp -- PORT DIR` runs one.
+//!
 //! The crate reads no environment variables and never panics on outside data: malformed DICOM
 //! is a [`PacsError::Read`], a missing attribute names itself, an inconsistent result set names
 //! the field to fix.

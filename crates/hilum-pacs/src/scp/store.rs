@@ -144,9 +144,14 @@ pub(super) fn store(
         calling_ae: calling_ae.to_string(),
     };
     if let Some(on_stored) = &shared.on_stored {
-        if let Err(reason) = on_stored(&instance) {
-            // The reason is the caller's text; it may say anything, so it is not logged here.
-            let _ = reason;
+        // The callback's reason is its own text, which may say anything: it is not logged here
+        // (the caller logs what it may).
+        if on_stored(&instance).is_err() {
+            tracing::warn!(
+                target: "hilum_pacs::scp",
+                sop_instance_uid = %instance.sop_instance_uid,
+                "the on_stored callback refused the instance; the sender is told to send again"
+            );
             return Outcome::refused(status::NOT_QUEUED, "stored but not queued: send again");
         }
     }
