@@ -179,12 +179,12 @@ fn complete(data: &[u8], ts: &TransferSyntax) -> bool {
             Ok(DataToken::SequenceEnd) => open_sequences -= 1,
             Ok(DataToken::ItemStart { len }) => item_len = len.get(),
             Ok(DataToken::ItemValue(v)) => {
-                if item_len != Some(v.len() as u32) {
+                if item_len.map(u64::from) != Some(v.len() as u64) {
                     return false;
                 }
             }
             Ok(DataToken::OffsetTable(t)) => {
-                if item_len != Some(t.len() as u32 * 4) {
+                if item_len.map(u64::from) != Some(t.len() as u64 * 4) {
                     return false;
                 }
             }

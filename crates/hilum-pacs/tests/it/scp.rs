@@ -753,3 +753,47 @@ fn no_patient_data_in_any_log_line() {
         }
     }
 }
+
+#[test]
+fn success_comes_after_the_file_is_whole_and_the_callback_took_it() {
+    logs();
+    let dir = Scratch::new("callback");
+    let store = dir.0.join("store");
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let scp = Scp::bind("127.0.0.1:0", ScpConfig::new(AE, &store))
+        .unwrap()
+        .on_stored(move |i| {
+            // When the callback runs, the file is complete under its final name and no
+            // temporary file is left.
+            let whole = open_file(&i.path).is_ok();
+            let leftovers = std::fs::read_dir(i.path.parent().unwrap())
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+                .count();
+            let mut calls = seen.lock().unwrap();
+            calls.push((whole, leftovers));
+            // The first is refused, as a job queue that cannot take it would.
+            if calls.len() == 1 {
+                Err("queue full".to_string())
+            } else {
+                Ok(())
+            }
+        });
+    let addr = scp.local_addr();
+    let handle = scp.shutdown_handle();
+    let thread = std::thread::spawn(move || scp.run().unwrap());
+    let (data, class, instance, ts) = dataset_of(RG1);
+    let (status, comment) = rust_store(addr, CALLER, &class, &instance, &ts, &data).unwrap();
+    assert_eq!(status, status::NOT_QUEUED, "{comment}");
+    let (status, comment) = rust_store(addr, CALLER, &class, &instance, &ts, &data).unwrap();
+    assert_eq!(status, status::SUCCESS, "{comment}");
+    assert_eq!(*calls.lock().unwrap(), vec![(true, 0), (true, 0)]);
+    handle.shutdown();
+    thread.join().unwrap();
+    assert!(
+        !log_text().contains("queue full"),
+        "the callback's text is not logged"
+    );
+}
