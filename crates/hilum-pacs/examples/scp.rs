@@ -9,7 +9,7 @@
 //!
 //! Options after the folder: `--ae TITLE` (default HILUM), `--allow-caller TITLE` and
 //! `--allow-host IP` (each repeatable; none: any), `--max-associations N` (8),
-//! `--max-object-bytes N` (1 GiB), `--bind ADDR` (127.0.0.1).
+//! `--max-object-bytes N` (256 MiB), `--bind ADDR` (127.0.0.1).
 
 use hilum_pacs::scp::{Scp, ScpConfig};
 

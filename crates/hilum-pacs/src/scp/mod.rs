@@ -115,14 +115,15 @@ pub struct ScpConfig {
 
 impl ScpConfig {
     /// A node called `ae_title` storing under `storage_dir`, accepting any caller from any
-    /// host, 8 associations at once, objects up to 1 GiB, a 60 s timeout.
+    /// host, 8 associations at once, data sets up to 256 MiB (chest radiographs are far smaller; 8 at
+    /// once stay within 2 GiB of memory), a 60 s timeout.
     pub fn new(ae_title: impl Into<String>, storage_dir: impl Into<PathBuf>) -> Self {
         Self {
             ae_title: ae_title.into(),
             allowed_callers: Vec::new(),
             allowed_hosts: Vec::new(),
             max_associations: 8,
-            max_object_bytes: 1 << 30,
+            max_object_bytes: 256 << 20,
             storage_dir: storage_dir.into(),
             timeout: Duration::from_secs(60),
         }
