@@ -11,6 +11,7 @@
 #   (default: target/ in the repository). HTTP and DICOM ports are free ports picked at random;
 #   RemoteAccessAllowed is false and AuthenticationEnabled false (127.0.0.1 only), AE title ORTHANC,
 #   DICOMweb at /dicom-web/, OverwriteInstances true (a resend replaces, as Hilum's results expect).
+#   HILUM_ORTHANC_USER=user:password turns HTTP basic authentication on with that one user.
 # Prints on stdout, once `GET /system` answers:
 #   export HILUM_ORTHANC_URL=http://127.0.0.1:PORT        (DICOMweb: $HILUM_ORTHANC_URL/dicom-web)
 #   export HILUM_ORTHANC_DICOM_PORT=PORT
@@ -19,7 +20,7 @@
 # Progress and errors go to stderr. Orthanc missing: `bash scripts/setup_pacs_tools.sh` installs it.
 
 _hilum_orthanc_start() {
-    local root parent work bin plugin http dicom pid try i
+    local root parent work bin plugin http dicom pid try i auth
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     parent="${1:-$root/target}"
     plugin=/usr/share/orthanc/plugins/libOrthancDicomWeb.so
@@ -31,6 +32,14 @@ _hilum_orthanc_start() {
     fi
     mkdir -p "$parent" || return 1
     work="$(mktemp -d "$parent/orthanc.XXXXXX")" || return 1
+    auth='"AuthenticationEnabled": false,'
+    if [ -n "${HILUM_ORTHANC_USER:-}" ]; then
+        case "$HILUM_ORTHANC_USER" in
+            *:*) ;;
+            *) echo "orthanc_start: HILUM_ORTHANC_USER is user:password" >&2; return 1 ;;
+        esac
+        auth="\"AuthenticationEnabled\": true, \"RegisteredUsers\": { $(python3 -c 'import json,sys; u,p=sys.argv[1].split(":",1); print(json.dumps(u)+": "+json.dumps(p))' "$HILUM_ORTHANC_USER") },"
+    fi
     free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
     for try in 1 2 3; do
         http=$(free_port) && dicom=$(free_port) || return 1
@@ -44,7 +53,7 @@ _hilum_orthanc_start() {
   "DicomPort": $dicom,
   "DicomAet": "ORTHANC",
   "RemoteAccessAllowed": false,
-  "AuthenticationEnabled": false,
+  $auth
   "OverwriteInstances": true,
   "HttpsCACertificates": "",
   "Plugins": ["$plugin"],
@@ -56,7 +65,8 @@ EOF
         setsid "$bin" "$work/orthanc.json" < /dev/null > "$work/orthanc.log" 2>&1 &
         pid=$!
         for i in $(seq 1 300); do
-            if curl -sf -o /dev/null "http://127.0.0.1:$http/system"; then
+            # Any HTTP answer (401 included, with authentication on) means it is up.
+            if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$http/system")" != 000 ]; then
                 echo "orthanc_start: Orthanc $pid on 127.0.0.1:$http (DICOM $dicom), files in $work" >&2
                 echo "export HILUM_ORTHANC_URL=http://127.0.0.1:$http"
                 echo "export HILUM_ORTHANC_DICOM_PORT=$dicom"

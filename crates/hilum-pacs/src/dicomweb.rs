@@ -177,6 +177,16 @@ pub enum DicomWebError {
         source: PacsError,
     },
 
+    #[error(
+        "instance {index} retrieved from {url} has SOPInstanceUID {value:?}, which is not a UID \
+         (1 to 64 digits and dots): nothing is written, as the UID names the file"
+    )]
+    BadInstanceUid {
+        url: String,
+        index: usize,
+        value: String,
+    },
+
     #[error("cannot write {path}: {source}; check that the folder is writable and has room")]
     Io {
         path: PathBuf,
@@ -770,24 +780,21 @@ pub async fn pull_study(
             index: i + 1,
             source,
         })?;
-        let uid = obj
-            .meta()
-            .media_storage_sop_instance_uid()
-            .trim_end_matches(['\0', ' '])
-            .to_string();
-        let uid = if uid.is_empty() {
-            crate::source::text(&obj, dicom_dictionary_std::tags::SOP_INSTANCE_UID)
-                .unwrap_or_default()
-        } else {
-            uid
-        };
-        check_uid("SOPInstanceUID", &uid).map_err(|e| DicomWebError::Dicom {
-            url: url.clone(),
-            index: i + 1,
-            source: PacsError::Read {
-                reason: e.to_string(),
-            },
-        })?;
+        // The data set's SOPInstanceUID names the file; the File Meta's copy when it has none.
+        let uid = crate::source::text(&obj, dicom_dictionary_std::tags::SOP_INSTANCE_UID)
+            .unwrap_or_else(|| {
+                obj.meta()
+                    .media_storage_sop_instance_uid()
+                    .trim_end_matches(['\0', ' '])
+                    .to_string()
+            });
+        if check_uid("SOPInstanceUID", &uid).is_err() {
+            return Err(DicomWebError::BadInstanceUid {
+                url: url.clone(),
+                index: i + 1,
+                value: uid.chars().take(80).collect(),
+            });
+        }
         named.push((uid, bytes));
     }
     let dest = dest_dir.to_path_buf();

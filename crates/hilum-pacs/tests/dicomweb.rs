@@ -8,6 +8,10 @@
 //! under Cargo's target tmp folder) and kills it at the end; with HILUM_ORTHANC_URL set it uses
 //! that server instead (and leaves it running). Without Orthanc it fails, naming
 //! scripts/setup_pacs_tools.sh, unless HILUM_SKIP_PACS_TOOLS=1 says to skip.
+//!
+//! The error paths a real Orthanc does not produce (a bearer token's header, a 500 with a long
+//! body, a slow server, a truncated WADO-RS body, a STOW-RS 409, a hostile SOP Instance UID) are
+//! tested against a few lines of HTTP server in this file.
 
 #[allow(dead_code)]
 #[path = "it/common/mod.rs"]
@@ -37,7 +41,13 @@ struct Orthanc {
 
 impl Orthanc {
     fn start(test: &str) -> Option<Self> {
-        if let Ok(url) = std::env::var("HILUM_ORTHANC_URL") {
+        Self::start_with(test, None)
+    }
+
+    /// `user` (`name:password`) starts an Orthanc of this test's own with HTTP basic
+    /// authentication, even when HILUM_ORTHANC_URL is set.
+    fn start_with(test: &str, user: Option<&str>) -> Option<Self> {
+        if let (Ok(url), None) = (std::env::var("HILUM_ORTHANC_URL"), user) {
             eprintln!("{test}: using the Orthanc at HILUM_ORTHANC_URL={url}");
             return Some(Self {
                 url,
@@ -55,6 +65,8 @@ impl Orthanc {
         let out = Command::new("bash")
             .arg(root.join("scripts/orthanc_start.sh"))
             .arg(env!("CARGO_TARGET_TMPDIR"))
+            .env_remove("HILUM_ORTHANC_USER")
+            .envs(user.map(|u| ("HILUM_ORTHANC_USER", u)))
             .output()
             .unwrap_or_else(|e| panic!("{test}: cannot run scripts/orthanc_start.sh ({e}): {fix}"));
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -77,8 +89,12 @@ impl Orthanc {
         Some(started)
     }
 
+    fn config(&self) -> DicomWebConfig {
+        DicomWebConfig::new(format!("{}/dicom-web", self.url))
+    }
+
     fn client(&self) -> DicomWebClient {
-        DicomWebClient::new(DicomWebConfig::new(format!("{}/dicom-web", self.url))).unwrap()
+        DicomWebClient::new(self.config()).unwrap()
     }
 }
 
@@ -239,6 +255,24 @@ fn pixel_data(obj: &InMemDicomObject) -> &dicom_core::value::Value<InMemDicomObj
     obj.element(tags::PIXEL_DATA).unwrap().value()
 }
 
+/// Whether any ReferencedSOPInstanceUID (0008,1155), at any depth, is `uid`.
+fn references(obj: &InMemDicomObject, uid: &str) -> bool {
+    obj.iter().any(|e| {
+        if e.header().tag == tags::REFERENCED_SOP_INSTANCE_UID
+            && e.to_str()
+                .is_ok_and(|v| v.trim_end_matches(['\0', ' ']) == uid)
+        {
+            return true;
+        }
+        match e.value() {
+            dicom_core::value::Value::Sequence(seq) => {
+                seq.items().iter().any(|item| references(item, uid))
+            }
+            _ => false,
+        }
+    })
+}
+
 async fn instance_uids(client: &DicomWebClient, study: &str) -> BTreeSet<String> {
     let mut uids = BTreeSet::new();
     for series in client.qido_series(study, &[]).await.unwrap() {
@@ -372,6 +406,21 @@ async fn orthanc_stow_qido_wado_pull() {
         }
     }
 
+    // The SR, SEG and overlay Orthanc returns reference the source instance.
+    for w in &written {
+        let got = client
+            .wado_instance(&study, &w.series(), &w.instance())
+            .await
+            .unwrap();
+        let got = read_dicom(&got).unwrap();
+        assert!(!references(&got, "1.2.3.4.5"));
+        assert!(
+            references(&got, &source.instance()),
+            "{}: no reference to the source's SOP Instance UID",
+            w.name
+        );
+    }
+
     // A resend of the sources and the results stores nothing new.
     let before = instance_uids(&client, &study).await;
     let total_before = client.qido_studies(&[]).await.unwrap();
@@ -457,4 +506,254 @@ async fn unreachable_pacs_says_to_check_it_is_running() {
     assert!(!msg.contains("Secret"), "no query string in errors: {msg}");
     let e = client.stow(None, &[b"x".to_vec()]).await.unwrap_err();
     assert!(matches!(e, DicomWebError::Unreachable { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn orthanc_basic_auth_and_refused_credentials() {
+    let test = "orthanc_basic_auth_and_refused_credentials";
+    let Some(orthanc) = Orthanc::start_with(test, Some("hilum:s3cret pass")) else {
+        return;
+    };
+    let ok = DicomWebClient::new(orthanc.config().basic("hilum", "s3cret pass")).unwrap();
+    assert!(ok.qido_studies(&[]).await.unwrap().is_empty());
+    for (what, config) in [
+        ("no credentials", orthanc.config()),
+        ("a wrong password", orthanc.config().basic("hilum", "wrong")),
+        (
+            "a bearer token Orthanc does not know",
+            orthanc.config().bearer("tok"),
+        ),
+    ] {
+        let client = DicomWebClient::new(config).unwrap();
+        let e = client.qido_studies(&[]).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, DicomWebError::Unauthorized { status: 401, .. }),
+            "{what}: {msg}"
+        );
+        assert!(msg.contains("check the credentials"), "{what}: {msg}");
+        assert!(
+            !msg.contains("wrong"),
+            "{what}: the password is not in the message"
+        );
+        let e = client.stow(None, &[b"x".to_vec()]).await.unwrap_err();
+        assert!(
+            matches!(e, DicomWebError::Unauthorized { .. }),
+            "{what}: {e}"
+        );
+    }
+}
+
+/// One canned answer for every request, and the request heads seen.
+struct Mock {
+    base: String,
+    heads: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+async fn mock(status: u16, content_type: &str, body: Vec<u8>, delay: Duration) -> Mock {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/dicom-web", listener.local_addr().unwrap());
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut response = format!(
+        "HTTP/1.1 {status} Canned\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    response.extend_from_slice(&body);
+    let response = std::sync::Arc::new(response);
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let (response, seen) = (response.clone(), seen.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = vec![0u8; 64 * 1024];
+                let head_end = loop {
+                    match sock.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse().ok())?
+                    })
+                    .unwrap_or(0);
+                while buf.len() < head_end + length {
+                    match sock.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                seen.lock().unwrap().push(head);
+                tokio::time::sleep(delay).await;
+                let _ = sock.write_all(&response).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Mock { base, heads }
+}
+
+fn client_for(base: &str) -> DicomWebClient {
+    DicomWebClient::new(
+        DicomWebConfig::new(base)
+            .bearer("tok-123")
+            .timeouts(Duration::from_secs(2), Duration::from_secs(1)),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn errors_say_what_to_check() {
+    // The bearer token goes in the Authorization header; QIDO filters in the query only.
+    let m = mock(
+        200,
+        "application/dicom+json",
+        b"[]".to_vec(),
+        Duration::ZERO,
+    )
+    .await;
+    let client = client_for(&m.base);
+    assert!(client
+        .qido_studies(&[("PatientID", "p1")])
+        .await
+        .unwrap()
+        .is_empty());
+    let head = m.heads.lock().unwrap()[0].to_ascii_lowercase();
+    assert!(
+        head.starts_with("get /dicom-web/studies?patientid=p1 "),
+        "{head}"
+    );
+    assert!(head.contains("authorization: bearer tok-123"), "{head}");
+    assert!(head.contains("accept: application/dicom+json"), "{head}");
+
+    // A 500 gives its status, a hint and the body's first 200 characters.
+    let body = format!("database is locked {}", "x".repeat(1000));
+    let m = mock(500, "text/plain", body.into_bytes(), Duration::ZERO).await;
+    let e = client_for(&m.base).wado_study("1.2.3").await.unwrap_err();
+    let msg = e.to_string();
+    match &e {
+        DicomWebError::Http { status, body, .. } => {
+            assert_eq!(*status, 500);
+            assert_eq!(body.chars().count(), 200);
+            assert!(body.starts_with("database is locked"));
+        }
+        other => panic!("{other}"),
+    }
+    assert!(msg.contains("see the PACS's log"), "{msg}");
+
+    // A server slower than the timeout.
+    let m = mock(
+        200,
+        "application/dicom+json",
+        b"[]".to_vec(),
+        Duration::from_secs(3),
+    )
+    .await;
+    let e = client_for(&m.base).qido_studies(&[]).await.unwrap_err();
+    assert!(matches!(e, DicomWebError::Timeout { secs: 1, .. }), "{e}");
+    assert!(e.to_string().contains("did not answer within 1 s"), "{e}");
+
+    // JSON that is not a QIDO-RS result.
+    let m = mock(
+        200,
+        "application/dicom+json",
+        b"{\"a\":1}".to_vec(),
+        Duration::ZERO,
+    )
+    .await;
+    let e = client_for(&m.base).qido_studies(&[]).await.unwrap_err();
+    assert!(matches!(e, DicomWebError::BadResponse { .. }), "{e}");
+
+    // A WADO-RS body cut short.
+    let siim = std::fs::read(dicom_dir().join(SIIM)).unwrap();
+    let (ct, body) = hilum_pacs::multipart::build_related(
+        &[hilum_pacs::multipart::Part::dicom(siim.clone())],
+        "b1",
+    )
+    .unwrap();
+    let m = mock(200, &ct, body[..body.len() / 2].to_vec(), Duration::ZERO).await;
+    let e = client_for(&m.base).wado_study("1.2.3").await.unwrap_err();
+    assert!(matches!(e, DicomWebError::BadResponse { .. }), "{e}");
+    assert!(e.to_string().contains("cut off"), "{e}");
+
+    // STOW-RS 409: nothing stored, each failure with its reason.
+    let conflict = serde_json::json!({
+        "00081198": {"vr": "SQ", "Value": [{
+            "00081150": {"vr": "UI", "Value": ["1.2.840.10008.5.1.4.1.1.7"]},
+            "00081155": {"vr": "UI", "Value": ["1.2.3.4"]},
+            "00081197": {"vr": "US", "Value": [49152]}
+        }]}
+    });
+    let m = mock(
+        409,
+        "application/dicom+json",
+        conflict.to_string().into_bytes(),
+        Duration::ZERO,
+    )
+    .await;
+    let resp = client_for(&m.base)
+        .stow(Some("1.2.3"), std::slice::from_ref(&siim))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 409);
+    assert!(resp.stored.is_empty());
+    assert_eq!(resp.failed.len(), 1);
+    assert_eq!(resp.failed[0].sop_instance_uid.as_deref(), Some("1.2.3.4"));
+    assert_eq!(resp.failed[0].failure_reason, Some(0xC000));
+    let head = m.heads.lock().unwrap()[0].to_ascii_lowercase();
+    assert!(head.starts_with("post /dicom-web/studies/1.2.3 "), "{head}");
+    assert!(
+        head.contains("content-type: multipart/related; type=\"application/dicom\"; boundary="),
+        "{head}"
+    );
+
+    // A SOP Instance UID that would name a file outside the folder stops the pull before
+    // anything is written.
+    let uid = b"1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819";
+    let evil: Vec<u8> = b"../evil"
+        .iter()
+        .copied()
+        .chain(std::iter::repeat(b'.'))
+        .take(uid.len())
+        .collect();
+    // The data set's copy (the File Meta's, first in the file, stays valid).
+    let mut hostile = siim.clone();
+    let first = hostile.windows(uid.len()).position(|w| w == uid).unwrap();
+    let second = first
+        + uid.len()
+        + hostile[first + uid.len()..]
+            .windows(uid.len())
+            .position(|w| w == uid)
+            .unwrap();
+    hostile[second..second + uid.len()].copy_from_slice(&evil);
+    let (ct, body) =
+        hilum_pacs::multipart::build_related(&[hilum_pacs::multipart::Part::dicom(hostile)], "b2")
+            .unwrap();
+    let m = mock(200, &ct, body, Duration::ZERO).await;
+    let scratch = Scratch::new("hostile");
+    let dest = scratch.0.join("dest");
+    let e = pull_study(&client_for(&m.base), "1.2.3", &dest)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, DicomWebError::BadInstanceUid { index: 1, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("not a UID"), "{e}");
+    assert!(!dest.exists(), "nothing written");
+    assert!(!scratch.0.exists() || std::fs::read_dir(&scratch.0).unwrap().count() == 0);
 }
