@@ -29,7 +29,7 @@ use std::time::Duration;
 use reqwest::{header, Method, StatusCode, Url};
 use serde_json::Value;
 
-use crate::multipart::{self, Part, APPLICATION_DICOM};
+use crate::multipart::{self, APPLICATION_DICOM};
 use crate::PacsError;
 
 /// `Accept` for instances: the instances as stored (`transfer-syntax=*`), so pixel data comes
@@ -691,11 +691,10 @@ impl DicomWebClient {
         };
         let url = self.url(&path, &[])?;
         let shown = redacted(&url);
-        let parts: Vec<Part> = objects.iter().map(|o| Part::dicom(o.clone())).collect();
-        let boundary = multipart::new_boundary(&parts);
+        let contents: Vec<&[u8]> = objects.iter().map(Vec::as_slice).collect();
+        let boundary = multipart::new_boundary_for(&contents);
         let (content_type, body) =
-            multipart::build_related(&parts, &boundary).map_err(DicomWebError::Build)?;
-        drop(parts);
+            multipart::build_related_dicom(objects, &boundary).map_err(DicomWebError::Build)?;
         let (status, _, body) = self
             .send(
                 Method::POST,

@@ -413,19 +413,43 @@ fn valid_boundary(boundary: &str) -> Result<(), MultipartError> {
 /// boundary quoted when it needs to be) and the body. Refuses a boundary RFC 2046 does not
 /// allow or one that occurs in a part.
 pub fn build_related(parts: &[Part], boundary: &str) -> Result<(String, Vec<u8>), PacsError> {
+    let parts: Vec<(&str, &[u8])> = parts
+        .iter()
+        .map(|p| (p.content_type.as_str(), p.bytes.as_slice()))
+        .collect();
+    build(&parts, boundary)
+}
+
+/// [`build_related`] for DICOM Part 10 objects (each an `application/dicom` part), without
+/// copying them into [`Part`]s first: a STOW-RS request body.
+pub fn build_related_dicom(
+    objects: &[Vec<u8>],
+    boundary: &str,
+) -> Result<(String, Vec<u8>), PacsError> {
+    let parts: Vec<(&str, &[u8])> = objects
+        .iter()
+        .map(|o| (APPLICATION_DICOM, o.as_slice()))
+        .collect();
+    build(&parts, boundary)
+}
+
+fn build(parts: &[(&str, &[u8])], boundary: &str) -> Result<(String, Vec<u8>), PacsError> {
     valid_boundary(boundary)?;
     let delimiter = [b"--", boundary.as_bytes()].concat();
     if let Some(i) = parts
         .iter()
-        .position(|p| find(&p.bytes, &delimiter).is_some())
+        .position(|(_, bytes)| find(bytes, &delimiter).is_some())
     {
         return Err(MultipartError::BoundaryInPart { part: i + 1 }.into());
     }
-    let root_type = parts
-        .first()
-        .map(|p| p.content_type.as_str())
-        .filter(|t| !t.is_empty())
-        .unwrap_or(APPLICATION_DICOM);
+    let media_type = |t: &'_ str| -> String {
+        if t.is_empty() {
+            APPLICATION_DICOM.to_string()
+        } else {
+            t.to_string()
+        }
+    };
+    let root_type = media_type(parts.first().map(|(t, _)| *t).unwrap_or(""));
     let token = boundary
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || "'+_-.".contains(c));
@@ -436,19 +460,14 @@ pub fn build_related(parts: &[Part], boundary: &str) -> Result<(String, Vec<u8>)
     };
     let content_type =
         format!("multipart/related; type=\"{root_type}\"; boundary={boundary_param}");
-    let size: usize = parts.iter().map(|p| p.bytes.len() + 128).sum::<usize>() + 128;
+    let size: usize = parts.iter().map(|(_, b)| b.len() + 128).sum::<usize>() + 128;
     let mut body = Vec::with_capacity(size);
-    for part in parts {
+    for (ty, bytes) in parts {
         body.extend_from_slice(&delimiter);
         body.extend_from_slice(b"\r\nContent-Type: ");
-        let ty = if part.content_type.is_empty() {
-            APPLICATION_DICOM
-        } else {
-            &part.content_type
-        };
-        body.extend_from_slice(ty.as_bytes());
+        body.extend_from_slice(media_type(ty).as_bytes());
         body.extend_from_slice(b"\r\n\r\n");
-        body.extend_from_slice(&part.bytes);
+        body.extend_from_slice(bytes);
         body.extend_from_slice(b"\r\n");
     }
     body.extend_from_slice(&delimiter);
@@ -456,9 +475,15 @@ pub fn build_related(parts: &[Part], boundary: &str) -> Result<(String, Vec<u8>)
     Ok((content_type, body))
 }
 
-/// A boundary that occurs in none of `parts`: `hilum-` and 40 hex digits from the time, the
-/// process and a counter.
+/// A boundary that occurs in none of `parts` ([`new_boundary_for`] takes bare contents).
 pub fn new_boundary(parts: &[Part]) -> String {
+    let contents: Vec<&[u8]> = parts.iter().map(|p| p.bytes.as_slice()).collect();
+    new_boundary_for(&contents)
+}
+
+/// A boundary that occurs in none of `contents`: `hilum-` and 40 hex digits from the time, the
+/// process and a counter.
+pub fn new_boundary_for(contents: &[&[u8]]) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     loop {
@@ -476,9 +501,9 @@ pub fn new_boundary(parts: &[Part]) -> String {
             .collect();
         let boundary = format!("hilum-{hex}");
         let delimiter = format!("--{boundary}");
-        if !parts
+        if !contents
             .iter()
-            .any(|p| find(&p.bytes, delimiter.as_bytes()).is_some())
+            .any(|c| find(c, delimiter.as_bytes()).is_some())
         {
             return boundary;
         }
@@ -522,6 +547,14 @@ mod tests {
         assert_eq!(parse_ok(&ct, &body), parts);
         let b = new_boundary(&parts);
         let (ct, body) = build_related(&parts, &b).unwrap();
+        let dicom: Vec<Vec<u8>> = parts.iter().map(|p| p.bytes.clone()).collect();
+        let (ct2, body2) = build_related_dicom(&dicom, &b).unwrap();
+        let got = parse_ok(&ct2, &body2);
+        assert_eq!(got.len(), parts.len());
+        assert!(got
+            .iter()
+            .zip(&dicom)
+            .all(|(p, d)| p.bytes == *d && p.content_type == APPLICATION_DICOM));
         assert!(ct.ends_with(&format!("boundary={b}")));
         assert_eq!(parse_ok(&ct, &body), parts);
     }
