@@ -12,6 +12,7 @@
 #   RemoteAccessAllowed is false and AuthenticationEnabled false (127.0.0.1 only), AE title ORTHANC,
 #   DICOMweb at /dicom-web/, OverwriteInstances true (a resend replaces, as Hilum's results expect).
 #   HILUM_ORTHANC_USER=user:password turns HTTP basic authentication on with that one user.
+#   HILUM_ORTHANC_BIN=/path/to/Orthanc uses that binary (default: Orthanc on PATH, /usr/sbin).
 # Prints on stdout, once `GET /system` answers:
 #   export HILUM_ORTHANC_URL=http://127.0.0.1:PORT        (DICOMweb: $HILUM_ORTHANC_URL/dicom-web)
 #   export HILUM_ORTHANC_DICOM_PORT=PORT
@@ -24,10 +25,14 @@ _hilum_orthanc_start() {
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     parent="${1:-$root/target}"
     plugin=/usr/share/orthanc/plugins/libOrthancDicomWeb.so
-    bin="$(command -v Orthanc 2>/dev/null || true)"
-    [ -z "$bin" ] && [ -x /usr/sbin/Orthanc ] && bin=/usr/sbin/Orthanc
+    if [ -n "${HILUM_ORTHANC_BIN:-}" ]; then
+        bin="$(command -v "$HILUM_ORTHANC_BIN" 2>/dev/null || true)"
+    else
+        bin="$(command -v Orthanc 2>/dev/null || true)"
+        [ -z "$bin" ] && [ -x /usr/sbin/Orthanc ] && bin=/usr/sbin/Orthanc
+    fi
     if [ -z "$bin" ] || [ ! -f "$plugin" ]; then
-        echo "orthanc_start: Orthanc or its DICOMweb plugin ($plugin) is missing: run bash scripts/setup_pacs_tools.sh" >&2
+        echo "orthanc_start: Orthanc (${HILUM_ORTHANC_BIN:-Orthanc}) or its DICOMweb plugin ($plugin) is missing: run bash scripts/setup_pacs_tools.sh" >&2
         return 1
     fi
     mkdir -p "$parent" || return 1

@@ -119,6 +119,63 @@ impl Drop for Orthanc {
     }
 }
 
+/// Every log line of every crate, at every level, from the first test that asks on (a global
+/// tracing subscriber for this test binary).
+#[derive(Clone, Default)]
+struct LogBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+fn logs() -> &'static LogBuf {
+    static LOGS: std::sync::OnceLock<LogBuf> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = LogBuf::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(buf.clone())
+            .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other test of this binary sets a global tracing subscriber");
+        buf
+    })
+}
+
+/// Patient names, ids and birth dates of the shared files (values of 3 characters or more).
+fn patient_data(sources: &[Sent]) -> Vec<String> {
+    let mut phi = Vec::new();
+    for s in sources {
+        for tag in [
+            tags::PATIENT_NAME,
+            tags::PATIENT_ID,
+            tags::PATIENT_BIRTH_DATE,
+        ] {
+            if let Some(v) = s.obj.get(tag).and_then(|e| e.to_str().ok()) {
+                let v = v.trim_end_matches(['\0', ' ']).trim().to_string();
+                if v.len() >= 3 {
+                    phi.push(v);
+                }
+            }
+        }
+    }
+    phi
+}
+
 /// A scratch folder removed when dropped.
 struct Scratch(PathBuf);
 
@@ -290,6 +347,7 @@ async fn instance_uids(client: &DicomWebClient, study: &str) -> BTreeSet<String>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orthanc_stow_qido_wado_pull() {
     let test = "orthanc_stow_qido_wado_pull";
+    logs();
     let Some(orthanc) = Orthanc::start(test) else {
         return;
     };
@@ -478,6 +536,61 @@ async fn orthanc_stow_qido_wado_pull() {
         .await
         .unwrap();
     assert!(nothing.is_empty());
+
+    // No patient data in any log line of any crate (reqwest, hyper included, at TRACE), even
+    // after QIDO-RS searches by patient name and id, whose results carry them.
+    let phi = patient_data(&sources);
+    assert!(
+        phi.len() >= 3,
+        "the shared files have patient data to look for"
+    );
+    let siim_name = tag_of(&source.obj, tags::PATIENT_NAME);
+    let siim_id = tag_of(&source.obj, tags::PATIENT_ID);
+    for filter in [
+        ("PatientName", siim_name.as_str()),
+        ("PatientID", siim_id.as_str()),
+    ] {
+        let found = client.qido_studies(&[filter]).await.unwrap();
+        assert!(
+            found.iter().any(|s| s.study_instance_uid == study),
+            "{filter:?}"
+        );
+    }
+    let logs = String::from_utf8_lossy(&logs().0.lock().unwrap()).into_owned();
+    assert!(
+        logs.contains("stow-rs"),
+        "the client logged nothing:\n{logs}"
+    );
+    for v in &phi {
+        for line in logs.lines() {
+            assert!(
+                !line.contains(v.as_str()),
+                "a log line carries patient data {v:?}: {line}"
+            );
+        }
+    }
+}
+
+fn tag_of(obj: &InMemDicomObject, tag: dicom_object::Tag) -> String {
+    obj.get(tag)
+        .and_then(|e| e.to_str().ok())
+        .map(|v| v.trim_end_matches(['\0', ' ']).to_string())
+        .unwrap_or_default()
+}
+
+#[test]
+fn missing_orthanc_names_the_setup_script() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new("bash")
+        .arg(root.join("scripts/orthanc_start.sh"))
+        .arg(env!("CARGO_TARGET_TMPDIR"))
+        .env("HILUM_ORTHANC_BIN", "/nonexistent/Orthanc")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty(), "no exports without an Orthanc");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("scripts/setup_pacs_tools.sh"), "{err}");
 }
 
 #[tokio::test]
