@@ -64,6 +64,10 @@ async fn ask(llm: Arc<LocalLlm>, models: Arc<ModelPool>, question: &str) -> RunO
 /// each one that names such a topic says it cannot be assessed.
 fn claims_nothing_uncovered(answer: &str, uncovered: &[&Topic]) {
     for sentence in answer.split(['.', '\n']) {
+        // The install command names a tool (`generate_report`), not a finding.
+        if sentence.contains("hilum models ") {
+            continue;
+        }
         for topic in uncovered {
             if coverage::mentions(sentence, topic) {
                 assert!(

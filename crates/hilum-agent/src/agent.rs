@@ -1275,17 +1275,11 @@ impl Agent {
         st.relevance_requested = true;
         let mut lines = Vec::new();
         for topic in missing {
-            let ran: Vec<String> = self
-                .results_about(st, topic)
-                .iter()
-                .map(|(row, _)| row.tool.clone())
-                .collect();
-            let line = if !ran.is_empty() {
-                format!(
-                    "- {}: the result of {} above covers it",
-                    topic.label,
-                    ran.join(", ")
-                )
+            // What the tool says about it, so that a model that copies the request copies
+            // the right figures.
+            let said = self.statements(st, topic);
+            let line = if let Some(first) = said.first() {
+                format!("- {}: {first}", capitalise_first(topic.label))
             } else if tools_left {
                 let tools: Vec<String> = match &st
                     .coverage
@@ -1304,7 +1298,7 @@ impl Agent {
             lines.push(line);
         }
         Some(format!(
-            "Your answer does not address part of the question:\n{}\nAnswer each part of the question directly, quoting the tool results that cover it.",
+            "Your answer does not address part of the question. What the tool results say about it:\n{}\nAnswer each part of the question directly with these results.",
             lines.join("\n")
         ))
     }
@@ -1318,12 +1312,16 @@ impl Agent {
         if vocabulary.is_empty() || coverage::is_multiple_choice(&st.question) {
             return answer;
         }
+        // Covered parts the answer still leaves out: its sentences about them quote no tool
+        // figure (a model that calls the image's size the lungs' size), so they go, and Hilum
+        // states the part from the tool results below.
+        let unaddressed = self.unaddressed(st, &answer);
         let mut kept = Vec::new();
         for sentence in grounding::sentences(&answer) {
-            let invented = vocabulary
-                .iter()
-                .any(|t| coverage::mentions(sentence, t) && !self.supported(st, t))
-                && !coverage::states_inability(sentence);
+            let invented = vocabulary.iter().any(|t| {
+                coverage::mentions(sentence, t)
+                    && (!self.supported(st, t) || unaddressed.iter().any(|u| std::ptr::eq(*u, *t)))
+            }) && !coverage::states_inability(sentence);
             if invented {
                 st.dropped.push(sentence.to_string());
             } else {
@@ -1337,7 +1335,7 @@ impl Agent {
         };
         let mut added = Vec::new();
         for topic in self.unaddressed(st, &text) {
-            let said = self.statements(st, topic);
+            let said: Vec<String> = self.statements(st, topic).into_iter().take(1).collect();
             if said.is_empty() && self.in_history(st, topic) {
                 // An earlier turn's result covers it: the model may have answered from it in words
                 // the check does not know.
@@ -1359,7 +1357,7 @@ impl Agent {
                     capitalise_first(topic.label)
                 )
             } else {
-                format!("On {}: {}", topic.label, said.join(" "))
+                format!("{}: {}", capitalise_first(topic.label), said.join(" "))
             };
             st.unanswered.push(topic.label.to_string());
             added.push(line);

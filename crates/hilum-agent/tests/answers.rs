@@ -200,16 +200,18 @@ async fn an_irrelevant_answer_gets_one_revision_request_then_hilums_statement_an
         .filter(|c| c.contains("does not address"))
         .collect();
     assert_eq!(requests.len(), 1, "{:?}", out.messages);
+    // It names the part and what the tool says about it.
     assert!(
-        requests[0].contains("the size of the lungs"),
+        requests[0].contains("- The size of the lungs: the lungs cover 34.0% of the image"),
         "{}",
         requests[0]
     );
-    // The model did not fix it: Hilum states the part from the tool result, and says what it
-    // cannot assess.
-    assert!(answer.starts_with(lead), "{answer}");
+    // The model did not fix it: its sentence about the part (no tool figure in it) goes, Hilum
+    // states the part from the tool result, and says what it cannot assess.
+    assert!(!answer.contains("larger"), "{answer}");
+    assert_eq!(out.dropped, [lead]);
     assert!(
-        answer.contains("On the size of the lungs: the lungs cover 34.0% of the image; right 100 px, left 120 px (segment_lungs)."),
+        answer.starts_with("The size of the lungs: the lungs cover 34.0% of the image; right 100 px, left 120 px (segment_lungs)."),
         "{answer}"
     );
     assert!(answer.contains("I cannot assess nodules"), "{answer}");

@@ -129,7 +129,7 @@ topic!(
 topic!(
     REPORT,
     "report",
-    "a radiology report",
+    "findings for a radiology report",
     [
         "write+report",
         "generate+report",
