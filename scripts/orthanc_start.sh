@@ -13,6 +13,7 @@
 #   DICOMweb at /dicom-web/, OverwriteInstances true (a resend replaces, as Hilum's results expect).
 #   HILUM_ORTHANC_USER=user:password turns HTTP basic authentication on with that one user.
 #   HILUM_ORTHANC_BIN=/path/to/Orthanc uses that binary (default: Orthanc on PATH, /usr/sbin).
+#   HILUM_ORTHANC_MODALITY=AE@HOST:PORT declares that DICOM peer as modality `hilum` (routing).
 # Prints on stdout, once `GET /system` answers:
 #   export HILUM_ORTHANC_URL=http://127.0.0.1:PORT        (DICOMweb: $HILUM_ORTHANC_URL/dicom-web)
 #   export HILUM_ORTHANC_DICOM_PORT=PORT
@@ -21,7 +22,7 @@
 # Progress and errors go to stderr. Orthanc missing: `bash scripts/setup_pacs_tools.sh` installs it.
 
 _hilum_orthanc_start() {
-    local root parent work bin plugin http dicom pid try i auth
+    local root parent work bin plugin http dicom pid try i auth modalities
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     parent="${1:-$root/target}"
     plugin=/usr/share/orthanc/plugins/libOrthancDicomWeb.so
@@ -45,6 +46,12 @@ _hilum_orthanc_start() {
         esac
         auth="\"AuthenticationEnabled\": true, \"RegisteredUsers\": { $(python3 -c 'import json,sys; u,p=sys.argv[1].split(":",1); print(json.dumps(u)+": "+json.dumps(p))' "$HILUM_ORTHANC_USER") },"
     fi
+    # HILUM_ORTHANC_MODALITY=AE@HOST:PORT declares a DICOM peer Orthanc may send studies to
+    # (`POST /modalities/hilum/store`), e.g. Hilum's DICOM node.
+    modalities=""
+    if [ -n "${HILUM_ORTHANC_MODALITY:-}" ]; then
+        modalities="\"DicomModalities\": { \"hilum\": $(python3 -c 'import json,sys; ae,rest=sys.argv[1].split("@",1); host,port=rest.rsplit(":",1); print(json.dumps([ae,host,int(port)]))' "$HILUM_ORTHANC_MODALITY") },"
+    fi
     free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
     for try in 1 2 3; do
         http=$(free_port) && dicom=$(free_port) || return 1
@@ -59,6 +66,7 @@ _hilum_orthanc_start() {
   "DicomAet": "ORTHANC",
   "RemoteAccessAllowed": false,
   $auth
+  $modalities
   "OverwriteInstances": true,
   "HttpsCACertificates": "",
   "Plugins": ["$plugin"],

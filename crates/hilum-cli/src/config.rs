@@ -43,6 +43,38 @@ pub struct FileConfig {
     /// `[serve]`: settings of `hilum serve` that its flags override.
     #[serde(default)]
     pub serve: ServeSection,
+    /// `[pacs]`: the DICOM node of `hilum serve --dicom-port` and its `[[pacs.protocol]]` table.
+    #[serde(default)]
+    pub pacs: PacsSection,
+}
+
+/// The `[pacs]` table; the `--dicom-*` and `--pacs-*` flags win over it.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PacsSection {
+    /// The node's AE title (default HILUM).
+    pub ae_title: Option<String>,
+    /// Calling AE titles allowed to send (empty: any).
+    #[serde(default)]
+    pub allowed_callers: Vec<String>,
+    /// Hosts allowed to send (empty: any).
+    #[serde(default)]
+    pub allowed_hosts: Vec<std::net::IpAddr>,
+    /// Where received instances and written results are kept (default: hilum-pacs beside the
+    /// database file, or ./hilum-pacs).
+    pub storage_dir: Option<PathBuf>,
+    /// Seconds without a new instance after which a study counts as complete.
+    pub quiet_secs: Option<f64>,
+    /// The PACS's DICOMweb root results are sent to (STOW-RS).
+    pub destination: Option<String>,
+    /// Largest object accepted, MiB.
+    pub max_object_mb: Option<u64>,
+    /// Associations at once.
+    pub max_associations: Option<usize>,
+    /// `[[pacs.protocol]]`: which studies run what (default: CR and DX run the classifier,
+    /// the lung segmentation and the chest measurements, where installed).
+    #[serde(default)]
+    pub protocol: Vec<hilum_pacs::protocol::Protocol>,
 }
 
 /// The `[serve]` table.

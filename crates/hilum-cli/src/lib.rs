@@ -10,6 +10,7 @@ mod eval_cmd;
 mod gpu_check_cmd;
 mod logging;
 mod models_cmd;
+mod pacs_cmd;
 mod render;
 mod serve_cmd;
 mod tools_cmd;
@@ -63,6 +64,8 @@ enum Commands {
     GpuCheck(gpu_check_cmd::GpuCheckArgs),
     /// De-identified copies of DICOM files (PS3.15 Annex E, with the profile options as flags).
     Deid(deid_cmd::DeidArgs),
+    /// The DICOM node's jobs (list, retry), and pulling a study from a PACS by DICOMweb.
+    Pacs(pacs_cmd::PacsArgs),
 }
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
@@ -165,6 +168,7 @@ async fn run() {
         Commands::Eval(args) => eval_cmd::run(args).await,
         Commands::Serve(args) => serve_cmd::run(args).await,
         Commands::Mcp(args) => serve_cmd::run_mcp(args).await,
+        Commands::Pacs(args) => pacs_cmd::run(args).await,
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

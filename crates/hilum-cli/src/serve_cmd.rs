@@ -16,7 +16,7 @@ use hilum_server::{AppState, Db, LlmFactory, RateLimit, ServerConfig};
 use crate::config::{load_file, LlmChoice};
 use crate::logging::{self, notice, LogFormat};
 
-const DEFAULT_DB: &str = "sqlite://.hilum/hilum.db";
+pub(crate) const DEFAULT_DB: &str = "sqlite://.hilum/hilum.db";
 
 #[derive(Args)]
 #[command(
@@ -101,6 +101,30 @@ pub struct ServeArgs {
     /// (default `info`); each line of a request carries its `request_id`.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Run a DICOM node on this port (on --bind's address): C-ECHO and C-STORE in, each
+    /// complete study matched against the [[pacs.protocol]] table and run, results sent back
+    /// as SR, SEG and overlay images (see docs/pacs.md).
+    #[arg(long, env = "HILUM_DICOM_PORT")]
+    pub dicom_port: Option<u16>,
+    /// The node's AE title (default HILUM, or `ae_title` in [pacs]).
+    #[arg(long)]
+    pub dicom_ae: Option<String>,
+    /// A calling AE title allowed to send (repeatable; default: any, or [pacs] allowed_callers).
+    #[arg(long)]
+    pub dicom_allow_ae: Vec<String>,
+    /// A host allowed to send (repeatable; default: any, or [pacs] allowed_hosts).
+    #[arg(long)]
+    pub dicom_allow_host: Vec<std::net::IpAddr>,
+    /// Where received instances and results are kept.
+    #[arg(long)]
+    pub dicom_dir: Option<PathBuf>,
+    /// Seconds without a new instance after which a study counts as complete (default 5).
+    #[arg(long)]
+    pub pacs_quiet_secs: Option<f64>,
+    /// The PACS's DICOMweb root to send results to by STOW-RS
+    /// (http://pacs:8042/dicom-web); HILUM_PACS_DEST_TOKEN is its bearer token, if any.
+    #[arg(long, env = "HILUM_PACS_DEST")]
+    pub pacs_dest: Option<String>,
 }
 
 impl ServeArgs {
@@ -337,6 +361,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // check read it, as `hilum analyze` does.
     cfg.env = hilum_tools::environment(&shared, &[]);
     cfg.toolbox = hilum_server::toolbox_factory(crate::registry().clone(), shared);
+    if let Some(port) = args.dicom_port {
+        cfg.pacs = Some(pacs_settings(&args, &file.pacs, port)?);
+    }
     let state = AppState::new(cfg)
         .with_context(|| format!("cannot open {}", hilum_server::db::shown_url(&args.db)))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -389,6 +416,63 @@ async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
     notice("hilum serve: shutting down: no new connections; running runs may finish");
+}
+
+/// The DICOM node's settings: the flags, else the config file's [pacs] table, else defaults.
+fn pacs_settings(
+    args: &ServeArgs,
+    file: &crate::config::PacsSection,
+    port: u16,
+) -> anyhow::Result<hilum_server::pacs::PacsSettings> {
+    let dir = args
+        .dicom_dir
+        .clone()
+        .or_else(|| file.storage_dir.clone())
+        .unwrap_or_else(|| match hilum_server::db::parse_url(&args.db) {
+            Ok(hilum_server::db::DbUrl::Sqlite(p)) => p
+                .parent()
+                .map(|d| d.join("hilum-pacs"))
+                .unwrap_or_else(|| PathBuf::from("hilum-pacs")),
+            _ => PathBuf::from("hilum-pacs"),
+        });
+    let mut s = hilum_server::pacs::PacsSettings::new(SocketAddr::new(args.bind.ip(), port), dir);
+    if let Some(ae) = args.dicom_ae.clone().or_else(|| file.ae_title.clone()) {
+        s.ae_title = ae;
+    }
+    s.allowed_callers = if args.dicom_allow_ae.is_empty() {
+        file.allowed_callers.clone()
+    } else {
+        args.dicom_allow_ae.clone()
+    };
+    s.allowed_hosts = if args.dicom_allow_host.is_empty() {
+        file.allowed_hosts.clone()
+    } else {
+        args.dicom_allow_host.clone()
+    };
+    if let Some(q) = args.pacs_quiet_secs.or(file.quiet_secs) {
+        s.quiet = secs("--pacs-quiet-secs", q)?;
+    }
+    if let Some(mb) = file.max_object_mb {
+        s.max_object_bytes = mb << 20;
+    }
+    if let Some(n) = file.max_associations {
+        s.max_associations = n;
+    }
+    s.protocols = if file.protocol.is_empty() {
+        // A sensible default: frontal and lateral chest radiographs run the model tools.
+        vec![serde_json::from_value(serde_json::json!({"name": "cxr"}))?]
+    } else {
+        file.protocol.clone()
+    };
+    s.destination = args
+        .pacs_dest
+        .clone()
+        .or_else(|| file.destination.clone())
+        .map(|url| hilum_server::pacs::Destination {
+            url,
+            bearer: std::env::var("HILUM_PACS_DEST_TOKEN").ok(),
+        });
+    Ok(s)
 }
 
 pub async fn run_mcp(args: McpArgs) -> anyhow::Result<()> {

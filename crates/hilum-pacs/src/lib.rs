@@ -37,6 +37,7 @@ mod dataset;
 pub mod dicomweb;
 pub mod error;
 pub mod multipart;
+pub mod protocol;
 pub mod result;
 pub mod sc;
 pub mod scp;

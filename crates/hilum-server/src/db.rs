@@ -5,7 +5,10 @@
 //! acknowledges it, so a restart loses nothing that a client was told had happened.
 
 pub(crate) mod backend;
+mod pacs;
 pub(crate) mod tls;
+
+pub use pacs::{PacsInstance, PacsJob, JOB_STATES};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -13,6 +13,7 @@ mod error;
 pub mod mcp;
 mod metrics;
 pub mod openapi;
+pub mod pacs;
 mod request_id;
 mod run;
 mod web;
@@ -136,6 +137,8 @@ pub struct ServerConfig {
     /// A `running` run whose heartbeat is older than this was left by a process that died:
     /// any server marks it `interrupted`. Keep it several heartbeats long.
     pub run_stale_after: Duration,
+    /// The DICOM node (`--dicom-port`): C-STORE in, protocol runs, results to the PACS.
+    pub pacs: Option<pacs::PacsSettings>,
 }
 
 impl ServerConfig {
@@ -164,6 +167,7 @@ impl ServerConfig {
             drain: Duration::from_secs(30),
             run_heartbeat: Duration::from_secs(5),
             run_stale_after: Duration::from_secs(30),
+            pacs: None,
         }
     }
 }
@@ -391,6 +395,12 @@ pub fn router(state: AppState) -> Router {
         // `{name}:call` is one path segment; the handler checks the `:call` suffix.
         .route("/v1/tools/{call}", post(api::call_tool))
         .route("/v1/audit", get(api::export_audit))
+        .route("/v1/pacs/jobs", get(pacs::list_jobs))
+        .route("/v1/pacs/jobs/{id}/retry", post(pacs::retry_job))
+        .route(
+            "/dicomweb/studies",
+            post(pacs::stow).layer(DefaultBodyLimit::max(upload_limit)),
+        )
         .nest_service("/mcp", mcp::http_service(state.clone()))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -489,6 +499,9 @@ pub async fn serve(
         tracing::warn!(%addr, "listening on a non-loopback address: put TLS in front of it");
     }
     tracing::info!(%addr, "hilum serve listening");
+    if let Some(settings) = state.cfg.pacs.clone() {
+        pacs::start(state.clone(), settings).map_err(std::io::Error::other)?;
+    }
     if let Some(tx) = bound {
         let _ = tx.send(addr);
     }

@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{api, run};
+use crate::{api, pacs, run};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -29,12 +29,15 @@ use crate::{api, run};
         api::list_tools,
         api::call_tool,
         api::export_audit,
+        pacs::list_jobs,
+        pacs::retry_job,
+        pacs::stow,
         serve,
     ),
     components(schemas(
         api::Health, api::ImageList, api::CreateSession, api::SessionList, api::MessageList,
         api::RunList, api::EventList, api::ArtifactList, api::ArtifactRef, api::ToolList,
-        api::DirectResult, run::Ask,
+        api::DirectResult, run::Ask, pacs::JobList, crate::db::PacsJob,
     )),
     modifiers(&BearerAuth),
 )]

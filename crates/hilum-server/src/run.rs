@@ -206,6 +206,64 @@ pub async fn resume(
 }
 
 /// The run's model, if the server has one and the policy allows it.
+/// Runs a question as an ordinary durable run of `caller`'s session, without a client: the
+/// DICOM node's protocol plans run this way (stored, audited and shown like any other run).
+/// Returns the run id and its events.
+pub(crate) async fn run_unattended(
+    state: &AppState,
+    caller: Caller,
+    llm: Arc<dyn hilum_agent::Llm>,
+    session_id: String,
+    question: String,
+    images: Vec<String>,
+) -> Result<(String, Vec<Value>), ApiError> {
+    state.runs.refuse_when_draining()?;
+    let space = state.space(&caller).await?;
+    let history = to_messages(state.db.history(session_id.clone()).await?)?;
+    let (image_payloads, image_metadata) =
+        image_inputs(state, &space, &images, llm.capabilities()).await?;
+    let run_id = new_id("run");
+    state
+        .db
+        .insert_run(
+            session_id.clone(),
+            run_id.clone(),
+            question.clone(),
+            images.clone(),
+            llm.name(),
+            state.replica.clone(),
+        )
+        .await?;
+    let input = RunInput {
+        question,
+        images,
+        image_payloads,
+        history,
+        session_id: session_id.clone(),
+        image_metadata,
+    };
+    let start = Start {
+        caller,
+        space,
+        session_id,
+        run_id: run_id.clone(),
+        input,
+        resume: None,
+        seq: 0,
+    };
+    // The body streams until the run's last event; reading it to the end is waiting for the run.
+    let body = start_run(state, llm, start, false).into_body();
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .map_err(|e| ApiError::Internal(format!("the run's event stream broke: {e}")))?;
+    let events = bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| serde_json::from_slice(l).ok())
+        .collect();
+    Ok((run_id, events))
+}
+
 fn build_llm(state: &AppState) -> Result<std::sync::Arc<dyn hilum_agent::Llm>, ApiError> {
     let factory = state.cfg.llm.clone().ok_or_else(|| {
         ApiError::LlmUnavailable(
@@ -464,6 +522,11 @@ impl Runs {
     /// From now on, new runs and resumes are refused.
     pub(crate) fn start_draining(&self) {
         self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the server is shutting down (no new work starts).
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
     }
 
     fn refuse_when_draining(&self) -> Result<(), ApiError> {

@@ -38,6 +38,11 @@ const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../../migrations/0002_durable_runs.sql"),
         postgres: include_str!("../../migrations/postgres/0002_durable_runs.sql"),
     },
+    Migration {
+        version: 3,
+        sqlite: include_str!("../../migrations/0003_pacs.sql"),
+        postgres: include_str!("../../migrations/postgres/0003_pacs.sql"),
+    },
 ];
 
 /// Serialises migrations of replicas starting at once, and audit appends (so that audit

@@ -3,6 +3,7 @@
 
 #[macro_use]
 mod common;
+mod pacs_node;
 mod server_api;
 mod server_db;
 mod server_db_tls;

@@ -1,0 +1,353 @@
+//! Hilum in the hospital's imaging workflow, end to end with real peers: `hilum serve`'s DICOM
+//! node receives studies from dcmtk's `storescu` and from a real Orthanc that routes a study to
+//! it (Debian's orthanc 1.10.1 with orthanc-dicomweb, started by scripts/orthanc_start.sh); the
+//! protocol runs as an ordinary durable run with the real lung U-Net; the SR, SEG and overlay go
+//! back into the same study in Orthanc by STOW-RS, where QIDO-RS finds them and each references
+//! the source instance. A CT study matches no protocol and its job says why.
+//!
+//! Needs `scripts/setup_pacs_tools.sh` (dcmtk, Orthanc); without them the test fails naming
+//! it, unless HILUM_SKIP_PACS_TOOLS=1.
+
+use crate::common::{config, data_dir, start};
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hilum_imaging::ImageStore;
+use hilum_models::{ImportOptions, ModelPool, ModelRegistry};
+use hilum_pacs::dicomweb::{tag_str, DicomWebClient, DicomWebConfig};
+use hilum_server::db::PacsJob;
+use hilum_server::pacs::{Destination, PacsSettings};
+use hilum_tools::{default_toolbox, ToolDeps};
+
+const SIIM: &str = "siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm";
+const RG1: &str = "RG1_chest_cr_pa_jpeg2000_lossy.dcm";
+
+struct Orthanc {
+    url: String,
+    pid: u32,
+    work: PathBuf,
+}
+
+impl Drop for Orthanc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg(self.pid.to_string()).status();
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tools_missing() -> Option<String> {
+    for tool in ["storescu", "Orthanc"] {
+        let found = Command::new("sh")
+            .args([
+                "-c",
+                &format!("command -v {tool} || test -x /usr/sbin/{tool}"),
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            return Some(tool.to_string());
+        }
+    }
+    None
+}
+
+/// An Orthanc that knows Hilum's node as modality `hilum`.
+fn orthanc(hilum_dicom_port: u16) -> Orthanc {
+    let out = Command::new("bash")
+        .arg(repo().join("scripts/orthanc_start.sh"))
+        .arg(env!("CARGO_TARGET_TMPDIR"))
+        .env(
+            "HILUM_ORTHANC_MODALITY",
+            format!("HILUM@127.0.0.1:{hilum_dicom_port}"),
+        )
+        .output()
+        .expect("run scripts/orthanc_start.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let var = |name: &str| {
+        stdout.lines().find_map(|l| {
+            l.strip_prefix(&format!("export {name}="))
+                .map(str::to_string)
+        })
+    };
+    assert!(
+        out.status.success(),
+        "scripts/orthanc_start.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Orthanc {
+        url: var("HILUM_ORTHANC_URL").expect("url"),
+        pid: var("HILUM_ORTHANC_PID")
+            .and_then(|p| p.parse().ok())
+            .expect("pid"),
+        work: PathBuf::from(var("HILUM_ORTHANC_WORK").expect("work")),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn lung_models(dir: &Path) -> Arc<ModelPool> {
+    let reg = ModelRegistry::new(dir).expect("models dir");
+    let h5 = data_dir().join("models/lung_seg_unet/lung_seg_valiou_088.h5");
+    hilum_models::import(&reg, "lung-unet", &h5, &ImportOptions::default())
+        .expect("import the lung U-Net");
+    Arc::new(ModelPool::new(Arc::new(reg)))
+}
+
+fn study_uid(path: &Path) -> String {
+    let bytes = std::fs::read(path).expect("read");
+    let (source, _) = hilum_pacs::protocol::read_facts(&bytes).expect("facts");
+    source.study.instance_uid
+}
+
+fn sop_uid(path: &Path) -> String {
+    let bytes = std::fs::read(path).expect("read");
+    let (source, _) = hilum_pacs::protocol::read_facts(&bytes).expect("facts");
+    source.sop_instance_uid
+}
+
+async fn wait_job(db: &hilum_server::Db, study: &str, timeout: Duration) -> PacsJob {
+    let until = Instant::now() + timeout;
+    loop {
+        let jobs = db.pacs_jobs(100).await.expect("jobs");
+        if let Some(j) = jobs.iter().find(|j| j.study_uid == study) {
+            if j.state == "done" || j.state == "failed" {
+                return j.clone();
+            }
+        }
+        assert!(
+            Instant::now() < until,
+            "the job of {study} did not end: {jobs:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The result series of a study in Orthanc, by modality, each checked to reference `source`.
+async fn results_in(client: &DicomWebClient, study: &str, source_sop: &str) -> Vec<String> {
+    let series = client.qido_series(study, &[]).await.expect("QIDO series");
+    let mut found = Vec::new();
+    for s in &series {
+        let modality = tag_str(&s.json, "00080060").unwrap_or_default();
+        let series_uid = tag_str(&s.json, "0020000E").unwrap_or_default();
+        let instances = client
+            .qido_instances(study, &series_uid)
+            .await
+            .expect("QIDO instances");
+        for i in instances {
+            let sop = tag_str(&i.json, "00080018").unwrap_or_default();
+            if sop == source_sop {
+                continue;
+            }
+            let bytes = client
+                .wado_instance(study, &series_uid, &sop)
+                .await
+                .expect("WADO");
+            let text = String::from_utf8_lossy(&bytes);
+            assert!(
+                text.contains(source_sop),
+                "{modality} {sop} does not reference the source instance"
+            );
+            found.push(modality.clone());
+        }
+    }
+    found.sort();
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() {
+    if let Some(tool) = tools_missing() {
+        if std::env::var("HILUM_SKIP_PACS_TOOLS").as_deref() == Ok("1") {
+            eprintln!("skipped: {tool} is missing and HILUM_SKIP_PACS_TOOLS=1");
+            return;
+        }
+        panic!("{tool} is missing: run `bash scripts/setup_pacs_tools.sh`");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dicom_port = free_port();
+    let pacs = orthanc(dicom_port);
+    let pool = lung_models(&dir.path().join("models"));
+    let mut cfg = config(&dir.path().join("h.db"), None);
+    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
+    cfg.env = hilum_tools::environment(&deps, &[]);
+    cfg.models = Some(pool.clone());
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        default_toolbox(&ToolDeps::new(store, pool.clone()))
+    });
+    let mut settings = PacsSettings::new(
+        format!("127.0.0.1:{dicom_port}").parse().expect("addr"),
+        dir.path().join("pacs"),
+    );
+    settings.quiet = Duration::from_millis(500);
+    settings.allowed_callers = vec!["STORESCU".into(), "ORTHANC".into()];
+    settings.protocols =
+        vec![serde_json::from_value(serde_json::json!({"name": "cxr"})).expect("protocol")];
+    settings.destination = Some(Destination {
+        url: format!("{}/dicom-web", pacs.url),
+        bearer: None,
+    });
+    cfg.pacs = Some(settings);
+    let srv = start(cfg).await;
+    let db = srv.state.db();
+    let client = DicomWebClient::new(DicomWebConfig::new(format!("{}/dicom-web", pacs.url)))
+        .expect("client");
+
+    // 1. storescu sends a CR to Hilum's node.
+    let siim = data_dir().join("cxr/dicom").join(SIIM);
+    let out = Command::new("storescu")
+        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
+        .arg(dicom_port.to_string())
+        .arg(&siim)
+        .output()
+        .expect("run storescu");
+    assert!(
+        out.status.success(),
+        "storescu: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let study = study_uid(&siim);
+    let job = wait_job(&db, &study, Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    assert_eq!(job.protocol.as_deref(), Some("cxr"));
+    assert!(
+        job.run_id.is_some(),
+        "the plan ran as a durable run: {job:#?}"
+    );
+    // The source is not in Orthanc (storescu sent it to Hilum only): the results are.
+    let found = results_in(&client, &study, &sop_uid(&siim)).await;
+    assert!(found.contains(&"SR".to_string()), "{found:?}");
+    assert!(found.contains(&"SEG".to_string()), "{found:?}");
+    assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
+
+    // 2. Orthanc holds a study and routes it to Hilum (C-STORE from Orthanc).
+    let rg1 = data_dir().join("cxr/dicom").join(RG1);
+    let stow = client
+        .stow(None, &[std::fs::read(&rg1).expect("read RG1")])
+        .await
+        .expect("STOW the source into Orthanc");
+    assert_eq!(stow.stored.len(), 1);
+    let http = reqwest::Client::new();
+    let studies: Vec<String> = http
+        .get(format!("{}/studies", pacs.url))
+        .send()
+        .await
+        .expect("GET /studies")
+        .json()
+        .await
+        .expect("JSON");
+    let rg1_study = study_uid(&rg1);
+    let mut orthanc_id = None;
+    for id in studies {
+        let v: serde_json::Value = http
+            .get(format!("{}/studies/{id}", pacs.url))
+            .send()
+            .await
+            .expect("GET study")
+            .json()
+            .await
+            .expect("JSON");
+        if v["MainDicomTags"]["StudyInstanceUID"] == rg1_study.as_str() {
+            orthanc_id = Some(id);
+        }
+    }
+    let orthanc_id = orthanc_id.expect("Orthanc knows the RG1 study");
+    let routed = http
+        .post(format!("{}/modalities/hilum/store", pacs.url))
+        .body(serde_json::json!({"Resources": [orthanc_id], "Synchronous": true}).to_string())
+        .send()
+        .await
+        .expect("route the study to Hilum");
+    assert!(routed.status().is_success(), "{:?}", routed.text().await);
+    let job = wait_job(&db, &rg1_study, Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    let found = results_in(&client, &rg1_study, &sop_uid(&rg1)).await;
+    assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
+
+    // 3. A resend of the same study replaces its results: still one set in Orthanc.
+    let out = Command::new("storescu")
+        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
+        .arg(dicom_port.to_string())
+        .arg(&siim)
+        .output()
+        .expect("run storescu");
+    assert!(out.status.success());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let job = wait_job(&db, &study, Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    let found = results_in(&client, &study, &sop_uid(&siim)).await;
+    assert_eq!(found.len(), 3, "a resend duplicated results: {found:?}");
+
+    // 4. A CT matches no protocol: its job says why and nothing is sent.
+    let ct = dir.path().join("ct.dcm");
+    make_ct(&siim, &ct);
+    let out = Command::new("storescu")
+        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
+        .arg(dicom_port.to_string())
+        .arg(&ct)
+        .output()
+        .expect("run storescu");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let job = wait_job(&db, &study_uid(&ct), Duration::from_secs(60)).await;
+    assert_eq!(job.state, "done");
+    assert_eq!(job.protocol, None);
+    let detail = job.detail.unwrap_or_default();
+    assert!(
+        detail.contains("modality CT is not one of CR, DX"),
+        "{detail}"
+    );
+    srv.stop().await;
+}
+
+/// A copy of `src` as a CT of a study of its own.
+fn make_ct(src: &Path, out: &Path) {
+    use hilum_pacs::InMemDicomObject;
+    let bytes = std::fs::read(src).expect("read");
+    let mut obj = hilum_pacs::read_dicom(&bytes).expect("read DICOM");
+    let put = |o: &mut hilum_pacs::FileDicomObject<InMemDicomObject>, tag, vr, v: &str| {
+        o.put(dicom_core::DataElement::new(
+            tag,
+            vr,
+            dicom_core::PrimitiveValue::from(v),
+        ));
+    };
+    use dicom_core::VR;
+    use dicom_dictionary_std::tags;
+    put(&mut obj, tags::MODALITY, VR::CS, "CT");
+    put(
+        &mut obj,
+        tags::STUDY_INSTANCE_UID,
+        VR::UI,
+        "2.25.1234567890123456789",
+    );
+    put(
+        &mut obj,
+        tags::SERIES_INSTANCE_UID,
+        VR::UI,
+        "2.25.1234567890123456790",
+    );
+    put(
+        &mut obj,
+        tags::SOP_INSTANCE_UID,
+        VR::UI,
+        "2.25.1234567890123456791",
+    );
+    obj.meta_mut().media_storage_sop_instance_uid = "2.25.1234567890123456791".into();
+    obj.write_to_file(out).expect("write the CT");
+}
