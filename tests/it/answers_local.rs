@@ -157,7 +157,7 @@ async fn with_only_the_lung_unet_uncovered_findings_are_declined_with_the_instal
             "{question}: {a}"
         );
         assert!(
-            a.contains(&format!("hilum models ")) && a.contains(model),
+            a.contains("hilum models ") && a.contains(model),
             "{question}: {a}"
         );
         assert_eq!(out.rounds, 0, "{question}: the model was asked");
@@ -238,7 +238,7 @@ fn hilum_thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -79,6 +79,29 @@ async function loadAll() {
   }
   await Promise.all([loadSessions(), loadImages()]);
   $("token-state").textContent = "Connected.";
+  loadPacsJobs();
+}
+
+// ---------- PACS jobs (issue 35): the DICOM node's studies, their states and runs ----------
+
+async function loadPacsJobs() {
+  let jobs = [];
+  try {
+    ({ jobs } = await getJson("/v1/pacs/jobs"));
+  } catch {
+    return; // an older server: no panel content
+  }
+  const ul = $("pacs-jobs");
+  ul.replaceChildren();
+  $("pacs-empty").hidden = jobs.length > 0;
+  for (const j of jobs.slice(0, 20)) {
+    const when = new Date(j.updated_ms).toLocaleTimeString();
+    const what = `${j.state} · ${j.protocol || "no protocol"} · ${j.instances} image(s) · ${when}`;
+    ul.append(el("li", { "data-job": j.id, "data-state": j.state, title: j.detail || "" },
+      el("strong", { text: j.state === "failed" ? "Failed" : j.state === "done" ? "Done" : "Working" }),
+      el("span", { text: ` ${what}` }),
+      el("div", { class: "muted", text: [j.detail, j.run_id ? `run ${j.run_id}` : ""].filter(Boolean).join(" — ") })));
+  }
 }
 
 // ---------- sessions ----------

@@ -219,7 +219,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         String::from_utf8_lossy(&out.stderr)
     );
     let study = study_uid(&siim);
-    let job = wait_job(&db, &study, Duration::from_secs(240)).await;
+    let job = wait_job(db, &study, Duration::from_secs(240)).await;
     assert_eq!(job.state, "done", "{job:#?}");
     assert_eq!(job.protocol.as_deref(), Some("cxr"));
     assert!(
@@ -271,7 +271,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         .await
         .expect("route the study to Hilum");
     assert!(routed.status().is_success(), "{:?}", routed.text().await);
-    let job = wait_job(&db, &rg1_study, Duration::from_secs(240)).await;
+    let job = wait_job(db, &rg1_study, Duration::from_secs(240)).await;
     assert_eq!(job.state, "done", "{job:#?}");
     let found = results_in(&client, &rg1_study, &sop_uid(&rg1)).await;
     assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
@@ -285,7 +285,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         .expect("run storescu");
     assert!(out.status.success());
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let job = wait_job(&db, &study, Duration::from_secs(240)).await;
+    let job = wait_job(db, &study, Duration::from_secs(240)).await;
     assert_eq!(job.state, "done", "{job:#?}");
     let found = results_in(&client, &study, &sop_uid(&siim)).await;
     assert_eq!(found.len(), 3, "a resend duplicated results: {found:?}");
@@ -304,7 +304,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let job = wait_job(&db, &study_uid(&ct), Duration::from_secs(60)).await;
+    let job = wait_job(db, &study_uid(&ct), Duration::from_secs(60)).await;
     assert_eq!(job.state, "done");
     assert_eq!(job.protocol, None);
     let detail = job.detail.unwrap_or_default();
