@@ -206,7 +206,7 @@ async fn with_only_the_lung_unet_the_lungs_size_is_answered_with_coverage_and_bo
                     let px = o.data[side]["area_px"]
                         .as_u64()
                         .or_else(|| o.data[format!("{side}_px")].as_u64())?;
-                    Some(hilum_thousands(px))
+                    Some(px.to_string())
                 })
             })
             .collect();
@@ -232,18 +232,6 @@ async fn with_only_the_lung_unet_the_lungs_size_is_answered_with_coverage_and_bo
             &[&topics::NODULE, &topics::EFFUSION, &topics::PNEUMOTHORAX],
         );
     }
-}
-
-fn hilum_thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// The lung U-Net and a classifier with seeded weights, imported as a site checkpoint.

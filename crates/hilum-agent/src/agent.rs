@@ -1103,39 +1103,46 @@ impl Agent {
             ));
         }
         if let Verdict::Revise(request) = self.ground(st, &answer, false) {
-            st.messages.push(Message::assistant(answer.clone(), vec![]));
-            st.messages.push(Message::user(request, vec![]));
-            let budget = if reason == StopReason::Deadline {
-                SYNTHESIS_GRACE / 2
-            } else {
-                self.remaining(st)
-            };
-            let turn = self.reason(st, false, budget).await?;
-            let revised = turn.answer.unwrap_or(turn.text);
-            if !revised.trim().is_empty() {
-                answer = revised;
-            }
+            answer = self
+                .revise_without_tools(st, answer, request, &reason)
+                .await?;
             self.ground(st, &answer, false);
         }
         if let Some(request) = self.relevance_request(st, &answer, false) {
-            st.messages.push(Message::assistant(answer.clone(), vec![]));
-            st.messages.push(Message::user(request, vec![]));
-            let budget = if reason == StopReason::Deadline {
-                SYNTHESIS_GRACE / 2
-            } else {
-                self.remaining(st)
-            };
-            let turn = self.reason(st, false, budget).await?;
-            let revised = turn.answer.unwrap_or(turn.text);
-            if !revised.trim().is_empty() {
-                answer = revised;
-            }
+            answer = self
+                .revise_without_tools(st, answer, request, &reason)
+                .await?;
         }
         if reason != StopReason::Deadline {
             self.run_covering_tools(st).await?;
         }
         let answer = self.complete_answer(st, answer);
         Ok((answer, reason))
+    }
+
+    /// One revision of `answer` after the tools: `request` says what to change; an empty reply
+    /// keeps the answer.
+    async fn revise_without_tools(
+        &self,
+        st: &mut RunState,
+        answer: String,
+        request: String,
+        reason: &StopReason,
+    ) -> Result<String, String> {
+        st.messages.push(Message::assistant(answer.clone(), vec![]));
+        st.messages.push(Message::user(request, vec![]));
+        let budget = if *reason == StopReason::Deadline {
+            SYNTHESIS_GRACE / 2
+        } else {
+            self.remaining(st)
+        };
+        let turn = self.reason(st, false, budget).await?;
+        let revised = turn.answer.unwrap_or(turn.text);
+        Ok(if revised.trim().is_empty() {
+            answer
+        } else {
+            revised
+        })
     }
 
     /// Whether an earlier turn of the session holds a result covering `topic`.

@@ -86,30 +86,54 @@ pub async fn ask(
         return Err(ApiError::BadRequest("`question` is empty".into()));
     }
     let llm = build_llm(&state)?;
+    let start = new_run(
+        &state,
+        caller,
+        space,
+        &llm,
+        session_id,
+        ask.question,
+        ask.images,
+    )
+    .await?;
+    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+}
+
+/// Records a new run of `question` in the session and gathers what it starts from (history,
+/// pixels where allowed, image metadata).
+async fn new_run(
+    state: &AppState,
+    caller: Caller,
+    space: Arc<Space>,
+    llm: &Arc<dyn hilum_agent::Llm>,
+    session_id: String,
+    question: String,
+    images: Vec<String>,
+) -> Result<Start, ApiError> {
     let history = to_messages(state.db.history(session_id.clone()).await?)?;
     let (image_payloads, image_metadata) =
-        image_inputs(&state, &space, &ask.images, llm.capabilities()).await?;
+        image_inputs(state, &space, &images, llm.capabilities()).await?;
     let run_id = new_id("run");
     state
         .db
         .insert_run(
             session_id.clone(),
             run_id.clone(),
-            ask.question.clone(),
-            ask.images.clone(),
+            question.clone(),
+            images.clone(),
             llm.name(),
             state.replica.clone(),
         )
         .await?;
     let input = RunInput {
-        question: ask.question,
-        images: ask.images,
+        question,
+        images,
         image_payloads,
         history,
         session_id: session_id.clone(),
         image_metadata,
     };
-    let start = Start {
+    Ok(Start {
         caller,
         space,
         session_id,
@@ -117,8 +141,7 @@ pub async fn ask(
         input,
         resume: None,
         seq: 0,
-    };
-    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+    })
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/runs/{run_id}/resume", tag = "sessions",
@@ -219,38 +242,8 @@ pub(crate) async fn run_unattended(
 ) -> Result<(String, Vec<Value>), ApiError> {
     state.runs.refuse_when_draining()?;
     let space = state.space(&caller).await?;
-    let history = to_messages(state.db.history(session_id.clone()).await?)?;
-    let (image_payloads, image_metadata) =
-        image_inputs(state, &space, &images, llm.capabilities()).await?;
-    let run_id = new_id("run");
-    state
-        .db
-        .insert_run(
-            session_id.clone(),
-            run_id.clone(),
-            question.clone(),
-            images.clone(),
-            llm.name(),
-            state.replica.clone(),
-        )
-        .await?;
-    let input = RunInput {
-        question,
-        images,
-        image_payloads,
-        history,
-        session_id: session_id.clone(),
-        image_metadata,
-    };
-    let start = Start {
-        caller,
-        space,
-        session_id,
-        run_id: run_id.clone(),
-        input,
-        resume: None,
-        seq: 0,
-    };
+    let start = new_run(state, caller, space, &llm, session_id, question, images).await?;
+    let run_id = start.run_id.clone();
     // The body streams until the run's last event; reading it to the end is waiting for the run.
     let body = start_run(state, llm, start, false).into_body();
     let bytes = axum::body::to_bytes(body, usize::MAX)

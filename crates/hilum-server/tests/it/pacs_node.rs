@@ -91,6 +91,16 @@ fn orthanc(hilum_dicom_port: u16) -> Orthanc {
     }
 }
 
+/// dcmtk's storescu sending `file` to the node as STORESCU (JPEG baseline proposed).
+fn storescu(port: u16, file: &Path) -> std::process::Output {
+    Command::new("storescu")
+        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
+        .arg(port.to_string())
+        .arg(file)
+        .output()
+        .expect("run storescu")
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -207,12 +217,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
 
     // 1. storescu sends a CR to Hilum's node.
     let siim = data_dir().join("cxr/dicom").join(SIIM);
-    let out = Command::new("storescu")
-        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
-        .arg(dicom_port.to_string())
-        .arg(&siim)
-        .output()
-        .expect("run storescu");
+    let out = storescu(dicom_port, &siim);
     assert!(
         out.status.success(),
         "storescu: {}",
@@ -277,12 +282,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
 
     // 3. A resend of the same study replaces its results: still one set in Orthanc.
-    let out = Command::new("storescu")
-        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
-        .arg(dicom_port.to_string())
-        .arg(&siim)
-        .output()
-        .expect("run storescu");
+    let out = storescu(dicom_port, &siim);
     assert!(out.status.success());
     tokio::time::sleep(Duration::from_secs(1)).await;
     let job = wait_job(db, &study, Duration::from_secs(240)).await;
@@ -293,12 +293,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     // 4. A CT matches no protocol: its job says why and nothing is sent.
     let ct = dir.path().join("ct.dcm");
     make_ct(&siim, &ct);
-    let out = Command::new("storescu")
-        .args(["-aet", "STORESCU", "-aec", "HILUM", "-xy", "127.0.0.1"])
-        .arg(dicom_port.to_string())
-        .arg(&ct)
-        .output()
-        .expect("run storescu");
+    let out = storescu(dicom_port, &ct);
     assert!(
         out.status.success(),
         "{}",

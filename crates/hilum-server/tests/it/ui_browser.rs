@@ -103,25 +103,10 @@ async fn workstation_ui_in_headless_chromium() {
         .env("HILUM_CHROMIUM", chromium())
         .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
         .kill_on_drop(true);
-    let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
-        .await
-        .expect("the browser test took over 180 s")
-        .expect("run node (install Node.js 18+; see scripts/setup_ui_tests.sh)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("{stdout}");
-    eprintln!("{stderr}");
+    let passed = run_node(cmd, "UI TEST PASSED").await;
     srv.stop().await;
     bare.stop().await;
-    assert!(
-        out.status.success(),
-        "browser test failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    assert!(
-        stdout.contains("UI TEST PASSED"),
-        "node exited 0 without finishing:\n{stdout}"
-    );
+    passed.unwrap_or_else(|e| panic!("{e}"));
     for name in [
         "01-bad-token.png",
         "03-answered.png",
@@ -186,18 +171,29 @@ async fn ui_answers_in_headless_chromium() {
         .env("HILUM_CHROMIUM", chromium())
         .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
         .kill_on_drop(true);
+    let passed = run_node(cmd, "UI ANSWERS TEST PASSED").await;
+    srv.stop().await;
+    passed.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Runs a browser test script; `Err` (with its output) unless it exits 0 having printed `done`.
+async fn run_node(mut cmd: tokio::process::Command, done: &str) -> Result<(), String> {
     let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
         .await
-        .expect("the browser test took over 180 s")
-        .expect("run node (see scripts/setup_ui_tests.sh)");
+        .map_err(|_| "the browser test took over 180 s".to_string())?
+        .map_err(|e| {
+            format!("cannot run node ({e}): install Node.js 18+; see scripts/setup_ui_tests.sh")
+        })?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
     eprintln!("{stderr}");
-    srv.stop().await;
-    assert!(
-        out.status.success() && stdout.contains("UI ANSWERS TEST PASSED"),
-        "browser test failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
+    if out.status.success() && stdout.contains(done) {
+        Ok(())
+    } else {
+        Err(format!(
+            "browser test failed ({}), or exited without `{done}`:\n{stdout}\n{stderr}",
+            out.status
+        ))
+    }
 }
