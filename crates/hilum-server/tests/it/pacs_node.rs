@@ -5,14 +5,18 @@
 //! back into the same study in Orthanc by STOW-RS, where QIDO-RS finds them and each references
 //! the source instance. A CT study matches no protocol and its job says why.
 //!
+//! Every log line of the run, at every level, is captured: none holds a shared file's patient
+//! name, id or birth date.
+//!
 //! Needs `scripts/setup_pacs_tools.sh` (dcmtk, Orthanc); without them the test fails naming
 //! it, unless HILUM_SKIP_PACS_TOOLS=1.
 
 use crate::common::{config, data_dir, start};
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hilum_imaging::ImageStore;
@@ -24,6 +28,62 @@ use hilum_tools::{default_toolbox, ToolDeps};
 
 const SIIM: &str = "siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm";
 const RG1: &str = "RG1_chest_cr_pa_jpeg2000_lossy.dcm";
+
+#[derive(Clone, Default)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+/// Captures every log line of this test binary from now on (the one global subscriber).
+fn capture_logs() -> LogBuf {
+    let buf = LogBuf::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(buf.clone())
+        .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::set_global_default(subscriber)
+        .expect("no other test of this binary sets a global tracing subscriber");
+    buf
+}
+
+/// Patient names, ids and birth dates of the shared DICOM files.
+fn patient_data() -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(data_dir().join("cxr/dicom")).expect("shared DICOMs") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "dcm") {
+            continue;
+        }
+        let Ok((source, _)) =
+            hilum_pacs::protocol::read_facts(&std::fs::read(&path).expect("read"))
+        else {
+            continue;
+        };
+        let p = source.patient;
+        out.extend([p.name, p.id, p.birth_date].into_iter().flatten());
+    }
+    out.retain(|v| v.trim().len() >= 4);
+    out
+}
 
 struct Orthanc {
     url: String,
@@ -186,6 +246,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         }
         panic!("{tool} is missing: run `bash scripts/setup_pacs_tools.sh`");
     }
+    let logs = capture_logs();
     let dir = tempfile::tempdir().expect("tempdir");
     let dicom_port = free_port();
     let pacs = orthanc(dicom_port);
@@ -308,41 +369,61 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
         "{detail}"
     );
     srv.stop().await;
+
+    // 5. No patient data in any log line.
+    let text =
+        String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert!(
+        text.contains("DICOM node"),
+        "the node's lines were captured"
+    );
+    let phi = patient_data();
+    assert!(!phi.is_empty());
+    for value in phi {
+        assert!(
+            !text.contains(value.trim()),
+            "a log line holds patient data `{value}`"
+        );
+    }
 }
 
 /// A copy of `src` as a CT of a study of its own.
 fn make_ct(src: &Path, out: &Path) {
-    use hilum_pacs::InMemDicomObject;
-    let bytes = std::fs::read(src).expect("read");
-    let mut obj = hilum_pacs::read_dicom(&bytes).expect("read DICOM");
-    let put = |o: &mut hilum_pacs::FileDicomObject<InMemDicomObject>, tag, vr, v: &str| {
-        o.put(dicom_core::DataElement::new(
-            tag,
-            vr,
-            dicom_core::PrimitiveValue::from(v),
-        ));
-    };
-    use dicom_core::VR;
+    use dicom_core::{DataElement, PrimitiveValue, VR};
     use dicom_dictionary_std::tags;
-    put(&mut obj, tags::MODALITY, VR::CS, "CT");
-    put(
-        &mut obj,
-        tags::STUDY_INSTANCE_UID,
-        VR::UI,
-        "2.25.1234567890123456789",
-    );
-    put(
-        &mut obj,
-        tags::SERIES_INSTANCE_UID,
-        VR::UI,
-        "2.25.1234567890123456790",
-    );
-    put(
-        &mut obj,
-        tags::SOP_INSTANCE_UID,
-        VR::UI,
-        "2.25.1234567890123456791",
-    );
-    obj.meta_mut().media_storage_sop_instance_uid = "2.25.1234567890123456791".into();
-    obj.write_to_file(out).expect("write the CT");
+    use dicom_object::meta::FileMetaTableBuilder;
+    let bytes = std::fs::read(src).expect("read");
+    let file = hilum_pacs::read_dicom(&bytes).expect("read DICOM");
+    let ts = file
+        .meta()
+        .transfer_syntax()
+        .trim_end_matches('\0')
+        .to_string();
+    let class = file
+        .meta()
+        .media_storage_sop_class_uid()
+        .trim_end_matches('\0')
+        .to_string();
+    let mut obj = file.into_inner();
+    let sop = "2.25.1234567890123456791";
+    for (tag, vr, v) in [
+        (tags::MODALITY, VR::CS, "CT"),
+        (tags::STUDY_INSTANCE_UID, VR::UI, "2.25.1234567890123456789"),
+        (
+            tags::SERIES_INSTANCE_UID,
+            VR::UI,
+            "2.25.1234567890123456790",
+        ),
+        (tags::SOP_INSTANCE_UID, VR::UI, sop),
+    ] {
+        obj.put(DataElement::new(tag, vr, PrimitiveValue::from(v)));
+    }
+    let meta = FileMetaTableBuilder::new()
+        .transfer_syntax(ts)
+        .media_storage_sop_class_uid(class)
+        .media_storage_sop_instance_uid(sop);
+    obj.with_meta(meta)
+        .expect("a file meta table")
+        .write_to_file(out)
+        .expect("write the CT");
 }
