@@ -55,8 +55,15 @@ try {
   // Two parts: the lungs are measured; nodules get the line once; nothing fails.
   await page.fill("#question", "How large are the lungs, and are there any nodules?");
   await page.press("#question", "Control+Enter");
-  await page.waitForFunction(() => document.querySelectorAll("[data-role=answer]").length >= 2
-    && document.getElementById("run-state").dataset.done === "true", null, { timeout: 60_000 });
+  // The second answer streams in first; the final event replaces it with the completed answer.
+  await page.waitForFunction(() => {
+    const all = document.querySelectorAll("[data-role=answer]");
+    return all.length >= 2 && /I cannot assess nodules/.test(all[all.length - 1].textContent)
+      && document.getElementById("run-state").dataset.done === "true";
+  }, null, { timeout: 60_000 }).catch(async (e) => {
+    const texts = await page.$$eval("[data-role=answer]", (els) => els.map((x) => x.textContent));
+    throw new Error(`${e.message}; answers: ${JSON.stringify(texts)}; state: ${await page.textContent("#run-state")}`);
+  });
   const answers = await page.$$eval("[data-role=answer]", (els) => els.map((e) => e.textContent));
   answer = answers[answers.length - 1];
   assert.equal(count(answer, "I cannot assess nodules"), 1, answer);

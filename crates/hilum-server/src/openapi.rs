@@ -76,6 +76,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/tools"),
     ("post", "/v1/tools/{name}:call"),
     ("get", "/v1/audit"),
+    ("get", "/v1/pacs/jobs"),
+    ("post", "/v1/pacs/jobs/{id}/retry"),
+    ("post", "/dicomweb/studies"),
 ];
 
 #[utoipa::path(get, path = "/openapi.json", tag = "service",

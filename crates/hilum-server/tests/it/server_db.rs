@@ -285,7 +285,7 @@ async fn a_version_1_database_upgrades_and_its_running_runs_become_interrupted(d
     let applied = upgraded
         .execute_sql("UPDATE schema_migrations SET applied_ms = applied_ms")
         .expect("count migrations");
-    assert_eq!(applied, 2);
+    assert_eq!(applied, 3);
     // A run with no heartbeat at all (version 1 had none) was left by a server that is gone.
     let marked = upgraded
         .interrupt_stale_runs("srv_new".into(), hilum_server::db::now_ms() - 30_000)

@@ -140,12 +140,14 @@ async fn ui_answers_in_headless_chromium() {
         lungs,
         "the lung U-Net must import from the shared data for this test"
     );
-    // The model's answer ignores the lungs' size twice: Hilum states it from segment_lungs.
-    let lead = "The patient's left lung is larger.";
+    // The model's answer ignores the lungs' size twice (true, but no size): Hilum states the
+    // size from segment_lungs. A spare turn, should a check ask once more.
+    let lead = "The patient's right lung is larger.";
     let script = write_script(
         dir.path(),
         json!([
             {"content": "", "tool_calls": [{"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}]},
+            {"content": lead},
             {"content": lead},
             {"content": lead}
         ]),
