@@ -122,9 +122,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub pacs_quiet_secs: Option<f64>,
     /// The PACS's DICOMweb root to send results to by STOW-RS
-    /// (http://pacs:8042/dicom-web); HILUM_PACS_DEST_TOKEN is its bearer token, if any.
+    /// (http://pacs:8042/dicom-web).
     #[arg(long, env = "HILUM_PACS_DEST")]
     pub pacs_dest: Option<String>,
+    /// Bearer token for --pacs-dest, if the PACS asks for one.
+    #[arg(long, env = "HILUM_PACS_DEST_TOKEN", hide_env_values = true)]
+    pub pacs_dest_token: Option<String>,
 }
 
 impl ServeArgs {
@@ -470,7 +473,7 @@ fn pacs_settings(
         .or_else(|| file.destination.clone())
         .map(|url| hilum_server::pacs::Destination {
             url,
-            bearer: std::env::var("HILUM_PACS_DEST_TOKEN").ok(),
+            bearer: args.pacs_dest_token.clone(),
         });
     Ok(s)
 }

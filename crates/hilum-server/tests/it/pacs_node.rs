@@ -351,7 +351,48 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     let found = results_in(&client, &study, &sop_uid(&siim)).await;
     assert_eq!(found.len(), 3, "a resend duplicated results: {found:?}");
 
-    // 4. A CT matches no protocol: its job says why and nothing is sent.
+    // 4. A router pushes a study by STOW-RS into Hilum's endpoint (the API's bearer token): the
+    //    DICOM instance is stored, the other part refused; the results reach Orthanc.
+    let pushed = dir.path().join("pushed.dcm");
+    make_copy(&siim, &pushed, "DX", "987654321098765432");
+    let parts = vec![
+        hilum_pacs::multipart::Part::dicom(std::fs::read(&pushed).expect("read")),
+        hilum_pacs::multipart::Part::dicom(b"not a DICOM object".to_vec()),
+    ];
+    let boundary = hilum_pacs::multipart::new_boundary(&parts);
+    let (content_type, body) =
+        hilum_pacs::multipart::build_related(&parts, &boundary).expect("multipart body");
+    let stow_url = srv.url("/dicomweb/studies");
+    let refused = http
+        .post(&stow_url)
+        .header("content-type", &content_type)
+        .body(body.clone())
+        .send()
+        .await
+        .expect("STOW-RS without a token");
+    assert_eq!(refused.status(), 401);
+    let tok = crate::common::token(&srv.state, "router");
+    let answer = http
+        .post(&stow_url)
+        .bearer_auth(&tok)
+        .header("content-type", &content_type)
+        .body(body)
+        .send()
+        .await
+        .expect("STOW-RS into Hilum");
+    assert_eq!(answer.status(), 202, "one stored, one failed");
+    let v: serde_json::Value = answer.json().await.expect("DICOM JSON");
+    assert_eq!(
+        v["00081199"]["Value"][0]["00081155"]["Value"][0],
+        sop_uid(&pushed).as_str()
+    );
+    assert_eq!(v["00081198"]["Value"][0]["00081197"]["Value"][0], 0xC000);
+    let job = wait_job(db, &study_uid(&pushed), Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    let found = results_in(&client, &study_uid(&pushed), &sop_uid(&pushed)).await;
+    assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
+
+    // 5. A CT matches no protocol: its job says why and nothing is sent.
     let ct = dir.path().join("ct.dcm");
     make_ct(&siim, &ct);
     let out = storescu(dicom_port, &ct);
@@ -370,7 +411,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     );
     srv.stop().await;
 
-    // 5. No patient data in any log line.
+    // 6. No patient data in any log line.
     let text =
         String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
     assert!(
@@ -389,6 +430,11 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
 
 /// A copy of `src` as a CT of a study of its own.
 fn make_ct(src: &Path, out: &Path) {
+    make_copy(src, out, "CT", "1234567890123456789");
+}
+
+/// A copy of `src` with `modality`, in a new study, series and instance (UIDs from `seed`).
+fn make_copy(src: &Path, out: &Path, modality: &str, seed: &str) {
     use dicom_core::{DataElement, PrimitiveValue, VR};
     use dicom_dictionary_std::tags;
     use dicom_object::meta::FileMetaTableBuilder;
@@ -405,25 +451,25 @@ fn make_ct(src: &Path, out: &Path) {
         .trim_end_matches('\0')
         .to_string();
     let mut obj = file.into_inner();
-    let sop = "2.25.1234567890123456791";
+    let (study, series, sop) = (
+        format!("2.25.{seed}1"),
+        format!("2.25.{seed}2"),
+        format!("2.25.{seed}3"),
+    );
     for (tag, vr, v) in [
-        (tags::MODALITY, VR::CS, "CT"),
-        (tags::STUDY_INSTANCE_UID, VR::UI, "2.25.1234567890123456789"),
-        (
-            tags::SERIES_INSTANCE_UID,
-            VR::UI,
-            "2.25.1234567890123456790",
-        ),
-        (tags::SOP_INSTANCE_UID, VR::UI, sop),
+        (tags::MODALITY, VR::CS, modality),
+        (tags::STUDY_INSTANCE_UID, VR::UI, study.as_str()),
+        (tags::SERIES_INSTANCE_UID, VR::UI, series.as_str()),
+        (tags::SOP_INSTANCE_UID, VR::UI, sop.as_str()),
     ] {
         obj.put(DataElement::new(tag, vr, PrimitiveValue::from(v)));
     }
     let meta = FileMetaTableBuilder::new()
         .transfer_syntax(ts)
         .media_storage_sop_class_uid(class)
-        .media_storage_sop_instance_uid(sop);
+        .media_storage_sop_instance_uid(sop.as_str());
     obj.with_meta(meta)
         .expect("a file meta table")
         .write_to_file(out)
-        .expect("write the CT");
+        .expect("write the copy");
 }
