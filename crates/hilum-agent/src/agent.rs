@@ -1250,16 +1250,35 @@ impl Agent {
             .collect()
     }
 
+    /// The statements of the tools that state `topic` themselves ([`crate::Tool::state`]):
+    /// the figures an answer about it must quote.
+    fn key_statements(&self, st: &RunState, topic: &'static coverage::Topic) -> Vec<String> {
+        let tools = self.toolbox.all_tools();
+        self.results_about(st, topic)
+            .iter()
+            .filter_map(|(row, out)| {
+                let tool = tools.iter().find(|t| t.spec().name == row.tool)?;
+                tool.state(&row.capability, out)
+            })
+            .collect()
+    }
+
     /// The covered parts of the question that `answer` does not address: it must name the
-    /// topic and, where a tool result states it with numbers, quote one of them.
+    /// topic and, where a tool states it with numbers, quote the key one. A part only a
+    /// free-question tool covers (a VLM: [`coverage::ANY_TOPIC`]) is the model's to word.
     fn unaddressed(&self, st: &RunState, answer: &str) -> Vec<&'static coverage::Topic> {
         st.coverage
             .parts
             .iter()
             .filter(|p| p.covered())
             .filter(|p| {
+                st.capabilities
+                    .iter()
+                    .any(|r| r.ready && std::ptr::eq(r.capability.topic, p.topic))
+            })
+            .filter(|p| {
                 !coverage::addresses(answer, p.topic)
-                    || !coverage::quotes_any(answer, &self.statements(st, p.topic))
+                    || !coverage::quotes_any(answer, &self.key_statements(st, p.topic))
             })
             .map(|p| p.topic)
             .collect()

@@ -473,3 +473,89 @@ fn make_copy(src: &Path, out: &Path, modality: &str, seed: &str) {
         .write_to_file(out)
         .expect("write the copy");
 }
+
+/// Forwards every connection on `listener` to `to` (a PACS coming back on its old address).
+async fn forward(listener: tokio::net::TcpListener, to: String) {
+    while let Ok((mut inbound, _)) = listener.accept().await {
+        let to = to.clone();
+        tokio::spawn(async move {
+            if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            }
+        });
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
+    if let Some(tool) = tools_missing() {
+        if std::env::var("HILUM_SKIP_PACS_TOOLS").as_deref() == Ok("1") {
+            eprintln!("skipped: {tool} is missing and HILUM_SKIP_PACS_TOOLS=1");
+            return;
+        }
+        panic!("{tool} is missing: run `bash scripts/setup_pacs_tools.sh`");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dicom_port = free_port();
+    let pacs = orthanc(dicom_port);
+    // The destination's address answers nothing yet: the PACS is down.
+    let down_port = free_port();
+    let pool = lung_models(&dir.path().join("models"));
+    let mut cfg = config(&dir.path().join("h.db"), None);
+    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
+    cfg.env = hilum_tools::environment(&deps, &[]);
+    cfg.models = Some(pool.clone());
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        default_toolbox(&ToolDeps::new(store, pool.clone()))
+    });
+    let mut settings = PacsSettings::new(
+        format!("127.0.0.1:{dicom_port}").parse().expect("addr"),
+        dir.path().join("pacs"),
+    );
+    settings.quiet = Duration::from_millis(300);
+    settings.max_send_attempts = 3;
+    settings.retry_base = Duration::from_millis(200);
+    settings.destination = Some(Destination {
+        url: format!("http://127.0.0.1:{down_port}/dicom-web"),
+        bearer: None,
+    });
+    cfg.pacs = Some(settings);
+    let srv = start(cfg).await;
+    let db = srv.state.db();
+    let siim = data_dir().join("cxr/dicom").join(SIIM);
+    let out = storescu(dicom_port, &siim);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let study = study_uid(&siim);
+    let started = Instant::now();
+    let job = wait_job(db, &study, Duration::from_secs(240)).await;
+    assert_eq!(job.state, "failed", "{job:#?}");
+    assert_eq!(job.attempts, 3, "{job:#?}");
+    let detail = job.detail.clone().unwrap_or_default();
+    assert!(detail.contains("after 3 attempt(s)"), "{detail}");
+    assert!(
+        detail.contains("running"),
+        "the reason names what to check: {detail}"
+    );
+    assert!(detail.contains("hilum pacs retry"), "{detail}");
+    // Backoff: 200 ms then 400 ms between the three attempts.
+    assert!(started.elapsed() >= Duration::from_millis(600));
+
+    // The PACS is back on its address; a retry runs the job again and sends.
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", down_port))
+        .await
+        .expect("the PACS's old address");
+    let orthanc_http = pacs.url.trim_start_matches("http://").to_string();
+    tokio::spawn(forward(listener, orthanc_http));
+    assert!(db.pacs_retry(job.id.clone()).await.expect("retry"));
+    let job = wait_job(db, &study, Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    let client = DicomWebClient::new(DicomWebConfig::new(format!("{}/dicom-web", pacs.url)))
+        .expect("client");
+    let found = results_in(&client, &study, &sop_uid(&siim)).await;
+    assert_eq!(found.len(), 3, "{found:?}");
+    srv.stop().await;
+}
