@@ -461,12 +461,10 @@ fn pacs_settings(
     if let Some(n) = file.max_associations {
         s.max_associations = n;
     }
-    s.protocols = if file.protocol.is_empty() {
-        // A sensible default: frontal and lateral chest radiographs run the model tools.
-        vec![serde_json::from_value(serde_json::json!({"name": "cxr"}))?]
-    } else {
-        file.protocol.clone()
-    };
+    // Without a [[pacs.protocol]] table the settings' default (`cxr`) stands.
+    if !file.protocol.is_empty() {
+        s.protocols = file.protocol.clone();
+    }
     s.destination = args
         .pacs_dest
         .clone()

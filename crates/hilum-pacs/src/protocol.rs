@@ -111,6 +111,21 @@ fn listed(values: &[String], value: Option<&str>) -> bool {
 }
 
 impl Protocol {
+    /// The default: `cxr`, CR and DX of any body part and view, the classifier, the lung
+    /// segmentation and the chest measurements (where installed), no question.
+    pub fn default_cxr() -> Protocol {
+        Protocol {
+            name: "cxr".into(),
+            modalities: default_modalities(),
+            body_parts: Vec::new(),
+            missing_body_part_ok: true,
+            view_positions: Vec::new(),
+            series_contains: Vec::new(),
+            tools: default_tools(),
+            question: None,
+        }
+    }
+
     /// `None` when the instance matches, else why not (in words, without patient data).
     pub fn mismatch(&self, facts: &InstanceFacts) -> Option<String> {
         let shown = |v: &Option<String>| v.clone().unwrap_or_else(|| "(none)".into());

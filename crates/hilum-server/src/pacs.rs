@@ -69,7 +69,7 @@ impl PacsSettings {
             max_object_bytes: 256 << 20,
             storage_dir,
             quiet: Duration::from_secs(5),
-            protocols: Vec::new(),
+            protocols: vec![Protocol::default_cxr()],
             destination: None,
             max_send_attempts: 5,
             retry_base: Duration::from_secs(2),
