@@ -125,6 +125,13 @@ pub struct ServeArgs {
     /// (http://pacs:8042/dicom-web).
     #[arg(long, env = "HILUM_PACS_DEST")]
     pub pacs_dest: Option<String>,
+    /// Seconds a job being worked on stays its server's: work a killed server left is taken
+    /// up again after this (default 60; keep it longer than a protocol run).
+    #[arg(long)]
+    pub pacs_lease_secs: Option<f64>,
+    /// Send attempts before a job is `failed` (default 5; waits 2 s, 4 s, 8 s, … between them).
+    #[arg(long)]
+    pub pacs_send_attempts: Option<i64>,
     /// Bearer token for --pacs-dest, if the PACS asks for one.
     #[arg(long, env = "HILUM_PACS_DEST_TOKEN", hide_env_values = true)]
     pub pacs_dest_token: Option<String>,
@@ -454,6 +461,13 @@ fn pacs_settings(
     };
     if let Some(q) = args.pacs_quiet_secs.or(file.quiet_secs) {
         s.quiet = secs("--pacs-quiet-secs", q)?;
+    }
+    if let Some(n) = args.pacs_send_attempts {
+        anyhow::ensure!(n >= 1, "--pacs-send-attempts must be at least 1, not {n}");
+        s.max_send_attempts = n;
+    }
+    if let Some(l) = args.pacs_lease_secs {
+        s.lease = secs("--pacs-lease-secs", l)?;
     }
     if let Some(mb) = file.max_object_mb {
         s.max_object_bytes = mb << 20;

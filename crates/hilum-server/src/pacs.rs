@@ -56,6 +56,9 @@ pub struct PacsSettings {
     pub max_send_attempts: i64,
     /// The first retry's wait; each next one doubles it.
     pub retry_base: Duration,
+    /// How long a job being worked on is its worker's: a job a killed server left `running` or
+    /// `sending` is taken up again this long after it was claimed.
+    pub lease: Duration,
 }
 
 impl PacsSettings {
@@ -73,6 +76,7 @@ impl PacsSettings {
             destination: None,
             max_send_attempts: 5,
             retry_base: Duration::from_secs(2),
+            lease: Duration::from_secs(60),
         }
     }
 }
@@ -149,7 +153,7 @@ pub fn start(state: AppState, settings: PacsSettings) -> Result<SocketAddr, Stri
 
 /// How long a claimed job is someone's before another worker may take it again.
 fn lease_ms(settings: &PacsSettings) -> i64 {
-    (settings.quiet.as_millis() as i64).max(60_000)
+    settings.lease.as_millis() as i64
 }
 
 /// Moves one job on from where it stands, and records where it ends.
