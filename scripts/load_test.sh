@@ -8,6 +8,8 @@
 #
 # Usage: scripts/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
 #        scripts/load_test.sh --soak [SECONDS=300] [SESSIONS=30]
+#        scripts/load_test.sh --pacs [STUDIES=200] [ASSOCIATIONS=4]   (the DICOM node:
+#          scripts/load_test_pacs.py; studies/min and p50/p95 from last instance to results)
 #   --soak: SESSIONS concurrent sessions (one thread each, scripts/soak.py) ask for SECONDS, one
 #   question after another, questions whose scripted model calls the real lung U-Net
 #   (`segment_lungs`) on eight shared radiographs, with a 64 MiB image bound
@@ -22,6 +24,14 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "${1:-}" = "--pacs" ]; then
+    # The DICOM node: scripts/load_test_pacs.py (pydicom from scripts/setup_pacs_tools.sh).
+    shift
+    eval "$(bash "$root/scripts/setup_pacs_tools.sh")"
+    bin="${HILUM_BIN:-$root/target/release/hilum}"
+    [ -x "$bin" ] || (cd "$root" && cargo build --release -p hilum-cli >&2)
+    HILUM_BIN="$bin" exec "$HILUM_PACS_PYTHON" "$root/scripts/load_test_pacs.py" "$@"
+fi
 soak=""
 if [ "${1:-}" = "--soak" ]; then soak=1; shift; fi
 secs="${1:-$([ -n "$soak" ] && echo 300 || echo 10)}"
