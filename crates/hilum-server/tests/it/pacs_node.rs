@@ -501,7 +501,18 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
     // The destination's address answers nothing yet: the PACS is down.
     let down_port = free_port();
     let pool = lung_models(&dir.path().join("models"));
-    let mut cfg = config(&dir.path().join("h.db"), None);
+    // The reasoning model answers the protocol's question after calling the lung tool; its
+    // words leave out the figures, so the answer carries Hilum's statement of them.
+    let script = crate::common::write_script(
+        dir.path(),
+        serde_json::json!([
+            {"content": "", "tool_calls": [{"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}]},
+            {"content": "The lungs were measured."},
+            {"content": "The lungs were measured."},
+            {"content": "The lungs were measured."}
+        ]),
+    );
+    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
     let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
     cfg.env = hilum_tools::environment(&deps, &[]);
     cfg.models = Some(pool.clone());
@@ -513,6 +524,11 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
         dir.path().join("pacs"),
     );
     settings.quiet = Duration::from_millis(300);
+    // A protocol with a question: the agent's answer goes into the SR.
+    settings.protocols = vec![hilum_pacs::protocol::Protocol {
+        question: Some("How large are the lungs?".into()),
+        ..hilum_pacs::protocol::Protocol::default_cxr()
+    }];
     settings.max_send_attempts = 3;
     settings.retry_base = Duration::from_millis(200);
     settings.destination = Some(Destination {
@@ -557,5 +573,29 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
         .expect("client");
     let found = results_in(&client, &study, &sop_uid(&siim)).await;
     assert_eq!(found.len(), 3, "{found:?}");
+    // The SR carries the protocol's question and the agent's answer.
+    let mut sr_text = String::new();
+    for series in client.qido_series(&study, &[]).await.expect("QIDO") {
+        if tag_str(&series.json, "00080060").as_deref() != Some("SR") {
+            continue;
+        }
+        let uid = tag_str(&series.json, "0020000E").unwrap_or_default();
+        for i in client.qido_instances(&study, &uid).await.expect("QIDO") {
+            let sop = tag_str(&i.json, "00080018").unwrap_or_default();
+            let bytes = client
+                .wado_instance(&study, &uid, &sop)
+                .await
+                .expect("WADO");
+            sr_text.push_str(&String::from_utf8_lossy(&bytes));
+        }
+    }
+    assert!(
+        sr_text.contains("How large are the lungs?"),
+        "the question is in the SR"
+    );
+    assert!(
+        sr_text.contains("the lungs cover"),
+        "the answer (with the tool's figures) is in the SR"
+    );
     srv.stop().await;
 }
