@@ -31,13 +31,14 @@ use crate::{api, pacs, run};
         api::export_audit,
         pacs::list_jobs,
         pacs::retry_job,
+        pacs::job_events,
         pacs::stow,
         serve,
     ),
     components(schemas(
         api::Health, api::ImageList, api::CreateSession, api::SessionList, api::MessageList,
         api::RunList, api::EventList, api::ArtifactList, api::ArtifactRef, api::ToolList,
-        api::DirectResult, run::Ask, pacs::JobList, crate::db::PacsJob,
+        api::DirectResult, run::Ask, pacs::JobList, pacs::JobEvents, crate::db::PacsJob,
     )),
     modifiers(&BearerAuth),
 )]
@@ -78,6 +79,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/audit"),
     ("get", "/v1/pacs/jobs"),
     ("post", "/v1/pacs/jobs/{id}/retry"),
+    ("get", "/v1/pacs/jobs/{id}/events"),
     ("post", "/dicomweb/studies"),
 ];
 

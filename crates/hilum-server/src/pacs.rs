@@ -736,6 +736,28 @@ pub async fn retry_job(
     }
 }
 
+/// A job's runs as stored events.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct JobEvents {
+    #[schema(value_type = Vec<Object>)]
+    pub events: Vec<Value>,
+}
+
+#[utoipa::path(get, path = "/v1/pacs/jobs/{id}/events", tag = "pacs",
+    params(("id" = String, Path, description = "Job id")),
+    responses((status = 200, description = "The events of the job's runs (the protocol's plan, then its question), as stored: what each tool found and the answer", body = JobEvents),
+               (status = 404, description = "No such job")),
+    security(("bearer" = [])))]
+pub async fn job_events(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<axum::Json<JobEvents>, crate::error::ApiError> {
+    match state.db.pacs_job_events(id.clone()).await? {
+        Some(events) => Ok(axum::Json(JobEvents { events })),
+        None => Err(crate::error::ApiError::not_found("job", &id)),
+    }
+}
+
 /// STOW-RS (PS3.18 10.5): `POST /dicomweb/studies` with `multipart/related;
 /// type="application/dicom"`, as a router or a PACS pushes to an AI node. Each instance is
 /// written and recorded before the answer, exactly as a C-STORE is; the answer lists what was

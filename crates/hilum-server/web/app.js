@@ -100,8 +100,23 @@ async function loadPacsJobs() {
     ul.append(el("li", { "data-job": j.id, "data-state": j.state, title: j.detail || "" },
       el("strong", { text: j.state === "failed" ? "Failed" : j.state === "done" ? "Done" : "Working" }),
       el("span", { text: ` ${what}` }),
-      el("div", { class: "muted", text: [j.detail, j.run_id ? `run ${j.run_id}` : ""].filter(Boolean).join(" — ") })));
+      el("div", { class: "muted", text: j.detail || "" }),
+      j.run_id ? el("button", { type: "button", "data-job-run": j.id, text: "Show run",
+        onclick: (e) => guarded(() => showJobRun(j.id, e.target)) }) : el("span", {})));
   }
+}
+
+/** The job's run as its tools and answer, under its row. */
+async function showJobRun(id, button) {
+  const { events } = await getJson(`/v1/pacs/jobs/${encodeURIComponent(id)}/events`);
+  const lines = [];
+  for (const ev of events) {
+    if (ev.type === "tool_finished") lines.push(`✓ ${ev.name}: ${ev.summary}`);
+    else if (ev.type === "tool_failed") lines.push(`✗ ${ev.name}: ${ev.error}`);
+    else if (ev.type === "final") lines.push(`Answer: ${ev.answer}`);
+  }
+  button.replaceWith(el("ul", { class: "job-run", "data-job-events": id },
+    ...lines.map((t) => el("li", { text: t }))));
 }
 
 // ---------- sessions ----------

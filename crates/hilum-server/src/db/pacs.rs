@@ -275,6 +275,50 @@ impl Db {
         .await
     }
 
+    /// The stored events of a job's runs (the plan's, then the question's), oldest first;
+    /// `None` for an unknown job.
+    pub async fn pacs_job_events(
+        &self,
+        id: String,
+    ) -> Result<Option<Vec<serde_json::Value>>, DbError> {
+        let Some(job) = self.pacs_job(id).await? else {
+            return Ok(None);
+        };
+        let runs: Vec<String> = job
+            .results
+            .as_ref()
+            .and_then(|r| r["runs"].as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            })
+            .or_else(|| job.run_id.clone().map(|r| vec![r]))
+            .unwrap_or_default();
+        self.run(false, move |c| {
+            Box::pin(async move {
+                let mut events = Vec::new();
+                for run in runs {
+                    for mut r in c
+                        .query(
+                            "SELECT body FROM events WHERE run_id = ?1 ORDER BY seq",
+                            &args![run],
+                        )
+                        .await?
+                    {
+                        let body: String = r.get(0)?;
+                        events.push(
+                            serde_json::from_str(&body)
+                                .map_err(|e| DbError::Corrupt(e.to_string()))?,
+                        );
+                    }
+                }
+                Ok(Some(events))
+            })
+        })
+        .await
+    }
+
     /// The instances of a study, oldest first.
     pub async fn pacs_instances(&self, study_uid: String) -> Result<Vec<PacsInstance>, DbError> {
         self.run(false, move |c| {

@@ -342,6 +342,26 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     let found = results_in(&client, &rg1_study, &sop_uid(&rg1)).await;
     assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
 
+    // The job's run, as the web UI shows it: what segment_lungs found.
+    let tok = crate::common::token(&srv.state, "radiologist");
+    let v: serde_json::Value = http
+        .get(srv.url(&format!("/v1/pacs/jobs/{}/events", job.id)))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("job events")
+        .json()
+        .await
+        .expect("JSON");
+    let tools: Vec<&str> = v["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["type"] == "tool_finished")
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert!(tools.contains(&"segment_lungs"), "{tools:?}");
+
     // 3. A resend of the same study replaces its results: still one set in Orthanc.
     let out = storescu(dicom_port, &siim);
     assert!(out.status.success());
