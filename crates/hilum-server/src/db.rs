@@ -8,7 +8,7 @@ pub(crate) mod backend;
 mod pacs;
 pub(crate) mod tls;
 
-pub use pacs::{PacsInstance, PacsJob, JOB_STATES};
+pub use pacs::{JobUpdate, PacsInstance, PacsJob, JOB_STATES};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -23,7 +23,7 @@ use hilum_pacs::{
 };
 use serde_json::{json, Value};
 
-use crate::db::{Caller, PacsInstance, PacsJob};
+use crate::db::{Caller, JobUpdate, PacsInstance, PacsJob};
 use crate::AppState;
 
 /// Where results are sent: a PACS's DICOMweb root (`http://pacs:8042/dicom-web`).
@@ -169,13 +169,11 @@ async fn work(state: &AppState, settings: &PacsSettings, job: PacsJob) {
             .db
             .pacs_update_job(
                 job.id.clone(),
-                "failed",
-                Some(e),
-                None,
-                None,
-                None,
-                None,
-                false,
+                JobUpdate {
+                    state: "failed",
+                    detail: Some(e),
+                    ..JobUpdate::default()
+                },
             )
             .await;
     }
@@ -228,13 +226,11 @@ async fn run_job(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Re
             .db
             .pacs_update_job(
                 job.id.clone(),
-                "done",
-                Some(detail),
-                None,
-                None,
-                None,
-                None,
-                false,
+                JobUpdate {
+                    state: "done",
+                    detail: Some(detail),
+                    ..JobUpdate::default()
+                },
             )
             .await
             .map_err(|e| e.to_string());
@@ -243,13 +239,12 @@ async fn run_job(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Re
         .db
         .pacs_update_job(
             job.id.clone(),
-            "running",
-            Some(format!("{} image(s)", matched.len())),
-            Some(protocol.name.clone()),
-            None,
-            None,
-            None,
-            false,
+            JobUpdate {
+                state: "running",
+                detail: Some(format!("{} image(s)", matched.len())),
+                protocol: Some(protocol.name.clone()),
+                ..JobUpdate::default()
+            },
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -277,13 +272,14 @@ async fn run_job(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Re
         .db
         .pacs_update_job(
             job.id.clone(),
-            "sending",
-            Some(format!("{} result object(s) written", written.len())),
-            None,
-            run_ids.first().cloned(),
-            Some(results.clone()),
-            Some(0),
-            false,
+            JobUpdate {
+                state: "sending",
+                detail: Some(format!("{} result object(s) written", written.len())),
+                run_id: run_ids.first().cloned(),
+                results: Some(results.clone()),
+                next_ms: Some(0),
+                ..JobUpdate::default()
+            },
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -310,16 +306,14 @@ async fn send(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Resul
             .db
             .pacs_update_job(
                 job.id.clone(),
-                "done",
-                Some(format!(
-                    "{} result object(s) written; no destination is configured",
-                    objects.len()
-                )),
-                None,
-                None,
-                None,
-                None,
-                false,
+                JobUpdate {
+                    state: "done",
+                    detail: Some(format!(
+                        "{} result object(s) written; no destination is configured",
+                        objects.len()
+                    )),
+                    ..JobUpdate::default()
+                },
             )
             .await
             .map_err(|e| e.to_string());
@@ -353,13 +347,12 @@ async fn send(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Resul
             tracing::info!(job = %job.id, objects = n, "DICOM node: results sent");
             db.pacs_update_job(
                 job.id.clone(),
-                "done",
-                Some(format!("sent {n} result object(s) to the PACS")),
-                None,
-                None,
-                None,
-                None,
-                true,
+                JobUpdate {
+                    state: "done",
+                    detail: Some(format!("sent {n} result object(s) to the PACS")),
+                    count_attempt: true,
+                    ..JobUpdate::default()
+                },
             )
             .await
             .map_err(|e| e.to_string())
@@ -367,16 +360,7 @@ async fn send(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Resul
         Err(e) => {
             let attempts = job.attempts + 1;
             if attempts >= settings.max_send_attempts {
-                db.pacs_update_job(
-                    job.id.clone(),
-                    "failed",
-                    Some(format!("sending failed after {attempts} attempt(s): {e}; `hilum pacs retry {}` sends again", job.id)),
-                    None,
-                    None,
-                    None,
-                    None,
-                    true,
-                )
+                db.pacs_update_job(job.id.clone(), JobUpdate { state: "failed", detail: Some(format!("sending failed after {attempts} attempt(s): {e}; `hilum pacs retry {}` sends again", job.id)), count_attempt: true, ..JobUpdate::default() })
                 .await
                 .map_err(|e| e.to_string())
             } else {
@@ -385,13 +369,13 @@ async fn send(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Resul
                 tracing::info!(job = %job.id, attempts, wait_ms = wait, "DICOM node: send failed; retrying");
                 db.pacs_update_job(
                     job.id.clone(),
-                    "sending",
-                    Some(format!("attempt {attempts} failed: {e}; retrying")),
-                    None,
-                    None,
-                    None,
-                    Some(crate::db::now_ms() + wait),
-                    true,
+                    JobUpdate {
+                        state: "sending",
+                        detail: Some(format!("attempt {attempts} failed: {e}; retrying")),
+                        next_ms: Some(crate::db::now_ms() + wait),
+                        count_attempt: true,
+                        ..JobUpdate::default()
+                    },
                 )
                 .await
                 .map_err(|e| e.to_string())

@@ -21,6 +21,30 @@ pub struct PacsInstance {
     pub origin: String,
 }
 
+/// A change of a job ([`Db::pacs_update_job`]): its new state, and each field to set.
+#[derive(Clone, Debug, Default)]
+pub struct JobUpdate {
+    pub state: &'static str,
+    pub detail: Option<String>,
+    pub protocol: Option<String>,
+    pub run_id: Option<String>,
+    pub results: Option<serde_json::Value>,
+    pub next_ms: Option<i64>,
+    /// A send was attempted.
+    pub count_attempt: bool,
+}
+
+impl JobUpdate {
+    /// `state`, saying why in `detail`.
+    pub fn to(state: &'static str, detail: impl Into<String>) -> Self {
+        JobUpdate {
+            state,
+            detail: Some(detail.into()),
+            ..JobUpdate::default()
+        }
+    }
+}
+
 /// The states of a job, in order.
 pub const JOB_STATES: &[&str] = &["received", "queued", "running", "sending", "done", "failed"];
 
@@ -183,19 +207,8 @@ impl Db {
         .await
     }
 
-    /// Moves a job to `state`, with what happened in `detail`; `None` fields keep their value.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn pacs_update_job(
-        &self,
-        id: String,
-        state: &'static str,
-        detail: Option<String>,
-        protocol: Option<String>,
-        run_id: Option<String>,
-        results: Option<serde_json::Value>,
-        next_ms: Option<i64>,
-        count_attempt: bool,
-    ) -> Result<(), DbError> {
+    /// Moves a job on: its new state and what else changed (`None` keeps a value).
+    pub async fn pacs_update_job(&self, id: String, u: JobUpdate) -> Result<(), DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
                 let now = now_ms();
@@ -206,13 +219,13 @@ impl Db {
                        attempts = attempts + ?8, updated_ms = ?9 WHERE id = ?1",
                     &args![
                         id,
-                        state,
-                        detail,
-                        protocol,
-                        run_id,
-                        results.map(|r| r.to_string()),
-                        next_ms,
-                        count_attempt as i64,
+                        u.state,
+                        u.detail,
+                        u.protocol,
+                        u.run_id,
+                        u.results.map(|r| r.to_string()),
+                        u.next_ms,
+                        u.count_attempt as i64,
                         now
                     ],
                 )
