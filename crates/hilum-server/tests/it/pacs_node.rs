@@ -176,6 +176,28 @@ fn lung_models(dir: &Path) -> Arc<ModelPool> {
     Arc::new(ModelPool::new(Arc::new(reg)))
 }
 
+/// A server over a database in `dir` with the real lung U-Net installed (the offer and the
+/// coverage check know it), and its DICOM node's settings on `dicom_port`.
+fn node_config(
+    dir: &Path,
+    dicom_port: u16,
+    script: Option<&Path>,
+) -> (hilum_server::ServerConfig, PacsSettings) {
+    let pool = lung_models(&dir.join("models"));
+    let mut cfg = config(&dir.join("h.db"), script);
+    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
+    cfg.env = hilum_tools::environment(&deps, &[]);
+    cfg.models = Some(pool.clone());
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        default_toolbox(&ToolDeps::new(store, pool.clone()))
+    });
+    let settings = PacsSettings::new(
+        format!("127.0.0.1:{dicom_port}").parse().expect("addr"),
+        dir.join("pacs"),
+    );
+    (cfg, settings)
+}
+
 fn study_uid(path: &Path) -> String {
     let bytes = std::fs::read(path).expect("read");
     let (source, _) = hilum_pacs::protocol::read_facts(&bytes).expect("facts");
@@ -250,18 +272,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     let dir = tempfile::tempdir().expect("tempdir");
     let dicom_port = free_port();
     let pacs = orthanc(dicom_port);
-    let pool = lung_models(&dir.path().join("models"));
-    let mut cfg = config(&dir.path().join("h.db"), None);
-    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
-    cfg.env = hilum_tools::environment(&deps, &[]);
-    cfg.models = Some(pool.clone());
-    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
-        default_toolbox(&ToolDeps::new(store, pool.clone()))
-    });
-    let mut settings = PacsSettings::new(
-        format!("127.0.0.1:{dicom_port}").parse().expect("addr"),
-        dir.path().join("pacs"),
-    );
+    let (mut cfg, mut settings) = node_config(dir.path(), dicom_port, None);
     settings.quiet = Duration::from_millis(500);
     settings.allowed_callers = vec!["STORESCU".into(), "ORTHANC".into()];
     settings.protocols =
@@ -520,7 +531,6 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
     let pacs = orthanc(dicom_port);
     // The destination's address answers nothing yet: the PACS is down.
     let down_port = free_port();
-    let pool = lung_models(&dir.path().join("models"));
     // The reasoning model answers the protocol's question after calling the lung tool; its
     // words leave out the figures, so the answer carries Hilum's statement of them.
     let script = crate::common::write_script(
@@ -532,17 +542,7 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
             {"content": "The lungs were measured."}
         ]),
     );
-    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
-    let deps = ToolDeps::new(Arc::new(ImageStore::default()), pool.clone());
-    cfg.env = hilum_tools::environment(&deps, &[]);
-    cfg.models = Some(pool.clone());
-    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
-        default_toolbox(&ToolDeps::new(store, pool.clone()))
-    });
-    let mut settings = PacsSettings::new(
-        format!("127.0.0.1:{dicom_port}").parse().expect("addr"),
-        dir.path().join("pacs"),
-    );
+    let (mut cfg, mut settings) = node_config(dir.path(), dicom_port, Some(&script));
     settings.quiet = Duration::from_millis(300);
     // A protocol with a question: the agent's answer goes into the SR.
     settings.protocols = vec![hilum_pacs::protocol::Protocol {
