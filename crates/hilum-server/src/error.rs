@@ -31,6 +31,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A peer (the PACS) could not be reached or answered wrongly.
+    #[error("{0}")]
+    BadGateway(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -48,6 +51,7 @@ impl ApiError {
             ApiError::LlmUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -64,6 +68,7 @@ impl ApiError {
             ApiError::LlmUnavailable(_) => "llm_unavailable",
             ApiError::Conflict(_) => "conflict",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::BadGateway(_) => "bad_gateway",
             ApiError::Internal(_) => "internal",
         }
     }

@@ -398,6 +398,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/pacs/jobs", get(pacs::list_jobs))
         .route("/v1/pacs/jobs/{id}/retry", post(pacs::retry_job))
         .route("/v1/pacs/jobs/{id}/events", get(pacs::job_events))
+        .route("/v1/pacs/pull", post(pacs::pull))
         .route(
             "/dicomweb/studies",
             post(pacs::stow).layer(DefaultBodyLimit::max(upload_limit)),

@@ -32,13 +32,14 @@ use crate::{api, pacs, run};
         pacs::list_jobs,
         pacs::retry_job,
         pacs::job_events,
+        pacs::pull,
         pacs::stow,
         serve,
     ),
     components(schemas(
         api::Health, api::ImageList, api::CreateSession, api::SessionList, api::MessageList,
         api::RunList, api::EventList, api::ArtifactList, api::ArtifactRef, api::ToolList,
-        api::DirectResult, run::Ask, pacs::JobList, pacs::JobEvents, crate::db::PacsJob,
+        api::DirectResult, run::Ask, pacs::JobList, pacs::JobEvents, pacs::Pull, pacs::Pulled, crate::db::PacsJob,
     )),
     modifiers(&BearerAuth),
 )]
@@ -80,6 +81,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/pacs/jobs"),
     ("post", "/v1/pacs/jobs/{id}/retry"),
     ("get", "/v1/pacs/jobs/{id}/events"),
+    ("post", "/v1/pacs/pull"),
     ("post", "/dicomweb/studies"),
 ];
 

@@ -720,6 +720,83 @@ pub async fn retry_job(
     }
 }
 
+/// What to pull from the PACS.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+pub struct Pull {
+    /// StudyInstanceUID.
+    pub study: String,
+}
+
+/// What a pull received.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct Pulled {
+    pub job: String,
+    pub instances: usize,
+}
+
+#[utoipa::path(post, path = "/v1/pacs/pull", tag = "pacs",
+    request_body = Pull,
+    responses((status = 202, description = "The study was retrieved (QIDO-RS + WADO-RS from the node's destination) and queued as a job", body = Pulled),
+               (status = 502, description = "The PACS could not be reached or refused"),
+               (status = 503, description = "The DICOM node is off or has no destination")),
+    security(("bearer" = [])))]
+pub async fn pull(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    axum::Json(req): axum::Json<Pull>,
+) -> Result<(axum::http::StatusCode, axum::Json<Pulled>), crate::error::ApiError> {
+    use crate::error::ApiError;
+    let Some(settings) = state.cfg.pacs.clone() else {
+        return Err(ApiError::Unavailable(
+            "the DICOM node is off: start hilum serve with --dicom-port".into(),
+        ));
+    };
+    let Some(dest) = settings.destination.clone() else {
+        return Err(ApiError::Unavailable(
+            "the DICOM node has no PACS to pull from: start hilum serve with --pacs-dest".into(),
+        ));
+    };
+    let mut cfg = dicomweb::DicomWebConfig::new(dest.url.clone());
+    if let Some(token) = &dest.bearer {
+        cfg = cfg.bearer(token.clone());
+    }
+    let client =
+        dicomweb::DicomWebClient::new(cfg).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let dir = settings.storage_dir.join("incoming").join(&req.study);
+    let paths = dicomweb::pull_study(&client, &req.study, &dir)
+        .await
+        .map_err(|e| ApiError::BadGateway(e.to_string()))?;
+    let quiet_ms = settings.quiet.as_millis() as i64;
+    let mut job = String::new();
+    for path in &paths {
+        let bytes = std::fs::read(path).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let obj =
+            hilum_pacs::read_dicom(&bytes).map_err(|e| ApiError::BadGateway(e.to_string()))?;
+        let source =
+            SourceImage::from_object(&obj).map_err(|e| ApiError::BadGateway(e.to_string()))?;
+        let row = PacsInstance {
+            sop_instance_uid: source.sop_instance_uid.clone(),
+            study_uid: source.study.instance_uid.clone(),
+            series_uid: source.series_instance_uid.clone(),
+            sop_class_uid: source.sop_class_uid.clone(),
+            transfer_syntax: obj
+                .meta()
+                .transfer_syntax()
+                .trim_end_matches('\0')
+                .to_string(),
+            path: path.display().to_string(),
+            origin: "pull".into(),
+        };
+        job = state.db.pacs_record_instance(row, quiet_ms).await?;
+    }
+    Ok((
+        axum::http::StatusCode::ACCEPTED,
+        axum::Json(Pulled {
+            job,
+            instances: paths.len(),
+        }),
+    ))
+}
+
 /// A job's runs as stored events.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub struct JobEvents {

@@ -423,7 +423,29 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     let found = results_in(&client, &study_uid(&pushed), &sop_uid(&pushed)).await;
     assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
 
-    // 5. A CT matches no protocol: its job says why and nothing is sent.
+    // 5. A study already in the PACS is pulled on demand (API: QIDO-RS + WADO-RS) and run.
+    let held = dir.path().join("held.dcm");
+    make_copy(&siim, &held, "CR", "555555555555555555");
+    client
+        .stow(None, &[std::fs::read(&held).expect("read")])
+        .await
+        .expect("STOW the study into Orthanc");
+    let pulled = http
+        .post(srv.url("/v1/pacs/pull"))
+        .bearer_auth(&tok)
+        .json(&serde_json::json!({"study": study_uid(&held)}))
+        .send()
+        .await
+        .expect("pull");
+    assert_eq!(pulled.status(), 202, "{:?}", pulled.text().await);
+    let job = wait_job(db, &study_uid(&held), Duration::from_secs(240)).await;
+    assert_eq!(job.state, "done", "{job:#?}");
+    assert_eq!(job.instances, 1);
+    // The source is in Orthanc too this time: 3 results besides it.
+    let found = results_in(&client, &study_uid(&held), &sop_uid(&held)).await;
+    assert_eq!(found.len(), 3, "{found:?}");
+
+    // 6. A CT matches no protocol: its job says why and nothing is sent.
     let ct = dir.path().join("ct.dcm");
     make_ct(&siim, &ct);
     let out = storescu(dicom_port, &ct);
@@ -442,7 +464,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     );
     srv.stop().await;
 
-    // 6. No patient data in any log line.
+    // 7. No patient data in any log line.
     let text =
         String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
     assert!(
