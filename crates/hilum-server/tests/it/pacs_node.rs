@@ -309,6 +309,97 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     assert!(found.contains(&"SEG".to_string()), "{found:?}");
     assert_eq!(found.len(), 3, "SR, SEG and the overlay: {found:?}");
 
+    // highdicom reads the node's own SR and SEG (as stored in Orthanc): the lung areas equal
+    // segment_lungs' output, in mm² from the file's pixel spacing, and the mask's pixel count
+    // equals the lungs' area.
+    let python = std::env::var_os("HILUM_PACS_PYTHON");
+    assert!(
+        python.is_some() || std::env::var("HILUM_SKIP_PACS_TOOLS").as_deref() == Ok("1"),
+        "HILUM_PACS_PYTHON is not set: run `eval \"$(bash scripts/setup_pacs_tools.sh)\"` (or scripts/test.sh)"
+    );
+    if let Some(python) = python {
+        let job = wait_job(db, &study, Duration::from_secs(5)).await;
+        let events = db
+            .pacs_job_events(job.id.clone())
+            .await
+            .expect("events")
+            .expect("job");
+        let lungs = events
+            .iter()
+            .find(|e| e["type"] == "tool_finished" && e["name"] == "segment_lungs")
+            .expect("segment_lungs ran")["data"]
+            .clone();
+        let (right, left) = (
+            lungs["right_lung"]["area_px"].as_f64().expect("right"),
+            lungs["left_lung"]["area_px"].as_f64().expect("left"),
+        );
+        let spacing = lungs["pixel_spacing_mm"]
+            .as_array()
+            .expect("SIIM has a pixel spacing");
+        let mm2 = spacing[0].as_f64().expect("row") * spacing[1].as_f64().expect("column");
+        let read = |modality: &str| {
+            let (client, study, python) = (&client, &study, &python);
+            let modality = modality.to_string();
+            async move {
+                for series in client.qido_series(study, &[]).await.expect("QIDO") {
+                    if tag_str(&series.json, "00080060").as_deref() != Some(modality.as_str()) {
+                        continue;
+                    }
+                    let uid = tag_str(&series.json, "0020000E").unwrap_or_default();
+                    let i = client
+                        .qido_instances(study, &uid)
+                        .await
+                        .expect("QIDO")
+                        .remove(0);
+                    let sop = tag_str(&i.json, "00080018").unwrap_or_default();
+                    let bytes = client.wado_instance(study, &uid, &sop).await.expect("WADO");
+                    let file = std::env::temp_dir().join(format!("hilum-node-{sop}.dcm"));
+                    std::fs::write(&file, bytes).expect("write");
+                    let out = Command::new(python)
+                        .arg(repo().join("scripts/pacs_check.py"))
+                        .arg(modality.to_lowercase())
+                        .arg(&file)
+                        .output()
+                        .expect("run pacs_check.py");
+                    let _ = std::fs::remove_file(&file);
+                    assert!(
+                        out.status.success(),
+                        "{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    return serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("JSON");
+                }
+                panic!("no {modality} series");
+            }
+        };
+        let sr = read("SR").await;
+        let measured = sr["groups"][0]["measurements"]
+            .as_array()
+            .expect("measurements");
+        for (name, px) in [("Right lung area", right), ("Left lung area", left)] {
+            let m = measured
+                .iter()
+                .find(|m| m["tracking_identifier"] == name)
+                .unwrap_or_else(|| panic!("highdicom finds no {name}: {sr}"));
+            let value: f64 = m["value_repr"]
+                .as_str()
+                .expect("exact")
+                .parse()
+                .expect("number");
+            assert!(
+                (value - px * mm2).abs() <= 1e-9 * value.max(1.0),
+                "{name}: {value} vs {px} px"
+            );
+            assert_eq!(m["unit"]["value"], "mm2");
+        }
+        let seg = read("SEG").await;
+        assert_eq!(
+            seg["segments"][0]["pixels"].as_f64(),
+            Some(right + left),
+            "{seg}"
+        );
+    }
+
     // 2. Orthanc holds a study and routes it to Hilum (C-STORE from Orthanc).
     let rg1 = data_dir().join("cxr/dicom").join(RG1);
     let stow = client
