@@ -138,7 +138,6 @@ pub fn start(state: AppState, settings: PacsSettings) -> Result<SocketAddr, Stri
             match state.db.pacs_claim_due(lease_ms(&settings)).await {
                 Ok(jobs) => {
                     for job in jobs {
-                        let (state, settings) = (state.clone(), settings.clone());
                         work(&state, &settings, job).await;
                     }
                 }
