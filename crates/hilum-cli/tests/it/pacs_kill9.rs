@@ -14,76 +14,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hilum_pacs::dicomweb::{tag_str, DicomWebClient, DicomWebConfig};
-use hilum_server::db::PacsJob;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+#[path = "../../../hilum-server/tests/it/pacs_peers.rs"]
+mod pacs_peers;
+use hilum_server::db::PacsJob;
+use pacs_peers::{forward, free_port, orthanc, repo, tools_missing};
 
 fn data(rel: &str) -> PathBuf {
     repo().join("../shared/data").join(rel)
-}
-
-fn tools_missing() -> Option<&'static str> {
-    ["storescu", "Orthanc"].into_iter().find(|tool| {
-        !Command::new("sh")
-            .args([
-                "-c",
-                &format!("command -v {tool} || test -x /usr/sbin/{tool}"),
-            ])
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    })
-}
-
-struct Orthanc {
-    url: String,
-    pid: String,
-    work: String,
-}
-
-impl Drop for Orthanc {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").arg(&self.pid).status();
-        std::thread::sleep(Duration::from_millis(300));
-        let _ = std::fs::remove_dir_all(&self.work);
-    }
-}
-
-fn orthanc() -> Orthanc {
-    let out = Command::new("bash")
-        .arg(repo().join("scripts/orthanc_start.sh"))
-        .arg(env!("CARGO_TARGET_TMPDIR"))
-        .output()
-        .expect("run scripts/orthanc_start.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let var = |name: &str| {
-        stdout
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!("export {name}="))
-                    .map(str::to_string)
-            })
-            .unwrap_or_else(|| panic!("orthanc_start.sh printed no {name}"))
-    };
-    Orthanc {
-        url: var("HILUM_ORTHANC_URL"),
-        pid: var("HILUM_ORTHANC_PID"),
-        work: var("HILUM_ORTHANC_WORK"),
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// A `hilum serve` process with its DICOM node; SIGKILLed when dropped.
@@ -203,18 +141,6 @@ async fn wait_for(db: &hilum_server::Db, study: &str, states: &[&str], secs: u64
     }
 }
 
-/// Forwards connections on `listener` to `to`: the PACS back on its address.
-async fn forward(listener: tokio::net::TcpListener, to: String) {
-    while let Ok((mut inbound, _)) = listener.accept().await {
-        let to = to.clone();
-        tokio::spawn(async move {
-            if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-            }
-        });
-    }
-}
-
 /// The study's result instances in Orthanc (the source is not sent there).
 async fn result_count(client: &DicomWebClient, study: &str, source_sop: &str) -> usize {
     let mut n = 0;
@@ -251,7 +177,7 @@ async fn sigkill_on_receive_run_and_send_leaves_one_result_set_per_study() {
         "{}",
         String::from_utf8_lossy(&import.stderr)
     );
-    let pacs = orthanc();
+    let pacs = orthanc(None);
     // The PACS is down (nothing answers on its address) until the last restart.
     let pacs_port = free_port();
     let dest = format!("http://127.0.0.1:{pacs_port}/dicom-web");

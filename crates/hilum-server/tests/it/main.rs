@@ -4,6 +4,7 @@
 #[macro_use]
 mod common;
 mod pacs_node;
+mod pacs_peers;
 mod server_api;
 mod server_db;
 mod server_db_tls;

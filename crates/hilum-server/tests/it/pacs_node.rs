@@ -12,9 +12,10 @@
 //! it, unless HILUM_SKIP_PACS_TOOLS=1.
 
 use crate::common::{config, data_dir, start};
+use crate::pacs_peers::{forward, free_port, orthanc, repo, tools_missing};
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -85,72 +86,6 @@ fn patient_data() -> Vec<String> {
     out
 }
 
-struct Orthanc {
-    url: String,
-    pid: u32,
-    work: PathBuf,
-}
-
-impl Drop for Orthanc {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").arg(self.pid.to_string()).status();
-        std::thread::sleep(Duration::from_millis(300));
-        let _ = std::fs::remove_dir_all(&self.work);
-    }
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn tools_missing() -> Option<String> {
-    for tool in ["storescu", "Orthanc"] {
-        let found = Command::new("sh")
-            .args([
-                "-c",
-                &format!("command -v {tool} || test -x /usr/sbin/{tool}"),
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-        if !found {
-            return Some(tool.to_string());
-        }
-    }
-    None
-}
-
-/// An Orthanc that knows Hilum's node as modality `hilum`.
-fn orthanc(hilum_dicom_port: u16) -> Orthanc {
-    let out = Command::new("bash")
-        .arg(repo().join("scripts/orthanc_start.sh"))
-        .arg(env!("CARGO_TARGET_TMPDIR"))
-        .env(
-            "HILUM_ORTHANC_MODALITY",
-            format!("HILUM@127.0.0.1:{hilum_dicom_port}"),
-        )
-        .output()
-        .expect("run scripts/orthanc_start.sh");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let var = |name: &str| {
-        stdout.lines().find_map(|l| {
-            l.strip_prefix(&format!("export {name}="))
-                .map(str::to_string)
-        })
-    };
-    assert!(
-        out.status.success(),
-        "scripts/orthanc_start.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Orthanc {
-        url: var("HILUM_ORTHANC_URL").expect("url"),
-        pid: var("HILUM_ORTHANC_PID")
-            .and_then(|p| p.parse().ok())
-            .expect("pid"),
-        work: PathBuf::from(var("HILUM_ORTHANC_WORK").expect("work")),
-    }
-}
-
 /// dcmtk's storescu sending `file` to the node as STORESCU (JPEG baseline proposed).
 fn storescu(port: u16, file: &Path) -> std::process::Output {
     Command::new("storescu")
@@ -159,13 +94,6 @@ fn storescu(port: u16, file: &Path) -> std::process::Output {
         .arg(file)
         .output()
         .expect("run storescu")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 fn lung_models(dir: &Path) -> Arc<ModelPool> {
@@ -271,7 +199,7 @@ async fn studies_from_storescu_and_orthanc_get_results_back_in_the_same_study() 
     let logs = capture_logs();
     let dir = tempfile::tempdir().expect("tempdir");
     let dicom_port = free_port();
-    let pacs = orthanc(dicom_port);
+    let pacs = orthanc(Some(dicom_port));
     let (mut cfg, mut settings) = node_config(dir.path(), dicom_port, None);
     settings.quiet = Duration::from_millis(500);
     settings.allowed_callers = vec!["STORESCU".into(), "ORTHANC".into()];
@@ -618,18 +546,6 @@ fn make_copy(src: &Path, out: &Path, modality: &str, seed: &str) {
         .expect("write the copy");
 }
 
-/// Forwards every connection on `listener` to `to` (a PACS coming back on its old address).
-async fn forward(listener: tokio::net::TcpListener, to: String) {
-    while let Ok((mut inbound, _)) = listener.accept().await {
-        let to = to.clone();
-        tokio::spawn(async move {
-            if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-            }
-        });
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
     if let Some(tool) = tools_missing() {
@@ -641,7 +557,7 @@ async fn a_send_to_a_stopped_pacs_retries_then_fails_and_a_retry_sends() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let dicom_port = free_port();
-    let pacs = orthanc(dicom_port);
+    let pacs = orthanc(Some(dicom_port));
     // The destination's address answers nothing yet: the PACS is down.
     let down_port = free_port();
     // The reasoning model answers the protocol's question after calling the lung tool; its
