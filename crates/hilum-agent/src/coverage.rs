@@ -75,6 +75,13 @@ pub struct CapabilityRow {
     pub fixes: Vec<String>,
 }
 
+impl CapabilityRow {
+    /// Whether the row answers `topic` (its own topic, or any for a free-question tool).
+    pub fn covers(&self, topic: &Topic) -> bool {
+        std::ptr::eq(self.capability.topic, topic) || self.capability.topic.id == ANY_TOPIC.id
+    }
+}
+
 /// What every tool of a toolbox can answer in `env`, installed or not.
 pub fn capability_table(
     tools: &[std::sync::Arc<dyn Tool>],
@@ -211,6 +218,20 @@ impl Coverage {
         self.parts.iter().filter_map(Part::cannot_assess).collect()
     }
 
+    /// The installed tools that cover `topic` as a part of the question (empty when it is not
+    /// a covered part).
+    pub fn covering_tools(&self, topic: &Topic) -> &[String] {
+        match self
+            .parts
+            .iter()
+            .find(|p| std::ptr::eq(p.topic, topic))
+            .map(|p| &p.status)
+        {
+            Some(PartStatus::Covered { tools }) => tools,
+            _ => &[],
+        }
+    }
+
     /// Labels of the parts no installed tool covers.
     pub fn uncovered_labels(&self) -> Vec<String> {
         self.parts
@@ -222,9 +243,7 @@ impl Coverage {
 }
 
 fn status_of(topic: &'static Topic, table: &[CapabilityRow]) -> PartStatus {
-    let about = |r: &&CapabilityRow| {
-        std::ptr::eq(r.capability.topic, topic) || r.capability.topic.id == ANY_TOPIC.id
-    };
+    let about = |r: &&CapabilityRow| r.covers(topic);
     let mut ready: Vec<String> = Vec::new();
     let mut missing: BTreeMap<String, String> = BTreeMap::new();
     for row in table.iter().filter(about) {

@@ -6,12 +6,9 @@ use super::*;
 impl Agent {
     /// Whether an earlier turn of the session holds a result covering `topic`.
     fn in_history(&self, st: &RunState, topic: &'static coverage::Topic) -> bool {
-        st.capabilities.iter().any(|row| {
-            row.ready
-                && st.history_tools.contains(&row.tool)
-                && (std::ptr::eq(row.capability.topic, topic)
-                    || row.capability.topic.id == coverage::ANY_TOPIC.id)
-        })
+        st.capabilities
+            .iter()
+            .any(|row| row.ready && st.history_tools.contains(&row.tool) && row.covers(topic))
     }
 
     /// Whether a tool's only required argument is the image (so Hilum can call it itself).
@@ -80,12 +77,11 @@ impl Agent {
         let mut found = Vec::new();
         for r in &st.results {
             let Ok(out) = &r.result else { continue };
-            for row in st.capabilities.iter().filter(|row| {
-                row.ready
-                    && row.tool == r.call.name
-                    && (std::ptr::eq(row.capability.topic, topic)
-                        || row.capability.topic.id == coverage::ANY_TOPIC.id)
-            }) {
+            for row in st
+                .capabilities
+                .iter()
+                .filter(|row| row.ready && row.tool == r.call.name && row.covers(topic))
+            {
                 found.push((row, out));
             }
         }
@@ -97,28 +93,40 @@ impl Agent {
         !self.results_about(st, topic).is_empty() || self.in_history(st, topic)
     }
 
-    /// What the tools' results of the run state about `topic`, one sentence per result.
-    fn statements(&self, st: &RunState, topic: &'static coverage::Topic) -> Vec<String> {
+    /// Each covering result of the run with the tool that made it.
+    fn covering_results<'a>(
+        &'a self,
+        st: &'a RunState,
+        topic: &'static coverage::Topic,
+    ) -> Vec<(
+        Arc<dyn crate::Tool>,
+        &'a CapabilityRow,
+        &'a crate::ToolOutput,
+    )> {
         let tools = self.toolbox.all_tools();
         self.results_about(st, topic)
-            .iter()
+            .into_iter()
             .filter_map(|(row, out)| {
-                let tool = tools.iter().find(|t| t.spec().name == row.tool)?;
-                Some(coverage::statement(tool.as_ref(), &row.capability, out))
+                let tool = tools.iter().find(|t| t.spec().name == row.tool)?.clone();
+                Some((tool, row, out))
             })
+            .collect()
+    }
+
+    /// What the tools' results of the run state about `topic`, one sentence per result.
+    fn statements(&self, st: &RunState, topic: &'static coverage::Topic) -> Vec<String> {
+        self.covering_results(st, topic)
+            .iter()
+            .map(|(tool, row, out)| coverage::statement(tool.as_ref(), &row.capability, out))
             .collect()
     }
 
     /// The statements of the tools that state `topic` themselves ([`crate::Tool::state`]):
     /// the figures an answer about it must quote.
     fn key_statements(&self, st: &RunState, topic: &'static coverage::Topic) -> Vec<String> {
-        let tools = self.toolbox.all_tools();
-        self.results_about(st, topic)
+        self.covering_results(st, topic)
             .iter()
-            .filter_map(|(row, out)| {
-                let tool = tools.iter().find(|t| t.spec().name == row.tool)?;
-                tool.state(&row.capability, out)
-            })
+            .filter_map(|(tool, row, out)| tool.state(&row.capability, out))
             .collect()
     }
 
@@ -166,17 +174,8 @@ impl Agent {
             let line = if let Some(first) = said.first() {
                 format!("- {}: {first}", capitalise_first(topic.label))
             } else if tools_left {
-                let tools: Vec<String> = match &st
-                    .coverage
-                    .parts
-                    .iter()
-                    .find(|p| std::ptr::eq(p.topic, topic))
-                    .map(|p| &p.status)
-                {
-                    Some(coverage::PartStatus::Covered { tools }) => tools.clone(),
-                    _ => Vec::new(),
-                };
-                format!("- {}: call {} first", topic.label, tools.join(" or "))
+                let tools = st.coverage.covering_tools(topic).join(" or ");
+                format!("- {}: call {tools} first", topic.label)
             } else {
                 format!("- {}: say that it was not assessed", topic.label)
             };
@@ -227,16 +226,7 @@ impl Agent {
                 continue;
             }
             let line = if said.is_empty() {
-                let tools = match st
-                    .coverage
-                    .parts
-                    .iter()
-                    .find(|p| std::ptr::eq(p.topic, topic))
-                    .map(|p| &p.status)
-                {
-                    Some(coverage::PartStatus::Covered { tools }) => tools.join(" or "),
-                    _ => String::new(),
-                };
+                let tools = st.coverage.covering_tools(topic).join(" or ");
                 format!(
                     "{} was not assessed in this run: {tools}, which covers it, was not called.",
                     capitalise_first(topic.label)
