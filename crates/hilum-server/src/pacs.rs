@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hilum_llm::script::{ScriptCall, ScriptTurn};
-use hilum_pacs::protocol::{self, InstanceFacts, Protocol};
+use hilum_pacs::protocol::{self, Protocol};
 use hilum_pacs::scp::{Scp, ScpConfig, StoredInstance};
 use hilum_pacs::{
     dicomweb, Device, Finding, Measurement, ModelInfo, Overlay, ResultSet, Segment, Side,
@@ -201,7 +201,7 @@ async fn run_job(state: &AppState, settings: &PacsSettings, job: &PacsJob) -> Re
                 continue;
             }
         };
-        let (source, facts) = match facts_of(&bytes) {
+        let (source, facts) = match protocol::read_facts(&bytes) {
             Ok(v) => v,
             Err(e) => {
                 why_not.push(format!("{}: {e}", inst.sop_instance_uid));
@@ -391,11 +391,6 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
         .and_then(|_| f.sync_all())
         .map_err(|e| format!("{}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
-}
-
-/// The source's attributes and what protocols match against.
-fn facts_of(bytes: &[u8]) -> Result<(SourceImage, InstanceFacts), String> {
-    protocol::read_facts(bytes).map_err(|e| e.to_string())
 }
 
 /// The node's own caller, created once.
@@ -768,23 +763,8 @@ pub async fn pull(
     let mut job = String::new();
     for path in &paths {
         let bytes = std::fs::read(path).map_err(|e| ApiError::Internal(e.to_string()))?;
-        let obj =
-            hilum_pacs::read_dicom(&bytes).map_err(|e| ApiError::BadGateway(e.to_string()))?;
-        let source =
-            SourceImage::from_object(&obj).map_err(|e| ApiError::BadGateway(e.to_string()))?;
-        let row = PacsInstance {
-            sop_instance_uid: source.sop_instance_uid.clone(),
-            study_uid: source.study.instance_uid.clone(),
-            series_uid: source.series_instance_uid.clone(),
-            sop_class_uid: source.sop_class_uid.clone(),
-            transfer_syntax: obj
-                .meta()
-                .transfer_syntax()
-                .trim_end_matches('\0')
-                .to_string(),
-            path: path.display().to_string(),
-            origin: "pull".into(),
-        };
+        let mut row = describe(&bytes, "pull").map_err(ApiError::BadGateway)?;
+        row.path = path.display().to_string();
         job = state.db.pacs_record_instance(row, quiet_ms).await?;
     }
     Ok((
@@ -893,33 +873,36 @@ async fn store_part(
     bytes: &[u8],
     quiet_ms: i64,
 ) -> Result<(String, String), String> {
-    let obj = hilum_pacs::read_dicom(bytes).map_err(|e| e.to_string())?;
-    let source = SourceImage::from_object(&obj).map_err(|e| e.to_string())?;
-    let transfer_syntax = obj
-        .meta()
-        .transfer_syntax()
-        .trim_end_matches('\0')
-        .to_string();
-    let dir = settings
-        .storage_dir
-        .join("incoming")
-        .join(&source.study.instance_uid);
+    let mut row = describe(bytes, "stow-rs")?;
+    let dir = settings.storage_dir.join("incoming").join(&row.study_uid);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join(format!("{}.dcm", source.sop_instance_uid));
+    let path = dir.join(format!("{}.dcm", row.sop_instance_uid));
     write_atomic(&path, bytes)?;
-    let row = PacsInstance {
-        sop_instance_uid: source.sop_instance_uid.clone(),
-        study_uid: source.study.instance_uid.clone(),
-        series_uid: source.series_instance_uid.clone(),
-        sop_class_uid: source.sop_class_uid.clone(),
-        transfer_syntax,
-        path: path.display().to_string(),
-        origin: "stow-rs".into(),
-    };
+    row.path = path.display().to_string();
+    let uids = (row.sop_class_uid.clone(), row.sop_instance_uid.clone());
     state
         .db
         .pacs_record_instance(row, quiet_ms)
         .await
         .map_err(|e| e.to_string())?;
-    Ok((source.sop_class_uid, source.sop_instance_uid))
+    Ok(uids)
+}
+
+/// The queue's row for a DICOM object (a Part 10 file or a bare data set), without its path.
+fn describe(bytes: &[u8], origin: &str) -> Result<PacsInstance, String> {
+    let obj = hilum_pacs::read_dicom(bytes).map_err(|e| e.to_string())?;
+    let source = SourceImage::from_object(&obj).map_err(|e| e.to_string())?;
+    Ok(PacsInstance {
+        sop_instance_uid: source.sop_instance_uid,
+        study_uid: source.study.instance_uid,
+        series_uid: source.series_instance_uid,
+        sop_class_uid: source.sop_class_uid,
+        transfer_syntax: obj
+            .meta()
+            .transfer_syntax()
+            .trim_end_matches('\0')
+            .to_string(),
+        path: String::new(),
+        origin: origin.into(),
+    })
 }
