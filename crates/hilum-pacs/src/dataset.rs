@@ -121,6 +121,21 @@ pub(crate) fn sop_ref(class_uid: &str, instance_uid: &str) -> InMemDicomObject {
 
 /// Patient (C.7.1.1) and General Study (C.7.2.1) modules copied from the source, so the object
 /// files under the same patient and study. Type 2 attributes the source lacks are written empty.
+/// Lossy Image Compression (and its methods) copied from the source: an object derived from a
+/// lossy image says so (PS3.3 C.7.6.1.1.5).
+pub(crate) fn lossy_compression(o: &mut InMemDicomObject, s: &crate::source::SourceImage) {
+    put_str(
+        o,
+        tags::LOSSY_IMAGE_COMPRESSION,
+        VR::CS,
+        if s.lossy { "01" } else { "00" },
+    );
+    if s.lossy && !s.lossy_methods.is_empty() {
+        let methods: Vec<&str> = s.lossy_methods.iter().map(String::as_str).collect();
+        put_strs(o, tags::LOSSY_IMAGE_COMPRESSION_METHOD, VR::CS, &methods);
+    }
+}
+
 pub(crate) fn patient_and_study(o: &mut InMemDicomObject, rs: &ResultSet) {
     let p = &rs.source.patient;
     put_opt(o, tags::PATIENT_NAME, VR::PN, p.name.as_deref());

@@ -114,21 +114,7 @@ pub fn write(rs: &ResultSet) -> Result<FileDicomObject<InMemDicomObject>> {
     );
     put_seq(&mut o, tags::SOURCE_IMAGE_SEQUENCE, vec![source]);
     put_str(&mut o, tags::BURNED_IN_ANNOTATION, VR::CS, "YES");
-    put_str(
-        &mut o,
-        tags::LOSSY_IMAGE_COMPRESSION,
-        VR::CS,
-        if s.lossy { "01" } else { "00" },
-    );
-    if s.lossy && !s.lossy_methods.is_empty() {
-        let methods: Vec<&str> = s.lossy_methods.iter().map(String::as_str).collect();
-        put_strs(
-            &mut o,
-            tags::LOSSY_IMAGE_COMPRESSION_METHOD,
-            VR::CS,
-            &methods,
-        );
-    }
+    dataset::lossy_compression(&mut o, s);
     if rs.research_only {
         put_str(
             &mut o,

@@ -335,21 +335,7 @@ pub fn write(rs: &ResultSet) -> Result<FileDicomObject<InMemDicomObject>> {
         .map(|(i, seg)| segment_item(rs, (i + 1) as u16, seg))
         .collect::<Result<Vec<_>>>()?;
     put_seq(&mut o, tags::SEGMENT_SEQUENCE, items);
-    put_str(
-        &mut o,
-        tags::LOSSY_IMAGE_COMPRESSION,
-        VR::CS,
-        if s.lossy { "01" } else { "00" },
-    );
-    if s.lossy && !s.lossy_methods.is_empty() {
-        let methods: Vec<&str> = s.lossy_methods.iter().map(String::as_str).collect();
-        put_strs(
-            &mut o,
-            tags::LOSSY_IMAGE_COMPRESSION_METHOD,
-            VR::CS,
-            &methods,
-        );
-    }
+    dataset::lossy_compression(&mut o, s);
 
     // Image Pixel: 1 bit, MONOCHROME2, one frame per segment.
     put_u16(&mut o, tags::SAMPLES_PER_PIXEL, 1);
