@@ -1,8 +1,14 @@
-//! Which implementation runs a network: one enum for every model, part of the pool's key.
+//! Which implementation runs a network: one enum for every model, part of the pool's key; the
+//! per-model choice of the models' settings ([`BackendChoice`], `[models.backend]`), resolved
+//! for every model by [`crate::ModelPool::backend_for`]; and the one holder every model keeps
+//! its network in ([`Engine`]).
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Device, ModelError};
+use crate::architecture::Architecture;
+use crate::{Device, InstalledModel, ModelError, ModelPool};
 
 /// Which implementation runs a network (`--backend native|candle|onnx|kserve`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -88,9 +94,193 @@ impl std::str::FromStr for Backend {
     }
 }
 
+/// Backends chosen per model id (`[models.backend]`, `--backend MODEL=BACKEND`,
+/// `HILUM_BACKEND`); `*` stands for every model whose architecture runs on that backend.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BackendChoice(BTreeMap<String, Backend>);
+
+impl BackendChoice {
+    /// `BACKEND` (every model) or `MODEL=BACKEND` pairs, comma-separated
+    /// (`lung-unet=kserve,densenet121-res224-all=onnx`). Model ids are not checked here: the
+    /// program checks them against its registry ([`BackendChoice::unknown_models`]).
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let mut out = BTreeMap::new();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (model, name) = part.split_once('=').unwrap_or(("*", part));
+            let backend = name.parse::<Backend>().map_err(|e| e.to_string())?;
+            out.insert(model.trim().to_string(), backend);
+        }
+        Ok(BackendChoice(out))
+    }
+
+    /// `backend` for every model that runs on it.
+    pub fn every(backend: Backend) -> Self {
+        BackendChoice([("*".to_string(), backend)].into_iter().collect())
+    }
+
+    /// Chooses `backend` for `id` (`*`: every model).
+    pub fn set(&mut self, id: &str, backend: Backend) {
+        self.0.insert(id.to_string(), backend);
+    }
+
+    /// The backend chosen for `id` itself.
+    pub fn get(&self, id: &str) -> Option<Backend> {
+        self.0.get(id).copied()
+    }
+
+    /// The backend chosen for every model (`*`).
+    pub fn every_model(&self) -> Option<Backend> {
+        self.get("*")
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Backend)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), *v))
+    }
+
+    /// This choice over `base`: its entries win, `base` fills in the rest.
+    pub fn over(&self, base: &BackendChoice) -> BackendChoice {
+        let mut out = base.0.clone();
+        out.extend(self.0.iter().map(|(k, v)| (k.clone(), *v)));
+        BackendChoice(out)
+    }
+
+    /// The ids named that are not in `known` (`*` is always known).
+    pub fn unknown_models<'a>(&'a self, known: &[&str]) -> Vec<&'a str> {
+        self.0
+            .keys()
+            .map(String::as_str)
+            .filter(|k| *k != "*" && !known.contains(k))
+            .collect()
+    }
+
+    /// The backend of model `id` of architecture `arch`: the one chosen for it, else the one
+    /// chosen for every model when `arch` runs on it, else the architecture's default.
+    pub fn resolve(
+        &self,
+        id: &str,
+        arch: &dyn Architecture,
+        installed: &InstalledModel,
+        device: Device,
+    ) -> Backend {
+        if let Some(b) = self.get(id) {
+            return b;
+        }
+        match self.every_model() {
+            Some(b) if arch.supports(b, installed) => b,
+            _ => arch.default_backend(installed, device),
+        }
+    }
+}
+
+impl From<BTreeMap<String, Backend>> for BackendChoice {
+    fn from(map: BTreeMap<String, Backend>) -> Self {
+        BackendChoice(map)
+    }
+}
+
+impl ModelPool {
+    /// The backend model `id` runs on when its copy is made on `device`: `over` (a command's
+    /// flags, a tool's own need) first, then the settings' [`BackendChoice`], then the
+    /// architecture's default. A setting that did not parse is this call's error.
+    pub fn backend_for(
+        &self,
+        id: &str,
+        installed: &InstalledModel,
+        device: Device,
+        over: &BackendChoice,
+    ) -> Result<Backend, ModelError> {
+        let settings = self
+            .settings()
+            .backends
+            .as_ref()
+            .map_err(|e| ModelError::BadSetting(e.clone()))?;
+        let manifest = self.registry().manifest(id)?;
+        let arch = self.registry().architectures().of(manifest)?;
+        Ok(over.over(settings).resolve(id, arch, installed, device))
+    }
+}
+
+/// The one holder of a network on its backend: Hilum's native CPU plan `N`, the candle model
+/// `C` on its device, a graph on ONNX Runtime, or a KServe v2 server's model. Each model keeps
+/// its network in one of these instead of an enum of its own, so every model reports its
+/// backend, runs its graph and checks the graph's output the same way.
+pub enum Engine<N, C> {
+    Native(N),
+    Candle(C, candle_core::Device),
+    #[cfg(feature = "onnx")]
+    Onnx(crate::onnx::OnnxModel),
+    Kserve(crate::kserve::KserveModel),
+}
+
+impl<N, C> Engine<N, C> {
+    pub fn backend(&self) -> Backend {
+        match self {
+            Engine::Native(_) => Backend::Native,
+            Engine::Candle(..) => Backend::Candle,
+            #[cfg(feature = "onnx")]
+            Engine::Onnx(_) => Backend::Onnx,
+            Engine::Kserve(_) => Backend::Kserve,
+        }
+    }
+
+    /// The graph's output `(shape, values)` for `input` of `shape`, on ONNX Runtime or the
+    /// server; `None` for the in-process networks (the caller runs `N` or `C` itself).
+    pub fn run_graph(
+        &self,
+        shape: &[usize],
+        input: &[f32],
+    ) -> Option<Result<(Vec<usize>, Vec<f32>), ModelError>> {
+        match self {
+            #[cfg(feature = "onnx")]
+            Engine::Onnx(g) => Some(g.run(shape, input)),
+            Engine::Kserve(m) => Some(m.infer(shape, input)),
+            _ => None,
+        }
+    }
+
+    /// The network on ONNX Runtime from a serialised graph (`what` names it in errors), with
+    /// `threads` intra-op threads on `device`.
+    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
+    pub fn onnx(graph: &[u8], what: &str, threads: usize, device: Device) -> Result<Self, ModelError> {
+        #[cfg(feature = "onnx")]
+        {
+            Ok(Engine::Onnx(crate::onnx::OnnxModel::from_memory(
+                graph, what, threads, device,
+            )?))
+        }
+        #[cfg(not(feature = "onnx"))]
+        Err(ModelError::Onnx(
+            "this hilum was built without the `onnx` feature; rebuild with the default features \
+             or use --backend native"
+                .into(),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn choices_layer_and_every_model_applies_where_it_runs() {
+        let base = BackendChoice::parse("kserve,lung-unet=onnx").expect("parses");
+        let flags = BackendChoice::parse("lung-unet=native").expect("parses");
+        let both = flags.over(&base);
+        assert_eq!(both.get("lung-unet"), Some(Backend::Native));
+        assert_eq!(both.every_model(), Some(Backend::Kserve));
+        assert!(BackendChoice::parse("lung-unet=gpu").is_err());
+        assert_eq!(both.unknown_models(&["lung-unet"]), Vec::<&str>::new());
+        assert_eq!(
+            BackendChoice::parse("nope=candle")
+                .expect("parses")
+                .unknown_models(&["lung-unet"]),
+            vec!["nope"]
+        );
+    }
 
     #[test]
     fn parses_names_and_aliases_and_rejects_others() {

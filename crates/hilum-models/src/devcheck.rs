@@ -83,46 +83,45 @@ pub struct Timing {
     pub native_ms: Option<f64>,
 }
 
-/// The checks in the order they run.
-pub const CHECKS: &[&str] = &[
-    "densenet121",
-    "resnet50",
-    "lung-unet",
-    "pspnet",
-    "medsam",
-    "report",
-    "llava-slice",
-];
+/// The checks of Hilum's architectures ([`crate::Architectures::builtin`]), in the order
+/// they run.
+pub fn check_names() -> Vec<&'static str> {
+    names_of(&crate::Architectures::builtin())
+}
 
-/// Runs the checks, handing each row to `on_row` as it finishes (a failure is a row with its
-/// error, and the next check still runs).
-pub fn run(opts: &CheckOptions, mut on_row: impl FnMut(&CheckRow)) -> Vec<CheckRow> {
+fn names_of(archs: &crate::Architectures) -> Vec<&'static str> {
+    archs
+        .iter()
+        .flat_map(|a| a.device_checks())
+        .map(|c| c.name)
+        .collect()
+}
+
+/// Runs the checks of Hilum's architectures, handing each row to `on_row` as it finishes (a
+/// failure is a row with its error, and the next check still runs).
+pub fn run(opts: &CheckOptions, on_row: impl FnMut(&CheckRow)) -> Vec<CheckRow> {
+    run_with(opts, &crate::Architectures::builtin(), on_row)
+}
+
+/// [`run`] over the device checks of the architectures in `archs`.
+pub fn run_with(
+    opts: &CheckOptions,
+    archs: &crate::Architectures,
+    mut on_row: impl FnMut(&CheckRow),
+) -> Vec<CheckRow> {
     let mut rows = Vec::new();
-    for &name in CHECKS {
-        if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
+    for check in archs.iter().flat_map(|a| a.device_checks()) {
+        if !opts.only.is_empty() && !opts.only.iter().any(|o| o == check.name) {
             continue;
         }
-        let row = match check(name, opts) {
+        let row = match (check.run)(opts) {
             Ok(row) => row,
-            Err(e) => CheckRow::failed(name, e.to_string()),
+            Err(e) => CheckRow::failed(check.name, e.to_string()),
         };
         on_row(&row);
         rows.push(row);
     }
     rows
-}
-
-fn check(name: &str, o: &CheckOptions) -> Result<CheckRow, ModelError> {
-    match name {
-        "densenet121" => classifier(o, xrv::XrvSpec::densenet121_res224_all(), name),
-        "resnet50" => classifier(o, xrv::XrvSpec::resnet50_res512_all(), name),
-        "lung-unet" => lung_unet(o),
-        "pspnet" => psp(o),
-        "medsam" => medsam(o),
-        "report" => report_model(o),
-        "llava-slice" => llava_slice(o),
-        other => Err(ModelError::Compute(format!("unknown check `{other}`"))),
-    }
 }
 
 /// Relative max difference: |a - b| over max(1, max |a|).
@@ -143,7 +142,8 @@ pub fn rel_diff(reference: &[f32], target: &[f32]) -> f32 {
     d / scale
 }
 
-fn mean_ms(
+/// Mean milliseconds of `iterations` calls of `f` after one warm-up.
+pub fn mean_ms(
     iterations: usize,
     mut f: impl FnMut() -> Result<(), ModelError>,
 ) -> Result<f64, ModelError> {
@@ -188,7 +188,8 @@ fn gray(o: &CheckOptions) -> Gray {
     })
 }
 
-fn row(model: &str, compared: &str, diff: f32, tolerance: f32) -> CheckRow {
+/// A row comparing `diff` with `tolerance`, without timings yet.
+pub fn row(model: &str, compared: &str, diff: f32, tolerance: f32) -> CheckRow {
     CheckRow {
         model: model.into(),
         compared: compared.into(),
@@ -201,7 +202,8 @@ fn row(model: &str, compared: &str, diff: f32, tolerance: f32) -> CheckRow {
     }
 }
 
-fn vb_on(
+/// A VarBuilder over `tensors` on `device` (the weights of a check).
+pub fn vb_on(
     tensors: &HashMap<String, Tensor>,
     device: Device,
 ) -> Result<VarBuilder<'static>, ModelError> {
@@ -210,6 +212,16 @@ fn vb_on(
         DType::F32,
         &device.candle()?,
     ))
+}
+
+/// torchxrayvision's DenseNet-121 on both devices.
+pub fn densenet121(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+    classifier(o, xrv::XrvSpec::densenet121_res224_all(), "densenet121")
+}
+
+/// torchxrayvision's ResNet-50 on both devices.
+pub fn resnet50(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+    classifier(o, xrv::XrvSpec::resnet50_res512_all(), "resnet50")
 }
 
 fn classifier(
@@ -260,7 +272,8 @@ fn classifier(
     Ok(out)
 }
 
-fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+/// The device check of its architecture (see the module doc).
+pub fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let cfg = unet::Config::lung_seg_valiou_088();
     let (weights, what) = match &o.unet_weights {
         Some(p) => {
@@ -334,7 +347,8 @@ fn lung_unet(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     Ok(out)
 }
 
-fn psp(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+/// The device check of its architecture (see the module doc).
+pub fn psp(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let mut cfg = pspnet::Config::chestx_det();
     if o.quick {
         cfg.input_size = 64;
@@ -362,7 +376,8 @@ fn psp(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     Ok(out)
 }
 
-fn medsam(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+/// The device check of its architecture (see the module doc).
+pub fn medsam(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let mut cfg = sam::Config::vit_b();
     if o.quick {
         cfg.image_size = 128;
@@ -422,7 +437,8 @@ fn medsam(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     Ok(out)
 }
 
-fn report_model(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+/// The device check of its architecture (see the module doc).
+pub fn report_model(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let cfg = report::Config::chexpert_plus_baseline(30522);
     let weights = crate::weights::seeded(&report::expected_params(&cfg), 23);
     let size = 256;
@@ -512,7 +528,8 @@ fn llava_config(quick: bool) -> Result<llava::Config, ModelError> {
     llava::Config::from_json(&text.to_string())
 }
 
-fn llava_slice(o: &CheckOptions) -> Result<CheckRow, ModelError> {
+/// The device check of its architecture (see the module doc).
+pub fn llava_slice(o: &CheckOptions) -> Result<CheckRow, ModelError> {
     let cfg = llava_config(o.quick)?;
     let weights = crate::weights::seeded(&cfg.expected_params()?, 31);
     let image = cfg.vision_config.image_size;
@@ -596,7 +613,7 @@ mod tests {
             only: Vec::new(),
         };
         let rows = run(&o, |_| {});
-        assert_eq!(rows.len(), CHECKS.len());
+        assert_eq!(rows.len(), check_names().len());
         for r in &rows {
             assert!(r.passed, "{r:?}");
             assert!(!r.timings.is_empty(), "{r:?}");

@@ -5,7 +5,6 @@
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::registry::check_architecture;
 use crate::{sha256_file_with, InstallRecord, InstalledModel, ModelError, ModelRegistry};
 
 #[derive(Clone, Debug, Default)]
@@ -72,7 +71,7 @@ pub fn import_with_progress(
             }
         }
     }
-    if opts.custom && crate::registry::expected_params(manifest).is_none() {
+    if opts.custom && !registry.checks_layout(manifest) {
         return Err(ModelError::WeightsMismatch {
             what: path.display().to_string(),
             architecture: manifest.architecture.clone(),
@@ -82,6 +81,10 @@ pub fn import_with_progress(
 
     let work = tempfile::tempdir().map_err(|e| ModelError::io(Path::new("temporary dir"), e))?;
     let format = format_of(path, &manifest.source.format);
+    let renames = registry
+        .architectures()
+        .of(manifest)?
+        .pytorch_renames();
     if format != "safetensors" {
         progress.step("converting to safetensors", None);
     }
@@ -97,17 +100,18 @@ pub fn import_with_progress(
             })?;
             out
         }
-        "pytorch"
-            if crate::checkpoint::PYTORCH_ARCHITECTURES
-                .contains(&manifest.architecture.as_str()) =>
-        {
+        "pytorch" if renames.is_some() => {
             let out = work.path().join("model.safetensors");
-            crate::checkpoint::pytorch_to_safetensors(&manifest.architecture, path, &out).map_err(
-                |e| ModelError::Convert {
+            let renames = renames.as_ref().ok_or_else(|| ModelError::Convert {
+                what: path.display().to_string(),
+                reason: "no PyTorch reader".into(),
+            })?;
+            crate::checkpoint::pytorch_to_safetensors(renames, path, &out).map_err(|e| {
+                ModelError::Convert {
                     what: path.display().to_string(),
                     reason: e.to_string(),
-                },
-            )?;
+                }
+            })?;
             out
         }
         other => {
@@ -121,7 +125,7 @@ pub fn import_with_progress(
         }
     };
     progress.step("checking tensor names and shapes", None);
-    check_architecture(manifest, &converted)?;
+    registry.check_architecture(manifest, &converted)?;
 
     // A safetensors file is installed as it is: its sha256 is the one already taken.
     let sha256 = if converted == path {

@@ -6,6 +6,7 @@
 //! The crate reads no environment variables: its settings are one [`ModelSettings`] value the
 //! program builds and passes to the pool (see the `settings` module for what is process-wide).
 
+pub mod architecture;
 mod backend;
 pub mod checkpoint;
 pub mod densenet;
@@ -34,7 +35,8 @@ pub mod unet;
 pub mod weights;
 pub mod xrv;
 
-pub use backend::Backend;
+pub use architecture::{Architecture, Architectures};
+pub use backend::{Backend, BackendChoice, Engine};
 pub use device::{Device, DeviceSet};
 pub use fetch::{fetch, FetchOptions, FetchProgress, HfToken, NoProgress, DEFAULT_HUB_ENDPOINT};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
@@ -111,6 +113,10 @@ pub enum ModelError {
     /// malformed reply).
     #[error("the KServe v2 inference server at {url}: {reason}")]
     Remote { url: String, reason: String },
+    /// A backend setting (`[models.backend]`, `HILUM_BACKEND`) that did not parse: every model
+    /// call reports it, nothing runs on a guess.
+    #[error("bad backend setting: {0}")]
+    BadSetting(String),
     #[error("{what} does not run on the {backend} backend: use {supported}")]
     Backend {
         what: String,

@@ -392,6 +392,64 @@ impl Module for PspNet {
     }
 }
 
+/// The PSPNet in the table of architectures ([`crate::Architectures`]).
+pub struct PspNetArch;
+
+impl crate::Architecture for PspNetArch {
+    fn name(&self) -> &'static str {
+        "pspnet"
+    }
+
+    fn backends(&self) -> &'static [Backend] {
+        &Backend::ALL
+    }
+
+    /// Native on the CPU, candle on GPUs.
+    fn default_backend(&self, _: &InstalledModel, device: Device) -> Backend {
+        Backend::default_for(device)
+    }
+
+    fn expected_params(
+        &self,
+        m: &Manifest,
+        _: Option<&Path>,
+    ) -> Result<Option<crate::architecture::Params>, ModelError> {
+        expected_params(&Config::from_manifest(m)?).map(Some)
+    }
+
+    /// scripts/convert_pspnet.py: DataParallel's `module.` stripped, BN counters and the
+    /// training-only auxiliary head dropped.
+    fn pytorch_renames(&self) -> Option<crate::architecture::Renames> {
+        Some(crate::architecture::Renames {
+            unwrap: &[],
+            rename: |k| {
+                let name = crate::architecture::strip_module(k);
+                let drop = name.ends_with("num_batches_tracked")
+                    || name.starts_with("convbnrelu4_aux.")
+                    || name.starts_with("aux_cls.");
+                (!drop).then(|| name.to_string())
+            },
+            record_source: false,
+        })
+    }
+
+    fn graph(&self) -> crate::architecture::Graph {
+        crate::architecture::Graph::Built
+    }
+
+    fn onnx_graph(&self, m: &Manifest, vb: VarBuilder) -> Result<Vec<u8>, ModelError> {
+        let cfg = Config::from_manifest(m)?;
+        Ok(PspNet::load(vb, &cfg)?.to_onnx(cfg.input_size)?)
+    }
+
+    fn device_checks(&self) -> Vec<crate::architecture::DeviceCheck> {
+        vec![crate::architecture::DeviceCheck {
+            name: "pspnet",
+            run: crate::devcheck::psp,
+        }]
+    }
+}
+
 /// The PSPNet ready to run on one backend: native kernels (the default on the CPU), candle,
 /// ONNX Runtime (the graph of [`PspNet::to_onnx`]) or a KServe v2 server serving that graph.
 pub struct AnatomySegmenter {

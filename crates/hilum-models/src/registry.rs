@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::architecture::{Architecture, Architectures};
 use crate::manifest::{InstallRecord, InstalledModel, Manifest};
 use crate::{weights, ModelError};
 
@@ -66,6 +67,7 @@ pub struct VerifyReport {
 pub struct ModelRegistry {
     dir: PathBuf,
     manifests: BTreeMap<String, Manifest>,
+    architectures: Architectures,
 }
 
 impl ModelRegistry {
@@ -88,6 +90,7 @@ impl ModelRegistry {
         Ok(ModelRegistry {
             dir: dir.into(),
             manifests,
+            architectures: Architectures::builtin(),
         })
     }
 
@@ -96,7 +99,20 @@ impl ModelRegistry {
         ModelRegistry {
             dir: dir.into(),
             manifests: BTreeMap::new(),
+            architectures: Architectures::builtin(),
         }
+    }
+
+    /// The registry with `arch` in its table of architectures (replacing one of its name): a
+    /// network of a site's own, or a small one in tests.
+    pub fn with_architecture(mut self, arch: impl Architecture + 'static) -> Self {
+        self.architectures = self.architectures.with(arch);
+        self
+    }
+
+    /// The architectures this registry's models are read, checked and exported with.
+    pub fn architectures(&self) -> &Architectures {
+        &self.architectures
     }
 
     /// The registry with `manifest` in place of the one with its id (or added): a site's own
@@ -256,7 +272,7 @@ impl ModelRegistry {
                 inst.record.sha256
             ));
         }
-        if let Err(e) = check_architecture(manifest, &inst.weights) {
+        if let Err(e) = self.check_architecture(manifest, &inst.weights) {
             problems.push(e.to_string());
         }
         if let (Some(onnx), Some(expected)) = (&inst.onnx, &inst.record.onnx_sha256) {
@@ -276,45 +292,33 @@ impl ModelRegistry {
     }
 }
 
-/// Parameter names and shapes an architecture expects, when Hilum knows them. Add one arm per
-/// architecture.
-pub fn expected_params(manifest: &Manifest) -> Option<BTreeMap<String, Vec<usize>>> {
-    match manifest.architecture.as_str() {
-        "lung-unet" => Some(crate::unet::expected_params()),
-        "pspnet" => crate::pspnet::Config::from_manifest(manifest)
-            .and_then(|c| crate::pspnet::expected_params(&c))
-            .ok(),
-        "llava" => crate::llava::manifest_config(manifest)
-            .and_then(|c| c.expected_params())
-            .ok(),
-        "sam" => crate::sam::Config::from_manifest(manifest)
-            .and_then(|c| crate::sam::expected_params(&c))
-            .ok(),
-        "densenet121" | "resnet50" => crate::xrv::XrvSpec::from_manifest(manifest)
-            .and_then(|s| crate::xrv::expected_params(&s.arch))
-            .ok(),
-        _ => None,
-    }
-}
 
-/// Fails unless the safetensors file at `path` has exactly the architecture's parameters.
-pub fn check_architecture(manifest: &Manifest, path: &Path) -> Result<(), ModelError> {
-    let actual = weights::shapes(path)?;
-    // A LLaVA's layout is given by the config.json that travels with its weights.
-    let expected = match manifest.architecture.as_str() {
-        "llava" => Some(crate::llava::expected_params_for(manifest, path)?),
-        // So is the report model's (embedded by scripts/convert_report.py, or beside it).
-        "swinv2-bert" => Some(crate::report::expected_params_for(manifest, path)?),
-        _ => expected_params(manifest),
-    };
-    if let Some(expected) = expected {
-        weights::compare(&expected, &actual).map_err(|details| ModelError::WeightsMismatch {
-            what: path.display().to_string(),
-            architecture: manifest.architecture.clone(),
-            details,
-        })?;
+impl ModelRegistry {
+    /// Fails unless the safetensors file at `path` has exactly the parameters `manifest`'s
+    /// architecture expects (those it can state: some read a config beside the weights).
+    pub fn check_architecture(&self, manifest: &Manifest, path: &Path) -> Result<(), ModelError> {
+        let arch = self.architectures.of(manifest)?;
+        let actual = weights::shapes(path)?;
+        if let Some(expected) = arch.expected_params(manifest, Some(path))? {
+            weights::compare(&expected, &actual).map_err(|details| {
+                ModelError::WeightsMismatch {
+                    what: path.display().to_string(),
+                    architecture: manifest.architecture.clone(),
+                    details,
+                }
+            })?;
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// Whether Hilum can check a custom checkpoint of `manifest`: its architecture states its
+    /// layout from the manifest alone.
+    pub(crate) fn checks_layout(&self, manifest: &Manifest) -> bool {
+        self.architectures
+            .of(manifest)
+            .and_then(|a| a.expected_params(manifest, None))
+            .is_ok_and(|p| p.is_some())
+    }
 }
 
 /// `std::fs::copy` in 8 MiB chunks, telling `copied` after each (weights can be 15 GB).

@@ -15,7 +15,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::registry::ModelRegistry;
-use crate::{Device, DeviceSet, KserveSettings};
+use crate::Backend;
+use crate::{BackendChoice, Device, DeviceSet, KserveSettings};
 
 /// How long a device that failed is passed over while another can take its calls.
 pub const DEFAULT_DEVICE_COOLDOWN: Duration = Duration::from_secs(30);
@@ -56,6 +57,10 @@ pub struct ModelSettings {
     /// (the PSPNet's, SAM's and the lung U-Net's check): for testing, with `stand_ins`, that
     /// such a failure moves the call. Empty: none.
     pub forward_faults: BTreeSet<Device>,
+    /// The backend of each model id (`*`: every model that runs on it); a model not named runs
+    /// on its architecture's default. `Err`: a setting that did not parse, reported by every
+    /// model call.
+    pub backends: Result<BackendChoice, String>,
 }
 
 impl Default for ModelSettings {
@@ -73,6 +78,7 @@ impl Default for ModelSettings {
             device_cooldown: DEFAULT_DEVICE_COOLDOWN,
             stand_ins: BTreeMap::new(),
             forward_faults: BTreeSet::new(),
+            backends: Ok(BackendChoice::default()),
         }
     }
 }
@@ -82,7 +88,10 @@ impl ModelSettings {
     /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
     /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
     /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
-    /// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS`, and the kserve backend's `HILUM_KSERVE_URL`
+    /// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS`, the backends (`HILUM_BACKEND`:
+    /// `MODEL=BACKEND` pairs or one backend for every model, see [`BackendChoice::parse`];
+    /// `HILUM_LUNG_UNET_BACKEND` and `HILUM_MEDSAM_BACKEND` name one model's and win over it),
+    /// and the kserve backend's `HILUM_KSERVE_URL`
     /// with `HILUM_KSERVE_TIMEOUT_SECS`, `HILUM_KSERVE_RETRIES` and `HILUM_KSERVE_FALLBACK` (an
     /// in-process backend; values that do not parse are left at their defaults). The device list
     /// is the program's to parse (a typo there must stop it, not fall back): Hilum's CLI takes
@@ -110,8 +119,14 @@ impl ModelSettings {
                 r
             }),
             max_replicas: number("HILUM_MAX_REPLICAS"),
+            backends: backends_from_vars(&set),
             ..Default::default()
         }
+    }
+
+    /// The backend chosen for model `id` by these settings (not the architecture's default).
+    pub fn backend_of(&self, id: &str) -> Option<Backend> {
+        self.backends.as_ref().ok().and_then(|b| b.get(id))
     }
 
     /// Sets the process-wide parts: the CPU kernels' knobs and the ONNX Runtime library. Call
@@ -148,6 +163,24 @@ impl ModelSettings {
             .unwrap_or(self.devices.len())
             .clamp(1, self.devices.len().max(1))
     }
+}
+
+/// The backend variables: `HILUM_BACKEND`, then the one-model variables over it.
+fn backends_from_vars(set: &dyn Fn(&str) -> Option<String>) -> Result<BackendChoice, String> {
+    let mut choice = match set("HILUM_BACKEND") {
+        Some(spec) => BackendChoice::parse(&spec).map_err(|e| format!("HILUM_BACKEND: {e}"))?,
+        None => BackendChoice::default(),
+    };
+    for (var, id) in [
+        ("HILUM_LUNG_UNET_BACKEND", "lung-unet"),
+        ("HILUM_MEDSAM_BACKEND", "medsam-vit-b"),
+    ] {
+        if let Some(v) = set(var) {
+            let b: Backend = v.parse().map_err(|e| format!("{var}: {e}"))?;
+            choice.set(id, b);
+        }
+    }
+    Ok(choice)
 }
 
 #[cfg(test)]

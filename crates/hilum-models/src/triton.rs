@@ -14,8 +14,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::architecture::{Architecture, Graph};
 use crate::onnx_graph::{graph_io, ValueSpec};
-use crate::xrv::{Classifier, XrvSpec};
 use crate::{Device, InstalledModel, Manifest, ModelError, ModelRegistry};
 
 /// How the exported models are to be served.
@@ -85,7 +85,8 @@ pub fn export_triton(
             id: id.clone(),
             reason,
         };
-        if graph_kind(manifest).is_none() {
+        let arch = registry.architectures().of(manifest)?;
+        if arch.graph() == Graph::None {
             let reason = format!(
                 "Hilum builds no ONNX graph for the `{}` architecture",
                 manifest.architecture
@@ -110,7 +111,8 @@ pub fn export_triton(
     // Build every graph before writing, so a failure leaves no half-written repository.
     let mut graphs = Vec::new();
     for (manifest, installed) in plan {
-        let (bytes, graph) = graph_of(manifest, &installed)?;
+        let arch = registry.architectures().of(manifest)?;
+        let (bytes, graph) = graph_of(arch, manifest, &installed)?;
         let io = graph_io(&bytes).map_err(|reason| ModelError::Corrupt {
             id: manifest.id.clone(),
             reason: format!("its ONNX graph: {reason}"),
@@ -144,17 +146,10 @@ pub fn export_triton(
     Ok(out)
 }
 
-/// Which graph Hilum has for a manifest's architecture: built (classifiers, PSPNet, SAM's image
-/// encoder), imported only (lung U-Net), or none.
-fn graph_kind(m: &Manifest) -> Option<bool> {
-    match m.architecture.as_str() {
-        "densenet121" | "resnet50" | "pspnet" | "sam" => Some(true),
-        "lung-unet" => Some(false),
-        _ => None,
-    }
-}
-
+/// The graph of one installed model: its imported `model.onnx`, else the one its architecture
+/// builds from the weights.
 fn graph_of(
+    arch: &dyn Architecture,
     manifest: &Manifest,
     installed: &InstalledModel,
 ) -> Result<(Vec<u8>, &'static str), ModelError> {
@@ -162,7 +157,7 @@ fn graph_of(
         let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
         return Ok((bytes, "the imported model.onnx"));
     }
-    if graph_kind(manifest) != Some(true) {
+    if arch.graph() != Graph::Built {
         let file = manifest.source.onnx_file.as_deref().unwrap_or("MODEL.onnx");
         return Err(ModelError::Onnx(format!(
             "`{}` is served from its imported ONNX graph: run `hilum models import {} {file}`",
@@ -170,23 +165,7 @@ fn graph_of(
         )));
     }
     let vb = crate::weights::var_builder(&installed.weights, Device::Cpu)?;
-    let built = match manifest.architecture.as_str() {
-        "pspnet" => {
-            let cfg = crate::pspnet::Config::from_manifest(manifest)?;
-            crate::pspnet::PspNet::load(vb, &cfg)
-                .and_then(|net| net.to_onnx(cfg.input_size))
-                .map_err(ModelError::from)
-        }
-        // The image encoder only: the prompt encoder and mask decoder run in Hilum.
-        "sam" => {
-            let cfg = crate::sam::Config::from_manifest(manifest)?;
-            crate::sam::Sam::load(vb, &cfg)
-                .and_then(|sam| sam.encoder_onnx())
-                .map_err(ModelError::from)
-        }
-        _ => XrvSpec::from_manifest(manifest).and_then(|spec| Classifier::onnx_graph(vb, &spec)),
-    };
-    let bytes = built.map_err(|e| match e {
+    let bytes = arch.onnx_graph(manifest, vb).map_err(|e| match e {
         ModelError::Compute(reason) => ModelError::Corrupt {
             id: manifest.id.clone(),
             reason,
@@ -295,6 +274,7 @@ pub fn config_pbtxt(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::xrv::XrvSpec;
 
     fn spec(name: &str, dims: &[Option<usize>]) -> ValueSpec {
         ValueSpec {

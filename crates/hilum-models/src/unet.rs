@@ -321,6 +321,48 @@ pub fn auto_backend(installed: &InstalledModel, device: Device) -> Backend {
     Backend::Native
 }
 
+/// The lung U-Net in the table of architectures ([`crate::Architectures`]).
+pub struct LungUnetArch;
+
+impl crate::Architecture for LungUnetArch {
+    fn name(&self) -> &'static str {
+        "lung-unet"
+    }
+
+    fn backends(&self) -> &'static [Backend] {
+        &Backend::ALL
+    }
+
+    /// ONNX Runtime needs the imported graph.
+    fn supports(&self, backend: Backend, installed: &InstalledModel) -> bool {
+        backend != Backend::Onnx || installed.onnx.is_some()
+    }
+
+    fn default_backend(&self, installed: &InstalledModel, device: Device) -> Backend {
+        auto_backend(installed, device)
+    }
+
+    fn expected_params(
+        &self,
+        _: &Manifest,
+        _: Option<&Path>,
+    ) -> Result<Option<crate::architecture::Params>, ModelError> {
+        Ok(Some(expected_params()))
+    }
+
+    /// Served from the published ONNX export, imported beside the weights.
+    fn graph(&self) -> crate::architecture::Graph {
+        crate::architecture::Graph::Imported
+    }
+
+    fn device_checks(&self) -> Vec<crate::architecture::DeviceCheck> {
+        vec![crate::architecture::DeviceCheck {
+            name: "lung-unet",
+            run: crate::devcheck::lung_unet,
+        }]
+    }
+}
+
 /// The lung U-Net ready to run on one backend; the same input and output whichever runs it.
 pub struct LungSegmenter {
     config: Config,

@@ -136,15 +136,16 @@ impl XrvSpec {
             id: m.id.clone(),
             reason,
         };
-        let mut spec = match m.architecture.as_str() {
-            "densenet121" => Self::densenet121_res224_all(),
-            "resnet50" => Self::resnet50_res512_all(),
-            other => {
-                return Err(bad(format!(
-                    "`{other}` is not a torchxrayvision classifier"
-                )))
-            }
+        let Some(family) = XrvArch::FAMILY
+            .iter()
+            .find(|a| a.name == m.architecture)
+        else {
+            return Err(bad(format!(
+                "`{}` is not a torchxrayvision classifier",
+                m.architecture
+            )));
         };
+        let mut spec = (family.base)();
         spec.id = m.id.clone();
         if !m.labels.is_empty() {
             spec.labels = m.labels.clone();
@@ -179,6 +180,83 @@ impl XrvSpec {
             )));
         }
         Ok(spec)
+    }
+}
+
+/// A torchxrayvision classifier architecture in the table ([`crate::Architectures`]): its
+/// published spec, checkpoint reading, backends, graph and device check.
+pub struct XrvArch {
+    name: &'static str,
+    base: fn() -> XrvSpec,
+    check: fn(&crate::devcheck::CheckOptions) -> Result<crate::devcheck::CheckRow, ModelError>,
+}
+
+impl XrvArch {
+    pub const DENSENET121: XrvArch = XrvArch {
+        name: "densenet121",
+        base: XrvSpec::densenet121_res224_all,
+        check: crate::devcheck::densenet121,
+    };
+    pub const RESNET50: XrvArch = XrvArch {
+        name: "resnet50",
+        base: XrvSpec::resnet50_res512_all,
+        check: crate::devcheck::resnet50,
+    };
+    const FAMILY: [XrvArch; 2] = [XrvArch::DENSENET121, XrvArch::RESNET50];
+}
+
+impl crate::Architecture for XrvArch {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn backends(&self) -> &'static [Backend] {
+        &Backend::ALL
+    }
+
+    /// Native on the CPU, candle on GPUs.
+    fn default_backend(&self, _: &InstalledModel, device: Device) -> Backend {
+        Backend::default_for(device)
+    }
+
+    fn expected_params(
+        &self,
+        m: &Manifest,
+        _: Option<&std::path::Path>,
+    ) -> Result<Option<crate::architecture::Params>, ModelError> {
+        expected_params(&XrvSpec::from_manifest(m)?.arch).map(Some)
+    }
+
+    /// scripts/convert_xrv.py: names unchanged, BN counters dropped, `{"state_dict": ..}`
+    /// unwrapped; the source file named in the metadata.
+    fn pytorch_renames(&self) -> Option<crate::architecture::Renames> {
+        Some(crate::architecture::Renames {
+            unwrap: &["state_dict"],
+            rename: |k| (!k.ends_with("num_batches_tracked")).then(|| k.to_string()),
+            record_source: true,
+        })
+    }
+
+    fn graph(&self) -> crate::architecture::Graph {
+        crate::architecture::Graph::Built
+    }
+
+    fn onnx_graph(&self, m: &Manifest, vb: VarBuilder) -> Result<Vec<u8>, ModelError> {
+        Classifier::onnx_graph(vb, &XrvSpec::from_manifest(m)?)
+    }
+
+    fn device_checks(&self) -> Vec<crate::architecture::DeviceCheck> {
+        vec![crate::architecture::DeviceCheck {
+            name: self.name,
+            run: self.check,
+        }]
+    }
+}
+
+impl XrvSpec {
+    /// The input this network takes (see [`Runner::recipe`]).
+    pub fn recipe(&self) -> Preprocess {
+        Preprocess::xrv(self.resolution as u32)
     }
 }
 
@@ -526,7 +604,7 @@ impl Runner for Classifier {
     type Output = Vec<LabelScore>;
 
     fn recipe(&self) -> Preprocess {
-        Preprocess::xrv(self.spec.resolution as u32)
+        self.spec.recipe()
     }
 
     fn run(&self, input: &Prepared) -> Result<Vec<LabelScore>, ModelError> {

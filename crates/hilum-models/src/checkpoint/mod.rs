@@ -20,6 +20,8 @@ use std::path::Path;
 
 use pickle::{DType, Obj, Pickle, TensorRef, Value};
 
+use crate::architecture::Renames;
+
 /// Submodule nesting deeper than any real network; guards against cyclic module records.
 const MAX_MODULE_DEPTH: usize = 64;
 /// State-dict entries; guards against module records shared exponentially often.
@@ -442,62 +444,26 @@ fn decoder(dtype: DType, big_endian: bool) -> fn(&[u8]) -> f32 {
     }
 }
 
-/// The architectures [`pytorch_to_safetensors`] converts.
-pub const PYTORCH_ARCHITECTURES: &[&str] = &["densenet121", "resnet50", "pspnet", "sam"];
-
-/// Converts a PyTorch checkpoint of architecture `arch` to a safetensors file of f32 tensors,
-/// with the names and selection of the Python converter it replaces. Returns the tensor count.
+/// Converts a PyTorch checkpoint to a safetensors file of f32 tensors, with the names and
+/// selection its architecture's [`Renames`] give (those of the Python converter it replaces).
+/// Returns the tensor count.
 pub fn pytorch_to_safetensors(
-    arch: &str,
+    renames: &Renames,
     src: &Path,
     dst: &Path,
 ) -> Result<usize, CheckpointError> {
     let mut ckpt = Checkpoint::open(src)?;
-    let strip = |k: &str| k.strip_prefix("module.").unwrap_or(k).to_string();
-    let (tensors, metadata) = match arch {
-        // scripts/convert_xrv.py: names unchanged, BN counters dropped, `{"state_dict": ..}`
-        // unwrapped; the source file named in the metadata.
-        "densenet121" | "resnet50" => {
-            let t = ckpt.tensors(&["state_dict"], |k| {
-                (!k.ends_with("num_batches_tracked")).then(|| k.to_string())
-            })?;
-            let source = src
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let meta = HashMap::from([
-                ("source".to_string(), source),
-                ("format".to_string(), "pt".to_string()),
-            ]);
-            (t, Some(meta))
-        }
-        // scripts/convert_pspnet.py: DataParallel's `module.` stripped, BN counters and the
-        // training-only auxiliary head dropped.
-        "pspnet" => {
-            let t = ckpt.tensors(&[], |k| {
-                let name = strip(k);
-                let drop = name.ends_with("num_batches_tracked")
-                    || name.starts_with("convbnrelu4_aux.")
-                    || name.starts_with("aux_cls.");
-                (!drop).then_some(name)
-            })?;
-            (t, None)
-        }
-        // scripts/convert_medsam.py: `{"model"|"state_dict": ..}` unwrapped, `module.`
-        // stripped, the fixed pixel_mean/pixel_std buffers dropped.
-        "sam" => {
-            let t = ckpt.tensors(&["model", "state_dict"], |k| {
-                let name = strip(k);
-                (name != "pixel_mean" && name != "pixel_std").then_some(name)
-            })?;
-            (t, None)
-        }
-        other => {
-            return Err(CheckpointError::Unsupported(format!(
-                "Hilum has no PyTorch reader for architecture `{other}`"
-            )))
-        }
-    };
+    let tensors = ckpt.tensors(renames.unwrap, renames.rename)?;
+    let metadata = renames.record_source.then(|| {
+        let source = src
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        HashMap::from([
+            ("source".to_string(), source),
+            ("format".to_string(), "pt".to_string()),
+        ])
+    });
     // Later duplicates win, as in the converters' dicts.
     let mut unique: Vec<(String, Tensor)> = Vec::with_capacity(tensors.len());
     let mut seen: HashMap<String, usize> = HashMap::new();

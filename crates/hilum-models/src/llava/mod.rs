@@ -596,6 +596,34 @@ impl crate::Model for NativeVlm {
     }
 }
 
+/// LLaVA in the table of architectures: candle only, its layout given by the `config.json`
+/// that travels with the weights (else the manifest's).
+pub struct LlavaArch;
+
+impl crate::Architecture for LlavaArch {
+    fn name(&self) -> &'static str {
+        "llava"
+    }
+
+    fn expected_params(
+        &self,
+        m: &crate::Manifest,
+        weights: Option<&Path>,
+    ) -> Result<Option<crate::architecture::Params>, ModelError> {
+        match weights {
+            Some(w) => expected_params_for(m, w).map(Some),
+            None => manifest_config(m)?.expected_params().map(Some),
+        }
+    }
+
+    fn device_checks(&self) -> Vec<crate::architecture::DeviceCheck> {
+        vec![crate::architecture::DeviceCheck {
+            name: "llava-slice",
+            run: crate::devcheck::llava_slice,
+        }]
+    }
+}
+
 /// Parameter names and shapes for weights at `weights` (their `config.json`, else the
 /// manifest's), for the registry's architecture check.
 pub fn expected_params_for(

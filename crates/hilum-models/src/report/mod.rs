@@ -402,6 +402,31 @@ pub fn expected_params_for(
     Ok(expected)
 }
 
+/// The report generator (SwinV2 + BERT decoder) in the table of architectures: candle only,
+/// its layout given by the `config.json` that travels with the weights.
+pub struct ReportArch;
+
+impl crate::Architecture for ReportArch {
+    fn name(&self) -> &'static str {
+        "swinv2-bert"
+    }
+
+    fn expected_params(
+        &self,
+        m: &Manifest,
+        weights: Option<&Path>,
+    ) -> Result<Option<crate::architecture::Params>, ModelError> {
+        weights.map(|w| expected_params_for(m, w)).transpose()
+    }
+
+    fn device_checks(&self) -> Vec<crate::architecture::DeviceCheck> {
+        vec![crate::architecture::DeviceCheck {
+            name: "report",
+            run: crate::devcheck::report_model,
+        }]
+    }
+}
+
 impl ReportModel {
     /// Loads `weights`, taking `config.json` and `tokenizer.json` from the file's metadata,
     /// else from beside it, else (config only) from `fallback`.
