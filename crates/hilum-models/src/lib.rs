@@ -8,6 +8,7 @@
 
 pub mod architecture;
 mod backend;
+pub mod batch;
 pub mod checkpoint;
 pub mod densenet;
 pub mod devcheck;
@@ -37,6 +38,7 @@ pub mod xrv;
 
 pub use architecture::{Architecture, Architectures};
 pub use backend::{Backend, BackendChoice, Engine};
+pub use batch::{BatchOutput, BatchSettings, Batched};
 pub use device::{Device, DeviceSet};
 pub use fetch::{fetch, FetchOptions, FetchProgress, HfToken, NoProgress, DEFAULT_HUB_ENDPOINT};
 /// The CPU engines the CNNs run on (their settings are part of the models' settings).
@@ -50,7 +52,7 @@ pub use settings::{ModelSettings, DEFAULT_DEVICE_COOLDOWN};
 
 use thiserror::Error;
 
-#[derive(Debug, Error)]
+#[derive(Clone, Debug, Error)]
 pub enum ModelError {
     #[error("unknown device `{0}`: use cpu, cuda, cuda:N or metal")]
     BadDevice(String),

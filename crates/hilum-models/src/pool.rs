@@ -43,6 +43,8 @@ pub struct ModelPool {
     /// Loads done per (model id, device): the proof that one pool serves the process.
     loads: Mutex<BTreeMap<(String, String), u64>>,
     routing: Arc<Mutex<Routing>>,
+    /// Calls gathered for batched forward passes ([`ModelPool::run_batched`]).
+    pub(crate) batches: crate::batch::Queues,
 }
 
 /// What routing decides from: calls per device, where each model is, which devices failed.
@@ -197,6 +199,7 @@ impl ModelPool {
             permits: Mutex::new(HashMap::new()),
             loads: Mutex::new(BTreeMap::new()),
             routing: Arc::new(Mutex::new(Routing::default())),
+            batches: Default::default(),
         }
     }
 

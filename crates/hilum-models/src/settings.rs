@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::registry::ModelRegistry;
 use crate::Backend;
-use crate::{BackendChoice, Device, DeviceSet, KserveSettings};
+use crate::{BackendChoice, BatchSettings, Device, DeviceSet, KserveSettings};
 
 /// How long a device that failed is passed over while another can take its calls.
 pub const DEFAULT_DEVICE_COOLDOWN: Duration = Duration::from_secs(30);
@@ -57,6 +57,9 @@ pub struct ModelSettings {
     /// (the PSPNet's, SAM's and the lung U-Net's check): for testing, with `stand_ins`, that
     /// such a failure moves the call. Empty: none.
     pub forward_faults: BTreeSet<Device>,
+    /// How concurrent calls of one model are gathered into one forward pass (see
+    /// [`crate::batch`]); default: not at all.
+    pub batch: BatchSettings,
     /// The backend of each model id (`*`: every model that runs on it); a model not named runs
     /// on its architecture's default. `Err`: a setting that did not parse, reported by every
     /// model call.
@@ -78,6 +81,7 @@ impl Default for ModelSettings {
             device_cooldown: DEFAULT_DEVICE_COOLDOWN,
             stand_ins: BTreeMap::new(),
             forward_faults: BTreeSet::new(),
+            batch: BatchSettings::default(),
             backends: Ok(BackendChoice::default()),
         }
     }
@@ -88,7 +92,8 @@ impl ModelSettings {
     /// `HILUM_MODELS_DIR`, the CPU kernels' variables (see
     /// [`CpuSettings::from_vars`](hilum_kernels::CpuSettings::from_vars)),
     /// `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
-    /// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS`, the backends (`HILUM_BACKEND`:
+    /// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS`, `HILUM_BATCH_MAX_SIZE` with
+    /// `HILUM_BATCH_DELAY_MS` (dynamic batching, see [`crate::batch`]), the backends (`HILUM_BACKEND`:
     /// `MODEL=BACKEND` pairs or one backend for every model, see [`BackendChoice::parse`];
     /// `HILUM_LUNG_UNET_BACKEND` and `HILUM_MEDSAM_BACKEND` name one model's and win over it),
     /// and the kserve backend's `HILUM_KSERVE_URL`
@@ -119,6 +124,7 @@ impl ModelSettings {
                 r
             }),
             max_replicas: number("HILUM_MAX_REPLICAS"),
+            batch: batch_from_vars(&number),
             backends: backends_from_vars(&set),
             ..Default::default()
         }
@@ -163,6 +169,15 @@ impl ModelSettings {
             .unwrap_or(self.devices.len())
             .clamp(1, self.devices.len().max(1))
     }
+}
+
+/// `HILUM_BATCH_MAX_SIZE` (unset or 1: no batching) and `HILUM_BATCH_DELAY_MS`.
+fn batch_from_vars(number: &dyn Fn(&str) -> Option<usize>) -> BatchSettings {
+    let Some(size) = number("HILUM_BATCH_MAX_SIZE") else {
+        return BatchSettings::default();
+    };
+    let delay = number("HILUM_BATCH_DELAY_MS").map(|ms| Duration::from_millis(ms as u64));
+    BatchSettings::new(size, delay.unwrap_or(crate::batch::DEFAULT_BATCH_DELAY))
 }
 
 /// The backend variables: `HILUM_BACKEND`, then the one-model variables over it.
@@ -214,6 +229,8 @@ mod tests {
             ("HILUM_KSERVE_RETRIES", "4"),
             ("HILUM_KSERVE_FALLBACK", "native"),
             ("HILUM_MAX_REPLICAS", "2"),
+            ("HILUM_BATCH_MAX_SIZE", "16"),
+            ("HILUM_BATCH_DELAY_MS", "5"),
         ];
         let s = ModelSettings::from_vars(|k| {
             vars.iter()
@@ -231,6 +248,8 @@ mod tests {
         assert_eq!(remote.retries, 4);
         assert_eq!(remote.fallback, Some(crate::Backend::Native));
         assert_eq!(s.max_replicas, Some(2));
+        assert_eq!(s.batch, BatchSettings::new(16, Duration::from_millis(5)));
+        assert!(s.batch.enabled() && !ModelSettings::default().batch.enabled());
         // One device: one copy, whatever the budget says.
         assert_eq!(s.replica_budget(), 1);
         assert_eq!(ModelSettings::from_vars(|_| None), ModelSettings::default());

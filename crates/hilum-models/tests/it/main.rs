@@ -1,6 +1,7 @@
 //! The crate's integration tests, one binary (one link, one set of codegen units): each
 //! module is one former test file; run one with `cargo test -p hilum-models --test it MODULE::`.
 
+mod batching;
 mod checkpoint;
 mod common;
 mod fetch;
