@@ -23,6 +23,8 @@ assistant turns, e.g. [{\"tool_calls\":[{\"name\":\"image_info\",\"arguments\":{
 pub struct AnalyzeArgs {
     #[command(flatten)]
     pub devices: crate::config::DeviceFlag,
+    #[command(flatten)]
+    pub mcp: crate::remote::McpFlag,
     /// Radiographs: PNG, JPEG (8/16-bit, gray or colour) or DICOM.
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -122,6 +124,8 @@ pub async fn run(args: AnalyzeArgs) -> anyhow::Result<()> {
     let backends = crate::config::resolve_backends(&args.backend, &file.backends)?;
     let deps = crate::config::tool_deps(store.clone(), file.vlm)?.with_backends(backends);
     let mut toolbox = crate::toolbox(&deps)?;
+    let remote = crate::remote::connect(&file.mcp, &args.mcp).await?;
+    crate::remote::add(&mut toolbox, remote.as_deref(), &store);
     let env = hilum_tools::environment(&deps, &ids);
     if choice.is_local() {
         // A small local model picks worse among many tools and calls whatever it is offered:

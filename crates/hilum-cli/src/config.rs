@@ -46,6 +46,9 @@ pub struct FileConfig {
     /// `[pacs]`: the DICOM node of `hilum serve --dicom-port` and its `[[pacs.protocol]]` table.
     #[serde(default)]
     pub pacs: PacsSection,
+    /// `[mcp]`: other MCP servers whose tools join the toolbox (`[[mcp.servers]]`).
+    #[serde(default)]
+    pub mcp: hilum_tools::remote::McpSection,
 }
 
 /// The `[pacs]` table; the `--dicom-*` and `--pacs-*` flags win over it.

@@ -38,6 +38,8 @@ its own scripted turns."
 pub struct EvalArgs {
     #[command(flatten)]
     pub devices: crate::config::DeviceFlag,
+    #[command(flatten)]
+    pub mcp: crate::remote::McpFlag,
     #[command(subcommand)]
     pub cmd: Option<EvalCmd>,
     /// The question file (metadata.jsonl or plain JSONL).
@@ -260,7 +262,10 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
     let store = Arc::new(ImageStore::default());
     let backends = crate::config::resolve_backends(&[], &file.backends)?;
     let deps = crate::config::tool_deps(store.clone(), file.vlm)?.with_backends(backends);
-    let full = Arc::new(crate::toolbox(&deps)?);
+    let mut full = crate::toolbox(&deps)?;
+    let remote = crate::remote::connect(&file.mcp, &args.mcp).await?;
+    crate::remote::add(&mut full, remote.as_deref(), &store);
+    let full = Arc::new(full);
     let tools = full.names();
     let toolbox_for: ToolboxFor = if choice.is_local() && kind != "script" {
         // As `hilum analyze` does for a model on this machine: only the tools whose declared

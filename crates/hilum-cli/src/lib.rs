@@ -11,6 +11,7 @@ mod gpu_check_cmd;
 mod logging;
 mod models_cmd;
 mod pacs_cmd;
+mod remote;
 mod render;
 mod serve_cmd;
 mod tools_cmd;

@@ -32,6 +32,8 @@ hilum serve audit export > audit.jsonl"
 pub struct ServeArgs {
     #[command(flatten)]
     pub devices: crate::config::DeviceFlag,
+    #[command(flatten)]
+    pub mcp: crate::remote::McpFlag,
     #[command(subcommand)]
     pub cmd: Option<ServeCmd>,
     /// Address to listen on. Loopback by default; anything else should sit behind TLS.
@@ -47,8 +49,10 @@ pub struct ServeArgs {
     /// sslrootcert=PATH in --db (which wins), and sslmode=verify-full unless --db sets one.
     #[arg(long, global = true, env = "HILUM_DB_CA_FILE")]
     pub db_ca_file: Option<PathBuf>,
-    /// Reasoning model for sessions: openai:MODEL or script:FILE. Without one, uploads and
-    /// direct tool calls work and questions answer 503.
+    /// Reasoning model for sessions: openai:MODEL, local:GGUF or script:FILE. Without the flag:
+    /// HILUM_LLM, the config file's [llm], openai:gpt-4o when OPENAI_API_KEY is set, else the
+    /// installed local model; only with none of these do questions answer 503 (uploads and
+    /// direct tool calls still work).
     #[arg(long)]
     pub llm: Option<String>,
     /// Base URL of an OpenAI-compatible endpoint.
@@ -370,7 +374,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Which models are installed (and what installs the others): the offer and the coverage
     // check read it, as `hilum analyze` does.
     cfg.env = hilum_tools::environment(&shared, &[]);
-    cfg.toolbox = hilum_server::toolbox_factory(crate::registry().clone(), shared);
+    let remote = crate::remote::connect(&file.mcp, &args.mcp).await?;
+    cfg.toolbox = crate::remote::with_remote(
+        hilum_server::toolbox_factory(crate::registry().clone(), shared),
+        remote,
+    );
     if let Some(port) = args.dicom_port {
         cfg.pacs = Some(pacs_settings(&args, &file.pacs, port)?);
     }

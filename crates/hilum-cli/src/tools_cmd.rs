@@ -19,6 +19,8 @@ pub enum ToolsCmd {
     List {
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        mcp: crate::remote::McpFlag,
     },
     /// Call one tool and print its JSON output. Exits non-zero when the call fails.
     #[command(
@@ -42,6 +44,8 @@ pub enum ToolsCmd {
         timeout: u64,
         #[command(flatten)]
         devices: crate::config::DeviceFlag,
+        #[command(flatten)]
+        mcp: crate::remote::McpFlag,
     },
 }
 
@@ -49,10 +53,23 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
     let store = Arc::new(ImageStore::default());
     let file = crate::config::load_file(None)?;
     let deps = crate::config::tool_deps(store.clone(), file.vlm)?;
-    let toolbox = crate::toolbox(&deps)?;
+    let mut toolbox = crate::toolbox(&deps)?;
+    let flag = match &cmd {
+        ToolsCmd::List { mcp, .. } | ToolsCmd::Call { mcp, .. } => mcp,
+    };
+    let remote = crate::remote::connect(&file.mcp, flag).await?;
+    crate::remote::add(&mut toolbox, remote.as_deref(), &store);
+    // Remote tools' servers, by toolbox name.
+    let servers: std::collections::BTreeMap<String, String> = remote
+        .as_deref()
+        .map(|r| r.listing())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|l| (l.name, l.server))
+        .collect();
     let env = Environment::default();
     match cmd {
-        ToolsCmd::List { json } => {
+        ToolsCmd::List { json, .. } => {
             let specs = toolbox.specs(&env);
             if json {
                 // Each spec with what the tool declares it needs and what of that is missing here.
@@ -70,13 +87,20 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
                             "parameters": s.parameters,
                             "requirements": req,
                             "unmet": req.unmet(&facts),
+                            "server": servers.get(&s.name),
                         })
                     })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&listed)?);
             } else {
                 for s in specs {
-                    println!("{}\n    {}\n", s.name, s.description);
+                    match servers.get(&s.name) {
+                        Some(server) => println!(
+                            "{}  [MCP server `{server}`]\n    {}\n",
+                            s.name, s.description
+                        ),
+                        None => println!("{}\n    {}\n", s.name, s.description),
+                    }
                 }
             }
             Ok(())
@@ -87,7 +111,7 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
             image,
             out,
             timeout,
-            devices: _,
+            ..
         } => {
             let mut args: Value = serde_json::from_str(&args)
                 .context("--args must be a JSON object, e.g. '{\"image\": \"img_…\"}'")?;

@@ -13,6 +13,7 @@ pub mod report;
 pub mod segment_anatomy;
 mod segment_lungs;
 pub mod segment_region;
+pub mod remote;
 pub mod topics;
 mod visualize;
 pub mod vlm;
