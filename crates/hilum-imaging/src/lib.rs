@@ -16,6 +16,7 @@ mod canonical;
 mod decode;
 mod deid;
 mod dicom;
+mod dicom_tags;
 pub mod font;
 mod jpeg;
 pub mod regions;
@@ -31,6 +32,7 @@ pub use deid::{
     ProfileOption,
 };
 pub use dicom::{read_dicom, DicomSummary};
+pub use dicom_tags::{dicom_tags, DicomTag, StudyContext};
 pub use jpeg::{decode_jpeg_samples, JpegSamples};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};

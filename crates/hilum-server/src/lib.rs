@@ -10,6 +10,8 @@ mod auth;
 pub mod db;
 pub mod deid;
 mod error;
+mod image_meta;
+mod live;
 pub mod mcp;
 mod metrics;
 pub mod openapi;
@@ -374,6 +376,7 @@ pub fn router(state: AppState) -> Router {
                 .get(api::list_images),
         )
         .route("/v1/images/{id}/pixels", get(api::image_pixels))
+        .route("/v1/images/{id}/info", get(image_meta::image_info))
         .route(
             "/v1/sessions",
             post(api::create_session).get(api::list_sessions),
@@ -385,6 +388,8 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/sessions/{id}/runs", get(api::list_runs))
         .route("/v1/sessions/{id}/runs/{run_id}/resume", post(run::resume))
+        .route("/v1/sessions/{id}/runs/{run_id}/stream", get(live::follow))
+        .route("/v1/sessions/{id}/runs/{run_id}/cancel", post(live::cancel))
         .route(
             "/v1/sessions/{id}/runs/{run_id}/events",
             get(api::run_events),

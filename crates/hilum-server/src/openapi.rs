@@ -5,7 +5,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{api, pacs, run};
+use crate::{api, image_meta, live, pacs, run};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -16,11 +16,14 @@ use crate::{api, pacs, run};
         api::upload_image,
         api::list_images,
         api::image_pixels,
+        image_meta::image_info,
         api::create_session,
         api::list_sessions,
         api::get_session,
         run::ask,
         run::resume,
+        live::follow,
+        live::cancel,
         api::list_messages,
         api::list_runs,
         api::run_events,
@@ -39,7 +42,7 @@ use crate::{api, pacs, run};
     components(schemas(
         api::Health, api::ImageList, api::CreateSession, api::SessionList, api::MessageList,
         api::RunList, api::EventList, api::ArtifactList, api::ArtifactRef, api::ToolList,
-        api::DirectResult, run::Ask, pacs::JobList, pacs::JobEvents, pacs::Pull, pacs::Pulled, crate::db::PacsJob,
+        api::DirectResult, run::Ask, image_meta::ImageInfo, pacs::JobList, pacs::JobEvents, pacs::Pull, pacs::Pulled, crate::db::PacsJob,
     )),
     modifiers(&BearerAuth),
 )]
@@ -65,6 +68,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/images"),
     ("get", "/v1/images"),
     ("get", "/v1/images/{id}/pixels"),
+    ("get", "/v1/images/{id}/info"),
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -73,6 +77,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/sessions/{id}/runs"),
     ("get", "/v1/sessions/{id}/runs/{run_id}/events"),
     ("post", "/v1/sessions/{id}/runs/{run_id}/resume"),
+    ("get", "/v1/sessions/{id}/runs/{run_id}/stream"),
+    ("post", "/v1/sessions/{id}/runs/{run_id}/cancel"),
     ("get", "/v1/sessions/{id}/artifacts"),
     ("get", "/v1/artifacts/{id}"),
     ("get", "/v1/tools"),

@@ -1,5 +1,7 @@
 //! A question in a session: the agent runs on its own task, each event is stored and then
-//! streamed to the client (NDJSON or SSE). A client that goes away cancels the run.
+//! streamed to the client (NDJSON or SSE). A client that goes away cancels the run, unless it
+//! asked with `?detach=true` (the web UI does): then the run goes on, `GET …/runs/{run_id}/stream`
+//! follows it from its first event and `POST …/runs/{run_id}/cancel` stops it.
 //!
 //! Runs are durable: the question, each decision and each tool result are stored as they
 //! happen (see [`hilum_agent::Checkpointer`]). A run whose server stopped is `interrupted`
@@ -52,6 +54,41 @@ pub struct Ask {
 pub struct StreamQuery {
     /// `ndjson` (default) or `sse`; `Accept: text/event-stream` also selects SSE.
     pub format: Option<String>,
+    /// `true`: the run goes on when this response is closed (follow it again with
+    /// `GET …/runs/{run_id}/stream`, stop it with `POST …/runs/{run_id}/cancel`).
+    pub detach: Option<bool>,
+}
+
+/// The longest question accepted, in characters: checked before the model is reached, so a
+/// pasted report cannot overflow the model's context and break the session.
+pub const MAX_QUESTION_CHARS: usize = 8_000;
+
+/// Refuses an empty or too long question with a message that says what to do.
+pub(crate) fn check_question(question: &str) -> Result<(), ApiError> {
+    if question.trim().is_empty() {
+        return Err(ApiError::BadRequest("`question` is empty".into()));
+    }
+    let n = question.chars().count();
+    if n > MAX_QUESTION_CHARS {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the question is {} characters; the limit is {} characters: shorten it or ask it in parts",
+            thousands(n),
+            thousands(MAX_QUESTION_CHARS)
+        )));
+    }
+    Ok(())
+}
+
+fn thousands(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/messages", tag = "sessions",
@@ -60,8 +97,10 @@ pub struct StreamQuery {
     responses(
         (status = 200, description = "The run's events, one JSON object per line (`type`: run_started, decision, tool_started, tool_finished, tool_failed, token, final, error, complete, heartbeat, cancelled, interrupted); or the same as SSE",
             content_type = "application/x-ndjson"),
+        (status = 400, description = "The question is empty"),
         (status = 403, description = "The policy forbids the configured model endpoint"),
         (status = 404, description = "No such session or image for this token"),
+        (status = 413, description = "The question is longer than MAX_QUESTION_CHARS (8,000 characters)"),
         (status = 503, description = "No reasoning model is configured, or the server is shutting down"),
     ),
     security(("bearer" = [])))]
@@ -74,6 +113,7 @@ pub async fn ask(
     Json(ask): Json<Ask>,
 ) -> Result<Response, ApiError> {
     owned_session(&state, &caller, &session_id).await?;
+    check_question(&ask.question)?;
     state.runs.refuse_when_draining()?;
     let space = state.space(&caller).await?;
     state.ensure_images(&caller, &space, &ask.images).await?;
@@ -81,9 +121,6 @@ pub async fn ask(
         if space.images.get(id).is_err() {
             return Err(ApiError::not_found("image", id));
         }
-    }
-    if ask.question.trim().is_empty() {
-        return Err(ApiError::BadRequest("`question` is empty".into()));
     }
     let llm = build_llm(&state)?;
     let start = new_run(
@@ -96,7 +133,7 @@ pub async fn ask(
         ask.images,
     )
     .await?;
-    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+    Ok(start_run(&state, llm, start, stream_mode(&q, &headers)))
 }
 
 /// Records a new run of `question` in the session and gathers what it starts from (history,
@@ -225,7 +262,7 @@ pub async fn resume(
         resume: Some(resume),
         seq,
     };
-    Ok(start_run(&state, llm, start, wants_sse(&q, &headers)))
+    Ok(start_run(&state, llm, start, stream_mode(&q, &headers)))
 }
 
 /// The run's model, if the server has one and the policy allows it.
@@ -245,7 +282,7 @@ pub(crate) async fn run_unattended(
     let start = new_run(state, caller, space, &llm, session_id, question, images).await?;
     let run_id = start.run_id.clone();
     // The body streams until the run's last event; reading it to the end is waiting for the run.
-    let body = start_run(state, llm, start, false).into_body();
+    let body = start_run(state, llm, start, StreamMode::default()).into_body();
     let bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .map_err(|e| ApiError::Internal(format!("the run's event stream broke: {e}")))?;
@@ -273,8 +310,22 @@ fn build_llm(state: &AppState) -> Result<std::sync::Arc<dyn hilum_agent::Llm>, A
     (factory.build)().map_err(ApiError::LlmUnavailable)
 }
 
-fn wants_sse(q: &StreamQuery, headers: &HeaderMap) -> bool {
-    q.format.as_deref() == Some("sse")
+/// How a run's response streams: SSE or NDJSON, and whether closing it cancels the run.
+#[derive(Clone, Copy, Default)]
+struct StreamMode {
+    sse: bool,
+    detach: bool,
+}
+
+fn stream_mode(q: &StreamQuery, headers: &HeaderMap) -> StreamMode {
+    StreamMode {
+        sse: wants_sse(q.format.as_deref(), headers),
+        detach: q.detach.unwrap_or(false),
+    }
+}
+
+pub(crate) fn wants_sse(format: Option<&str>, headers: &HeaderMap) -> bool {
+    format == Some("sse")
         || headers
             .get(header::ACCEPT)
             .and_then(|v| v.to_str().ok())
@@ -374,7 +425,12 @@ struct Start {
 }
 
 /// Starts the run on its own task and returns the response streaming its events.
-fn start_run(state: &AppState, llm: Arc<dyn hilum_agent::Llm>, s: Start, sse: bool) -> Response {
+fn start_run(
+    state: &AppState,
+    llm: Arc<dyn hilum_agent::Llm>,
+    s: Start,
+    mode: StreamMode,
+) -> Response {
     let (client_tx, client_rx) = mpsc::unbounded_channel::<Value>();
     // Dropping the response body (client gone) drops `cancel_tx`, which cancels the run.
     let (cancel_tx, cancel_rx) = oneshot::channel::<()>();
@@ -408,6 +464,7 @@ fn start_run(state: &AppState, llm: Arc<dyn hilum_agent::Llm>, s: Start, sse: bo
         resumed: s.resume.is_some(),
     };
     let active = state.runs.enter(state.clone());
+    let user_cancel = state.runs.register(&run.run_id);
     // A child of the request's span: the run's lines (tool calls included) carry its id
     // after the response has started streaming.
     let span = tracing::info_span!("run", run_id = %run.run_id, resumed = run.resumed);
@@ -418,12 +475,16 @@ fn start_run(state: &AppState, llm: Arc<dyn hilum_agent::Llm>, s: Start, sse: bo
             s.input,
             s.resume,
             history_len,
-            cancel_rx,
+            Cancels {
+                client: cancel_rx,
+                detached: mode.detach,
+                user: user_cancel,
+            },
             active,
         )
         .instrument(span),
     );
-    stream_response(client_rx, cancel_tx, sse)
+    stream_response(client_rx, cancel_tx, mode.sse)
 }
 
 /// The run's events as NDJSON (default) or SSE. The stream holds `cancel_tx`: when the client
@@ -433,7 +494,16 @@ fn stream_response(
     cancel_tx: oneshot::Sender<()>,
     sse: bool,
 ) -> Response {
-    let stream = UnboundedReceiverStream::new(client_rx);
+    values_response(UnboundedReceiverStream::new(client_rx), cancel_tx, sse)
+}
+
+/// Events as NDJSON or SSE; the body holds `alive` until the client goes away.
+pub(crate) fn values_response<S, K>(stream: S, alive: K, sse: bool) -> Response
+where
+    S: futures::Stream<Item = Value> + Send + 'static,
+    K: Send + Sync + 'static,
+{
+    let cancel_tx = alive;
     if sse {
         let events = stream.map(move |v| {
             let _alive = &cancel_tx;
@@ -499,6 +569,8 @@ pub(crate) struct Runs {
     /// Set when the drain window is over: the runs still going stop and become `interrupted`.
     stop: watch::Sender<bool>,
     draining: AtomicBool,
+    /// The cancel switch of each run this process drives, by run id.
+    cancels: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
 
 impl Default for Runs {
@@ -507,6 +579,7 @@ impl Default for Runs {
             active: watch::channel(0).0,
             stop: watch::channel(false).0,
             draining: AtomicBool::new(false),
+            cancels: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -535,6 +608,27 @@ impl Runs {
         self.active.send_modify(|n| *n += 1);
         ActiveRun(state)
     }
+
+    fn cancels(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+        self.cancels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The run's cancel switch; the entry goes when the run ends (its receiver is dropped).
+    fn register(&self, run_id: &str) -> watch::Receiver<bool> {
+        let (tx, rx) = watch::channel(false);
+        let mut map = self.cancels();
+        map.retain(|_, tx| !tx.is_closed());
+        map.insert(run_id.to_string(), tx);
+        rx
+    }
+
+    /// Cancels a run this process drives; false when it drives no such run.
+    pub(crate) fn cancel(&self, run_id: &str) -> bool {
+        match self.cancels().remove(run_id) {
+            Some(tx) => tx.send(true).is_ok(),
+            None => false,
+        }
+    }
 }
 
 /// Counts a run as active while it lives.
@@ -544,6 +638,14 @@ impl Drop for ActiveRun {
     fn drop(&mut self) {
         self.0.runs.active.send_modify(|n| *n = n.saturating_sub(1));
     }
+}
+
+/// What stops a run besides the server's shutdown: its client closing the response (unless
+/// detached) and `POST …/cancel`.
+struct Cancels {
+    client: oneshot::Receiver<()>,
+    detached: bool,
+    user: watch::Receiver<bool>,
 }
 
 /// The drain: lets running runs finish for up to `drain`, then stops the rest (each marks
@@ -886,7 +988,7 @@ async fn drive(
     input: RunInput,
     resume: Option<Resume>,
     history_len: usize,
-    mut cancel: oneshot::Receiver<()>,
+    mut cancels: Cancels,
     _active: ActiveRun,
 ) {
     let started = Instant::now();
@@ -934,8 +1036,12 @@ async fn drive(
                 None => break,
             },
             out = agent_run.as_mut(), if outcome.is_none() => outcome = Some(out),
-            _ = &mut cancel => {
+            _ = &mut cancels.client, if !cancels.detached => {
                 stopped = Some(("cancelled", "client disconnected"));
+                break;
+            }
+            _ = async { let _ = cancels.user.wait_for(|c| *c).await; } => {
+                stopped = Some(("cancelled", "cancelled by the user"));
                 break;
             }
             // The watch's guard is not Send: it is dropped inside.

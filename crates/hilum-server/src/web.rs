@@ -38,6 +38,11 @@ const ASSETS: &[(&str, &str, &str)] = &[
         include_str!("../web/viewer.js"),
     ),
     (
+        "overlays.js",
+        "text/javascript; charset=utf-8",
+        include_str!("../web/overlays.js"),
+    ),
+    (
         "export.js",
         "text/javascript; charset=utf-8",
         include_str!("../web/export.js"),

@@ -28,6 +28,9 @@ export function explain(status, code, serverMessage) {
     return "The server refused the token: check your token; create one with `hilum serve token create` and paste it above.";
   }
   if (status === 403) return `Not allowed${said}.`;
+  if (status === 413 && /question/.test(serverMessage || "")) {
+    return `The question is too long: ${serverMessage}. Nothing was sent to the model; the session is unchanged.`;
+  }
   if (status === 413) return `The file is too large for this server${said}.`;
   if (status === 422 && code === "unprocessable") {
     return `The server could not read this file as a radiograph${said}. Upload a PNG, JPEG or DICOM file.`;
@@ -110,14 +113,32 @@ export async function artifactBlob(url) {
   return (await request(url)).blob();
 }
 
-/** Posts a question and calls onEvent for each streamed event until the stream ends. */
+/** Posts a question and calls onEvent for each streamed event until the stream ends. The run
+ * is detached: it goes on when this page closes or reloads (the page then follows it again). */
 export async function ask(sessionId, question, images, onEvent) {
-  const resp = await request(`/v1/sessions/${encodeURIComponent(sessionId)}/messages`, {
+  const resp = await request(`/v1/sessions/${encodeURIComponent(sessionId)}/messages?detach=true`, {
     method: "POST",
     headers: { "Content-Type": "application/json", Accept: "application/x-ndjson" },
     body: JSON.stringify({ question, images }),
   });
   await readEvents(resp, onEvent);
+}
+
+/** Follows a run from its first stored event to its end (a run this page did not start). */
+export async function follow(sessionId, runId, onEvent) {
+  const resp = await request(
+    `/v1/sessions/${encodeURIComponent(sessionId)}/runs/${encodeURIComponent(runId)}/stream`,
+    { headers: { Accept: "application/x-ndjson" } },
+  );
+  await readEvents(resp, onEvent);
+}
+
+/** Asks the server to stop a running run; its stream then ends with `cancelled`. */
+export async function cancelRun(sessionId, runId) {
+  await request(
+    `/v1/sessions/${encodeURIComponent(sessionId)}/runs/${encodeURIComponent(runId)}/cancel`,
+    { method: "POST" },
+  );
 }
 
 /** Continues an interrupted run; its remaining events stream as from ask(). */

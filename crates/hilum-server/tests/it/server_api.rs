@@ -510,6 +510,104 @@ async fn client_disconnect_cancels_the_run() {
     srv.stop().await;
 }
 
+/// `?detach=true`: the run outlives its client, `GET …/stream` follows it from its first event
+/// to its answer, and `POST …/cancel` stops another run; a too-long question is refused first.
+#[tokio::test]
+async fn detached_run_outlives_its_client_and_is_followed_or_cancelled() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = write_script(
+        dir.path(),
+        json!([
+            {"content": "Waiting.", "tool_calls": [{"name": "sleep", "arguments": {"seconds": 1.5}}]},
+            {"content": "done waiting"}
+        ]),
+    );
+    let srv = start(config(&dir.path().join("h.db"), Some(&script))).await;
+    let tok = token(&srv.state, "alice");
+    let client = reqwest::Client::new();
+    let ses = new_session(&client, &srv, &tok).await;
+    let ask = |q: String| {
+        client
+            .post(srv.url(&format!("/v1/sessions/{ses}/messages?detach=true")))
+            .bearer_auth(&tok)
+            .json(&json!({"question": q}))
+            .send()
+    };
+    let long = ask("x".repeat(8_001)).await.expect("ask");
+    assert_eq!(long.status(), 413);
+    let body: Value = long.json().await.expect("json");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("the limit is 8,000 characters"));
+    // Hang up as soon as the run has an id.
+    let mut resp = ask("wait".into()).await.expect("ask");
+    let first = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+        .await
+        .expect("events in time")
+        .expect("chunk")
+        .expect("stream open");
+    let started: Value = serde_json::from_slice(first.split(|b| *b == b'\n').next().unwrap_or(&[]))
+        .expect("run_started line");
+    let run = started["run_id"].as_str().expect("run id").to_string();
+    drop(resp);
+    let followed = client
+        .get(srv.url(&format!("/v1/sessions/{ses}/runs/{run}/stream")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("follow")
+        .text()
+        .await
+        .expect("body");
+    let events: Vec<Value> = followed
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &Value| v["type"] != "heartbeat")
+        .collect();
+    assert_eq!(
+        events.first().map(|e| e["type"].clone()),
+        Some(json!("run_started"))
+    );
+    assert!(events
+        .iter()
+        .any(|e| e["type"] == "final" && e["answer"] == "done waiting"));
+    assert_eq!(
+        events.last().map(|e| e["type"].clone()),
+        Some(json!("complete"))
+    );
+    // Another run, cancelled by request while its tool sleeps.
+    let mut resp = ask("wait again".into()).await.expect("ask");
+    let mut seen = String::new();
+    while !seen.contains("tool_started") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+            .await
+            .expect("events in time")
+            .expect("chunk")
+            .expect("stream open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let second: Value = serde_json::from_str(seen.lines().next().unwrap_or("")).expect("json");
+    let run2 = second["run_id"].as_str().expect("run id").to_string();
+    let cancel = client
+        .post(srv.url(&format!("/v1/sessions/{ses}/runs/{run2}/cancel")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("cancel");
+    assert_eq!(cancel.status(), 202);
+    let rest = resp.text().await.expect("rest of the stream");
+    assert!(rest.contains("\"cancelled\""), "{rest}");
+    let again = client
+        .post(srv.url(&format!("/v1/sessions/{ses}/runs/{run2}/cancel")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .expect("cancel");
+    assert_eq!(again.status(), 409, "a stopped run cannot be cancelled");
+    srv.stop().await;
+}
+
 #[tokio::test]
 async fn policy_forbids_non_local_model_endpoints_by_default() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -199,3 +199,101 @@ async fn run_node(mut cmd: tokio::process::Command, done: &str) -> Result<(), St
         ))
     }
 }
+
+/// Issue 36 in the browser, at 1440x900: live progress (timer, step, Cancel), a run that
+/// survives a reload (reattached, same answer, no tool run twice), the question-length limit
+/// with a follow-up that still answers, answers bound to their image, DICOM corner text and
+/// tags, overlay structures in their legend colours with vector labels, mouse window/level,
+/// presets, zoom readout and a ruler in mm (tests/ui/workstation.test.mjs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ui_workstation_in_headless_chromium() {
+    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
+    assert!(
+        chromium().is_file() && node_modules.is_dir(),
+        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh",
+        chromium().display(),
+        node_modules.display()
+    );
+    let image = data_dir().join("cxr/images").join(IMAGE);
+    let dicom = data_dir().join("cxr/dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, lungs) = lung_models(&dir.path().join("models"));
+    assert!(
+        lungs,
+        "the lung U-Net must import from the shared data for this test"
+    );
+    // Every question replays this script: a 3 s wait (time to reload or cancel), the lungs,
+    // then the answer.
+    let answer = "Scripted answer: both lung fields were measured.";
+    let script = write_script(
+        dir.path(),
+        json!([
+            {"content": "", "tool_calls": [
+                {"name": "sleep", "arguments": {"seconds": 3}},
+                {"name": "segment_lungs", "arguments": {"image": "$IMAGE"}}
+            ]},
+            {"content": answer},
+            // Spare turns, should an answer check ask once more.
+            {"content": answer},
+            {"content": answer}
+        ]),
+    );
+    let mut cfg = config(&dir.path().join("h.db"), Some(&script));
+    cfg.toolbox = Arc::new(move |store: Arc<ImageStore>| {
+        let mut tb = default_toolbox(&ToolDeps::new(store, pool.clone()))?;
+        tb.register(common::sleep_tool())?;
+        Ok(tb)
+    });
+    let srv = start(cfg).await;
+    let tok = token(&srv.state, "radiologist");
+    let shots = repo().join("target/ui-screenshots");
+    std::fs::create_dir_all(&shots).expect("create target/ui-screenshots");
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg("workstation.test.mjs")
+        .current_dir(repo().join("tests/ui"))
+        .env("HILUM_URL", srv.url("/"))
+        .env("HILUM_TOKEN", &tok)
+        .env("HILUM_IMAGE", &image)
+        .env("HILUM_DICOM", &dicom)
+        .env("HILUM_ANSWER", answer)
+        .env("HILUM_SCREENSHOTS", &shots)
+        .env("HILUM_CHROMIUM", chromium())
+        .env("HILUM_PROFILE", dir.path().join("chromium-profile"))
+        .kill_on_drop(true);
+    let passed = run_node(cmd, "UI WORKSTATION TEST PASSED").await;
+    // The server's own record: no tool call ran twice in any run (the reload reattached to
+    // the run, it did not start or resume it again).
+    let audit = srv.state.db().audit_since(0, 10_000).expect("audit");
+    srv.stop().await;
+    passed.unwrap_or_else(|e| panic!("{e}"));
+    let mut seen = std::collections::HashMap::new();
+    // (The page's own direct `visualize` calls, which render a DICOM, belong to no run.)
+    for row in audit.iter().filter(|a| a.kind == "tool_call") {
+        if let Some(run) = &row.run_id {
+            *seen.entry((run.clone(), row.name.clone())).or_insert(0) += 1;
+        }
+    }
+    assert!(!seen.is_empty(), "no tool call was audited");
+    for ((run, tool), n) in &seen {
+        assert_eq!(*n, 1, "{tool} ran {n} times in run {run}");
+    }
+    for name in [
+        "21-progress.png",
+        "22-reattached.png",
+        "23-cancelled.png",
+        "24-too-long.png",
+        "25-follow-up.png",
+        "26-overlay-colours.png",
+        "27-label-400.png",
+        "28-answer-bound.png",
+        "29-dicom-corners.png",
+        "30-dicom-tags.png",
+        "31-wl-drag.png",
+        "32-ruler-mm.png",
+        "33-help.png",
+    ] {
+        let p = shots.join(name);
+        let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
+        assert!(len > 10_000, "screenshot {} missing or empty", p.display());
+    }
+}

@@ -89,6 +89,17 @@ impl Tool for Sleep {
     }
 }
 
+/// The `sleep` tool on its own, to add to another toolbox.
+pub fn sleep_tool() -> Arc<dyn Tool> {
+    Arc::new(Sleep {
+        spec: ToolSpec {
+            name: "sleep".into(),
+            description: "Waits.".into(),
+            parameters: json!({"type": "object", "properties": {"seconds": {"type": "number"}}}),
+        },
+    })
+}
+
 pub fn test_toolbox() -> ToolboxFactory {
     Arc::new(|store: Arc<ImageStore>| {
         let models = Arc::new(hilum_tools::ModelPool::from_settings(Default::default()));
