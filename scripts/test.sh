@@ -31,3 +31,7 @@ for step in "${setup_steps[@]}"; do
 done
 
 cargo test --workspace "$@"
+
+# The prepared GPU-vs-PyTorch run's dry run (CPU, small sizes, no PyTorch needed): keeps
+# scripts/gpu_vs_torch.sh working between the rare GPU sessions.
+OUT="$(mktemp -d)" scripts/gpu_vs_torch.sh --dry-run
