@@ -29,8 +29,8 @@ pub struct FileConfig {
     /// applied by `hilum_tools::VlmSettings`).
     #[serde(default)]
     pub vlm: hilum_tools::VlmSettings,
-    /// `[backends]`: classifier backend per model id, `"*"` for every model: `native` (Hilum's
-    /// CPU kernels, the CPU default), `candle` (the GPU default) or `onnx` (ONNX Runtime).
+    /// `[backends]`: the former name of `[models.backend]` (backend per model id, `"*"` for
+    /// every model that runs on it); `[models.backend]` wins where both name a model.
     #[serde(default)]
     pub backends: std::collections::BTreeMap<String, String>,
     /// `[remote]`: the KServe v2 inference server (Triton) of `--backend kserve`.
@@ -121,8 +121,17 @@ pub struct ModelsSection {
     pub llava_quantize: Option<String>,
     /// `HILUM_MAX_REPLICAS`
     pub max_replicas: Option<usize>,
+    /// `HILUM_BATCH_MAX_SIZE`: concurrent calls of one model gathered into one forward pass at
+    /// most (unset or 1: no dynamic batching).
+    pub batch_max_size: Option<usize>,
+    /// `HILUM_BATCH_DELAY_MS`: how long a batch waits for more calls (default 2).
+    pub batch_delay_ms: Option<usize>,
     /// `HILUM_DEVICE`: `auto`, `cpu`, `cuda:N` or a list (`cuda:0,cuda:1`).
     pub device: Option<String>,
+    /// `[models.backend]`, `HILUM_BACKEND`: the backend of each model id (`"*"`: every model
+    /// that runs on it), e.g. `lung-unet = "kserve"`; every tool using a model uses it.
+    #[serde(default)]
+    pub backend: std::collections::BTreeMap<String, String>,
 }
 
 impl ModelsSection {
@@ -138,7 +147,16 @@ impl ModelsSection {
             "ORT_DYLIB_PATH" => path(&self.onnxruntime),
             "HILUM_LLAVA_QUANTIZE" => self.llava_quantize.clone(),
             "HILUM_MAX_REPLICAS" => number(&self.max_replicas),
+            "HILUM_BATCH_MAX_SIZE" => number(&self.batch_max_size),
+            "HILUM_BATCH_DELAY_MS" => number(&self.batch_delay_ms),
             "HILUM_DEVICE" => self.device.clone(),
+            "HILUM_BACKEND" if !self.backend.is_empty() => Some(
+                self.backend
+                    .iter()
+                    .map(|(m, b)| format!("{m}={b}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
             _ => None,
         }
     }
@@ -372,7 +390,12 @@ pub fn load_file(explicit: Option<&Path>) -> anyhow::Result<FileConfig> {
         .with_context(|| format!("config file {}", path.display()))?;
     // The pool is made after the command read its file: the first file read is the one.
     let _ = FILE_REMOTE.set(remote);
-    let _ = FILE_MODELS.set(file.models.clone());
+    // The older `[backends]` table is `[models.backend]` under its former name.
+    let mut models = file.models.clone();
+    for (m, b) in &file.backends {
+        models.backend.entry(m.clone()).or_insert_with(|| b.clone());
+    }
+    let _ = FILE_MODELS.set(models);
     Ok(file)
 }
 
@@ -622,8 +645,8 @@ pub fn log_filter() -> Option<String> {
 /// The models' settings from the environment: `HILUM_MODELS_DIR`, `HILUM_CPU_THREADS`,
 /// `HILUM_CPU_TILE_FLOATS`, `HILUM_CPU_IMAGES_PER_PASS`, `HILUM_UNET_ENGINE`, `HILUM_UNET_ISA`,
 /// `HILUM_CPU_PROFILE`, `HILUM_CPU_CONCURRENCY`, `HILUM_GPU_CONCURRENCY`, `ORT_DYLIB_PATH`,
-/// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS` (meanings in README.md), on `devices` (see
-/// [`device_set`]). Each one set in the environment wins over the config file's `[models]` table.
+/// `HILUM_LLAVA_QUANTIZE`, `HILUM_MAX_REPLICAS` (meanings in docs/models.md, Settings), on
+/// `devices` (see [`device_set`]). Each one set in the environment wins over the config file's `[models]` table.
 pub fn model_settings(devices: hilum_models::DeviceSet) -> hilum_models::ModelSettings {
     let file = FILE_MODELS.get();
     hilum_models::ModelSettings {
@@ -732,35 +755,11 @@ pub fn tool_deps(
         .with_settings(tool_settings()))
 }
 
-/// The tools' backend choices from the environment (read through `var`):
-/// `HILUM_LUNG_UNET_BACKEND=native|candle|onnx|kserve` (anything else: chosen per machine),
-/// `HILUM_MEDSAM_BACKEND=candle|onnx|kserve` (MedSAM's image encoder; default
-/// `sam::auto_backend`) and
-/// `HILUM_BACKEND` (see [`resolve_backends`]; a bad value is reported by each classifier call,
-/// the other tools keep working). `--backend` and `[backends]` are applied on top by the
-/// commands that take them.
+/// The tools' own settings. The backends of the models come with the models' settings
+/// ([`model_settings`]: `HILUM_BACKEND`, `HILUM_LUNG_UNET_BACKEND`, `HILUM_MEDSAM_BACKEND`,
+/// `[models.backend]`); `--backend` is applied on top by the commands that take it.
 pub fn tool_settings() -> hilum_tools::ToolSettings {
-    tool_settings_from(|k| std::env::var(k).ok())
-}
-
-fn tool_settings_from(var: impl Fn(&str) -> Option<String>) -> hilum_tools::ToolSettings {
-    let var = |k: &str| var(k).filter(|v| !v.is_empty());
-    let classifier_backends = match var("HILUM_BACKEND") {
-        Some(spec) => hilum_tools::parse_backends(&spec).map_err(|e| format!("HILUM_BACKEND: {e}")),
-        None => Ok(Default::default()),
-    };
-    let served = matches!(&classifier_backends,
-        Ok(b) if b.get("*") == Some(&hilum_models::Backend::Kserve));
-    let mut settings = hilum_tools::ToolSettings {
-        lung_unet_backend: var("HILUM_LUNG_UNET_BACKEND").and_then(|b| b.parse().ok()),
-        medsam_backend: var("HILUM_MEDSAM_BACKEND").and_then(|b| b.parse().ok()),
-        classifier_backends,
-    };
-    // `HILUM_BACKEND=kserve` serves the other networks too, unless they have their own variables.
-    if served {
-        settings.serve_every_network();
-    }
-    settings
+    hilum_tools::ToolSettings::default()
 }
 
 #[cfg(test)]
@@ -872,7 +871,8 @@ mod tests {
     fn models_table_gives_the_settings_and_the_environment_wins() {
         let file: FileConfig = toml::from_str(
             "[models]\ndir = \"/srv/hilum/models\"\ncpu_threads = 3\ngpu_concurrency = 2\n\
-             onnxruntime = \"/opt/ort/libonnxruntime.so\"\nllava_quantize = \"q4k\"\n",
+             onnxruntime = \"/opt/ort/libonnxruntime.so\"\nllava_quantize = \"q4k\"\n\
+             batch_max_size = 16\nbatch_delay_ms = 4\n",
         )
         .expect("parse");
         let from = |e| {
@@ -889,10 +889,13 @@ mod tests {
         );
         assert_eq!(s.llava_quantize.as_deref(), Some("q4k"));
         assert_eq!(s.cpu_concurrency, None);
+        let batch = hilum_models::BatchSettings::new(16, std::time::Duration::from_millis(4));
+        assert_eq!(s.batch, batch);
         // A variable wins; an empty one counts as unset.
         let s = from(&[("HILUM_MODELS_DIR", "/tmp/m"), ("HILUM_CPU_THREADS", "")]);
         assert_eq!(s.models_dir, PathBuf::from("/tmp/m"));
         assert_eq!(s.cpu.threads, Some(3));
+        assert_eq!(from(&[("HILUM_BATCH_MAX_SIZE", "1")]).batch.enabled(), false);
         // Nothing anywhere: the models library's one default.
         let s = hilum_models::ModelSettings::from_vars(|k| models_var(k, env(&[]), None));
         assert_eq!(s.models_dir, hilum_models::ModelRegistry::default_dir());
@@ -988,34 +991,26 @@ mod tests {
     }
 
     #[test]
-    fn tool_settings_come_from_the_documented_variables() {
-        let s = tool_settings_from(env(&[
-            ("HILUM_LUNG_UNET_BACKEND", "onnx"),
-            ("HILUM_BACKEND", "resnet50-res512-all=native"),
-        ]));
-        assert_eq!(s.lung_unet_backend, Some(Backend::Onnx));
-        let b = s.classifier_backends.expect("parses");
-        assert_eq!(b.get("resnet50-res512-all"), Some(&Backend::Native));
-        let s = tool_settings_from(env(&[]));
-        assert_eq!(s.lung_unet_backend, None);
-        assert_eq!(s.medsam_backend, None);
-        assert_eq!(s.classifier_backends, Ok(Default::default()));
-        let s = tool_settings_from(env(&[("HILUM_BACKEND", "kserve")]));
-        assert_eq!(s.lung_unet_backend, Some(Backend::Kserve));
-        assert_eq!(s.medsam_backend, Some(Backend::Kserve));
-        let s = tool_settings_from(env(&[
-            ("HILUM_BACKEND", "kserve"),
-            ("HILUM_MEDSAM_BACKEND", "onnx"),
-        ]));
-        assert_eq!(s.medsam_backend, Some(Backend::Onnx));
-        assert_eq!(s.lung_unet_backend, Some(Backend::Kserve));
-        let s = tool_settings_from(env(&[
-            ("HILUM_BACKEND", "kserve"),
-            ("HILUM_LUNG_UNET_BACKEND", "native"),
-        ]));
-        assert_eq!(s.lung_unet_backend, Some(Backend::Native));
-        let s = tool_settings_from(env(&[("HILUM_BACKEND", "tensorflow")]));
-        let e = s.classifier_backends.expect_err("bad backend");
-        assert!(e.starts_with("HILUM_BACKEND:"), "{e}");
+    fn models_backend_table_is_the_backend_variable() {
+        let file: FileConfig = toml::from_str(
+            "[models.backend]\n\"lung-unet\" = \"kserve\"\n\"*\" = \"onnx\"\n",
+        )
+        .expect("parses");
+        let s = hilum_models::ModelSettings::from_vars(|k| {
+            models_var(k, |_| None, Some(&file.models))
+        });
+        let b = s.backends.expect("parses");
+        assert_eq!(b.get("lung-unet"), Some(Backend::Kserve));
+        assert_eq!(b.every_model(), Some(Backend::Onnx));
+        // The variable wins over the table.
+        let s = hilum_models::ModelSettings::from_vars(|k| {
+            models_var(
+                k,
+                |k| (k == "HILUM_BACKEND").then(|| "lung-unet=native".to_string()),
+                Some(&file.models),
+            )
+        });
+        assert_eq!(s.backend_of("lung-unet"), Some(Backend::Native));
+        assert_eq!(s.backend_of("*"), None);
     }
 }

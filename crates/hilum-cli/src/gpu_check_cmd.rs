@@ -51,9 +51,9 @@ pub struct GpuCheckArgs {
 pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     for o in &args.only {
         anyhow::ensure!(
-            devcheck::CHECKS.contains(&o.as_str()) || LOCAL_CHECKS.contains(&o.as_str()),
+            devcheck::check_names().contains(&o.as_str()) || LOCAL_CHECKS.contains(&o.as_str()),
             "unknown check `{o}`; the checks are {}, {}",
-            devcheck::CHECKS.join(", "),
+            devcheck::check_names().join(", "),
             LOCAL_CHECKS.join(", ")
         );
     }

@@ -187,6 +187,13 @@ impl DenseNet {
 
     /// Pooled features: (b, in_channels, h, w) → (b, c_final), after norm5 and ReLU.
     pub fn features(&self, xs: &Tensor) -> Result<Tensor> {
+        // (b, c_final, h/32, w/32) → (b, c_final)
+        self.feature_map(xs)?.mean((2, 3))
+    }
+
+    /// The last feature map before the pool: (b, in_channels, h, w) → (b, c_final, h/32,
+    /// w/32), after norm5 and ReLU (what a class activation map weighs).
+    pub fn feature_map(&self, xs: &Tensor) -> Result<Tensor> {
         // Zero padding equals -inf padding here: the max pool follows a ReLU.
         let mut xs = xs
             .apply(&self.conv0)?
@@ -204,8 +211,7 @@ impl DenseNet {
                 xs = t.forward(&xs)?;
             }
         }
-        // (b, c_final, h/32, w/32) → (b, c_final)
-        xs.apply_t(&self.norm5, false)?.relu()?.mean((2, 3))
+        xs.apply_t(&self.norm5, false)?.relu()
     }
 }
 

@@ -457,13 +457,7 @@ pub struct AnatomySegmenter {
     net: AnatomyNet,
 }
 
-enum AnatomyNet {
-    Native(Box<NativePspNet>),
-    Candle(Box<PspNet>, candle_core::Device),
-    #[cfg(feature = "onnx")]
-    Onnx(crate::onnx::OnnxModel),
-    Remote(crate::kserve::KserveModel),
-}
+type AnatomyNet = crate::Engine<Box<NativePspNet>, Box<PspNet>>;
 
 impl AnatomySegmenter {
     /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers),
@@ -521,25 +515,16 @@ impl AnatomySegmenter {
 
     /// The network on ONNX Runtime (CPU) from a serialised graph with [`PspNet::to_onnx`]'s
     /// input and output; `what` names it in errors.
-    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
     pub fn onnx_from_bytes(
         graph: &[u8],
         what: &str,
         config: &Config,
         threads: usize,
     ) -> Result<Self, ModelError> {
-        #[cfg(feature = "onnx")]
-        {
-            let model = crate::onnx::OnnxModel::from_memory(graph, what, threads, Device::Cpu)?;
-            Ok(AnatomySegmenter {
-                config: config.clone(),
-                net: AnatomyNet::Onnx(model),
-            })
-        }
-        #[cfg(not(feature = "onnx"))]
-        Err(ModelError::Onnx(
-            "this hilum was built without the `onnx` feature; use the native backend".into(),
-        ))
+        Ok(AnatomySegmenter {
+            config: config.clone(),
+            net: AnatomyNet::onnx(graph, what, threads, Device::Cpu)?,
+        })
     }
 
     /// The network served as model `id` by a KServe v2 server (the graph `hilum models
@@ -555,7 +540,7 @@ impl AnatomySegmenter {
         let output = TensorSpec::new(ONNX_OUTPUT, &[-1, config.n_classes as i64, s, s]);
         Ok(AnatomySegmenter {
             config: config.clone(),
-            net: AnatomyNet::Remote(KserveModel::connect(settings, id, input, output)?),
+            net: AnatomyNet::Kserve(KserveModel::connect(settings, id, input, output)?),
         })
     }
 
@@ -564,13 +549,7 @@ impl AnatomySegmenter {
     }
 
     pub fn backend(&self) -> Backend {
-        match self.net {
-            AnatomyNet::Native(_) => Backend::Native,
-            AnatomyNet::Candle(..) => Backend::Candle,
-            #[cfg(feature = "onnx")]
-            AnatomyNet::Onnx(_) => Backend::Onnx,
-            AnatomyNet::Remote(_) => Backend::Kserve,
-        }
+        self.net.backend()
     }
 
     /// The native engine, when this runs on it (for benchmarks and batch use).
@@ -614,9 +593,13 @@ impl AnatomySegmenter {
                     .map(|m| m.concat())
                     .collect())
             }
-            #[cfg(feature = "onnx")]
-            AnatomyNet::Onnx(g) => split_maps(g.run(&[1, 3, s, s], input)?.1, &self.config),
-            AnatomyNet::Remote(m) => split_maps(m.infer(&[1, 3, s, s], input)?.1, &self.config),
+            graph => split_maps(
+                graph
+                    .run_graph(&[1, 3, s, s], input)
+                    .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?
+                    .1,
+                &self.config,
+            ),
         }
     }
 }

@@ -369,13 +369,7 @@ pub struct LungSegmenter {
     net: LungNet,
 }
 
-enum LungNet {
-    Native(NativeUnet),
-    Candle(LungUnet, candle_core::Device),
-    #[cfg(feature = "onnx")]
-    Onnx(crate::onnx::OnnxModel),
-    Remote(crate::kserve::KserveModel),
-}
+type LungNet = crate::Engine<NativeUnet, LungUnet>;
 
 impl LungSegmenter {
     /// The network from the weights in `vb` on `backend`: `Native` (CPU, `threads` workers)
@@ -454,7 +448,7 @@ impl LungSegmenter {
         let output = TensorSpec::new(names.1, &[-1, s, s, 1]);
         Ok(LungSegmenter {
             config: config.clone(),
-            net: LungNet::Remote(KserveModel::connect(settings, id, input, output)?),
+            net: LungNet::Kserve(KserveModel::connect(settings, id, input, output)?),
         })
     }
 
@@ -463,13 +457,7 @@ impl LungSegmenter {
     }
 
     pub fn backend(&self) -> Backend {
-        match self.net {
-            LungNet::Native(_) => Backend::Native,
-            LungNet::Candle(..) => Backend::Candle,
-            #[cfg(feature = "onnx")]
-            LungNet::Onnx(_) => Backend::Onnx,
-            LungNet::Remote(_) => Backend::Kserve,
-        }
+        self.net.backend()
     }
 
     /// Lung probability maps at the model's resolution for a batch of preprocessed inputs
@@ -501,9 +489,10 @@ impl LungSegmenter {
                     .flatten_all()?
                     .to_vec1::<f32>()?
             }
-            #[cfg(feature = "onnx")]
-            LungNet::Onnx(g) => g.run(&[inputs.len(), s, s, 3], &flat)?.1,
-            LungNet::Remote(m) => m.infer(&[inputs.len(), s, s, 3], &flat)?.1,
+            graph => graph
+                .run_graph(&[inputs.len(), s, s, 3], &flat)
+                .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?
+                .1,
         };
         if ys.len() != inputs.len() * s * s {
             return Err(ModelError::Compute(format!(

@@ -303,15 +303,20 @@ pub enum OnnxSource {
     Imported,
 }
 
-enum Net {
-    CandleDense(densenet::DenseNet),
-    CandleRes(resnet::ResNet),
-    NativeDense(NativeDenseNet),
-    NativeRes(NativeResNet),
-    #[cfg(feature = "onnx")]
-    Onnx(crate::onnx::OnnxModel),
-    /// On a KServe v2 server: model `spec.id`, the graph of [`Classifier::onnx_graph`].
-    Remote(crate::kserve::KserveModel),
+/// The network of either family on its backend (on a KServe v2 server: model `spec.id`, the
+/// graph of [`Classifier::onnx_graph`]).
+type Net = crate::Engine<NativeNet, CandleNet>;
+
+/// The native plan of either family.
+enum NativeNet {
+    Dense(NativeDenseNet),
+    Res(NativeResNet),
+}
+
+/// The candle network of either family.
+enum CandleNet {
+    Dense(densenet::DenseNet),
+    Res(resnet::ResNet),
 }
 
 /// One label's result.
@@ -381,18 +386,26 @@ impl Classifier {
         }
         let size = spec.resolution;
         let net = match (&spec.arch, backend) {
-            (Arch::DenseNet(c), Backend::Candle) => {
-                Net::CandleDense(densenet::DenseNet::load(vb, c)?)
-            }
-            (Arch::ResNet(c), Backend::Candle) => Net::CandleRes(resnet::ResNet::load(vb, c)?),
+            (Arch::DenseNet(c), Backend::Candle) => Net::Candle(
+                CandleNet::Dense(densenet::DenseNet::load(vb, c)?),
+                device.clone(),
+            ),
+            (Arch::ResNet(c), Backend::Candle) => Net::Candle(
+                CandleNet::Res(resnet::ResNet::load(vb, c)?),
+                device.clone(),
+            ),
             // The native plans are built from the checkpoint's weights, not from candle modules.
             (Arch::DenseNet(c), _) => {
                 let w = densenet::native_weights(vb, c)?;
-                Net::NativeDense(NativeDenseNet::new(&w, size, threads).map_err(cpu_err)?)
+                Net::Native(NativeNet::Dense(
+                    NativeDenseNet::new(&w, size, threads).map_err(cpu_err)?,
+                ))
             }
             (Arch::ResNet(c), _) => {
                 let w = resnet::native_weights(vb, c)?;
-                Net::NativeRes(NativeResNet::new(&w, size, threads).map_err(cpu_err)?)
+                Net::Native(NativeNet::Res(
+                    NativeResNet::new(&w, size, threads).map_err(cpu_err)?,
+                ))
             }
         };
         Ok(Self::with_net(spec, backend, device, net))
@@ -440,7 +453,6 @@ impl Classifier {
     }
 
     /// The network on ONNX Runtime from a serialised graph with the same input and output.
-    #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
     pub fn onnx_from_bytes(
         graph: &[u8],
         what: &str,
@@ -448,24 +460,10 @@ impl Classifier {
         threads: usize,
         device: Device,
     ) -> Result<Self, ModelError> {
-        #[cfg(feature = "onnx")]
-        {
-            let model = crate::onnx::OnnxModel::from_memory(graph, what, threads, device)?;
-            let mut c = Self::with_net(
-                spec,
-                Backend::Onnx,
-                candle_core::Device::Cpu,
-                Net::Onnx(model),
-            );
-            c.onnx_source = Some(OnnxSource::Imported);
-            Ok(c)
-        }
-        #[cfg(not(feature = "onnx"))]
-        Err(ModelError::Onnx(
-            "this hilum was built without the `onnx` feature; rebuild with the default features \
-             or use --backend native"
-                .into(),
-        ))
+        let net = Net::onnx(graph, what, threads, device)?;
+        let mut c = Self::with_net(spec, Backend::Onnx, candle_core::Device::Cpu, net);
+        c.onnx_source = Some(OnnxSource::Imported);
+        Ok(c)
     }
 
     /// The network served as model `spec.id` by the KServe v2 server of `settings` (the graph
@@ -481,7 +479,7 @@ impl Classifier {
             spec,
             Backend::Kserve,
             candle_core::Device::Cpu,
-            Net::Remote(model),
+            Net::Kserve(model),
         ))
     }
 
@@ -503,18 +501,21 @@ impl Classifier {
             )));
         }
         match &self.net {
-            Net::NativeDense(n) => n.forward(input, batch).map_err(cpu_err),
-            Net::NativeRes(n) => n.forward(input, batch).map_err(cpu_err),
-            Net::CandleDense(n) => self.candle_logits(n, input, batch),
-            Net::CandleRes(n) => self.candle_logits(n, input, batch),
-            #[cfg(feature = "onnx")]
-            Net::Onnx(g) => {
-                let (_, out) = g.run(&[batch, 1, size, size], input)?;
-                self.checked_logits(out, batch, "the graph", ModelError::Onnx)
-            }
-            Net::Remote(m) => {
-                let (_, out) = m.infer(&[batch, 1, size, size], input)?;
-                self.checked_logits(out, batch, "the server", ModelError::Compute)
+            Net::Native(NativeNet::Dense(n)) => n.forward(input, batch).map_err(cpu_err),
+            Net::Native(NativeNet::Res(n)) => n.forward(input, batch).map_err(cpu_err),
+            Net::Candle(CandleNet::Dense(n), _) => self.candle_logits(n, input, batch),
+            Net::Candle(CandleNet::Res(n), _) => self.candle_logits(n, input, batch),
+            graph => {
+                let (_, out) = graph
+                    .run_graph(&[batch, 1, size, size], input)
+                    .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?;
+                let (source, error): (&str, fn(String) -> ModelError) =
+                    if self.backend == Backend::Kserve {
+                        ("the server", ModelError::Compute)
+                    } else {
+                        ("the graph", ModelError::Onnx)
+                    };
+                self.checked_logits(out, batch, source, error)
             }
         }
     }

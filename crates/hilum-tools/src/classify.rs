@@ -14,13 +14,13 @@ use hilum_imaging::ImageStore;
 
 use hilum_models::runner::Runner;
 use hilum_models::xrv::{self, LabelScore, OnnxSource};
-use hilum_models::Backend;
+use hilum_models::{Backend, BackendChoice};
 use hilum_models::{Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{run_model_on, ImageId};
+use crate::common::{choice, run_model, Choice, ImageId};
 
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
@@ -30,9 +30,10 @@ pub struct ClassifyChestXray {
     models: Arc<ModelPool>,
     /// `None`: each call routed across the pool's devices.
     pin: Option<Device>,
-    /// Backend per model id (`*`: every model); absent: the device's default. An `Err` is a
-    /// setting that did not parse, reported by each call.
-    backends: Result<BTreeMap<String, Backend>, String>,
+    /// Backend per model id (`*`: every model) over the models' settings; absent: the
+    /// settings', else the device's default. An `Err` is a setting that did not parse,
+    /// reported by each call.
+    backends: Choice,
 }
 
 /// The torchxrayvision classifiers this tool runs.
@@ -63,24 +64,20 @@ pub struct Args {
     model: Classifier,
 }
 
-/// Parses backend choices: `onnx` (every model) or `MODEL=BACKEND` pairs, comma-separated
-/// (`densenet121-res224-all=onnx,resnet50-res512-all=native`). Backends: native, candle, onnx,
-/// kserve (a KServe v2 inference server such as Triton).
+/// Parses backend choices for Hilum's models: `onnx` (every model that runs on it) or
+/// `MODEL=BACKEND` pairs, comma-separated (`lung-unet=kserve,densenet121-res224-all=onnx`).
+/// Backends: native, candle, onnx, kserve (a KServe v2 inference server such as Triton).
 pub fn parse_backends(spec: &str) -> Result<BTreeMap<String, Backend>, String> {
-    let mut out = BTreeMap::new();
-    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (model, name) = part.split_once('=').unwrap_or(("*", part));
-        let model = model.trim();
-        if model != "*" && !MODELS.contains(&model) {
-            return Err(format!(
-                "backend for unknown model `{model}`: use one of {} (or no MODEL= for all)",
-                MODELS.join(", ")
-            ));
-        }
-        let backend = name.parse::<Backend>().map_err(|e| e.to_string())?;
-        out.insert(model.to_string(), backend);
+    let choice = BackendChoice::parse(spec)?;
+    let registry = hilum_models::ModelRegistry::new("").map_err(|e| e.to_string())?;
+    let known: Vec<&str> = registry.manifests().map(|m| m.id.as_str()).collect();
+    if let Some(model) = choice.unknown_models(&known).first() {
+        return Err(format!(
+            "backend for unknown model `{model}`: use one of {} (or no MODEL= for all)",
+            known.join(", ")
+        ));
     }
-    Ok(out)
+    Ok(choice.iter().map(|(m, b)| (m.to_string(), b)).collect())
 }
 
 impl ClassifyChestXray {
@@ -111,18 +108,8 @@ impl ClassifyChestXray {
             store,
             models,
             pin,
-            backends,
+            backends: backends.map(BackendChoice::from),
         })
-    }
-
-    /// The configured backend of `model`, if any.
-    fn backend_for(&self, model: &str) -> Result<Option<Backend>, ToolError> {
-        let map = self.backends.as_ref().map_err(|e| {
-            ToolError::Internal(format!(
-                "{e}; fix the variable (e.g. HILUM_BACKEND=onnx or {model}=native)"
-            ))
-        })?;
-        Ok(map.get(model).or_else(|| map.get("*")).copied())
     }
 }
 
@@ -140,14 +127,77 @@ fn score_json(s: &LabelScore) -> Value {
     })
 }
 
+/// What one classification gives the tool's output: scores, custom weights, the copy that ran,
+/// forward ms, load ms, device.
+type Classified = (
+    Vec<LabelScore>,
+    bool,
+    Arc<xrv::Classifier>,
+    f64,
+    f64,
+    Device,
+);
+
+impl ClassifyChestXray {
+    /// With the pool's dynamic batching on and an in-process backend: the call gathered with
+    /// concurrent calls of the same model into one forward pass ([`ModelPool::run_batched`];
+    /// the image prepared first, outside the device), and the size of that pass. `None`:
+    /// batching is off or the backend is a server (which batches on its own).
+    async fn batched(
+        &self,
+        image: &ImageId,
+        id: &str,
+        over: &BackendChoice,
+    ) -> Result<Option<(Classified, usize)>, ToolError> {
+        let models = &self.models;
+        if !models.settings().batch.enabled() {
+            return Ok(None);
+        }
+        let fail = |e| crate::common::model_error(models, e);
+        let installed = models.registry().installed(id).map_err(fail)?;
+        let made_on = models
+            .settings()
+            .runs_on(self.pin.unwrap_or(models.devices().first()));
+        let backend = models
+            .backend_for(id, &installed, made_on, over)
+            .map_err(fail)?;
+        if backend == Backend::Kserve {
+            return Ok(None);
+        }
+        let spec = models
+            .registry()
+            .manifest(id)
+            .and_then(xrv::XrvSpec::from_manifest)
+            .map_err(fail)?;
+        let (store, image) = (self.store.clone(), image.clone());
+        let input =
+            crate::common::run_blocking(move || image.prepared(&store, &spec.recipe())).await?;
+        let out = models
+            .run_batched::<xrv::Classifier>(id, self.pin, backend, input)
+            .await
+            .map_err(fail)?;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let custom = out.model.custom;
+        let r = (
+            out.output,
+            custom,
+            out.model,
+            ms(out.forward),
+            ms(out.load),
+            out.device,
+        );
+        Ok(Some((r, out.size)))
+    }
+}
+
 impl crate::BuildTool for ClassifyChestXray {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(ClassifyChestXray::on_device(
-            deps.images.clone(),
-            deps.models.clone(),
-            None,
-            deps.settings.classifier_backends.clone(),
-        ))
+        Arc::new(Typed::new(ClassifyChestXray {
+            store: deps.images.clone(),
+            models: deps.models.clone(),
+            pin: None,
+            backends: deps.settings.backends.clone(),
+        }))
     }
 }
 
@@ -206,23 +256,30 @@ impl TypedTool for ClassifyChestXray {
         let image = args.image.clone();
         let image_id = args.image.0;
         let model_id = args.model.id().to_string();
-        let backend = self.backend_for(&model_id)?;
-        let ((scores, custom, model, infer_ms, load_ms, device), fallback) = run_model_on(
-            &self.models,
-            &model_id,
-            self.pin,
-            backend,
-            |_, d| Backend::default_for(d),
-            move |p: Placed<'_, xrv::Classifier>, _| {
-                let (model, load_ms) = (p.model.clone(), p.load.as_secs_f64() * 1e3);
-                let t = Instant::now();
-                let input = image.prepared(&store, &model.recipe())?;
-                let scores = model.run(&input)?;
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                Ok((scores, model.custom, model, ms, load_ms, p.device))
-            },
-        )
-        .await?;
+        let over = choice(&self.backends)?;
+        let batched = self.batched(&image, &model_id, &over).await?;
+        let (((scores, custom, model, infer_ms, load_ms, device), fallback), batch) = match batched
+        {
+            Some((r, size)) => ((r, None), Some(size)),
+            None => {
+                let r = run_model(
+                    &self.models,
+                    &model_id,
+                    self.pin,
+                    &over,
+                    move |p: Placed<'_, xrv::Classifier>, _| {
+                        let (model, load_ms) = (p.model.clone(), p.load.as_secs_f64() * 1e3);
+                        let t = Instant::now();
+                        let input = image.prepared(&store, &model.recipe())?;
+                        let scores = model.run(&input)?;
+                        let ms = t.elapsed().as_secs_f64() * 1e3;
+                        Ok((scores, model.custom, model, ms, load_ms, p.device))
+                    },
+                )
+                .await?;
+                (r, None)
+            }
+        };
 
         let mut findings: Vec<&LabelScore> = scores.iter().filter(|s| s.positive()).collect();
         findings.sort_by(|a, b| b.score.unwrap_or(0.0).total_cmp(&a.score.unwrap_or(0.0)));
@@ -272,6 +329,9 @@ impl TypedTool for ClassifyChestXray {
         });
         if let Some(why) = fallback {
             data["fallback"] = json!(why);
+        }
+        if let Some(n) = batch {
+            data["batch"] = json!(n);
         }
         Ok(ToolOutput::new(summary, data))
     }
@@ -411,5 +471,45 @@ mod tests {
         assert!(err.contains("densenet121-res224-all"), "{err}");
         let err = parse_backends("tensorflow").err().unwrap_or_default();
         assert!(err.contains("native, candle, onnx or kserve"), "{err}");
+    }
+
+    /// With dynamic batching on, concurrent calls run as one pass and answer what the same
+    /// call answers without batching.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_batch_into_one_pass_with_the_unbatched_scores() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, plain, id) = custom_install(dir.path());
+        let settings = hilum_models::ModelSettings {
+            // Far above the test: the pass leaves because it is full.
+            batch: hilum_models::BatchSettings::new(3, std::time::Duration::from_secs(3600)),
+            ..Default::default()
+        };
+        let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+        let batching = Arc::new(ModelPool::with_settings(Arc::new(registry), settings));
+        let tool = Arc::new(ClassifyChestXray::with_backend(
+            store.clone(),
+            batching,
+            Backend::Native,
+        ));
+        let calls: Vec<_> = (0..3)
+            .map(|_| {
+                let (tool, id) = (tool.clone(), id.clone());
+                tokio::spawn(async move {
+                    tool.call(&ToolContext::default(), json!({ "image": id }))
+                        .await
+                })
+            })
+            .collect();
+        let alone = ClassifyChestXray::with_backend(store, plain, Backend::Native)
+            .call(&ToolContext::default(), json!({ "image": id }))
+            .await
+            .expect("unbatched call");
+        assert!(alone.data.get("batch").is_none());
+        for c in calls {
+            let out = c.await.expect("task").expect("batched call");
+            assert_eq!(out.data["batch"], 3);
+            assert_eq!(out.data["scores"], alone.data["scores"]);
+            assert_eq!(out.summary, alone.summary);
+        }
     }
 }

@@ -3,7 +3,9 @@ use std::time::Instant;
 
 use hilum_agent::ToolError;
 use hilum_imaging::{CxrImage, ImageStore, ImagingError, Prepared, Preprocess};
-use hilum_models::{Backend, Device, InstalledModel, Model, ModelError, ModelPool, Placed};
+use hilum_models::{
+    Backend, BackendChoice, Device, InstalledModel, Model, ModelError, ModelPool, Placed,
+};
 use schemars::JsonSchema;
 use serde_json::{json, Value};
 
@@ -117,20 +119,25 @@ impl From<ToolError> for Fail {
     }
 }
 
-/// The way every tool runs a model: check that `id` is installed (failing fast, naming the
-/// install command, before waiting for a device), then let the pool place the call
-/// ([`ModelPool::run_on`]): routed to the least-loaded of its devices holding the model
-/// (`pin: None`), or on the pinned device, with that device's permit, the model loaded there
-/// once, and `work` on a blocking thread. `backend` picks the backend from the installed model
-/// and the device the copies are made on (one choice for the whole set: its devices are of one
-/// kind). A device failure moves the call to another device; other errors are the call's.
+/// The way every tool runs a model. It checks that `id` is installed (failing fast, naming
+/// the install command, before waiting for a device) and takes the model's backend from the
+/// pool ([`ModelPool::backend_for`]: `over`, then the models' settings — `[models.backend]` —
+/// then the architecture's default), so every tool that uses a model runs it on the same
+/// backend. In process the pool places the call ([`ModelPool::run_on`]): routed to the
+/// least-loaded of its devices holding the model (`pin: None`), or on the pinned device, with
+/// that device's permit, the model loaded there once, and `work` on a blocking thread; a device
+/// failure moves the call to another device, other errors are the call's. With the kserve
+/// backend the forward pass goes to the inference server without a local device permit (the
+/// server queues and batches); when that server does not answer and the pool's settings name
+/// a fallback (`[remote] fallback`), the call runs here on that backend instead, routed like
+/// any other, and the second value says why.
 pub(crate) async fn run_model<M, R, F>(
     models: &Arc<ModelPool>,
     id: &str,
     pin: Option<Device>,
-    backend: impl FnOnce(&InstalledModel, Device) -> Backend,
+    over: &BackendChoice,
     work: F,
-) -> Result<R, ToolError>
+) -> Result<(R, Option<String>), ToolError>
 where
     M: Model,
     R: Send + 'static,
@@ -143,50 +150,18 @@ where
     let made_on = models
         .settings()
         .runs_on(pin.unwrap_or(models.devices().first()));
-    let backend = backend(&installed, made_on);
-    // A tool's own error is a result to the pool, so only model errors can move the call.
-    models
-        .run_on::<M, _, _>(id, pin, backend, move |p| match work(p, &installed) {
-            Ok(r) => Ok(Ok(r)),
-            Err(Fail::Model(e)) => Err(e),
-            Err(Fail::Tool(e)) => Ok(Err(e)),
-        })
-        .await
-        .map_err(|e| model_error(models, e))?
-}
-
-/// [`run_model`] for a network that may be served: `chosen` is the tool's backend (`None`:
-/// `default`'s choice). With the kserve backend the forward pass goes to the inference server
-/// without a local device permit (the server queues and batches); when that server does not
-/// answer and the pool's settings name a fallback (`[remote] fallback`), the call runs here on
-/// that backend instead, routed like any other, and the second value says why.
-pub(crate) async fn run_model_on<M, R, F>(
-    models: &Arc<ModelPool>,
-    id: &str,
-    pin: Option<Device>,
-    chosen: Option<Backend>,
-    default: impl FnOnce(&InstalledModel, Device) -> Backend,
-    work: F,
-) -> Result<(R, Option<String>), ToolError>
-where
-    M: Model,
-    R: Send + 'static,
-    F: Fn(Placed<'_, M>, &InstalledModel) -> Result<R, Fail> + Send + Sync + 'static,
-{
+    let mut backend = models
+        .backend_for(id, &installed, made_on, over)
+        .map_err(|e| model_error(models, e))?;
     let work = Arc::new(work);
-    let mut local = chosen;
     let mut note = None;
-    if chosen == Some(Backend::Kserve) {
-        let installed = models
-            .registry()
-            .installed(id)
-            .map_err(|e| model_error(models, e))?;
-        let (pool, w, mid) = (models.clone(), work.clone(), id.to_string());
+    if backend == Backend::Kserve {
+        let (pool, w, mid, inst) = (models.clone(), work.clone(), id.to_string(), installed.clone());
         let device = pin.unwrap_or(models.devices().first());
         let served = run_blocking(move || {
             let since = Instant::now();
             let served =
-                pool.with_copy::<M, _>(&mid, device, Backend::Kserve, since, |p| w(p, &installed));
+                pool.with_copy::<M, _>(&mid, device, Backend::Kserve, since, |p| w(p, &inst));
             Ok(served.unwrap_or_else(|e| Err(Fail::Model(e))))
         })
         .await?;
@@ -198,15 +173,34 @@ where
                     "the inference server at {url} did not answer ({reason}); ran in process on \
                      the {b} backend ([remote] fallback)"
                 ));
-                local = Some(b);
+                backend = b;
             }
             (Err(Fail::Model(e)), _) => return Err(model_error(models, e)),
             (Err(Fail::Tool(e)), _) => return Err(e),
         }
     }
-    let backend = move |i: &InstalledModel, d: Device| local.unwrap_or_else(|| default(i, d));
-    let r = run_model(models, id, pin, backend, move |p, i| work(p, i)).await?;
+    // A tool's own error is a result to the pool, so only model errors can move the call.
+    let r = models
+        .run_on::<M, _, _>(id, pin, backend, move |p| match work(p, &installed) {
+            Ok(r) => Ok(Ok(r)),
+            Err(Fail::Model(e)) => Err(e),
+            Err(Fail::Tool(e)) => Ok(Err(e)),
+        })
+        .await
+        .map_err(|e| model_error(models, e))??;
     Ok((r, note))
+}
+
+/// A tool's backend choice over the models' settings, or the error of one that did not parse.
+pub(crate) type Choice = Result<BackendChoice, String>;
+
+/// The choice itself, or the tool error of a setting that did not parse.
+pub(crate) fn choice(c: &Choice) -> Result<BackendChoice, ToolError> {
+    c.clone().map_err(|e| {
+        ToolError::Internal(format!(
+            "{e}; fix the backend setting (e.g. HILUM_BACKEND=onnx or lung-unet=native)"
+        ))
+    })
 }
 
 /// Runs `work` on a blocking thread (decoding, drawing: work that needs no device permit).

@@ -52,40 +52,20 @@ pub struct ToolDeps {
     pub settings: ToolSettings,
 }
 
-/// Backend choices of the model tools, filled by the program (the CLI reads
-/// `HILUM_BACKEND`, `HILUM_LUNG_UNET_BACKEND`, `--backend` and the config file).
+/// The tools' settings beside the models' own.
 #[derive(Clone, Debug)]
 pub struct ToolSettings {
-    /// `segment_lungs`' U-Net backend; `None`: chosen per machine (`unet::auto_backend`).
-    /// `kserve` sends it to the inference server of the pool's settings.
-    pub lung_unet_backend: Option<hilum_models::Backend>,
-    /// `classify_chest_xray`'s backend per model id (`*`: every model); empty: the device's
-    /// default. An `Err` is a setting that did not parse: each classifier call reports it and
-    /// the other tools keep working.
-    pub classifier_backends: Result<BTreeMap<String, hilum_models::Backend>, String>,
-    /// Where `segment_region` runs MedSAM's image encoder; `None`: `sam::auto_backend` (ONNX
-    /// Runtime on the CPU where it loads, else candle). `onnx` and `kserve` run the graph
-    /// `Sam::encoder_onnx` writes; the decoder stays in candle.
-    pub medsam_backend: Option<hilum_models::Backend>,
-}
-
-impl ToolSettings {
-    /// `kserve` for every classifier: the lung U-Net and MedSAM's image encoder go to the
-    /// inference server too, unless their backends were chosen on their own — a served
-    /// deployment serves every network it exported.
-    pub fn serve_every_network(&mut self) {
-        let kserve = hilum_models::Backend::Kserve;
-        self.lung_unet_backend.get_or_insert(kserve);
-        self.medsam_backend.get_or_insert(kserve);
-    }
+    /// Backends per model id (`*`: every model that runs on it) over the pool's settings
+    /// (`[models.backend]`): a command's `--backend` flags. Empty: the models' settings decide.
+    /// An `Err` is a setting that did not parse: each model call reports it and tools without
+    /// a model keep working.
+    pub backends: Result<hilum_models::BackendChoice, String>,
 }
 
 impl Default for ToolSettings {
     fn default() -> Self {
         ToolSettings {
-            lung_unet_backend: None,
-            classifier_backends: Ok(BTreeMap::new()),
-            medsam_backend: None,
+            backends: Ok(hilum_models::BackendChoice::default()),
         }
     }
 }
@@ -103,13 +83,10 @@ impl ToolDeps {
         }
     }
 
-    /// Classifier backends per model id (`*`: every model), replacing the settings' ones.
-    /// `*` = kserve serves the other networks too ([`ToolSettings::serve_every_network`]).
+    /// Backends per model id (`*`: every model that runs on it) over the models' settings,
+    /// replacing the tool settings' ones: a command's `--backend` flags.
     pub fn with_backends(mut self, backends: BTreeMap<String, hilum_models::Backend>) -> Self {
-        if backends.get("*") == Some(&hilum_models::Backend::Kserve) {
-            self.settings.serve_every_network();
-        }
-        self.settings.classifier_backends = Ok(backends);
+        self.settings.backends = Ok(backends.into());
         self
     }
 

@@ -73,36 +73,10 @@ impl CamNet {
         }
     }
 
-    /// (b, 1, res, res) → (b, c_final, res/32, res/32): `DenseNet::features` without the pool.
+    /// (b, 1, res, res) → (b, c_final, res/32, res/32): the classifier's own last feature map
+    /// ([`DenseNet::feature_map`]).
     pub fn feature_map(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let n = &self.net;
-        let mut xs = xs
-            .apply(&n.conv0)?
-            .apply_t(&n.norm0, false)?
-            .relu()?
-            .pad_with_zeros(2, 1, 1)?
-            .pad_with_zeros(3, 1, 1)?
-            .max_pool2d_with_stride(3, 2)?;
-        for (i, layers) in n.blocks.iter().enumerate() {
-            for l in layers {
-                let new = xs
-                    .apply_t(&l.norm1, false)?
-                    .relu()?
-                    .apply(&l.conv1)?
-                    .apply_t(&l.norm2, false)?
-                    .relu()?
-                    .apply(&l.conv2)?;
-                xs = Tensor::cat(&[&xs, &new], 1)?;
-            }
-            if let Some(t) = n.transitions.get(i) {
-                xs = xs
-                    .apply_t(&t.norm, false)?
-                    .relu()?
-                    .apply(&t.conv)?
-                    .avg_pool2d(2)?;
-            }
-        }
-        xs.apply_t(&n.norm5, false)?.relu()
+        self.net.feature_map(xs)
     }
 
     /// The CAM of `class` for one preprocessed input (res x res, xrv-normalised).
@@ -470,12 +444,14 @@ impl TypedTool for LocalizeFinding {
         let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         let (finding, threshold) = (args.finding, args.threshold);
-        let candle = |_: &_, _| hilum_models::Backend::Candle;
-        let (loc, label, installed, t0) = run_model(
+        // The CAM reads the candle network's last feature map, whatever backend classifies.
+        let mut candle = hilum_models::BackendChoice::default();
+        candle.set(MODEL_ID, hilum_models::Backend::Candle);
+        let ((loc, label, installed, t0), _) = run_model(
             &self.models,
             MODEL_ID,
             self.pin,
-            candle,
+            &candle,
             move |p: Placed<'_, CamNet>, installed| {
                 let net = p.model;
                 let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {

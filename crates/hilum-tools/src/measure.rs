@@ -3,6 +3,7 @@
 //! masks; the tool gets them from the anatomy PSPNet when installed, else from the lung U-Net.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use hilum_agent::{
@@ -12,12 +13,12 @@ use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::pspnet::AnatomySegmenter;
 use hilum_models::runner::Runner;
 use hilum_models::unet::{self, LungSegmenter};
-use hilum_models::{Backend, Device, ModelPool, Placed};
+use hilum_models::{Backend, BackendChoice, Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::common::{run_model, Fail, ImageId};
+use crate::common::{choice, run_model, Choice, Fail, ImageId};
 pub use crate::common::{ChestMasks, MIN_SIDE};
 use crate::segment_lungs::regions;
 
@@ -299,6 +300,9 @@ pub struct MeasureChest {
     models: Arc<ModelPool>,
     /// `None`: each call routed across the pool's devices.
     pin: Option<Device>,
+    /// The models' backends over the models' settings (the same as `segment_lungs` and
+    /// `segment_anatomy` use).
+    backends: Choice,
 }
 
 /// The projection as the model may state it.
@@ -336,13 +340,23 @@ impl MeasureChest {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(MeasureChest { store, models, pin })
+        Typed::new(MeasureChest {
+            store,
+            models,
+            pin,
+            backends: Ok(BackendChoice::default()),
+        })
     }
 }
 
 impl crate::BuildTool for MeasureChest {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(MeasureChest::new(deps.images.clone(), deps.models.clone()))
+        Arc::new(Typed::new(MeasureChest {
+            store: deps.images.clone(),
+            models: deps.models.clone(),
+            pin: None,
+            backends: deps.settings.backends.clone(),
+        }))
     }
 }
 
@@ -410,38 +424,65 @@ impl TypedTool for MeasureChest {
 
     async fn run(&self, _ctx: &ToolContext, args: Args) -> Result<ToolOutput, ToolError> {
         let img = args.image.load(&self.store)?;
-        let (store, image_id) = (self.store.clone(), args.image.clone());
-        let (anatomy_store, anatomy_id) = (store.clone(), image_id.clone());
-        let id = args.image.0;
-        if img.width < MIN_SIDE || img.height < MIN_SIDE {
-            return Err(ToolError::Unprocessable(format!(
-                "{id} is {}x{} px: chest measurements need at least {MIN_SIDE} px per side",
-                img.width, img.height
-            )));
-        }
-        let view = match args.view {
-            Some(ViewArg::Pa) => View::Pa,
-            Some(ViewArg::Ap) => View::Ap,
-            Some(ViewArg::Lateral) => View::Lateral,
-            None => img
-                .meta
-                .view_position
-                .as_deref()
-                .map_or(View::Unknown, parse_view),
-        };
-        if view == View::Lateral {
-            return Err(ToolError::Unprocessable(format!(
-                "{id} is a lateral view: the cardiothoracic ratio and lung widths are defined on \
-                 frontal (PA/AP) views only"
-            )));
-        }
-        let pediatric = args.pediatric;
+        let view = checked_view(&args.image.0, &img, args.view)?;
+        let masks = self.masks(&img, &args.image).await?;
+        let r = measure(&masks.masks);
+        let notes = Notes::new(view, args.pediatric, masks.anatomy);
+        let data = report_data(&args.image.0, &img, &masks, &r, &notes);
+        let summary = summary_text(&args.image.0, &masks, &r, &notes);
+        outputs(summary, data, &img, &masks.masks, &r)
+    }
+}
 
-        // Masks: anatomy model first (heart, lungs, mediastinum), else lung U-Net (lungs only).
+/// The view the measurement is read for (the argument, else the DICOM header); lateral views
+/// and images too small to measure are refused.
+fn checked_view(id: &str, img: &CxrImage, arg: Option<ViewArg>) -> Result<View, ToolError> {
+    if img.width < MIN_SIDE || img.height < MIN_SIDE {
+        return Err(ToolError::Unprocessable(format!(
+            "{id} is {}x{} px: chest measurements need at least {MIN_SIDE} px per side",
+            img.width, img.height
+        )));
+    }
+    let view = match arg {
+        Some(ViewArg::Pa) => View::Pa,
+        Some(ViewArg::Ap) => View::Ap,
+        Some(ViewArg::Lateral) => View::Lateral,
+        None => img
+            .meta
+            .view_position
+            .as_deref()
+            .map_or(View::Unknown, parse_view),
+    };
+    if view == View::Lateral {
+        return Err(ToolError::Unprocessable(format!(
+            "{id} is a lateral view: the cardiothoracic ratio and lung widths are defined on \
+             frontal (PA/AP) views only"
+        )));
+    }
+    Ok(view)
+}
+
+/// The masks one measurement is made on and where they came from.
+struct Masks {
+    masks: ChestMasks,
+    /// "anatomy model chestx-det-pspnet" or "lung U-Net lung-unet (no heart mask)".
+    source: String,
+    /// Whether the anatomy model gave them (heart and mediastinum too).
+    anatomy: bool,
+    /// The backend that ran the model, and why it was a fallback if it was.
+    backend: Backend,
+    fallback: Option<String>,
+    /// When the device became the call's.
+    since: Instant,
+}
+
+impl MeasureChest {
+    /// The anatomy model's masks (heart, lungs, mediastinum) when it is installed, else the
+    /// lung U-Net's (lungs only), each on its model's backend.
+    async fn masks(&self, img: &Arc<CxrImage>, image_id: &ImageId) -> Result<Masks, ToolError> {
         let reg = self.models.registry();
         let anatomy = reg.installed(ANATOMY_MODEL_ID).is_ok();
-        let lung_unet = reg.installed(LUNG_MODEL_ID).is_ok();
-        if !anatomy && !lung_unet {
+        if !anatomy && reg.installed(LUNG_MODEL_ID).is_err() {
             return Err(ToolError::ModelMissing {
                 model: format!("{ANATOMY_MODEL_ID} (or {LUNG_MODEL_ID} for lungs only)"),
                 fix: format!(
@@ -449,19 +490,20 @@ impl TypedTool for MeasureChest {
                 ),
             });
         }
-        // The models were checked above: the either-or install is this tool's own.
-        let (image, default) = (img.clone(), |_: &_, d| Backend::default_for(d));
-        let (masks, source, t0) = if anatomy {
+        let over = choice(&self.backends)?;
+        let (store, id) = (self.store.clone(), image_id.clone());
+        let ((masks, backend, since), fallback) = if anatomy {
             let work = move |p: Placed<'_, AnatomySegmenter>, _: &_| {
-                let input = anatomy_id.prepared(&anatomy_store, &p.model.recipe())?;
+                let input = id.prepared(&store, &p.model.recipe())?;
                 let a = crate::segment_anatomy::anatomy_masks(p.model, &input)?;
-                Ok((a, format!("anatomy model {ANATOMY_MODEL_ID}"), p.since))
+                Ok((a, p.model.backend(), p.since))
             };
-            run_model(&self.models, ANATOMY_MODEL_ID, self.pin, default, work).await?
+            run_model(&self.models, ANATOMY_MODEL_ID, self.pin, &over, work).await?
         } else {
+            let image = img.clone();
             let work = move |p: Placed<'_, LungSegmenter>, _: &_| {
                 let (width, height) = (image.width as usize, image.height as usize);
-                let lungs = lung_unet_mask(p.model, &store, &image_id, (width, height))?;
+                let lungs = lung_unet_mask(p.model, &store, &id, (width, height))?;
                 let m = ChestMasks {
                     width,
                     height,
@@ -469,19 +511,40 @@ impl TypedTool for MeasureChest {
                     heart: None,
                     mediastinum: None,
                 };
-                Ok((
-                    m,
-                    format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)"),
-                    p.since,
-                ))
+                Ok((m, p.model.backend(), p.since))
             };
-            run_model(&self.models, LUNG_MODEL_ID, self.pin, default, work).await?
+            run_model(&self.models, LUNG_MODEL_ID, self.pin, &over, work).await?
         };
+        let source = if anatomy {
+            format!("anatomy model {ANATOMY_MODEL_ID}")
+        } else {
+            format!("lung U-Net {LUNG_MODEL_ID} (no heart mask)")
+        };
+        Ok(Masks {
+            masks,
+            source,
+            anatomy,
+            backend,
+            fallback,
+            since,
+        })
+    }
+}
 
-        let r = measure(&masks);
-        let spacing = img.meta.pixel_spacing_mm;
-        // What the view means for the CTR threshold (said only where a CTR was measured).
-        let view_note: Option<String> = match view {
+/// What the view, the patient's age and the masks mean for the reading.
+struct Notes {
+    view: View,
+    pediatric: bool,
+    anatomy: bool,
+    /// The view's effect on the CTR threshold (said only where a CTR was measured).
+    view_note: Option<String>,
+    pediatric_note: Option<String>,
+    heart_note: Option<String>,
+}
+
+impl Notes {
+    fn new(view: View, pediatric: bool, anatomy: bool) -> Self {
+        let view_note = match view {
             View::Ap => Some(
                 "AP projection: the heart is magnified, so the CTR overestimates (the 0.50 \
                  threshold is for PA views)"
@@ -504,120 +567,160 @@ impl TypedTool for MeasureChest {
                  to measure the CTR"
             )
         });
-        let notes: Vec<&String> = [&view_note, &pediatric_note, &heart_note]
+        Notes {
+            view,
+            pediatric,
+            anatomy,
+            view_note,
+            pediatric_note,
+            heart_note,
+        }
+    }
+
+    fn all(&self) -> Vec<&String> {
+        [&self.view_note, &self.pediatric_note, &self.heart_note]
             .into_iter()
             .flatten()
-            .collect();
-        let cm = |s: &Option<Span>| match (s, spacing) {
-            (Some(s), Some((_, col))) => {
-                json!((s.width() as f64 * col / 10.0 * 100.0).round() / 100.0)
-            }
-            _ => Value::Null,
-        };
-        let interpretation = r.ctr.map(|c| {
-            if pediatric {
+            .collect()
+    }
+
+    /// What a measured CTR means here.
+    fn interpretation(&self, ctr: Option<f64>) -> Option<&'static str> {
+        ctr.map(|c| {
+            if self.pediatric {
                 "pediatric: interpret against age norms"
-            } else if c > 0.5 && view == View::Ap {
+            } else if c > 0.5 && self.view == View::Ap {
                 "above 0.50 on an AP view: may be magnification; confirm on PA"
             } else if c > 0.5 {
                 "above 0.50: enlarged cardiac silhouette"
             } else {
                 "0.50 or below: heart size within normal limits"
             }
-        });
-        let data = json!({
-            "image": id,
-            "width": img.width,
-            "height": img.height,
-            "masks_source": source,
-            "view": format!("{view:?}"),
-            "cardiothoracic_ratio": r.ctr,
-            "ctr_interpretation": interpretation,
-            "heart_width_px": r.heart.map(|s| s.width()),
-            "heart_width_cm": cm(&r.heart),
-            "heart_line": r.heart,
-            "thoracic_width_px": r.thorax.map(|s| s.width()),
-            "thoracic_width_cm": cm(&r.thorax),
-            "thoracic_line": r.thorax,
-            "mediastinal_width_px": r.mediastinum.map(|s| s.width()),
-            "mediastinal_width_cm": cm(&r.mediastinum),
-            "mediastinal_line": r.mediastinum,
-            "mediastinal_method": r.mediastinum_method,
-            "right_lung_px": r.right_lung_px,
-            "left_lung_px": r.left_lung_px,
-            "left_right_lung_area_ratio": r.left_right_area_ratio,
-            "not_measured": r.missing,
-            "notes": notes,
-            "pixel_spacing_mm": spacing,
-            "lengths": if spacing.is_some() { "px and cm (pixel spacing from the file)" } else { "px only (pixel spacing unknown)" },
-            "convention": "right lung = patient's right = image left; lines are [x0, x1] inclusive on row y",
-            "latency_ms": (t0.elapsed().as_secs_f64() * 1e4).round() / 10.0,
-        });
-        let px =
-            |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
-        // Only what was measured, each number once: a small model copies the observation it
-        // answers from, so every repeated or inapplicable clause costs prompt and answer tokens.
-        // The view's note only with a CTR; the missing heart mask is said in the CTR's place.
-        let said: Vec<&str> = [r.ctr.and(view_note.as_ref()), pediatric_note.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(String::as_str)
-            .collect();
-        let heart = match (r.ctr, anatomy) {
-            (Some(c), _) => format!(
-                "CTR {c:.2}{}; heart {}, ",
-                interpretation.map_or(String::new(), |i| format!(" ({i})")),
-                px(r.heart)
-            ),
-            (None, false) => format!(
-                "CTR not measured (no heart mask: `hilum models fetch {ANATOMY_MODEL_ID}`); "
-            ),
-            (None, true) => format!("CTR not measured; heart {}, ", px(r.heart)),
-        };
-        let lungs = match (r.left_lung_px, r.right_lung_px) {
-            (Some(l), Some(rt)) => {
-                let t = crate::segment_lungs::thousands;
-                crate::segment_lungs::compare_sides(
-                    l as f64,
-                    rt as f64,
-                    &format!("{} px", t(l)),
-                    &format!("{} px", t(rt)),
-                )
-            }
-            _ => "lung areas not measured".into(),
-        };
-        let summary = format!(
-            "{id}: {heart}thorax {}, mediastinum {}; {lungs}.{}{}",
-            px(r.thorax),
-            px(r.mediastinum),
-            if anatomy {
-                format!(" Masks: {source}.")
-            } else {
-                String::new()
-            },
-            if said.is_empty() {
-                String::new()
-            } else {
-                format!(" Notes: {}", said.join("; "))
-            }
-        );
-        let overlay = overlay_png(&img, &masks, &r)?;
-        let mut out = ToolOutput::new(summary, data)
-            .with_artifact(Artifact::png("chest_measurements.png", "overlay", overlay))
-            .with_artifact(Artifact::png(
-                "lungs_mask.png",
-                "mask",
-                mask_png(&masks.lungs, masks.width, masks.height)?,
-            ));
-        if let Some(hm) = &masks.heart {
-            out = out.with_artifact(Artifact::png(
-                "heart_mask.png",
-                "mask",
-                mask_png(hm, masks.width, masks.height)?,
-            ));
-        }
-        Ok(out)
+        })
     }
+}
+
+/// The tool's structured output.
+fn report_data(id: &str, img: &CxrImage, m: &Masks, r: &ChestMeasurements, notes: &Notes) -> Value {
+    let spacing = img.meta.pixel_spacing_mm;
+    let cm = |s: &Option<Span>| match (s, spacing) {
+        (Some(s), Some((_, col))) => {
+            json!((s.width() as f64 * col / 10.0 * 100.0).round() / 100.0)
+        }
+        _ => Value::Null,
+    };
+    let mut data = json!({
+        "image": id,
+        "width": img.width,
+        "height": img.height,
+        "masks_source": m.source,
+        "backend": m.backend,
+        "view": format!("{:?}", notes.view),
+        "cardiothoracic_ratio": r.ctr,
+        "ctr_interpretation": notes.interpretation(r.ctr),
+        "heart_width_px": r.heart.map(|s| s.width()),
+        "heart_width_cm": cm(&r.heart),
+        "heart_line": r.heart,
+        "thoracic_width_px": r.thorax.map(|s| s.width()),
+        "thoracic_width_cm": cm(&r.thorax),
+        "thoracic_line": r.thorax,
+        "mediastinal_width_px": r.mediastinum.map(|s| s.width()),
+        "mediastinal_width_cm": cm(&r.mediastinum),
+        "mediastinal_line": r.mediastinum,
+        "mediastinal_method": r.mediastinum_method,
+        "right_lung_px": r.right_lung_px,
+        "left_lung_px": r.left_lung_px,
+        "left_right_lung_area_ratio": r.left_right_area_ratio,
+        "not_measured": r.missing,
+        "notes": notes.all(),
+        "pixel_spacing_mm": spacing,
+        "lengths": if spacing.is_some() { "px and cm (pixel spacing from the file)" } else { "px only (pixel spacing unknown)" },
+        "convention": "right lung = patient's right = image left; lines are [x0, x1] inclusive on row y",
+        "latency_ms": (m.since.elapsed().as_secs_f64() * 1e4).round() / 10.0,
+    });
+    if let Some(why) = &m.fallback {
+        data["fallback"] = json!(why);
+    }
+    data
+}
+
+/// The summary for the model: only what was measured, each number once. A small model copies
+/// the observation it answers from, so every repeated or inapplicable clause costs prompt and
+/// answer tokens. The view's note only with a CTR; the missing heart mask is said in the CTR's
+/// place.
+fn summary_text(id: &str, m: &Masks, r: &ChestMeasurements, notes: &Notes) -> String {
+    let px = |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
+    let said: Vec<&str> = [r.ctr.and(notes.view_note.as_ref()), notes.pediatric_note.as_ref()]
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    let heart = match (r.ctr, notes.anatomy) {
+        (Some(c), _) => format!(
+            "CTR {c:.2}{}; heart {}, ",
+            notes
+                .interpretation(r.ctr)
+                .map_or(String::new(), |i| format!(" ({i})")),
+            px(r.heart)
+        ),
+        (None, false) => format!(
+            "CTR not measured (no heart mask: `hilum models fetch {ANATOMY_MODEL_ID}`); "
+        ),
+        (None, true) => format!("CTR not measured; heart {}, ", px(r.heart)),
+    };
+    let lungs = match (r.left_lung_px, r.right_lung_px) {
+        (Some(l), Some(rt)) => {
+            let t = crate::segment_lungs::thousands;
+            crate::segment_lungs::compare_sides(
+                l as f64,
+                rt as f64,
+                &format!("{} px", t(l)),
+                &format!("{} px", t(rt)),
+            )
+        }
+        _ => "lung areas not measured".into(),
+    };
+    format!(
+        "{id}: {heart}thorax {}, mediastinum {}; {lungs}.{}{}",
+        px(r.thorax),
+        px(r.mediastinum),
+        if notes.anatomy {
+            format!(" Masks: {}.", m.source)
+        } else {
+            String::new()
+        },
+        if said.is_empty() {
+            String::new()
+        } else {
+            format!(" Notes: {}", said.join("; "))
+        }
+    )
+}
+
+/// The output with its overlay and mask artifacts.
+fn outputs(
+    summary: String,
+    data: Value,
+    img: &CxrImage,
+    masks: &ChestMasks,
+    r: &ChestMeasurements,
+) -> Result<ToolOutput, ToolError> {
+    let overlay = overlay_png(img, masks, r)?;
+    let mut out = ToolOutput::new(summary, data)
+        .with_artifact(Artifact::png("chest_measurements.png", "overlay", overlay))
+        .with_artifact(Artifact::png(
+            "lungs_mask.png",
+            "mask",
+            mask_png(&masks.lungs, masks.width, masks.height)?,
+        ));
+    if let Some(hm) = &masks.heart {
+        out = out.with_artifact(Artifact::png(
+            "heart_mask.png",
+            "mask",
+            mask_png(hm, masks.width, masks.height)?,
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -155,7 +155,6 @@ impl TypedTool for GenerateReport {
         let mut done = Vec::new();
         for (name, model_id) in wanted {
             let (store, image) = (self.store.clone(), image_id.clone());
-            let candle = |_: &_, _| hilum_models::Backend::Candle;
             let work = move |p: Placed<'_, ReportModel>, _: &_| -> Result<Section, Fail> {
                 let (model, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
                 let prepared = store
@@ -182,7 +181,8 @@ impl TypedTool for GenerateReport {
                     device: p.device,
                 })
             };
-            let section = run_model(&self.models, model_id, self.pin, candle, work).await?;
+            let over = hilum_models::BackendChoice::default();
+            let (section, _) = run_model(&self.models, model_id, self.pin, &over, work).await?;
             done.push(section);
         }
 

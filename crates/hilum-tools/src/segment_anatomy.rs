@@ -10,12 +10,12 @@ use hilum_agent::{
 use hilum_imaging::{CxrImage, ImageStore, MaskLayer, Overlay, Prepared, Rgb};
 use hilum_models::pspnet::{AnatomySegmenter, TARGETS};
 use hilum_models::runner::Runner;
-use hilum_models::{Device, ModelError, ModelPool, Placed};
+use hilum_models::{BackendChoice, Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{round2, run_model, ImageId};
+use crate::common::{choice, round2, run_model, Choice, ImageId};
 use crate::common::{ChestMasks, MIN_SIDE};
 
 pub const MODEL_ID: &str = "chestx-det-pspnet";
@@ -206,6 +206,8 @@ pub struct SegmentAnatomy {
     models: Arc<ModelPool>,
     /// `None`: each call routed across the pool's devices.
     pin: Option<Device>,
+    /// The PSPNet's backend over the models' settings.
+    backends: Choice,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -235,16 +237,23 @@ impl SegmentAnatomy {
         models: Arc<ModelPool>,
         pin: Option<Device>,
     ) -> Typed<Self> {
-        Typed::new(SegmentAnatomy { store, models, pin })
+        Typed::new(SegmentAnatomy {
+            store,
+            models,
+            pin,
+            backends: Ok(BackendChoice::default()),
+        })
     }
 }
 
 impl crate::BuildTool for SegmentAnatomy {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(SegmentAnatomy::new(
-            deps.images.clone(),
-            deps.models.clone(),
-        ))
+        Arc::new(Typed::new(SegmentAnatomy {
+            store: deps.images.clone(),
+            models: deps.models.clone(),
+            pin: None,
+            backends: deps.settings.backends.clone(),
+        }))
     }
 }
 
@@ -284,19 +293,24 @@ impl TypedTool for SegmentAnatomy {
                 img.width, img.height
             )));
         }
-        let (maps, t0) = run_model(
+        let ((maps, t0, backend), fallback) = run_model(
             &self.models,
             MODEL_ID,
             self.pin,
-            |_, d| hilum_models::Backend::default_for(d),
+            &choice(&self.backends)?,
             move |p: Placed<'_, AnatomySegmenter>, _| {
                 let input = image_id.prepared(&store, &p.model.recipe())?;
-                Ok((run(p.model, &input, &which)?, p.since))
+                let maps = run(p.model, &input, &which)?;
+                Ok((maps, p.since, p.model.backend()))
             },
         )
         .await?;
         let latency = t0.elapsed().as_secs_f64() * 1e3;
-        let out = assemble(&id, &img, &maps, latency)?;
+        let mut out = assemble(&id, &img, &maps, latency)?;
+        out.data["backend"] = json!(backend);
+        if let Some(why) = fallback {
+            out.data["fallback"] = json!(why);
+        }
         Ok(out)
     }
 }

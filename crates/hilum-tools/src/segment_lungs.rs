@@ -11,12 +11,12 @@ use hilum_agent::{
 use hilum_imaging::{CxrImage, ImageStore};
 use hilum_models::runner::Runner;
 use hilum_models::unet::{self, LungSegmenter};
-use hilum_models::{Device, ModelPool, Placed};
+use hilum_models::{BackendChoice, Device, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::common::{round2, run_model_on, ImageId};
+use crate::common::{choice, round2, run_model, Choice, ImageId};
 
 pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
@@ -27,9 +27,10 @@ pub struct SegmentLungs {
     models: Arc<ModelPool>,
     /// `None`: each call routed across the pool's devices.
     pin: Option<Device>,
-    /// `None`: [`unet::auto_backend`] — the native CPU kernels where their AVX2/AVX-512 engine
-    /// runs, else ONNX Runtime when installed, else the native kernels (candle on GPUs).
-    backend: Option<hilum_models::Backend>,
+    /// The U-Net's backend over the models' settings; empty: the settings', else
+    /// [`unet::auto_backend`] — the native CPU kernels where their AVX2/AVX-512 engine runs,
+    /// else ONNX Runtime when installed, else the native kernels (candle on GPUs).
+    backends: Choice,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -68,11 +69,22 @@ impl SegmentLungs {
         pin: Option<Device>,
         backend: Option<hilum_models::Backend>,
     ) -> Typed<Self> {
+        let backends = Ok(backend.map(BackendChoice::every).unwrap_or_default());
+        Self::with_choice(store, models, pin, backends)
+    }
+
+    /// `backends`: over the models' settings (a command's flags).
+    pub(crate) fn with_choice(
+        store: Arc<ImageStore>,
+        models: Arc<ModelPool>,
+        pin: Option<Device>,
+        backends: Choice,
+    ) -> Typed<Self> {
         Typed::new(SegmentLungs {
             store,
             models,
             pin,
-            backend,
+            backends,
         })
     }
 }
@@ -211,11 +223,11 @@ fn overlay(img: &CxrImage, right: &[usize], left: &[usize]) -> Result<Vec<u8>, T
 
 impl crate::BuildTool for SegmentLungs {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(SegmentLungs::on_device(
+        Arc::new(SegmentLungs::with_choice(
             deps.images.clone(),
             deps.models.clone(),
             None,
-            deps.settings.lung_unet_backend,
+            deps.settings.backends.clone(),
         ))
     }
 }
@@ -256,12 +268,11 @@ impl TypedTool for SegmentLungs {
         let id = args.image.0;
         let threshold = args.threshold;
         let (w, h) = (img.width as usize, img.height as usize);
-        let ((mask, infer_ms, installed, backend, t0), fallback) = run_model_on(
+        let ((mask, infer_ms, installed, backend, t0), fallback) = run_model(
             &self.models,
             MODEL_ID,
             self.pin,
-            self.backend,
-            unet::auto_backend,
+            &choice(&self.backends)?,
             move |p: Placed<'_, LungSegmenter>, installed| {
                 // Latency counts from when the device was ours, not from the queue.
                 let t0 = p.since;

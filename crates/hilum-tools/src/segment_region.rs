@@ -16,12 +16,12 @@ use hilum_agent::{
 use hilum_imaging::{Box2d, CxrImage, ImageStore, MaskLayer, Overlay, Rgb};
 use hilum_models::runner::Runner;
 use hilum_models::sam::{self, Prompt, Sam};
-use hilum_models::{Backend, Device, ModelError, ModelPool, Placed};
+use hilum_models::{Backend, BackendChoice, Device, ModelError, ModelPool, Placed};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::common::{round2, run_blocking, run_model_on, Fail, ImageId};
+use crate::common::{choice, round2, run_blocking, run_model, Choice, Fail, ImageId};
 
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
@@ -277,9 +277,10 @@ enum Source {
         models: Arc<ModelPool>,
         /// `None`: each call routed across the pool's devices.
         pin: Option<Device>,
-        /// The image encoder's backend; `None`: [`sam::auto_backend`]. `kserve` sends it to the
-        /// inference server of the pool's settings (the graph `hilum models export-triton` wrote).
-        backend: Option<Backend>,
+        /// The image encoder's backend over the models' settings; empty: the settings', else
+        /// [`sam::auto_backend`]. `kserve` sends it to the inference server of the pool's
+        /// settings (the graph `hilum models export-triton` wrote).
+        backends: Choice,
     },
     Fixed(Arc<Sam>),
 }
@@ -316,12 +317,13 @@ impl SegmentRegion {
         pin: Option<Device>,
         backend: Option<Backend>,
     ) -> Typed<Self> {
+        let backends = Ok(backend.map(BackendChoice::every).unwrap_or_default());
         Self::build(
             store,
             Source::Pool {
                 models,
                 pin,
-                backend,
+                backends,
             },
         )
     }
@@ -346,11 +348,13 @@ impl SegmentRegion {
 
 impl crate::BuildTool for SegmentRegion {
     fn build(deps: &crate::ToolDeps) -> Arc<dyn Tool> {
-        Arc::new(SegmentRegion::on_device(
+        Arc::new(SegmentRegion::build(
             deps.images.clone(),
-            deps.models.clone(),
-            None,
-            deps.settings.medsam_backend,
+            Source::Pool {
+                models: deps.models.clone(),
+                pin: None,
+                backends: deps.settings.backends.clone(),
+            },
         ))
     }
 }
@@ -440,14 +444,13 @@ impl TypedTool for SegmentRegion {
             Source::Pool {
                 models,
                 pin,
-                backend,
+                backends,
             } => {
-                let default = |_: &_, d| sam::auto_backend(d);
                 let work = move |p: Placed<'_, Sam>, _: &_| {
                     let b = p.model.backend();
                     work(p.model).map(|(m, t)| (m, t, b))
                 };
-                run_model_on(models, MODEL_ID, *pin, *backend, default, work).await?
+                run_model(models, MODEL_ID, *pin, &choice(backends)?, work).await?
             }
             Source::Fixed(m) => {
                 let model = m.clone();

@@ -85,12 +85,11 @@ impl AnswerVisualQuestion {
         let q = question.to_string();
         // The tower's input comes from the store, shared with any other call on this image.
         let (store, image_id) = (self.store.clone(), ImageId(id.to_string()));
-        let candle = |_: &_, _| hilum_models::Backend::Candle;
-        let (answer, load_ms, device) = run_model(
+        let ((answer, load_ms, device), _) = run_model(
             models,
             &native.model,
             native.device,
-            candle,
+            &hilum_models::BackendChoice::default(),
             move |p: Placed<'_, NativeVlm>, _| {
                 let (m, load_ms) = (p.model, p.load.as_secs_f64() * 1e3);
                 let input = image_id.prepared(&store, &m.recipe())?;

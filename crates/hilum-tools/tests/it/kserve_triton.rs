@@ -4,7 +4,13 @@
 //! outputs equal the native backend's; Triton killed mid-run gives the clear error, keeps the
 //! results already returned, and with `fallback` the call runs in process instead.
 //!
-//! Classifier: seeded DenseNet-121 weights imported as a site checkpoint. Lung U-Net: the real
+//! The models' settings route one model to the server: with `[models.backend] lung-unet =
+//! "kserve"` `segment_lungs` and `measure_chest` both run the U-Net there, and with
+//! `chestx-det-pspnet = "kserve"` `segment_anatomy` and `measure_chest` run the anatomy PSPNet
+//! there — no tool is told a backend.
+//!
+//! Classifier: seeded DenseNet-121 weights imported as a site checkpoint. Anatomy PSPNet: the
+//! small seeded configuration of tests/fixtures/anatomy. Lung U-Net: the real
 //! one, copied from the installed models (HILUM_MODELS_DIR or ~/.local/share/hilum/models) or
 //! imported from ../shared/data/models/lung_seg_unet. MedSAM: the small SAM configuration that
 //! matches segment-anything (tests/fixtures/medsam), its image encoder served, its decoder here.
@@ -22,13 +28,18 @@ use hilum_models::sam::Sam;
 use hilum_models::triton::{export_triton, ExportOptions, Exported};
 use hilum_models::unet::{self, LungSegmenter};
 use hilum_models::xrv::{self, XrvSpec};
-use hilum_models::{Backend, Device, KserveSettings, ModelPool, ModelRegistry, ModelSettings};
-use hilum_tools::{ClassifyChestXray, ImageInfo, SegmentLungs, SegmentRegion};
+use hilum_models::{
+    Backend, BackendChoice, Device, KserveSettings, ModelPool, ModelRegistry, ModelSettings,
+};
+use hilum_tools::{
+    ClassifyChestXray, ImageInfo, MeasureChest, SegmentAnatomy, SegmentLungs, SegmentRegion,
+};
 use serde_json::{json, Value};
 
 const CLASSIFIER: &str = "densenet121-res224-all";
 const LUNGS: &str = "lung-unet";
 const MEDSAM: &str = "medsam-vit-b";
+const ANATOMY: &str = "chestx-det-pspnet";
 const TOLERANCE: f64 = 1e-5;
 
 type Shared = Arc<dyn Tool>;
@@ -163,7 +174,21 @@ fn install_lung_unet(registry: &ModelRegistry) {
     .expect("import the lung U-Net's ONNX graph");
 }
 
-fn registry(dir: &Path) -> ModelRegistry {
+/// A model's small test configuration (a JSON file of tests/fixtures) as its manifest's
+/// `[config]`.
+fn with_config(registry: ModelRegistry, id: &str, json: &Path) -> ModelRegistry {
+    let config: toml::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).expect("config")).expect("parses");
+    let mut manifest = registry.manifest(id).expect("manifest").clone();
+    manifest.config = match config {
+        toml::Value::Table(t) => t,
+        other => panic!("not a table: {other}"),
+    };
+    registry.with_manifest(manifest)
+}
+
+/// The classifier, the lung U-Net, MedSAM and, with `anatomy`, the anatomy PSPNet installed.
+fn registry(dir: &Path, anatomy: bool) -> ModelRegistry {
     std::fs::create_dir_all(dir).expect("mkdir");
     let registry = ModelRegistry::new(dir.join("models")).expect("registry");
     let w = xrv::synthetic_weights(&XrvSpec::densenet121_res224_all().arch, 3).expect("weights");
@@ -177,30 +202,43 @@ fn registry(dir: &Path) -> ModelRegistry {
     install_lung_unet(&registry);
     // MedSAM at the small configuration of its fixture (the published weights are not here).
     let sam = root().join("tests/fixtures/medsam");
-    let config: toml::Value = serde_json::from_str(
-        &std::fs::read_to_string(sam.join("sam_small_config.json")).expect("SAM config"),
-    )
-    .expect("SAM config parses");
-    let mut manifest = registry.manifest(MEDSAM).expect("manifest").clone();
-    manifest.config = match config {
-        toml::Value::Table(t) => t,
-        other => panic!("not a table: {other}"),
-    };
-    let registry = registry.with_manifest(manifest);
+    let registry = with_config(registry, MEDSAM, &sam.join("sam_small_config.json"));
     hilum_models::import(&registry, MEDSAM, &sam.join("sam_small.safetensors"), &opts)
         .expect("MedSAM import");
+    // The anatomy PSPNet likewise.
+    let psp = root().join("tests/fixtures/anatomy");
+    let registry = with_config(registry, ANATOMY, &psp.join("pspnet_small_config.json"));
+    if anatomy {
+        hilum_models::import(&registry, ANATOMY, &psp.join("pspnet_small.safetensors"), &opts)
+            .expect("PSPNet import");
+    }
     registry
 }
 
 fn pool(dir: &Path, url: &str, fallback: Option<Backend>) -> Arc<ModelPool> {
+    routed_pool(dir, url, fallback, BackendChoice::default(), true)
+}
+
+/// A pool whose models' settings choose `backends`.
+fn routed_pool(
+    dir: &Path,
+    url: &str,
+    fallback: Option<Backend>,
+    backends: BackendChoice,
+    anatomy: bool,
+) -> Arc<ModelPool> {
     let mut remote = KserveSettings::new(url);
     remote.fallback = fallback;
     remote.retries = 1;
     let settings = ModelSettings {
         remote: Some(remote),
+        backends: Ok(backends),
         ..Default::default()
     };
-    Arc::new(ModelPool::with_settings(Arc::new(registry(dir)), settings))
+    Arc::new(ModelPool::with_settings(
+        Arc::new(registry(dir, anatomy)),
+        settings,
+    ))
 }
 
 async fn call(tool: &dyn Tool, args: Value) -> Result<ToolOutput, String> {
@@ -270,7 +308,7 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let repo = dir.path().join("repo");
-    let reg = registry(&dir.path().join("export"));
+    let reg = registry(&dir.path().join("export"), true);
     let exported = export_triton(
         &reg,
         &repo,
@@ -278,11 +316,12 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
             CLASSIFIER.to_string(),
             LUNGS.to_string(),
             MEDSAM.to_string(),
+            ANATOMY.to_string(),
         ],
         &ExportOptions::default(),
     )
     .expect("export-triton");
-    assert_eq!(exported.len(), 3, "{exported:?}");
+    assert_eq!(exported.len(), 4, "{exported:?}");
     assert!(exported.iter().all(|e| matches!(
         e,
         Exported::Written {
@@ -419,6 +458,66 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         }
     }
 
+    // One setting routes a model for every tool that uses it: `lung-unet = "kserve"` sends
+    // segment_lungs' and measure_chest's U-Net to the server (no anatomy model here, so
+    // measure_chest measures on the lung U-Net), `chestx-det-pspnet = "kserve"` segment_anatomy's
+    // and measure_chest's PSPNet; each equals its in-process run.
+    let lungs_served = BackendChoice::parse("lung-unet=kserve").expect("choice");
+    let by_lungs = routed_pool(&dir.path().join("l"), &triton.url, None, lungs_served, false);
+    let anatomy_served = BackendChoice::parse("chestx-det-pspnet=kserve").expect("choice");
+    let by_anatomy = routed_pool(&dir.path().join("p"), &triton.url, None, anatomy_served, true);
+    // The same graph on ONNX Runtime in process: a probability at the threshold cannot flip.
+    let psp_here = BackendChoice::parse("chestx-det-pspnet=onnx").expect("choice");
+    let in_process = routed_pool(&dir.path().join("n"), &triton.url, None, psp_here, true);
+    let lungs_only = routed_pool(
+        &dir.path().join("m"),
+        &triton.url,
+        None,
+        BackendChoice::default(),
+        false,
+    );
+    let routed: [(&str, Shared, Shared); 4] = [
+        (
+            "segment_lungs",
+            Arc::new(SegmentLungs::new(store.clone(), by_lungs.clone())),
+            Arc::new(SegmentLungs::new(store.clone(), lungs_only.clone())),
+        ),
+        (
+            "measure_chest (lung U-Net)",
+            Arc::new(MeasureChest::new(store.clone(), by_lungs.clone())),
+            Arc::new(MeasureChest::new(store.clone(), lungs_only.clone())),
+        ),
+        (
+            "segment_anatomy",
+            Arc::new(SegmentAnatomy::new(store.clone(), by_anatomy.clone())),
+            Arc::new(SegmentAnatomy::new(store.clone(), in_process.clone())),
+        ),
+        (
+            "measure_chest (anatomy)",
+            Arc::new(MeasureChest::new(store.clone(), by_anatomy.clone())),
+            Arc::new(MeasureChest::new(store.clone(), in_process.clone())),
+        ),
+    ];
+    for (name, served, here) in routed {
+        let args = json!({ "image": images[0] });
+        let a = call(served.as_ref(), args.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{name} routed to the server: {e}"));
+        let b = call(here.as_ref(), args).await.expect("in process");
+        assert_eq!(a.data["backend"], "kserve", "{name}: {}", a.data);
+        assert_ne!(b.data["backend"], "kserve", "{name}: {}", b.data);
+        assert_same(&a.data, &b.data, name);
+        assert_eq!(a.summary, b.summary, "{name}");
+    }
+    let masks_source = |o: &ToolOutput| o.data["masks_source"].as_str().unwrap_or("").to_string();
+    let m = call(
+        &MeasureChest::new(store.clone(), by_lungs.clone()),
+        json!({ "image": images[1] }),
+    )
+    .await
+    .expect("measure on the served U-Net");
+    assert!(masks_source(&m).contains(LUNGS), "{}", m.data);
+
     // With no backend chosen, MedSAM's encoder runs on ONNX Runtime on the CPU
     // (sam::auto_backend), to candle's output.
     let args = json!({ "image": images[0], "box": [100, 150, 420, 700] });
@@ -469,6 +568,17 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
         );
     }
     assert!(i.is_ok(), "a tool without a model keeps working: {i:?}");
+    // measure_chest, told nothing, followed `lung-unet = "kserve"` to the server that is gone.
+    let measured = call(
+        &MeasureChest::new(store.clone(), by_lungs.clone()),
+        json!({ "image": images[1] }),
+    )
+    .await;
+    let err = measured.err().unwrap_or_default();
+    assert!(
+        err.contains("is not answering") && err.contains(&triton.url),
+        "measure_chest: {err}"
+    );
     assert_eq!(results.len(), 3 * images.len());
     for (native, served) in &results {
         assert_same(&served.data, native, "kept result");

@@ -142,8 +142,7 @@ fn tools(pool: Arc<ModelPool>) -> Tools {
         .ingest_file(&data().join("cxr/images/covid_2c35005f.jpg"))
         .expect("ingest");
     let deps = ToolDeps::new(store, pool).with_settings(ToolSettings {
-        lung_unet_backend: Some(Backend::Native),
-        ..ToolSettings::default()
+        backends: Ok(hilum_models::BackendChoice::parse("lung-unet=native").expect("choice")),
     });
     let toolbox = hilum_tools::default_toolbox(&deps).expect("toolbox");
     let (w, h) = {
