@@ -84,6 +84,9 @@ try {
   }, [sessionId, runId, TOKEN]);
   const started = events.filter((e) => e.type === "tool_started").map((e) => e.name).sort();
   assert.deepEqual(started, ["segment_lungs", "sleep"], "the server started each tool once");
+  // Sessions are titled with their date and first question.
+  assert.match(await text(page, `#sessions button[data-session="${sessionId}"]`),
+    /^\d{4}-\d{2}-\d{2} \d{2}:\d{2} · Describe this image/);
   // Status and timeline agree: the rounds the status counts are the timeline's.
   const roundsShown = await page.locator(".round").count();
   assert.match(await text(page, "#run-state"), new RegExp(`${roundsShown} rounds?, 2 tool calls`));

@@ -1087,9 +1087,10 @@ async fn append_messages(
     Ok(())
 }
 
-/// Messages of the session's finished runs before `before_seq`, in order: what a question
+/// Messages of the session's completed runs before `before_seq`, in order: what a question
 /// sees of the conversation. Running, cancelled and interrupted runs leave gaps (a decision
-/// without its results would confuse a model).
+/// without its results would confuse a model), and so do failed ones: a run that failed on the
+/// model's context (a pasted report, a long tool result) would make every later one fail too.
 async fn history_rows(
     c: &mut dyn Exec,
     session_id: &str,
@@ -1097,7 +1098,7 @@ async fn history_rows(
 ) -> Result<Vec<Value>, DbError> {
     c.query(
         "SELECT m.seq, m.body FROM messages m JOIN runs r ON r.id = m.run_id
-         WHERE m.session_id = ?1 AND m.seq < ?2 AND r.status IN ('completed', 'failed')
+         WHERE m.session_id = ?1 AND m.seq < ?2 AND r.status = 'completed'
          ORDER BY m.seq",
         &args![session_id, before_seq],
     )
