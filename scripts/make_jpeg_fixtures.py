@@ -10,7 +10,7 @@ Writes to crates/hilum-imaging/tests/fixtures/jpeg/:
                   partial edge blocks), and one CMYK file (left to the `image` crate by Hilum).
   pillow.json     per file: size, Pillow's mode, sha256 and sum of `np.asarray(Image.open(f))`
                   (the decoder's own samples). Hilum's gray image is those samples for "L"; for
-                  "RGB" it is the `image` crate's luminance of them (README, Images), which the
+                  "RGB" it is the `image` crate's luminance of them (docs/images.md, JPEG), which the
                   test checks on the Rust side.
 
 Setup:  python3 -m venv scripts/.venv-imaging

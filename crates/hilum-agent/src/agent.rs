@@ -65,9 +65,12 @@ impl std::str::FromStr for ToolPolicy {
     }
 }
 
+/// How the agent runs: protocol, mode, budgets and prompt.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
+    /// How tools are offered to the model.
     pub protocol: Protocol,
+    /// Plain reasoning and acting, or reflexion.
     pub mode: Mode,
     /// Tool rounds before the loop must answer.
     pub max_rounds: usize,
@@ -79,12 +82,16 @@ pub struct AgentConfig {
     pub tool_timeout: Duration,
     /// Critique/revise cycles in reflexion mode.
     pub reflexion_rounds: usize,
+    /// The system message.
     pub system_prompt: String,
+    /// Sampling temperature sent with each request.
     pub temperature: Option<f32>,
+    /// Most tokens per model turn.
     pub max_tokens: Option<u32>,
     /// Characters of a tool's JSON data shown to the model after its summary line; 0 shows
     /// the summary alone (the events keep all of the data).
     pub max_observation_chars: usize,
+    /// Whether a first turn must call a tool.
     pub require_tools: ToolPolicy,
     /// Check every final answer against the tool results (see [`crate::grounding`]): one
     /// revision request, then the answer is marked `grounded: false`.
@@ -95,6 +102,7 @@ pub struct AgentConfig {
     pub show_overlays: Option<bool>,
 }
 
+/// The system message unless the configuration gives one.
 pub const DEFAULT_SYSTEM_PROMPT: &str = "You are Hilum, an assistant that analyses chest X-rays with tools. \
 Images are referred to by ids such as img_3fa2c1; pass these ids to tools. \
 Base every finding on tool results and say which result supports it; never invent numbers. \
@@ -126,6 +134,7 @@ impl Default for AgentConfig {
 /// What a run starts from.
 #[derive(Clone, Debug, Default)]
 pub struct RunInput {
+    /// The user's question.
     pub question: String,
     /// Ids of the images the question is about.
     pub images: Vec<String>,
@@ -133,6 +142,7 @@ pub struct RunInput {
     pub image_payloads: Vec<ImagePayload>,
     /// Earlier messages of the session (without a system message).
     pub history: Vec<Message>,
+    /// The session (handed to tools with each call).
     pub session_id: String,
     /// What is known about the images (size, pixel spacing, view): numbers an answer may quote.
     pub image_metadata: Vec<Value>,
@@ -142,17 +152,23 @@ pub struct RunInput {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
+    /// The model answered.
     Answered,
+    /// The tool rounds ran out.
     MaxRounds,
+    /// The tool calls ran out.
     MaxToolCalls,
     /// Every call of a round repeated one that had already succeeded; the model then answered
     /// without tools.
     RepeatedCalls,
+    /// The time ran out.
     Deadline,
+    /// The model failed.
     Error,
 }
 
 impl StopReason {
+    /// The name in events and records (`answered`, `max_rounds`, …).
     pub fn as_str(&self) -> &'static str {
         match self {
             StopReason::Answered => "answered",
@@ -168,13 +184,19 @@ impl StopReason {
 /// The result of a run. The events tell the same story step by step.
 #[derive(Clone, Debug)]
 pub struct RunOutcome {
+    /// The final answer, when there is one.
     pub answer: Option<String>,
+    /// Why the loop stopped.
     pub reason: StopReason,
+    /// What failed, when something did.
     pub error: Option<String>,
     /// The whole conversation, system message first.
     pub messages: Vec<Message>,
+    /// Tool rounds run.
     pub rounds: usize,
+    /// Tool calls made.
     pub tool_calls: usize,
+    /// Every call's result, in order.
     pub results: Vec<CallResult>,
     /// Whether the answer passed the grounding check; `None` when the check is off or there
     /// is no answer.
@@ -336,6 +358,7 @@ impl Agent {
         }
     }
 
+    /// Its configuration.
     pub fn config(&self) -> &AgentConfig {
         &self.config
     }
@@ -996,13 +1019,7 @@ impl Agent {
             return;
         };
         let id = format!("{}{}", hilum_llm::OVERLAY_ID_PREFIX, r.call.id);
-        st.payloads.push(ImagePayload {
-            id: id.clone(),
-            data_url: format!(
-                "data:image/png;base64,{}",
-                hilum_llm::base64_encode(&art.bytes)
-            ),
-        });
+        st.payloads.push(ImagePayload::png(id.clone(), &art.bytes));
         st.messages.push(Message::user(
             format!(
                 "The {} that {} ({}) drew, to look at:",

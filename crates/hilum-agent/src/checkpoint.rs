@@ -14,12 +14,17 @@ use hilum_llm::Message;
 /// to continue.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Progress {
+    /// Tool rounds run.
     pub rounds: usize,
+    /// Tool calls made.
     pub tool_calls: usize,
+    /// Reflexion critiques made.
     pub critiques: usize,
     /// `act`, `critique`, `revise` or `synthesis`.
     pub phase: String,
+    /// The model was already asked once to call a tool.
     pub tools_requested: bool,
+    /// A grounding revision was already asked for.
     pub revision_requested: bool,
 }
 

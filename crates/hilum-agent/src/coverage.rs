@@ -31,6 +31,7 @@ pub struct Topic {
 /// A topic a tool can answer, and the models it needs for it.
 #[derive(Clone, Copy, Debug)]
 pub struct Capability {
+    /// The topic.
     pub topic: &'static Topic,
     /// Any one of these must be installed; empty: what the tool's [`Requirements`] say.
     pub models: &'static [&'static str],
@@ -39,6 +40,7 @@ pub struct Capability {
 }
 
 impl Capability {
+    /// `topic`, answered with any of `models`.
     pub const fn new(topic: &'static Topic, models: &'static [&'static str]) -> Self {
         Capability {
             topic,
@@ -47,6 +49,7 @@ impl Capability {
         }
     }
 
+    /// `topic`, answered with any of `models`, under the tool's own name `key`.
     pub const fn keyed(
         topic: &'static Topic,
         models: &'static [&'static str],
@@ -67,7 +70,9 @@ pub static ANY_TOPIC: Topic = Topic {
 /// One row of the capability table: a tool, a topic it answers, and whether it can now.
 #[derive(Clone, Debug)]
 pub struct CapabilityRow {
+    /// The tool.
     pub tool: String,
+    /// What it answers.
     pub capability: Capability,
     /// The models it needs are installed (and the tool is otherwise available).
     pub ready: bool,
@@ -127,10 +132,15 @@ pub fn capability_table(
 #[derive(Clone, Debug, PartialEq)]
 pub enum PartStatus {
     /// These tools can answer it now.
-    Covered { tools: Vec<String> },
+    Covered {
+        /// The tools.
+        tools: Vec<String>,
+    },
     /// Tools could answer it with a model that is not installed: the commands install them.
     Missing {
+        /// The tools.
         tools: Vec<String>,
+        /// The commands that install the missing models.
         fixes: Vec<String>,
     },
     /// No tool answers it.
@@ -140,11 +150,14 @@ pub enum PartStatus {
 /// One part of a question: a topic it asks about.
 #[derive(Clone, Debug)]
 pub struct Part {
+    /// The topic asked about.
     pub topic: &'static Topic,
+    /// Whether a tool covers it.
     pub status: PartStatus,
 }
 
 impl Part {
+    /// An installed tool covers it.
     pub fn covered(&self) -> bool {
         matches!(self.status, PartStatus::Covered { .. })
     }
@@ -183,6 +196,7 @@ fn capitalise(s: &str) -> String {
 /// What a question asks about, part by part.
 #[derive(Clone, Debug, Default)]
 pub struct Coverage {
+    /// The parts, in the order the question names them.
     pub parts: Vec<Part>,
 }
 
@@ -204,6 +218,7 @@ impl Coverage {
         Coverage { parts }
     }
 
+    /// The question names no known topic.
     pub fn is_empty(&self) -> bool {
         self.parts.is_empty()
     }

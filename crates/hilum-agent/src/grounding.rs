@@ -30,6 +30,7 @@ pub struct Sources {
 }
 
 impl Sources {
+    /// Evidence that starts with the question's text.
     pub fn new(question: impl Into<String>) -> Self {
         let question = question.into();
         Sources {
@@ -49,10 +50,12 @@ impl Sources {
         self.values.push(value);
     }
 
+    /// A tool that ran in the run (an answer may name it).
     pub fn add_called(&mut self, tool: impl Into<String>) {
         self.called.insert(tool.into());
     }
 
+    /// A tool that exists (an answer naming it without a call is flagged).
     pub fn add_known(&mut self, tool: impl Into<String>) {
         self.known.insert(tool.into());
     }

@@ -3,6 +3,8 @@
 //! reflexion, the grounding check on final answers, and the event stream. It knows nothing about
 //! X-rays.
 
+#![warn(missing_docs)]
+
 mod agent;
 mod checkpoint;
 pub mod coverage;

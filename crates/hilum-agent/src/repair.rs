@@ -9,7 +9,9 @@ use serde_json::{Map, Number, Value};
 /// Parsed arguments and whether a repair was needed.
 #[derive(Debug, PartialEq)]
 pub struct Repaired {
+    /// The arguments.
     pub value: Value,
+    /// They needed repair to be read.
     pub repaired: bool,
 }
 

@@ -18,15 +18,18 @@ use crate::coverage::Capability;
 /// (for instance `models.lung-unet = installed`, `vlm.endpoint = configured`).
 #[derive(Clone, Debug, Default)]
 pub struct Environment {
+    /// Key-value facts (`models.lung-unet` → `installed`).
     pub facts: BTreeMap<String, String>,
 }
 
 impl Environment {
+    /// With one more fact.
     pub fn with(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.facts.insert(key.into(), value.into());
         self
     }
 
+    /// The fact for `key`.
     pub fn get(&self, key: &str) -> Option<&str> {
         self.facts.get(key).map(String::as_str)
     }
@@ -35,8 +38,11 @@ impl Environment {
 /// Per-call context handed to a tool.
 #[derive(Clone, Debug, Default)]
 pub struct ToolContext {
+    /// The session the call belongs to.
     pub session_id: String,
+    /// The call's id.
     pub call_id: String,
+    /// The round it runs in.
     pub round: usize,
 }
 
@@ -50,11 +56,13 @@ pub struct Artifact {
     pub media_type: String,
     /// What it shows, for people and UIs: `overlay`, `mask`, `heatmap`, `boxes`.
     pub kind: String,
+    /// The file's bytes (not serialised).
     #[serde(skip)]
     pub bytes: Bytes,
 }
 
 impl Artifact {
+    /// A PNG artifact.
     pub fn png(name: impl Into<String>, kind: impl Into<String>, bytes: Vec<u8>) -> Self {
         Artifact {
             name: name.into(),
@@ -68,13 +76,17 @@ impl Artifact {
 /// What a successful call returns: a short text for the model, JSON for programs, and files.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ToolOutput {
+    /// One line for the model.
     pub summary: String,
+    /// The result as JSON.
     pub data: Value,
+    /// Files it produced.
     #[serde(default)]
     pub artifacts: Vec<Artifact>,
 }
 
 impl ToolOutput {
+    /// An output without files.
     pub fn new(summary: impl Into<String>, data: Value) -> Self {
         ToolOutput {
             summary: summary.into(),
@@ -83,6 +95,7 @@ impl ToolOutput {
         }
     }
 
+    /// With one more file.
     pub fn with_artifact(mut self, artifact: Artifact) -> Self {
         self.artifacts.push(artifact);
         self
@@ -100,10 +113,16 @@ pub enum ToolError {
     NotFound(String),
     /// Weights are not installed; `fix` is the command that installs them.
     #[error("model `{model}` is not installed: run `{fix}`")]
-    ModelMissing { model: String, fix: String },
+    ModelMissing {
+        /// The model's id.
+        model: String,
+        /// The command that installs it.
+        fix: String,
+    },
     /// The input cannot be processed (corrupt image, lateral view for a PA-only measure, …).
     #[error("{0}")]
     Unprocessable(String),
+    /// A bug or an environment failure.
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -123,6 +142,7 @@ pub struct Requirements {
 }
 
 impl Requirements {
+    /// Needs nothing.
     pub const NONE: Requirements = Requirements {
         models: &[],
         vlm: false,
@@ -185,8 +205,10 @@ pub(crate) fn models_missing(models: &[&str], env: &Environment) -> bool {
         })
 }
 
+/// A tool the agent can call: its spec and one async function.
 #[async_trait]
 pub trait Tool: Send + Sync {
+    /// Name, description and argument schema, as the model sees them.
     fn spec(&self) -> &ToolSpec;
 
     /// What the tool needs; see [`Requirements`].
@@ -222,16 +244,20 @@ pub trait Tool: Send + Sync {
 /// the bounds), so checks live in one place. Wrap it in [`Typed`] to get a [`Tool`].
 #[async_trait]
 pub trait TypedTool: Send + Sync + 'static {
+    /// The arguments; their schema is what the model reads.
     type Args: DeserializeOwned + JsonSchema + Send;
+    /// The name the model calls it by.
     const NAME: &'static str;
 
     /// The description the model reads.
     fn description(&self) -> String;
 
+    /// See [`Tool::requirements`].
     fn requirements(&self) -> Requirements {
         Requirements::NONE
     }
 
+    /// See [`Tool::available`].
     fn available(&self, _env: &Environment) -> bool {
         true
     }
@@ -246,6 +272,7 @@ pub trait TypedTool: Send + Sync + 'static {
         None
     }
 
+    /// Runs the call with arguments that passed the schema.
     async fn run(&self, ctx: &ToolContext, args: Self::Args) -> Result<ToolOutput, ToolError>;
 }
 
@@ -318,6 +345,7 @@ pub struct Typed<T: TypedTool> {
 }
 
 impl<T: TypedTool> Typed<T> {
+    /// Wraps `inner`, generating its spec from `T::Args`.
     pub fn new(inner: T) -> Self {
         let parameters = schema_of::<T::Args>();
         // A schema that does not compile is reported by `Toolbox::register`.
@@ -333,6 +361,7 @@ impl<T: TypedTool> Typed<T> {
         }
     }
 
+    /// The wrapped tool.
     pub fn inner(&self) -> &T {
         &self.inner
     }

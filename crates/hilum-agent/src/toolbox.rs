@@ -18,17 +18,24 @@ use hilum_llm::ToolCall;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureKind {
+    /// The model named a tool that is not offered.
     UnknownTool,
+    /// The arguments do not fit the schema or make no sense.
     InvalidArguments,
+    /// The call ran past its budget.
     Timeout,
+    /// The tool panicked.
     Panic,
+    /// The tool reported an error.
     ToolError,
+    /// The run's call budget was spent.
     Budget,
     /// Not run: the same tool with the same arguments already succeeded in this run.
     Repeated,
 }
 
 impl FailureKind {
+    /// The kind's name in events and records.
     pub fn as_str(&self) -> &'static str {
         match self {
             FailureKind::UnknownTool => "unknown_tool",
@@ -60,27 +67,36 @@ impl FailureKind {
 /// A failed call: its kind and a message written for the model.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CallFailure {
+    /// What kind of failure.
     pub kind: FailureKind,
+    /// What happened, for the model.
     pub message: String,
 }
 
 /// The outcome of one tool call.
 #[derive(Clone, Debug)]
 pub struct CallResult {
+    /// The call as the model made it.
     pub call: ToolCall,
     /// Arguments as executed (after repair), when they could be read.
     pub arguments: Option<Value>,
     /// Whether the arguments needed repair to be read.
     pub repaired: bool,
+    /// Its output or why there is none.
     pub result: Result<ToolOutput, CallFailure>,
+    /// How long it took.
     pub ms: f64,
 }
 
 /// A call whose tool and arguments have been checked, ready to run.
 pub struct PreparedCall {
+    /// The call as the model made it.
     pub call: ToolCall,
+    /// The tool it names.
     pub tool: Arc<dyn Tool>,
+    /// The checked arguments.
     pub arguments: Value,
+    /// They needed repair to be read.
     pub repaired: bool,
 }
 
@@ -102,6 +118,7 @@ pub struct Toolbox {
 }
 
 impl Toolbox {
+    /// An empty toolbox.
     pub fn new() -> Self {
         Self::default()
     }
@@ -132,6 +149,7 @@ impl Toolbox {
         self.vocabulary = topics;
     }
 
+    /// The topics a question can ask about.
     pub fn vocabulary(&self) -> &[&'static Topic] {
         &self.vocabulary
     }
@@ -150,11 +168,13 @@ impl Toolbox {
         self.tools.get(name).filter(|e| !e.withheld)
     }
 
+    /// With `tool` registered.
     pub fn with(mut self, tool: Arc<dyn Tool>) -> Result<Self, String> {
         self.register(tool)?;
         Ok(self)
     }
 
+    /// The offered tool of that name.
     pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
         self.offered(name).map(|e| e.tool.clone())
     }

@@ -103,6 +103,10 @@ pub struct EvalArgs {
     /// one option whose text it contains, no follow-up asking the model which option it meant)
     #[arg(long)]
     pub no_letter_step: bool,
+    /// Send the questions' pixels to a model that reads images outside this process (as
+    /// `hilum analyze --send-pixels`; a model in the process always gets them).
+    #[arg(long)]
+    pub send_pixels: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -315,6 +319,7 @@ async fn run_bench(args: EvalArgs) -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| CHOICE_INSTRUCTION.to_string()),
         letter_step: !args.no_letter_step,
+        send_pixels: args.send_pixels || file.llm.send_pixels.unwrap_or(false),
     };
     if !args.quiet {
         eprintln!(

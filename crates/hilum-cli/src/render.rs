@@ -208,21 +208,8 @@ pub fn write_artifacts(
     Ok(paths)
 }
 
-/// The image as an 8-bit PNG data URL: pixels only, no metadata of the source file.
+/// The image as the reasoning model sees it (`hilum_imaging::model_view_png`).
 pub fn image_payload(store: &ImageStore, id: &str) -> anyhow::Result<ImagePayload> {
     let img = store.get(id)?;
-    let scale = 255.0 / img.max_value().max(1.0);
-    let bytes: Vec<u8> = img
-        .pixels
-        .iter()
-        .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
-        .collect();
-    let gray = image::GrayImage::from_raw(img.width, img.height, bytes)
-        .context("image buffer does not match its size")?;
-    let mut png = Vec::new();
-    gray.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
-    Ok(ImagePayload {
-        id: id.to_string(),
-        data_url: format!("data:image/png;base64,{}", hilum_llm::base64_encode(&png)),
-    })
+    Ok(ImagePayload::png(id, &hilum_imaging::model_view_png(&img)?))
 }

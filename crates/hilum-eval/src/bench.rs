@@ -24,6 +24,7 @@ pub enum AnswerKind {
 /// One benchmark question, whatever file it came from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Question {
+    /// The question's id (`question_id` in ChestAgentBench).
     pub id: String,
     /// Questions of one case share a conversation under `--memory case`.
     pub case_id: String,
@@ -31,6 +32,7 @@ pub struct Question {
     pub question: String,
     /// The expected letter, number or phrase.
     pub answer: String,
+    /// How the answer is scored.
     pub kind: AnswerKind,
     /// Absolute tolerance of a `number` answer.
     pub tolerance: f64,

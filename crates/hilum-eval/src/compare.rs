@@ -30,21 +30,31 @@ pub fn mcnemar_exact(b: usize, c: usize) -> f64 {
     (2.0 * tail).min(1.0)
 }
 
+/// One category's accuracy in each run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CategoryPair {
+    /// Run A.
     pub a: Accuracy,
+    /// Run B.
     pub b: Accuracy,
 }
 
+/// Two runs compared on the questions both finished.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
+    /// Run A's folder.
     pub run_a: String,
+    /// Run B's folder.
     pub run_b: String,
+    /// Run A's model.
     pub model_a: String,
+    /// Run B's model.
     pub model_b: String,
     /// Questions both runs finished.
     pub shared: usize,
+    /// Run A's accuracy on the shared questions.
     pub a: Accuracy,
+    /// Run B's accuracy on the shared questions.
     pub b: Accuracy,
     /// Accuracy of B minus accuracy of A.
     pub difference: f64,
@@ -52,7 +62,9 @@ pub struct Comparison {
     pub a_only: usize,
     /// Right in B only.
     pub b_only: usize,
+    /// McNemar's exact two-sided p on the questions only one run got right.
     pub p_value: f64,
+    /// The same per category.
     pub categories: BTreeMap<String, CategoryPair>,
 }
 

@@ -5,6 +5,8 @@
 //!
 //! Scoring, reports and comparison read only records, so they are tested without a model.
 
+#![warn(missing_docs)]
+
 pub mod bench;
 pub mod compare;
 pub mod extract;
@@ -28,22 +30,33 @@ pub use score::{percentile, summarize, wilson_interval, Summary};
 /// Failures a user can act on; each names the file (and line) concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum EvalError {
+    /// A line of an input file is not what it should be.
     #[error("{path}:{line}: {message}")]
     Malformed {
+        /// The file.
         path: String,
+        /// Its line (1-based).
         line: usize,
+        /// What is wrong.
         message: String,
     },
+    /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Read {
+        /// The file.
         path: String,
+        /// Why.
         source: std::io::Error,
     },
+    /// A file could not be written.
     #[error("cannot write {path}: {source}")]
     Write {
+        /// The file.
         path: String,
+        /// Why.
         source: std::io::Error,
     },
+    /// A request that cannot be run, said in full.
     #[error("{0}")]
     Invalid(String),
 }

@@ -21,6 +21,7 @@ pub struct Canvas {
 }
 
 impl Canvas {
+    /// A white canvas of `w` x `h` pixels.
     pub fn new(w: u32, h: u32) -> Canvas {
         Canvas {
             w,
@@ -29,6 +30,7 @@ impl Canvas {
         }
     }
 
+    /// The canvas as PNG bytes.
     pub fn png(&self) -> Result<Vec<u8>, EvalError> {
         let img = image::RgbImage::from_raw(self.w, self.h, self.rgb.clone())
             .ok_or_else(|| EvalError::Invalid("figure buffer has the wrong size".into()))?;

@@ -27,48 +27,73 @@ pub enum Status {
 pub struct RunHeader {
     /// Always `"header"`.
     pub record: String,
+    /// The Hilum version that ran it.
     pub hilum_version: String,
+    /// The question file.
     pub bench: String,
     /// sha256 of the question file, so a resumed run is known to read the same questions.
     pub bench_sha256: String,
+    /// The folder the questions' image paths are relative to.
     pub images_dir: String,
     /// The question ids of this run (after `--limit` / `--categories`): the denominator.
     pub question_ids: Vec<String>,
     /// The categories of each question, so never-run questions count in their categories too.
     #[serde(default)]
     pub question_categories: std::collections::BTreeMap<String, Vec<String>>,
+    /// The model's name.
     pub model: String,
+    /// The `--llm` spec.
     pub llm: String,
+    /// Sampling temperature sent with each request.
     pub temperature: Option<f32>,
     /// The sampler's seed where the backend takes one (the local model); `None` otherwise.
     pub seed: Option<u64>,
+    /// The tools offered.
     pub tools: Vec<String>,
     /// `case` (one conversation per case, as MedRAX ran) or `question`.
     pub memory: String,
+    /// Only a lone letter was accepted.
     pub strict: bool,
+    /// `native` or `react`.
     pub protocol: String,
+    /// The agent's mode (`react` or `reflexion`).
     pub mode: String,
+    /// Tool rounds per question.
     pub max_rounds: usize,
+    /// Tool calls per question.
     pub max_tool_calls: usize,
+    /// Seconds per question.
     pub deadline_s: f64,
+    /// Seconds per tool call.
     pub tool_timeout_s: f64,
+    /// `--limit`.
     pub limit: Option<usize>,
+    /// `--categories`.
     pub categories: Vec<String>,
     /// Seconds since the Unix epoch when the run (first) started.
     pub started_unix: u64,
     /// Whether a choice answer with no letter was followed by the letter step.
     #[serde(default)]
     pub letter_step: bool,
+    /// Whether the questions' pixels were sent to a model outside the process.
+    #[serde(default)]
+    pub send_pixels: bool,
 }
 
 /// One tool call of a question, from the event stream.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CallRecord {
+    /// The round it ran in (1-based).
     pub round: usize,
+    /// The call's id.
     pub id: String,
+    /// The tool.
     pub name: String,
+    /// How long it took.
     pub ms: f64,
+    /// Whether it succeeded.
     pub ok: bool,
+    /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -78,22 +103,32 @@ pub struct CallRecord {
 pub struct QuestionRecord {
     /// Always `"question"`.
     pub record: String,
+    /// The question's id.
     pub id: String,
+    /// Its case.
     pub case_id: String,
+    /// Its categories.
     pub categories: Vec<String>,
+    /// The right answer.
     pub expected: String,
+    /// The model's answer.
     pub response: Option<String>,
     /// The letter (or number) read from the response; `None` when nothing could be read.
     pub extracted: Option<String>,
+    /// Whether it was right.
     pub correct: bool,
+    /// Answered, timed out or failed.
     pub status: Status,
     /// Why the agent stopped (`answered`, `max_rounds`, `deadline`, ...).
     pub stop_reason: String,
+    /// Why it failed, when it did.
     #[serde(default)]
     pub error: Option<String>,
     /// Wall clock of the question, image intake included.
     pub latency_ms: f64,
+    /// Time in the model.
     pub llm_ms: f64,
+    /// Time in tools.
     pub tool_ms: f64,
     /// Decoding the question's images into the store (what `hilum analyze` does too).
     #[serde(default)]
@@ -101,20 +136,26 @@ pub struct QuestionRecord {
     /// The evaluation's own time: outside the agent's run, the image intake and the letter step
     /// (building the run, records, scoring).
     pub overhead_ms: f64,
+    /// Tool rounds.
     pub rounds: usize,
     /// Rounds that ran two or more tool calls at once.
     pub parallel_rounds: usize,
+    /// Every tool call, in order.
     pub tool_calls: Vec<CallRecord>,
+    /// Prompt tokens over all requests.
     pub prompt_tokens: u64,
+    /// Tokens the model wrote.
     pub completion_tokens: u64,
     /// From the `final` event when the agent reports them (claims checked against tool results).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grounded: Option<Value>,
+    /// From the `final` event: claims no tool result supports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unsupported: Option<Value>,
     /// From the `final` event: whether the answer addressed each covered part of the question.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub answers_question: Option<Value>,
+    /// The tools the model was offered.
     pub tools_offered: Vec<String>,
     /// The model's reply to the letter step, when it was asked (the letter is read from it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -133,17 +174,22 @@ pub struct QuestionRecord {
 /// A run as read back from its folder.
 #[derive(Clone, Debug)]
 pub struct RunLog {
+    /// The run's folder.
     pub dir: PathBuf,
+    /// Its header.
     pub header: RunHeader,
+    /// Its finished questions, in the order they finished.
     pub records: Vec<QuestionRecord>,
 }
 
 impl RunLog {
+    /// The record of question `id`.
     pub fn record(&self, id: &str) -> Option<&QuestionRecord> {
         self.records.iter().find(|r| r.id == id)
     }
 }
 
+/// The run's file in its folder.
 pub const RUN_FILE: &str = "run.jsonl";
 
 /// Reads `DIR/run.jsonl` (or the file itself). A last line cut off by a kill is dropped and
@@ -257,6 +303,7 @@ impl RunWriter {
         Ok(RunWriter { path, file })
     }
 
+    /// Appends one JSON line and flushes it to disk.
     pub fn append<T: Serialize>(&mut self, record: &T) -> Result<(), EvalError> {
         let write_err = |source| EvalError::Write {
             path: self.path.display().to_string(),

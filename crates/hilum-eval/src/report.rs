@@ -9,13 +9,17 @@ use crate::record::{RunHeader, RunLog};
 use crate::score::{summarize, Summary};
 use crate::EvalError;
 
+/// What `report.md` and `report.json` hold.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
+    /// What ran.
     pub header: RunHeader,
+    /// The scores.
     pub summary: Summary,
 }
 
 impl Report {
+    /// The report of a run.
     pub fn of(run: &RunLog) -> Report {
         Report {
             header: run.header.clone(),
@@ -23,6 +27,7 @@ impl Report {
         }
     }
 
+    /// `report.md`.
     pub fn to_markdown(&self) -> String {
         let h = &self.header;
         let s = &self.summary;

@@ -27,11 +27,14 @@ use crate::EvalError;
 /// Whether questions of one case share a conversation (as MedRAX ran ChestAgentBench).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Memory {
+    /// One conversation per case.
     Case,
+    /// Each question alone.
     Question,
 }
 
 impl Memory {
+    /// `case` or `question`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Memory::Case => "case",
@@ -59,21 +62,35 @@ pub type ToolboxFor = Arc<dyn Fn(&[String]) -> Arc<Toolbox> + Send + Sync>;
 /// What to run and how; recorded in the run's header.
 #[derive(Clone, Debug)]
 pub struct EvalConfig {
+    /// The question file.
     pub bench: PathBuf,
+    /// The folder the questions' image paths are relative to.
     pub images_dir: PathBuf,
+    /// The run's folder.
     pub out: PathBuf,
+    /// Questions (or cases) run at once.
     pub jobs: usize,
+    /// Whether a case shares one conversation.
     pub memory: Memory,
+    /// Accept only a lone letter.
     pub strict: bool,
+    /// Continue the run in `out`.
     pub resume: bool,
+    /// Only the first this many questions.
     pub limit: Option<usize>,
     /// Keep questions with any of these categories (lower case); empty keeps all.
     pub categories: Vec<String>,
+    /// The agent's budgets and protocol.
     pub agent: AgentConfig,
+    /// The model's name (recorded).
     pub model: String,
+    /// The `--llm` spec (recorded).
     pub llm_spec: String,
+    /// The local model's sampler seed (recorded).
     pub seed: Option<u64>,
+    /// The tools offered (recorded).
     pub tools: Vec<String>,
+    /// The Hilum version (recorded).
     pub hilum_version: String,
     /// Appended to a multiple-choice question (MedRAX asked for the letter only).
     pub choice_instruction: String,
@@ -81,20 +98,29 @@ pub struct EvalConfig {
     /// option whose text it contains, else ask the same model once, in the same conversation,
     /// which option its answer matches (see [`letter_step`]).
     pub letter_step: bool,
+    /// Send the questions' pixels (as `hilum_imaging::model_view_png` shows them) to a model
+    /// that reads images even when it runs outside this process; a model in the process always
+    /// gets them.
+    pub send_pixels: bool,
 }
 
+/// The default [`EvalConfig::choice_instruction`] (MedRAX's).
 pub const CHOICE_INSTRUCTION: &str =
     "Answer with the letter of the correct option (A-F) first, then one short sentence.";
 
 /// Sent after each finished question.
 pub struct Progress<'a> {
+    /// Questions finished.
     pub done: usize,
+    /// Questions in the run.
     pub total: usize,
     /// Right answers among all finished questions (resumed ones included).
     pub correct: usize,
+    /// The question just finished.
     pub record: &'a QuestionRecord,
 }
 
+/// Called after each finished question.
 pub type OnProgress = Arc<dyn Fn(&Progress) + Send + Sync>;
 
 /// The questions a run covers, after `categories` and `limit`, in file order.
@@ -179,6 +205,7 @@ fn header(cfg: &EvalConfig, questions: &[Question], sha: String) -> RunHeader {
         categories: cfg.categories.clone(),
         started_unix: unix_now(),
         letter_step: cfg.letter_step,
+        send_pixels: cfg.send_pixels,
     }
 }
 
@@ -395,10 +422,9 @@ async fn ingest(store: &Arc<ImageStore>, dir: &Path, q: &Question) -> Result<Vec
     .map_err(|e| format!("image intake failed: {e}"))?
 }
 
-/// Asks one question; never fails: every failure is a record with status `error`.
-async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord {
-    let t0 = Instant::now();
-    let mut rec = QuestionRecord {
+/// A question's record before anything ran: an error until the run says otherwise.
+fn blank_record(q: &Question) -> QuestionRecord {
+    QuestionRecord {
         record: "question".into(),
         id: q.id.clone(),
         case_id: q.case_id.clone(),
@@ -427,7 +453,126 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         letter_reply: None,
         option_in_answer: None,
         messages: None,
+    }
+}
+
+/// The agent's input for a question: its prompt, images, history, and what it may be shown of
+/// the images.
+fn run_input(
+    sh: &Shared,
+    q: &Question,
+    ids: Vec<String>,
+    llm: &dyn Llm,
+    history: Vec<Message>,
+) -> RunInput {
+    // Size, spacing and view: numbers an answer may quote besides the tool results.
+    let image_metadata = ids
+        .iter()
+        .filter_map(|id| sh.store.get(id).ok())
+        .map(|img| serde_json::json!({"width": img.width, "height": img.height, "meta": img.meta}))
+        .collect();
+    // A model in this process that reads images gets their pixels (they stay in the process);
+    // one outside it only with `send_pixels`.
+    let caps = llm.capabilities();
+    let image_payloads = if caps.images && (caps.in_process || sh.cfg.send_pixels) {
+        ids.iter()
+            .filter_map(|id| {
+                let img = sh.store.get(id).ok()?;
+                let png = hilum_imaging::model_view_png(&img).ok()?;
+                Some(hilum_agent::llm::ImagePayload::png(id.clone(), &png))
+            })
+            .collect()
+    } else {
+        vec![]
     };
+    RunInput {
+        question: prompt(q, &sh.cfg.choice_instruction),
+        images: ids,
+        image_payloads,
+        history,
+        session_id: q.id.clone(),
+        image_metadata,
+    }
+}
+
+/// Scores an answer: its letter, else (with the letter step) the one option it names in words
+/// or states a percentage of, else the letter the model gives when asked once which option its
+/// answer matches. Returns the milliseconds the letter step took (0 when not asked).
+async fn score(
+    sh: &Shared,
+    q: &Question,
+    rec: &mut QuestionRecord,
+    llm: &Arc<dyn Llm>,
+    messages: &[Message],
+    tool_specs: Vec<hilum_agent::llm::ToolSpec>,
+    answer: &str,
+) -> f64 {
+    let mut letter_ms = 0.0;
+    let (got, right) = score_response(q, answer, sh.cfg.strict);
+    rec.extracted = got;
+    rec.correct = right && rec.status == Status::Answered;
+    let options = option_texts(&q.question);
+    let unnamed = sh.cfg.letter_step
+        && q.kind == AnswerKind::Choice
+        && rec.status == Status::Answered
+        && !names_an_option(answer)
+        && !options.is_empty();
+    // An answer in words is read as an option when it holds one option's text (in
+    // the whole answer or in its clause about the question) or states a percentage
+    // that one range option holds; only then is no letter step needed.
+    // The answer's clause about the question: read for an option here, and
+    // restated in the letter step.
+    let said = relevant_clause(answer, &q.question);
+    let in_answer = if unnamed && !sh.cfg.strict {
+        option_in_answer(answer, &options)
+            .or_else(|| option_in_answer(&said, &options))
+            .or_else(|| option_by_number(&said, &options))
+    } else {
+        None
+    };
+    if let Some(l) = in_answer {
+        rec.extracted = Some(l.to_string());
+        rec.correct = rec.extracted.as_deref() == Some(q.answer.as_str());
+        rec.option_in_answer = options
+            .iter()
+            .find(|(o, _)| *o == l)
+            .map(|(_, t)| t.clone());
+    } else if unnamed {
+        let asked = letter_step(
+            llm,
+            messages,
+            tool_specs,
+            answer,
+            &said,
+            &options,
+            sh.cfg.agent.temperature,
+        )
+        .await;
+        if let Some((reply, ms)) = asked {
+            rec.llm_ms += ms;
+            letter_ms = ms;
+            let (got, right) = match option_named_by_text(&reply, &options) {
+                Some(l) => {
+                    let l = l.to_string();
+                    let right = l == q.answer;
+                    (Some(l), right)
+                }
+                None => score_response(q, &reply, sh.cfg.strict),
+            };
+            if got.is_some() {
+                rec.extracted = got;
+                rec.correct = right;
+            }
+            rec.letter_reply = Some(reply);
+        }
+    }
+    letter_ms
+}
+
+/// Asks one question; never fails: every failure is a record with status `error`.
+async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord {
+    let t0 = Instant::now();
+    let mut rec = blank_record(q);
     let prepared = async {
         let t_ingest = Instant::now();
         let ids = ingest(&sh.store, &sh.cfg.images_dir, q).await?;
@@ -461,45 +606,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
         sh.cfg.agent.clone(),
     );
     let history_len = history.len();
-    // Size, spacing and view: numbers an answer may quote besides the tool results.
-    let image_metadata = ids
-        .iter()
-        .filter_map(|id| sh.store.get(id).ok())
-        .map(|img| serde_json::json!({"width": img.width, "height": img.height, "meta": img.meta}))
-        .collect();
-    // A model in this process that reads images gets their pixels (they stay in the process).
-    let caps = llm.capabilities();
-    let image_payloads = if caps.images && caps.in_process {
-        ids.iter()
-            .filter_map(|id| sh.store.get(id).ok().map(|img| (id, img)))
-            .filter_map(|(id, img)| {
-                let scale = 255.0 / img.max_value().max(1.0);
-                let grey: Vec<u8> = img
-                    .pixels
-                    .iter()
-                    .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
-                    .collect();
-                let png = hilum_imaging::encode_png(img.width, img.height, &grey, 1).ok()?;
-                Some(hilum_agent::llm::ImagePayload {
-                    id: id.clone(),
-                    data_url: format!(
-                        "data:image/png;base64,{}",
-                        hilum_agent::llm::base64_encode(&png)
-                    ),
-                })
-            })
-            .collect()
-    } else {
-        vec![]
-    };
-    let input = RunInput {
-        question: prompt(q, &sh.cfg.choice_instruction),
-        images: ids,
-        image_payloads,
-        history,
-        session_id: q.id.clone(),
-        image_metadata,
-    };
+    let input = run_input(sh, q, ids, llm.as_ref(), history);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     // The agent keeps its own deadline and a grace period for the final answer; this bound only
     // catches a run that ignores both.
@@ -547,64 +654,7 @@ async fn ask(sh: &Shared, q: &Question, history: Vec<Message>) -> QuestionRecord
             };
             rec.error = out.error.clone();
             if let Some(answer) = &out.answer {
-                let (got, right) = score_response(q, answer, sh.cfg.strict);
-                rec.extracted = got;
-                rec.correct = right && rec.status == Status::Answered;
-                let options = option_texts(&q.question);
-                let unnamed = sh.cfg.letter_step
-                    && q.kind == AnswerKind::Choice
-                    && rec.status == Status::Answered
-                    && !names_an_option(answer)
-                    && !options.is_empty();
-                // An answer in words is read as an option when it holds one option's text (in
-                // the whole answer or in its clause about the question) or states a percentage
-                // that one range option holds; only then is no letter step needed.
-                // The answer's clause about the question: read for an option here, and
-                // restated in the letter step.
-                let said = relevant_clause(answer, &q.question);
-                let in_answer = if unnamed && !sh.cfg.strict {
-                    option_in_answer(answer, &options)
-                        .or_else(|| option_in_answer(&said, &options))
-                        .or_else(|| option_by_number(&said, &options))
-                } else {
-                    None
-                };
-                if let Some(l) = in_answer {
-                    rec.extracted = Some(l.to_string());
-                    rec.correct = rec.extracted.as_deref() == Some(q.answer.as_str());
-                    rec.option_in_answer = options
-                        .iter()
-                        .find(|(o, _)| *o == l)
-                        .map(|(_, t)| t.clone());
-                } else if unnamed {
-                    let asked = letter_step(
-                        &llm,
-                        &out.messages,
-                        tool_specs,
-                        answer,
-                        &said,
-                        &options,
-                        sh.cfg.agent.temperature,
-                    )
-                    .await;
-                    if let Some((reply, ms)) = asked {
-                        rec.llm_ms += ms;
-                        letter_ms = ms;
-                        let (got, right) = match option_named_by_text(&reply, &options) {
-                            Some(l) => {
-                                let l = l.to_string();
-                                let right = l == q.answer;
-                                (Some(l), right)
-                            }
-                            None => score_response(q, &reply, sh.cfg.strict),
-                        };
-                        if got.is_some() {
-                            rec.extracted = got;
-                            rec.correct = right;
-                        }
-                        rec.letter_reply = Some(reply);
-                    }
-                }
+                letter_ms = score(sh, q, &mut rec, &llm, &out.messages, tool_specs, answer).await;
             }
             if sh.cfg.memory == Memory::Case {
                 let mut added: Vec<Message> =

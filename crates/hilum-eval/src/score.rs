@@ -36,16 +36,23 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
     Some(v[rank.min(v.len()) - 1])
 }
 
+/// An accuracy with its 95% Wilson interval.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Accuracy {
+    /// Questions.
     pub n: usize,
+    /// Right answers.
     pub correct: usize,
+    /// `correct / n` (0 when `n` is 0).
     pub accuracy: f64,
+    /// Lower end of the interval.
     pub ci_low: f64,
+    /// Upper end of the interval.
     pub ci_high: f64,
 }
 
 impl Accuracy {
+    /// `correct` of `n`.
     pub fn new(correct: usize, n: usize) -> Accuracy {
         let (ci_low, ci_high) = wilson_interval(correct, n);
         Accuracy {
@@ -62,12 +69,18 @@ impl Accuracy {
     }
 }
 
+/// Percentiles of a time, in milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Latency {
+    /// Median.
     pub p50_ms: f64,
+    /// 95th percentile.
     pub p95_ms: f64,
+    /// 99th percentile.
     pub p99_ms: f64,
+    /// Mean.
     pub mean_ms: f64,
+    /// Longest.
     pub max_ms: f64,
 }
 
@@ -90,30 +103,44 @@ pub struct Summary {
     pub overall: Accuracy,
     /// Questions with a record (the rest were never run: a run that was stopped).
     pub finished: usize,
+    /// Questions never run.
     pub not_run: usize,
     /// Answered, but no letter/number could be read.
     pub unparsed: usize,
+    /// Questions past their deadline.
     pub timeouts: usize,
+    /// Questions that failed.
     pub errors: usize,
+    /// Accuracy per category.
     pub categories: BTreeMap<String, Accuracy>,
+    /// Time per question.
     pub latency: Option<Latency>,
     /// Time spent outside the agent per question (intake and records).
     pub overhead: Option<Latency>,
+    /// Tool rounds per question.
     pub rounds_mean: f64,
+    /// Tool calls per question.
     pub tool_calls_mean: f64,
     /// Rounds with two or more calls among rounds with any call.
     pub parallel_round_share: f64,
+    /// Prompt tokens, all questions.
     pub prompt_tokens: u64,
+    /// Tokens the model wrote, all questions.
     pub completion_tokens: u64,
     /// Tool calls by tool: count and p50 latency.
     pub tools: BTreeMap<String, ToolStats>,
 }
 
+/// One tool's calls in a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolStats {
+    /// Calls.
     pub calls: usize,
+    /// Failed calls.
     pub failed: usize,
+    /// Median time.
     pub p50_ms: f64,
+    /// 95th percentile of the time.
     pub p95_ms: f64,
 }
 

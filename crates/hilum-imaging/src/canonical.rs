@@ -14,6 +14,7 @@ pub struct ImageMeta {
     pub format: String,
     /// Size of the original image (the canonical image keeps it).
     pub width: u32,
+    /// Height of the original image.
     pub height: u32,
     /// Significant bits per sample of the canonical pixels (8, 10, 12, 15, 16).
     pub bit_depth: u8,
@@ -28,6 +29,7 @@ pub struct ImageMeta {
     /// DICOM modality (`CR`, `DX`, …).
     #[serde(default)]
     pub modality: Option<String>,
+    /// DICOM Body Part Examined (`CHEST`, …).
     #[serde(default)]
     pub body_part: Option<String>,
     /// DICOM transfer syntax UID and its name.
@@ -51,6 +53,7 @@ pub struct ImageMeta {
     /// True when stored values were inverted (MONOCHROME1) so that bright = dense.
     #[serde(default)]
     pub inverted: bool,
+    /// Frames in the DICOM file (the first is decoded).
     #[serde(default)]
     pub frames: Option<u32>,
     /// Things a careful reader should know (missing File Meta, extra frames ignored, …).
@@ -62,9 +65,13 @@ pub struct ImageMeta {
 /// `0..=2^bit_depth - 1`, bright = dense (bone white), whatever the source encoding.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CxrImage {
+    /// Columns.
     pub width: u32,
+    /// Rows.
     pub height: u32,
+    /// `width * height` values, row-major.
     pub pixels: Vec<f32>,
+    /// Where it came from (no patient identifiers).
     pub meta: ImageMeta,
 }
 
@@ -91,7 +98,12 @@ pub enum Voi {
     #[default]
     FromFile,
     /// This window, in rescaled (modality) units.
-    Window { center: f64, width: f64 },
+    Window {
+        /// Window centre.
+        center: f64,
+        /// Window width.
+        width: f64,
+    },
 }
 
 /// How to decode.
@@ -99,6 +111,7 @@ pub enum Voi {
 pub struct DecodeOptions {
     /// Largest accepted width x height (x frames), checked before any pixel is allocated.
     pub max_pixels: u64,
+    /// The window applied to DICOM pixels.
     pub voi: Voi,
 }
 

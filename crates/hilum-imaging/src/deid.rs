@@ -50,19 +50,30 @@ const ANNEX_E: &str = include_str!("../data/annex_e.tsv");
 /// The profile options of Table E.1-1, in the table's column order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum ProfileOption {
+    /// Retain Safe Private Option.
     RetainSafePrivate,
+    /// Retain UIDs Option.
     RetainUids,
+    /// Retain Device Identity Option.
     RetainDeviceIdentity,
+    /// Retain Institution Identity Option.
     RetainInstitutionIdentity,
+    /// Retain Patient Characteristics Option.
     RetainPatientCharacteristics,
+    /// Retain Longitudinal Temporal Information with Full Dates Option.
     RetainLongFullDates,
+    /// Retain Longitudinal Temporal Information with Modified Dates Option.
     RetainLongModifiedDates,
+    /// Clean Descriptors Option.
     CleanDescriptors,
+    /// Clean Structured Content Option.
     CleanStructuredContent,
+    /// Clean Graphics Option.
     CleanGraphics,
 }
 
 impl ProfileOption {
+    /// Every option, in the table's column order.
     pub const ALL: [ProfileOption; 10] = [
         ProfileOption::RetainSafePrivate,
         ProfileOption::RetainUids,
@@ -100,6 +111,7 @@ pub struct AnnexERow {
     pub pattern: String,
     /// The tag, where the pattern names exactly one.
     pub tag: Option<Tag>,
+    /// The attribute's name as the table gives it.
     pub name: String,
     /// The VR from the generator's dictionary; `None` where it had none.
     pub vr: Option<VR>,
@@ -125,10 +137,12 @@ pub struct AnnexE {
 }
 
 impl AnnexE {
+    /// Every row, in the table's order.
     pub fn rows(&self) -> &[AnnexERow] {
         &self.rows
     }
 
+    /// The row for `tag`: its exact row, else a row whose pattern covers it.
     pub fn find(&self, tag: Tag) -> Option<&AnnexERow> {
         let key = ((tag.group() as u32) << 16) | tag.element() as u32;
         self.exact
@@ -320,10 +334,15 @@ impl DeidOptions {
 /// What de-identification did (attribute keywords or tags, never values).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DeidReport {
+    /// Attributes removed.
     pub removed: Vec<String>,
+    /// Attributes given a dummy or cleaned value.
     pub replaced: Vec<String>,
+    /// UIDs replaced by new ones (the same source UID always gets the same one).
     pub uids_remapped: usize,
+    /// Dates and times moved by the offset.
     pub dates_shifted: usize,
+    /// What the caller should know (overrides used, attributes left).
     pub warnings: Vec<String>,
 }
 

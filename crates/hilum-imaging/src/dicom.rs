@@ -24,33 +24,57 @@ const SECONDARY_CAPTURE: &str = "1.2.840.10008.5.1.4.1.1.7";
 /// Non-PHI facts about a DICOM object: what `dicom_info` shows and decode uses.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DicomSummary {
+    /// SOP Class UID.
     pub sop_class: Option<String>,
+    /// Its name (`Digital X-Ray Image Storage - For Presentation`, …).
     pub sop_class_name: Option<String>,
+    /// Modality (`CR`, `DX`, …).
     pub modality: Option<String>,
+    /// Body Part Examined.
     pub body_part: Option<String>,
+    /// View Position (`PA`, `AP`, `LL`, …).
     pub view_position: Option<String>,
+    /// Image Laterality, else Laterality.
     pub laterality: Option<String>,
+    /// Patient Orientation (the directions of the rows and columns).
     pub patient_orientation: Option<String>,
+    /// Manufacturer of the equipment.
     pub manufacturer: Option<String>,
+    /// Rows.
     pub rows: u32,
+    /// Columns.
     pub columns: u32,
+    /// Number of Frames (1 when absent).
     pub frames: u32,
+    /// Samples per Pixel.
     pub samples_per_pixel: u16,
+    /// Bits Allocated.
     pub bits_allocated: u16,
+    /// Bits Stored.
     pub bits_stored: u16,
+    /// Pixel Representation is signed.
     pub signed: bool,
+    /// Photometric Interpretation.
     pub photometric: Option<String>,
+    /// Transfer Syntax UID.
     pub transfer_syntax: String,
+    /// Its name.
     pub transfer_syntax_name: String,
     /// (row, column) in mm: Pixel Spacing, else Imager Pixel Spacing; zeros count as unknown.
     pub pixel_spacing_mm: Option<(f64, f64)>,
+    /// (slope, intercept) of the modality rescale; (1, 0) when absent.
     pub rescale: (f64, f64),
     /// Every (centre, width) pair the file recommends.
     pub windows: Vec<(f64, f64)>,
+    /// VOI LUT Function (`LINEAR`, `LINEAR_EXACT`, `SIGMOID`).
     pub voi_lut_function: Option<String>,
+    /// The file carries a VOI LUT Sequence.
     pub has_voi_lut_table: bool,
+    /// The file carries Pixel Data.
     pub has_pixel_data: bool,
+    /// Burned In Annotation (`YES`: the pixels may show identifying text).
     pub burned_in_annotation: Option<String>,
+    /// Patient Identity Removed, as the file says.
     pub patient_identity_removed: Option<String>,
     /// Names (never values) of identifying attributes present in the source.
     pub phi_attributes_present: Vec<String>,

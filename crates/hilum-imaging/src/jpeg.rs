@@ -66,10 +66,13 @@ impl Drop for Shim {
 /// The decoder's own 8-bit samples: gray, or RGB interleaved, rows top to bottom.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JpegSamples {
+    /// Columns.
     pub width: u32,
+    /// Rows.
     pub height: u32,
     /// 1 (gray) or 3 (RGB, from YCbCr or RGB files).
     pub channels: u8,
+    /// `width * height * channels` samples.
     pub samples: Vec<u8>,
 }
 

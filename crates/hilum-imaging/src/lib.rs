@@ -12,6 +12,8 @@
 //! and shared by every tool of a round; the returned [`Prepared`] carries the [`Geometry`] to map
 //! boxes and masks back onto the original image.
 
+#![warn(missing_docs)]
+
 mod canonical;
 mod decode;
 mod deid;
@@ -19,6 +21,7 @@ mod dicom;
 mod dicom_tags;
 pub mod font;
 mod jpeg;
+mod model_view;
 pub mod regions;
 mod render;
 pub mod skresize;
@@ -34,6 +37,7 @@ pub use deid::{
 pub use dicom::{read_dicom, DicomSummary};
 pub use dicom_tags::{dicom_tags, DicomTag, StudyContext};
 pub use jpeg::{decode_jpeg_samples, JpegSamples};
+pub use model_view::{model_view_png, model_view_size, MODEL_VIEW_MAX_SIDE};
 pub use render::{colormap, encode_png, Box2d, Colormap, Heatmap, MaskLayer, Overlay, Rgb};
 pub use store::{ImageLoader, ImageStore, Layer, StoreLimits, StoreStats};
 pub use transform::{
@@ -43,51 +47,105 @@ pub use transform::{
 
 use thiserror::Error;
 
+/// Why an image could not be read, prepared, de-identified or written; each message says what to do.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ImagingError {
+    /// No image has this id.
     #[error("unknown image id `{0}`: ids come from an upload or from `--image`; check the id")]
     UnknownId(String),
+    /// The file is not an image Hilum can decode.
     #[error("cannot read {what}: {reason}")]
-    Decode { what: String, reason: String },
+    Decode {
+        /// The input concerned (a file name or a description, never a path).
+        what: String,
+        /// Why.
+        reason: String,
+    },
+    /// More pixels than the store accepts.
     #[error("{what} is {width}x{height} pixels, above the limit of {limit} pixels (raise HILUM_MAX_PIXELS if this is a real image)")]
     TooLarge {
+        /// The input concerned (a file name or a description, never a path).
         what: String,
+        /// Columns.
         width: u64,
+        /// Rows.
         height: u64,
+        /// The limit.
         limit: u64,
     },
+    /// A bigger file than the store accepts.
     #[error("{what} is {bytes} bytes, above the limit of {limit} bytes")]
     FileTooLarge {
+        /// The input concerned (a file name or a description, never a path).
         what: String,
+        /// Its size, in bytes.
         bytes: u64,
+        /// The limit.
         limit: u64,
     },
+    /// The file could not be read.
     #[error("cannot read file {path}: {reason}")]
-    Io { path: String, reason: String },
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The image has no pixels.
     #[error("{what} has no pixels ({width}x{height}); the file is empty or its header is wrong")]
     Empty {
+        /// The input concerned (a file name or a description, never a path).
         what: String,
+        /// Columns.
         width: u64,
+        /// Rows.
         height: u64,
     },
+    /// A DICOM compression Hilum cannot decode.
     #[error("{what} uses the DICOM transfer syntax {uid} ({name}), which Hilum cannot decode; convert it to an uncompressed, JPEG or JPEG 2000 transfer syntax (e.g. `gdcmconv --raw`)")]
     UnsupportedTransferSyntax {
+        /// The input concerned (a file name or a description, never a path).
         what: String,
+        /// The transfer syntax UID.
         uid: String,
+        /// Its name.
         name: String,
     },
+    /// A DICOM object without an image (SR, SEG, …).
     #[error("{what} is a DICOM {kind} object, which holds no image to analyse; give the radiograph (CR/DX) instead")]
-    NotAnImage { what: String, kind: String },
+    NotAnImage {
+        /// The input concerned (a file name or a description, never a path).
+        what: String,
+        /// The object's kind (SR, SEG, …).
+        kind: String,
+    },
+    /// DICOM metadata asked of a file that is not DICOM.
     #[error("{what} is not a DICOM file, so it has no DICOM metadata; use `image_info` instead")]
-    NotDicom { what: String },
+    NotDicom {
+        /// The input concerned (a file name or a description, never a path).
+        what: String,
+    },
+    /// A preprocessing recipe that cannot be run.
     #[error("invalid transform: {0}")]
     InvalidTransform(String),
+    /// An output (PNG, DICOM) could not be written.
     #[error("cannot write {what}: {reason}")]
-    Encode { what: String, reason: String },
+    Encode {
+        /// The input concerned (a file name or a description, never a path).
+        what: String,
+        /// Why.
+        reason: String,
+    },
+    /// Export refused: the file says its pixels may show identifying text.
     #[error("{what} says Burned In Annotation = YES: its pixels may show names or IDs that de-identification cannot remove; look at the image, and export it only if it shows none, with the override (`hilum deid --allow-burned-in`, `DeidOptions::allow_burned_in_annotation`)")]
-    BurnedInAnnotation { what: String },
+    BurnedInAnnotation {
+        /// The input concerned (a file name or a description, never a path).
+        what: String,
+    },
+    /// The built-in de-identification table is malformed.
     #[error("the de-identification table (data/annex_e.tsv) is malformed: {0}; regenerate it with scripts/gen_annex_e.py")]
     DeidTable(String),
 }
 
+/// The crate's result.
 pub type Result<T, E = ImagingError> = std::result::Result<T, E>;

@@ -7,6 +7,7 @@ use crate::font::{glyph, text_width};
 use crate::transform::{resize, Filter};
 use crate::{CxrImage, ImagingError};
 
+/// An 8-bit colour: red, green, blue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rgb(pub u8, pub u8, pub u8);
 
@@ -51,10 +52,15 @@ impl Rgb {
 /// A mask over the image: values in 0..=1 at any resolution, drawn where > 0.5.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MaskLayer {
+    /// What the mask shows (legend text).
     pub label: String,
+    /// Columns of `data`.
     pub width: u32,
+    /// Rows of `data`.
     pub height: u32,
+    /// `width * height` values, row-major.
     pub data: Vec<f32>,
+    /// Its colour; by label when `None`.
     pub color: Option<Rgb>,
     /// Fill opacity, 0..=1 (the outline is opaque).
     pub alpha: f32,
@@ -63,22 +69,32 @@ pub struct MaskLayer {
 /// A box in original-image pixels.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Box2d {
+    /// Left edge.
     pub x: f64,
+    /// Top edge.
     pub y: f64,
+    /// Width.
     pub w: f64,
+    /// Height.
     pub h: f64,
+    /// What the box shows (drawn beside it).
     pub label: String,
+    /// A score shown after the label.
     #[serde(default)]
     pub score: Option<f64>,
+    /// Its colour; by label when `None`.
     #[serde(default)]
     pub color: Option<Rgb>,
 }
 
+/// How a heatmap's values become colours.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Colormap {
+    /// Blue to red through green and yellow.
     #[default]
     Jet,
+    /// Black to white through red and yellow.
     Hot,
 }
 
@@ -100,23 +116,34 @@ pub fn colormap(map: Colormap, t: f32) -> Rgb {
 /// own min..max; values below `threshold` (after normalisation) are not drawn.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Heatmap {
+    /// What the map shows (legend text).
     pub label: String,
+    /// Columns of `data`.
     pub width: u32,
+    /// Rows of `data`.
     pub height: u32,
+    /// `width * height` values, row-major.
     pub data: Vec<f32>,
+    /// Its colours.
     pub colormap: Colormap,
+    /// Opacity, 0..=1.
     pub alpha: f32,
+    /// Normalised values below this are not drawn.
     pub threshold: f32,
 }
 
 /// What to draw and how big.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Overlay {
+    /// Masks, drawn first.
     pub masks: Vec<MaskLayer>,
+    /// Boxes, drawn last.
     pub boxes: Vec<Box2d>,
+    /// Heatmaps, drawn over the masks.
     pub heatmaps: Vec<Heatmap>,
     /// Longest side of the output (the image is downscaled, never upscaled); `None` keeps it.
     pub max_side: Option<u32>,
+    /// Draw a legend of the labels.
     pub legend: bool,
     /// Display window on the canonical values; `None` = 0.5th..99.5th percentile.
     pub window: Option<(f32, f32)>,

@@ -20,9 +20,13 @@
 /// A rectangle of a row-major plane of `stride` values per row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
+    /// First column.
     pub x0: usize,
+    /// First row.
     pub y0: usize,
+    /// Columns.
     pub width: usize,
+    /// Rows.
     pub height: usize,
 }
 

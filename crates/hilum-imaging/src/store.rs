@@ -14,6 +14,7 @@ use crate::{
     decode_with, CxrImage, DecodeOptions, DeidOptions, ImagingError, Prepared, Preprocess, Voi,
 };
 
+/// What an [`ImageStore`] accepts and keeps.
 #[derive(Clone, Debug)]
 pub struct StoreLimits {
     /// Largest accepted file.
@@ -46,21 +47,30 @@ impl Default for StoreLimits {
 pub enum Layer {
     /// Values in 0..=1; drawn where > 0.5.
     Mask {
+        /// What it shows.
         label: String,
+        /// Columns of `data`.
         width: u32,
+        /// Rows of `data`.
         height: u32,
+        /// `width * height` values, row-major.
         data: Vec<f32>,
     },
     /// Any values; normalised to the map's own min..max when drawn.
     Heatmap {
+        /// What it shows.
         label: String,
+        /// Columns of `data`.
         width: u32,
+        /// Rows of `data`.
         height: u32,
+        /// `width * height` values, row-major.
         data: Vec<f32>,
     },
 }
 
 impl Layer {
+    /// The layer's label.
     pub fn label(&self) -> &str {
         match self {
             Layer::Mask { label, .. } | Layer::Heatmap { label, .. } => label,
@@ -71,10 +81,15 @@ impl Layer {
 /// Counters that show the cache doing its job.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct StoreStats {
+    /// Files decoded.
     pub decodes: u64,
+    /// Preprocessed variants computed.
     pub variants_computed: u64,
+    /// Requests served from the cache.
     pub hits: u64,
+    /// Entries dropped to stay within the budget.
     pub evictions: u64,
+    /// Bytes held now.
     pub cached_bytes: u64,
     /// Images whose file is in memory (with a loader, evicted ones are not counted).
     pub resident_images: u64,
@@ -188,6 +203,7 @@ impl Default for ImageStore {
 }
 
 impl ImageStore {
+    /// An empty store with these limits.
     pub fn new(limits: StoreLimits) -> Self {
         ImageStore {
             limits,
@@ -226,10 +242,12 @@ impl ImageStore {
         self.lock().sources.contains_key(id)
     }
 
+    /// Its limits.
     pub fn limits(&self) -> &StoreLimits {
         &self.limits
     }
 
+    /// The id the store gives these bytes (`img_` and a hash prefix).
     pub fn id_for(bytes: &[u8]) -> String {
         let digest = Sha256::digest(bytes);
         let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
@@ -265,6 +283,7 @@ impl ImageStore {
         Ok(id)
     }
 
+    /// Reads, decodes and stores a file; errors name the file, never its path in logs.
     pub fn ingest_file(&self, path: &Path) -> Result<String, ImagingError> {
         let what = path
             .file_name()
@@ -476,6 +495,7 @@ impl ImageStore {
         ids
     }
 
+    /// The cache's counters.
     pub fn stats(&self) -> StoreStats {
         self.lock().stats
     }

@@ -120,13 +120,19 @@ pub enum Layout {
 /// One preprocessing recipe; also the cache key of the variant it produces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Preprocess {
+    /// Output width.
     pub width: u32,
+    /// Output height.
     pub height: u32,
+    /// How values are resampled.
     pub filter: Filter,
+    /// How the aspect ratio meets the output size.
     pub fit: Fit,
+    /// How values are normalised.
     pub norm: Norm,
     /// 1 or 3 (the luminance replicated).
     pub channels: u8,
+    /// Planar or interleaved channels.
     pub layout: Layout,
 }
 
@@ -134,6 +140,7 @@ const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
 const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
 /// OpenAI CLIP's normalisation (the `CLIPImageProcessor` of LLaVA checkpoints).
 pub const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
+/// OpenAI CLIP's per-channel standard deviation.
 pub const CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 impl Preprocess {
@@ -164,22 +171,27 @@ impl Preprocess {
         Self::stretch(size, size).norm(Norm::ImageNet).channels(3)
     }
 
+    /// With this resampling filter.
     pub fn filter(mut self, filter: Filter) -> Self {
         self.filter = filter;
         self
     }
+    /// With this fit.
     pub fn fit(mut self, fit: Fit) -> Self {
         self.fit = fit;
         self
     }
+    /// With this normalisation.
     pub fn norm(mut self, norm: Norm) -> Self {
         self.norm = norm;
         self
     }
+    /// With this many channels (1 or 3).
     pub fn channels(mut self, channels: u8) -> Self {
         self.channels = channels;
         self
     }
+    /// With this layout.
     pub fn layout(mut self, layout: Layout) -> Self {
         self.layout = layout;
         self
@@ -220,13 +232,21 @@ impl Preprocess {
 /// in continuous pixel coordinates (pixel `i` covers `[i, i + 1)`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Geometry {
+    /// Original width.
     pub src_width: u32,
+    /// Original height.
     pub src_height: u32,
+    /// Model input width.
     pub dst_width: u32,
+    /// Model input height.
     pub dst_height: u32,
+    /// Input pixels per original pixel, across.
     pub scale_x: f64,
+    /// Input pixels per original pixel, down.
     pub scale_y: f64,
+    /// Where the original's left edge lies in the input.
     pub offset_x: f64,
+    /// Where the original's top edge lies in the input.
     pub offset_y: f64,
 }
 
@@ -312,16 +332,22 @@ impl Geometry {
 /// A preprocessed variant of an image, ready to wrap in a tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
+    /// Width.
     pub width: u32,
+    /// Height.
     pub height: u32,
+    /// Channels.
     pub channels: u8,
+    /// Planar or interleaved.
     pub layout: Layout,
     /// `channels * height * width` values in `layout` order.
     pub data: Vec<f32>,
+    /// Where the original lies in it.
     pub geometry: Geometry,
 }
 
 impl Prepared {
+    /// Bytes held by the values (for cache accounting).
     pub fn size_bytes(&self) -> usize {
         self.data.len() * std::mem::size_of::<f32>()
     }
@@ -499,6 +525,20 @@ pub fn prepare_values(
             )
         }
     };
+    let data = normalise(&planes, p, max, dw * dh);
+    Ok(Prepared {
+        width: p.width,
+        height: p.height,
+        channels: p.channels,
+        layout: p.layout,
+        data,
+        geometry,
+    })
+}
+
+/// The planes under the recipe's norm, one per output channel (a single plane serves every
+/// channel), laid out as it asks; `n` values per plane.
+fn normalise(planes: &[Vec<f32>], p: &Preprocess, max: f32, n: usize) -> Vec<f32> {
     let (lo, range) = if p.norm == Norm::MinMax {
         let (lo, hi) = planes
             .iter()
@@ -532,26 +572,18 @@ pub fn prepare_values(
                 .collect()
         })
         .collect();
-    let data = match (p.layout, channels) {
+    match (p.layout, channels) {
         (_, 1) | (Layout::Chw, _) => scaled.concat(),
         (Layout::Hwc, _) => {
-            let mut out = Vec::with_capacity(dw * dh * channels);
-            for i in 0..dw * dh {
+            let mut out = Vec::with_capacity(n * channels);
+            for i in 0..n {
                 for ch in &scaled {
                     out.push(ch[i]);
                 }
             }
             out
         }
-    };
-    Ok(Prepared {
-        width: p.width,
-        height: p.height,
-        channels: p.channels,
-        layout: p.layout,
-        data,
-        geometry,
-    })
+    }
 }
 
 /// The fill of [`Fit::PadSquare`] per output channel: the raw value the norm maps to zero,

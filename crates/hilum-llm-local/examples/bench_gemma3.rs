@@ -5,7 +5,7 @@
 //!
 //! scripts/bench_llm.sh's llama.cpp side is for chat models; compare Gemma with llama.cpp by
 //! `llama_cpp.Llama(MODEL, n_threads=2).create_completion(PROMPT, max_tokens=128)` and its perf
-//! counters (the README's benchmark section has the exact command).
+//! counters (docs/models.md, "Gemma 3", has the exact command).
 
 use std::time::Instant;
 

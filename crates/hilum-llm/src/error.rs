@@ -6,27 +6,61 @@ pub enum LlmError {
     #[error(
         "the model endpoint rejected the credentials (HTTP 401): check OPENAI_API_KEY or --api-key"
     )]
+    /// The endpoint refused the API key.
     Unauthorized,
     #[error(
         "the model endpoint answered 404 for {url}: check --base-url and the model name `{model}`"
     )]
-    NotFound { url: String, model: String },
+    /// The endpoint or the model does not exist there.
+    NotFound {
+        /// The URL asked.
+        url: String,
+        /// The model named.
+        model: String,
+    },
+    /// Rate limited past the retries; the endpoint's message.
     #[error("the model endpoint is rate limiting (HTTP 429) and retries ran out: {0}")]
     RateLimited(String),
+    /// Any other HTTP failure, with the endpoint's status and body.
     #[error("the model endpoint failed with HTTP {status}: {body}")]
-    Http { status: u16, body: String },
+    Http {
+        /// The HTTP status.
+        status: u16,
+        /// The response body.
+        body: String,
+    },
+    /// No connection to the endpoint.
     #[error("could not reach the model endpoint {url}: {reason} (is the server running? is --base-url right?)")]
-    Unreachable { url: String, reason: String },
+    Unreachable {
+        /// The URL asked.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// No answer within the request's budget.
     #[error("the model endpoint did not answer within {secs} s (raise --llm-timeout)")]
-    Timeout { secs: u64 },
+    Timeout {
+        /// The budget, in seconds.
+        secs: u64,
+    },
+    /// The endpoint answered something that is not the protocol.
     #[error("the model endpoint sent malformed data: {0}")]
     BadResponse(String),
+    /// The stream stopped before its end.
     #[error("the response stream ended early: {0}")]
     StreamCut(String),
+    /// The model looped on the same text and was stopped.
     #[error("the model repeated the same {period}-byte text over its last {window} bytes of output and was stopped (the request was cancelled); try another temperature, a clearer question or a larger model")]
-    Repetition { period: usize, window: usize },
+    Repetition {
+        /// Length of the repeated text, in bytes.
+        period: usize,
+        /// Bytes of output looked at.
+        window: usize,
+    },
+    /// A scripted replay is malformed or ran out of turns.
     #[error("script backend: {0}")]
     Script(String),
+    /// Anything else, said in full.
     #[error("{0}")]
     Other(String),
 }

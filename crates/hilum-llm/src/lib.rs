@@ -5,6 +5,8 @@
 //! The message types live here rather than in `hilum-agent` because every backend must speak
 //! them; the agent crate re-exports them.
 
+#![warn(missing_docs)]
+
 mod error;
 mod message;
 mod openai;

@@ -5,38 +5,51 @@ use serde_json::Value;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum Message {
+    /// The instructions the conversation starts with.
     System {
+        /// The text.
         content: String,
     },
     /// A user turn. `images` holds image ids (`img_…`), never paths or pixels.
     User {
+        /// The text.
         content: String,
+        /// Ids of the images it is about.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         images: Vec<String>,
     },
+    /// A model turn: its text and the tool calls it asked for.
     Assistant {
+        /// The text.
         #[serde(default)]
         content: String,
+        /// The tool calls it asked for.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         tool_calls: Vec<ToolCall>,
     },
     /// The result of one tool call, tied to it by `tool_call_id`.
     Tool {
+        /// The call it answers.
         tool_call_id: String,
+        /// The tool.
         name: String,
+        /// The text.
         content: String,
+        /// The call failed; `content` says why.
         #[serde(default)]
         is_error: bool,
     },
 }
 
 impl Message {
+    /// A system message.
     pub fn system(content: impl Into<String>) -> Self {
         Message::System {
             content: content.into(),
         }
     }
 
+    /// A user turn naming `images` by id.
     pub fn user(content: impl Into<String>, images: Vec<String>) -> Self {
         Message::User {
             content: content.into(),
@@ -44,6 +57,7 @@ impl Message {
         }
     }
 
+    /// An assistant turn.
     pub fn assistant(content: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
         Message::Assistant {
             content: content.into(),
@@ -66,12 +80,16 @@ impl Message {
 /// it: it is parsed (and repaired when almost valid) by the agent, which reports what was wrong.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {
+    /// The id the tool's result refers to.
     pub id: String,
+    /// The tool's name.
     pub name: String,
+    /// The arguments' JSON text.
     pub arguments: String,
 }
 
 impl ToolCall {
+    /// A call with `arguments` written as JSON text.
     pub fn new(id: impl Into<String>, name: impl Into<String>, arguments: &Value) -> Self {
         ToolCall {
             id: id.into(),
@@ -84,7 +102,9 @@ impl ToolCall {
 /// What a model is told about a tool: name, description written for a model, JSON Schema.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
+    /// The name the model calls it by.
     pub name: String,
+    /// What it does and when to use it, for the model.
     pub description: String,
     /// JSON Schema (draft 2020-12 subset) of the arguments object.
     pub parameters: Value,
@@ -108,13 +128,27 @@ pub struct ImagePayload {
     pub data_url: String,
 }
 
+impl ImagePayload {
+    /// The payload of PNG bytes (for an image of the question, those of
+    /// `hilum_imaging::model_view_png`): one encoding for every front.
+    pub fn png(id: impl Into<String>, png: &[u8]) -> Self {
+        ImagePayload {
+            id: id.into(),
+            data_url: format!("data:image/png;base64,{}", crate::base64_encode(png)),
+        }
+    }
+}
+
 /// One completion request.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChatRequest {
+    /// The conversation so far.
     pub messages: Vec<Message>,
     /// Empty when the model must answer without tools (final synthesis).
     pub tools: Vec<ToolSpec>,
+    /// Sampling temperature (the backend's default when `None`).
     pub temperature: Option<f32>,
+    /// Most tokens the reply may have.
     pub max_tokens: Option<u32>,
     /// Pixels of the images the conversation mentions; empty unless sending pixels is allowed.
     pub images: Vec<ImagePayload>,
@@ -138,34 +172,49 @@ pub struct ChatRequest {
 /// Token accounting as reported by the backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
+    /// Tokens of the prompt.
     pub prompt_tokens: u32,
+    /// Tokens the model wrote.
     pub completion_tokens: u32,
 }
 
+/// Why a completion ended.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
+    /// The model ended its turn.
     #[default]
     Stop,
+    /// The turn ended with tool calls.
     ToolCalls,
+    /// The token budget ran out.
     Length,
+    /// Any other reason the backend gave.
     Other,
 }
 
 /// One piece of a streamed completion.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ChatDelta {
+    /// Text of the reply.
     Text(String),
     /// A fragment of the tool call at `index`; `id` and `name` usually come with the first
     /// fragment, `arguments` is appended.
     ToolCall {
+        /// Which call of the turn.
         index: usize,
+        /// The call's id.
         id: Option<String>,
+        /// The tool.
         name: Option<String>,
+        /// A piece of the arguments' JSON text.
         arguments: String,
     },
+    /// The end of the completion: why, and what it cost.
     Finish {
+        /// Why it ended.
         reason: FinishReason,
+        /// What it cost, when the backend says.
         usage: Option<Usage>,
     },
 }
@@ -173,9 +222,13 @@ pub enum ChatDelta {
 /// A whole assistant turn, assembled from deltas.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AssistantTurn {
+    /// The reply's text.
     pub text: String,
+    /// The tool calls it asked for, in order.
     pub tool_calls: Vec<ToolCall>,
+    /// Why it ended.
     pub finish: FinishReason,
+    /// What it cost.
     pub usage: Usage,
 }
 

@@ -13,11 +13,14 @@ use crate::{
     Capabilities, ChatDelta, ChatRequest, DeltaStream, FinishReason, Llm, LlmError, Message, Usage,
 };
 
+/// Where and how to reach an OpenAI-compatible chat-completions endpoint.
 #[derive(Clone, Debug)]
 pub struct OpenAiConfig {
     /// Up to and including `/v1`, e.g. `https://api.openai.com/v1`.
     pub base_url: String,
+    /// The model name sent with each request.
     pub model: String,
+    /// Bearer token; none for servers that need none.
     pub api_key: Option<String>,
     /// Budget of one request, stream included.
     pub timeout: Duration,
@@ -43,6 +46,7 @@ impl Default for OpenAiConfig {
     }
 }
 
+/// A model behind an OpenAI-compatible endpoint (OpenAI, vLLM, llama.cpp's server, ...).
 pub struct OpenAiLlm {
     config: OpenAiConfig,
     http: reqwest::Client,
@@ -51,13 +55,16 @@ pub struct OpenAiLlm {
 /// A whole answer, not streamed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
+    /// The answer's text.
     pub text: String,
     /// The model the server says answered (the configured one when it does not say).
     pub model: String,
+    /// Tokens, when the server reports them.
     pub usage: Option<Usage>,
 }
 
 impl OpenAiLlm {
+    /// A client for `config`'s endpoint (no request is made yet).
     pub fn new(config: OpenAiConfig) -> Result<Self, LlmError> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))

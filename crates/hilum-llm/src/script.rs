@@ -23,20 +23,27 @@ use crate::{
     Capabilities, ChatDelta, ChatRequest, DeltaStream, FinishReason, Llm, LlmError, Message, Usage,
 };
 
+/// One scripted assistant turn (`--llm script:FILE`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct ScriptTurn {
+    /// The turn's text.
     #[serde(default)]
     pub content: String,
+    /// The tool calls it makes.
     #[serde(default)]
     pub tool_calls: Vec<ScriptCall>,
+    /// Fail this turn with this message instead.
     #[serde(default)]
     pub error: Option<String>,
 }
 
+/// One tool call of a scripted turn.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ScriptCall {
+    /// The call's id (made up when absent).
     #[serde(default)]
     pub id: Option<String>,
+    /// The tool's name.
     pub name: String,
     /// An object, or a string holding (possibly malformed) JSON text, sent as written.
     #[serde(default)]
@@ -51,6 +58,7 @@ pub struct ScriptLlm {
 }
 
 impl ScriptLlm {
+    /// Replays `turns` in order.
     pub fn new(turns: Vec<ScriptTurn>) -> Self {
         ScriptLlm {
             turns,
@@ -59,6 +67,7 @@ impl ScriptLlm {
         }
     }
 
+    /// The turns of a JSON array.
     pub fn from_json(text: &str) -> Result<Self, LlmError> {
         let turns: Vec<ScriptTurn> = serde_json::from_str(text).map_err(|e| {
             LlmError::Script(format!(
@@ -68,6 +77,7 @@ impl ScriptLlm {
         Ok(Self::new(turns))
     }
 
+    /// The turns of a JSON file.
     pub fn from_file(path: &Path) -> Result<Self, LlmError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| LlmError::Script(format!("cannot read {}: {e}", path.display())))?;

@@ -29,7 +29,6 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::Instrument;
 use utoipa::{IntoParams, ToSchema};
 
-use base64::Engine;
 use hilum_agent::llm::ImagePayload;
 use hilum_agent::{
     Agent, CallFailure, CallResult, Checkpointer, Event, FailureKind, Message, Progress, Resume,
@@ -534,32 +533,11 @@ where
     }
 }
 
-/// An 8-bit grayscale PNG of the image as a data URL, longest side at most 1024 px.
+/// The image as the reasoning model sees it (`hilum_imaging::model_view_png`).
 fn pixel_payload(store: &hilum_imaging::ImageStore, id: &str) -> Result<ImagePayload, String> {
     let img = store.get(id).map_err(|e| e.to_string())?;
-    let scale = 255.0 / img.max_value().max(1.0);
-    let step = (img.width.max(img.height) as f64 / 1024.0).max(1.0);
-    let w = ((img.width as f64 / step) as u32).max(1);
-    let h = ((img.height as f64 / step) as u32).max(1);
-    let mut gray = image::GrayImage::new(w, h);
-    for y in 0..h {
-        for x in 0..w {
-            let sx = ((x as f64 * step) as usize).min(img.width as usize - 1);
-            let sy = ((y as f64 * step) as usize).min(img.height as usize - 1);
-            let v = img.pixels[sy * img.width as usize + sx] * scale;
-            gray.put_pixel(x, y, image::Luma([v.round().clamp(0.0, 255.0) as u8]));
-        }
-    }
-    let mut png = Vec::new();
-    gray.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
-        .map_err(|e| format!("cannot encode {id} as PNG: {e}"))?;
-    Ok(ImagePayload {
-        id: id.to_string(),
-        data_url: format!(
-            "data:image/png;base64,{}",
-            base64::engine::general_purpose::STANDARD.encode(&png)
-        ),
-    })
+    let png = hilum_imaging::model_view_png(&img).map_err(|e| e.to_string())?;
+    Ok(ImagePayload::png(id, &png))
 }
 
 /// The runs this process drives, for the drain on shutdown.

@@ -14,11 +14,14 @@ use serde::{Deserialize, Serialize};
 
 use hilum_llm::{AssistantTurn, ChatRequest, ToolCall, ToolSpec};
 
+/// How tools are offered to a model and its calls read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Protocol {
+    /// The backend's function calling.
     #[default]
     Native,
+    /// ReAct text blocks (`Action:` / `Observation:`) for models without function calling.
     React,
 }
 
@@ -38,6 +41,7 @@ impl std::str::FromStr for Protocol {
 pub struct ParsedTurn {
     /// The model's text (thoughts, or the answer).
     pub text: String,
+    /// The calls it asked for.
     pub tool_calls: Vec<ToolCall>,
     /// The final answer, when the model gave one.
     pub answer: Option<String>,

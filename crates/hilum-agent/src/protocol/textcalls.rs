@@ -16,6 +16,7 @@ use crate::repair::parse_lenient;
 /// What [`read`] found in a turn's text.
 #[derive(Debug, Default, PartialEq)]
 pub struct TextCalls {
+    /// The calls read, in order.
     pub calls: Vec<ToolCall>,
     /// The text without the calls, their markup and anything from an imitated result on.
     pub text: String,

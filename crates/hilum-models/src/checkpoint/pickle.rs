@@ -521,16 +521,6 @@ impl<'a> Machine<'a> {
         loop {
             let op = self.byte()?;
             match op {
-                0x80 => {
-                    let p = self.byte()?;
-                    if p > MAX_PROTOCOL {
-                        return Err(CheckpointError::Unsupported(format!("pickle protocol {p}")));
-                    }
-                }
-                // FRAME: a length hint; the whole pickle is in memory already.
-                0x95 => {
-                    self.take(8)?;
-                }
                 b'.' => {
                     let v = self
                         .stack
@@ -538,305 +528,28 @@ impl<'a> Machine<'a> {
                         .ok_or_else(|| malformed("STOP on an empty stack"))?;
                     return Ok(v);
                 }
-                b'(' => {
-                    if self.marks.len() >= MAX_MARKS {
-                        return Err(limit("nested MARKs", MAX_MARKS));
-                    }
-                    self.marks.push(self.stack.len());
+                0x80 | 0x95 | b'(' | b'0' | b'1' | b'2' => self.control(op)?,
+                b'N' | 0x88 | 0x89 | b'I' | b'L' | b'F' | b'J' | b'K' | b'M' | 0x8a | 0x8b
+                | b'G' => self.number(op)?,
+                b'S' | b'V' | b'T' | b'U' | b'X' | 0x8c | 0x8d | b'B' | b'C' | 0x8e | 0x96 => {
+                    self.string(op)?
                 }
-                b'0' => {
-                    let floor = self.marks.last().copied().unwrap_or(0);
-                    if self.stack.len() > floor {
-                        self.stack.pop();
-                    } else {
-                        self.pop_mark()?;
-                    }
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let v = self
-                        .stack
-                        .last()
-                        .cloned()
-                        .ok_or_else(|| malformed("DUP on an empty stack"))?;
-                    self.push(v)?;
-                }
-                // Constants and numbers.
-                b'N' => self.push(Value::None)?,
-                0x88 => self.push(Value::Bool(true))?,
-                0x89 => self.push(Value::Bool(false))?,
-                b'I' => {
-                    let l = self.line()?;
-                    let v = match l {
-                        "01" => Value::Bool(true),
-                        "00" => Value::Bool(false),
-                        _ => {
-                            Value::Int(l.parse().map_err(|_| malformed(format!("bad INT `{l}`")))?)
-                        }
-                    };
-                    self.push(v)?;
-                }
-                b'L' => {
-                    let l = self.line()?;
-                    let l = l.strip_suffix('L').unwrap_or(l);
-                    let v = l
-                        .parse()
-                        .map_err(|_| malformed(format!("bad LONG `{l}`")))?;
-                    self.push(Value::Int(v))?;
-                }
-                b'F' => {
-                    let l = self.line()?;
-                    let v = l
-                        .parse()
-                        .map_err(|_| malformed(format!("bad FLOAT `{l}`")))?;
-                    self.push(Value::Float(v))?;
-                }
-                b'J' => {
-                    let v = i32::from_le_bytes(self.le()?);
-                    self.push(Value::Int(v.into()))?;
-                }
-                b'K' => {
-                    let v = self.byte()?;
-                    self.push(Value::Int(v.into()))?;
-                }
-                b'M' => {
-                    let v = u16::from_le_bytes(self.le()?);
-                    self.push(Value::Int(v.into()))?;
-                }
-                0x8a => {
-                    let n = self.byte()? as usize;
-                    let b = self.take(n)?;
-                    self.push(Self::int_bytes(b))?;
-                }
-                0x8b => {
-                    let n = i32::from_le_bytes(self.le()?);
-                    let n = usize::try_from(n).map_err(|_| malformed("negative LONG4 size"))?;
-                    let b = self.take(n)?;
-                    self.push(Self::int_bytes(b))?;
-                }
-                b'G' => {
-                    let v = f64::from_be_bytes(self.le()?);
-                    self.push(Value::Float(v))?;
-                }
-                // Strings and bytes.
-                b'S' => {
-                    let l = self.line()?;
-                    let v = Self::py2_str(&unquote(l)?);
-                    self.push(v)?;
-                }
-                b'V' => {
-                    let l = self.line()?;
-                    self.push(Value::Str(unescape_unicode(l)?.into()))?;
-                }
-                b'T' => {
-                    let n = i32::from_le_bytes(self.le()?);
-                    let n = usize::try_from(n).map_err(|_| malformed("negative BINSTRING size"))?;
-                    let b = self.take(n)?;
-                    self.push(Self::py2_str(b))?;
-                }
-                b'U' => {
-                    let n = self.byte()? as usize;
-                    let b = self.take(n)?;
-                    self.push(Self::py2_str(b))?;
-                }
-                b'X' => {
-                    let n = u32::from_le_bytes(self.le()?);
-                    let n = self.len_u64(n.into())?;
-                    let b = self.take(n)?;
-                    self.push(Self::str_value(b)?)?;
-                }
-                0x8c => {
-                    let n = self.byte()? as usize;
-                    let b = self.take(n)?;
-                    self.push(Self::str_value(b)?)?;
-                }
-                0x8d => {
-                    let n = u64::from_le_bytes(self.le()?);
-                    let n = self.len_u64(n)?;
-                    let b = self.take(n)?;
-                    self.push(Self::str_value(b)?)?;
-                }
-                b'B' => {
-                    let n = u32::from_le_bytes(self.le()?);
-                    let n = self.len_u64(n.into())?;
-                    let b = self.take(n)?;
-                    self.push(Value::Bytes(b.into()))?;
-                }
-                b'C' => {
-                    let n = self.byte()? as usize;
-                    let b = self.take(n)?;
-                    self.push(Value::Bytes(b.into()))?;
-                }
-                0x8e | 0x96 => {
-                    let n = u64::from_le_bytes(self.le()?);
-                    let n = self.len_u64(n)?;
-                    let b = self.take(n)?;
-                    self.push(Value::Bytes(b.into()))?;
-                }
-                // Containers.
-                b')' => {
-                    let v = self.alloc(Obj::Tuple(Vec::new()))?;
-                    self.push(v)?;
-                }
-                b't' => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::Tuple(items))?;
-                    self.push(v)?;
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    let v = self.alloc(Obj::Tuple(items))?;
-                    self.push(v)?;
-                }
-                b']' => {
-                    let v = self.alloc(Obj::List(Vec::new()))?;
-                    self.push(v)?;
-                }
-                b'l' => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::List(items))?;
-                    self.push(v)?;
-                }
-                b'}' => {
-                    let v = self.alloc(Obj::Dict(Dict::default()))?;
-                    self.push(v)?;
-                }
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    let d = pairs(items)?;
-                    let v = self.alloc(Obj::Dict(d))?;
-                    self.push(v)?;
-                }
-                0x8f => {
-                    let v = self.alloc(Obj::Set(Vec::new()))?;
-                    self.push(v)?;
-                }
-                0x91 => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::Set(items))?;
-                    self.push(v)?;
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    self.extend_top(vec![v])?;
-                }
-                b'e' | 0x90 => {
-                    let items = self.pop_mark()?;
-                    self.extend_top(items)?;
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    self.set_items(vec![k, v])?;
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    self.set_items(items)?;
-                }
-                // Memo.
-                b'p' => {
-                    let l = self.line()?;
-                    let k = l.parse().map_err(|_| malformed(format!("bad PUT `{l}`")))?;
-                    self.memo_put(k)?;
-                }
-                b'q' => {
-                    let k = self.byte()?;
-                    self.memo_put(k.into())?;
-                }
-                b'r' => {
-                    let k = u32::from_le_bytes(self.le()?);
-                    self.memo_put(k.into())?;
-                }
-                0x94 => {
-                    let k = self.memo.len() as u64;
-                    self.memo_put(k)?;
-                }
-                b'g' => {
-                    let l = self.line()?;
-                    let k = l.parse().map_err(|_| malformed(format!("bad GET `{l}`")))?;
-                    self.memo_get(k)?;
-                }
-                b'h' => {
-                    let k = self.byte()?;
-                    self.memo_get(k.into())?;
-                }
-                b'j' => {
-                    let k = u32::from_le_bytes(self.le()?);
-                    self.memo_get(k.into())?;
-                }
-                // Globals and calls: only the allowlist, only as inert values.
-                b'c' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    let g = resolve_global(module, name)?;
-                    self.push(Value::Global(g))?;
-                }
-                0x93 => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    let (Value::Str(module), Value::Str(name)) = (module, name) else {
-                        return Err(malformed("STACK_GLOBAL needs two strings"));
-                    };
-                    let g = resolve_global(&module, &name)?;
-                    self.push(Value::Global(g))?;
-                }
-                b'R' => {
-                    let args = self.pop()?;
-                    let func = self.pop()?;
-                    let v = self.call(&func, &args, true)?;
-                    self.push(v)?;
-                }
-                0x81 => {
-                    let _args = self.pop()?;
-                    let cls = self.pop()?;
-                    let v = self.new_object(&cls, "NEWOBJ")?;
-                    self.push(v)?;
-                }
-                0x92 => {
-                    let _kwargs = self.pop()?;
-                    let _args = self.pop()?;
-                    let cls = self.pop()?;
-                    let v = self.new_object(&cls, "NEWOBJ_EX")?;
-                    self.push(v)?;
-                }
-                b'i' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    let g = resolve_global(module, name)?;
-                    self.pop_mark()?;
-                    let v = self.new_object(&Value::Global(g), "INST")?;
-                    self.push(v)?;
-                }
-                b'o' => {
-                    let items = self.pop_mark()?;
-                    let cls = items
-                        .first()
-                        .cloned()
-                        .ok_or_else(|| malformed("OBJ without a class"))?;
-                    let v = self.new_object(&cls, "OBJ")?;
-                    self.push(v)?;
-                }
-                b'b' => {
-                    let state = self.pop()?;
-                    let target = self
-                        .stack
-                        .last()
-                        .cloned()
-                        .ok_or_else(|| malformed("BUILD on an empty stack"))?;
-                    self.build(&target, state)?;
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    let v = self.persistent_load(&pid)?;
-                    self.push(v)?;
-                }
+                b')'
+                | b't'
+                | 0x85..=0x87
+                | b']'
+                | b'l'
+                | b'}'
+                | b'd'
+                | 0x8f
+                | 0x91
+                | b'a'
+                | b'e'
+                | 0x90
+                | b's'
+                | b'u' => self.container(op)?,
+                b'p' | b'q' | b'r' | 0x94 | b'g' | b'h' | b'j' => self.memo_op(op)?,
+                b'c' | 0x93 | b'R' | 0x81 | 0x92 | b'i' | b'o' | b'b' | b'Q' => self.object(op)?,
                 b'P' => {
                     return Err(CheckpointError::Unsupported(
                         "text persistent ids (PERSID): not written by torch.save".into(),
@@ -848,14 +561,365 @@ impl<'a> Machine<'a> {
                         "out-of-band pickle buffers".into(),
                     ))
                 }
-                _ => {
-                    return Err(malformed(format!(
-                        "unknown pickle opcode 0x{op:02x} at byte {}",
-                        self.pos - 1
-                    )))
-                }
+                _ => return Err(self.unknown(op)),
             }
         }
+    }
+
+    fn unknown(&self, op: u8) -> CheckpointError {
+        malformed(format!(
+            "unknown pickle opcode 0x{op:02x} at byte {}",
+            self.pos - 1
+        ))
+    }
+
+    /// PROTO, FRAME, MARK, POP, POP_MARK, DUP: the stack and the stream.
+    fn control(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            0x80 => {
+                let p = self.byte()?;
+                if p > MAX_PROTOCOL {
+                    return Err(CheckpointError::Unsupported(format!("pickle protocol {p}")));
+                }
+            }
+            0x95 => {
+                self.take(8)?;
+            }
+            b'(' => {
+                if self.marks.len() >= MAX_MARKS {
+                    return Err(limit("nested MARKs", MAX_MARKS));
+                }
+                self.marks.push(self.stack.len());
+            }
+            b'0' => {
+                let floor = self.marks.last().copied().unwrap_or(0);
+                if self.stack.len() > floor {
+                    self.stack.pop();
+                } else {
+                    self.pop_mark()?;
+                }
+            }
+            b'1' => {
+                self.pop_mark()?;
+            }
+            b'2' => {
+                let v = self
+                    .stack
+                    .last()
+                    .cloned()
+                    .ok_or_else(|| malformed("DUP on an empty stack"))?;
+                self.push(v)?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
+    }
+
+    /// Constants and numbers.
+    fn number(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            b'N' => self.push(Value::None)?,
+            0x88 => self.push(Value::Bool(true))?,
+            0x89 => self.push(Value::Bool(false))?,
+            b'I' => {
+                let l = self.line()?;
+                let v = match l {
+                    "01" => Value::Bool(true),
+                    "00" => Value::Bool(false),
+                    _ => Value::Int(l.parse().map_err(|_| malformed(format!("bad INT `{l}`")))?),
+                };
+                self.push(v)?;
+            }
+            b'L' => {
+                let l = self.line()?;
+                let l = l.strip_suffix('L').unwrap_or(l);
+                let v = l
+                    .parse()
+                    .map_err(|_| malformed(format!("bad LONG `{l}`")))?;
+                self.push(Value::Int(v))?;
+            }
+            b'F' => {
+                let l = self.line()?;
+                let v = l
+                    .parse()
+                    .map_err(|_| malformed(format!("bad FLOAT `{l}`")))?;
+                self.push(Value::Float(v))?;
+            }
+            b'J' => {
+                let v = i32::from_le_bytes(self.le()?);
+                self.push(Value::Int(v.into()))?;
+            }
+            b'K' => {
+                let v = self.byte()?;
+                self.push(Value::Int(v.into()))?;
+            }
+            b'M' => {
+                let v = u16::from_le_bytes(self.le()?);
+                self.push(Value::Int(v.into()))?;
+            }
+            0x8a => {
+                let n = self.byte()? as usize;
+                let b = self.take(n)?;
+                self.push(Self::int_bytes(b))?;
+            }
+            0x8b => {
+                let n = i32::from_le_bytes(self.le()?);
+                let n = usize::try_from(n).map_err(|_| malformed("negative LONG4 size"))?;
+                let b = self.take(n)?;
+                self.push(Self::int_bytes(b))?;
+            }
+            b'G' => {
+                let v = f64::from_be_bytes(self.le()?);
+                self.push(Value::Float(v))?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
+    }
+
+    /// Strings and bytes.
+    fn string(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            b'S' => {
+                let l = self.line()?;
+                let v = Self::py2_str(&unquote(l)?);
+                self.push(v)?;
+            }
+            b'V' => {
+                let l = self.line()?;
+                self.push(Value::Str(unescape_unicode(l)?.into()))?;
+            }
+            b'T' => {
+                let n = i32::from_le_bytes(self.le()?);
+                let n = usize::try_from(n).map_err(|_| malformed("negative BINSTRING size"))?;
+                let b = self.take(n)?;
+                self.push(Self::py2_str(b))?;
+            }
+            b'U' => {
+                let n = self.byte()? as usize;
+                let b = self.take(n)?;
+                self.push(Self::py2_str(b))?;
+            }
+            b'X' => {
+                let n = u32::from_le_bytes(self.le()?);
+                let n = self.len_u64(n.into())?;
+                let b = self.take(n)?;
+                self.push(Self::str_value(b)?)?;
+            }
+            0x8c => {
+                let n = self.byte()? as usize;
+                let b = self.take(n)?;
+                self.push(Self::str_value(b)?)?;
+            }
+            0x8d => {
+                let n = u64::from_le_bytes(self.le()?);
+                let n = self.len_u64(n)?;
+                let b = self.take(n)?;
+                self.push(Self::str_value(b)?)?;
+            }
+            b'B' => {
+                let n = u32::from_le_bytes(self.le()?);
+                let n = self.len_u64(n.into())?;
+                let b = self.take(n)?;
+                self.push(Value::Bytes(b.into()))?;
+            }
+            b'C' => {
+                let n = self.byte()? as usize;
+                let b = self.take(n)?;
+                self.push(Value::Bytes(b.into()))?;
+            }
+            0x8e | 0x96 => {
+                let n = u64::from_le_bytes(self.le()?);
+                let n = self.len_u64(n)?;
+                let b = self.take(n)?;
+                self.push(Value::Bytes(b.into()))?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
+    }
+
+    /// Tuples, lists, dicts and sets, and filling them.
+    fn container(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            b')' => {
+                let v = self.alloc(Obj::Tuple(Vec::new()))?;
+                self.push(v)?;
+            }
+            b't' => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::Tuple(items))?;
+                self.push(v)?;
+            }
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.pop()?);
+                }
+                items.reverse();
+                let v = self.alloc(Obj::Tuple(items))?;
+                self.push(v)?;
+            }
+            b']' => {
+                let v = self.alloc(Obj::List(Vec::new()))?;
+                self.push(v)?;
+            }
+            b'l' => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::List(items))?;
+                self.push(v)?;
+            }
+            b'}' => {
+                let v = self.alloc(Obj::Dict(Dict::default()))?;
+                self.push(v)?;
+            }
+            b'd' => {
+                let items = self.pop_mark()?;
+                let d = pairs(items)?;
+                let v = self.alloc(Obj::Dict(d))?;
+                self.push(v)?;
+            }
+            0x8f => {
+                let v = self.alloc(Obj::Set(Vec::new()))?;
+                self.push(v)?;
+            }
+            0x91 => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::Set(items))?;
+                self.push(v)?;
+            }
+            b'a' => {
+                let v = self.pop()?;
+                self.extend_top(vec![v])?;
+            }
+            b'e' | 0x90 => {
+                let items = self.pop_mark()?;
+                self.extend_top(items)?;
+            }
+            b's' => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                self.set_items(vec![k, v])?;
+            }
+            b'u' => {
+                let items = self.pop_mark()?;
+                self.set_items(items)?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
+    }
+
+    /// The memo: PUT and GET.
+    fn memo_op(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            b'p' => {
+                let l = self.line()?;
+                let k = l.parse().map_err(|_| malformed(format!("bad PUT `{l}`")))?;
+                self.memo_put(k)?;
+            }
+            b'q' => {
+                let k = self.byte()?;
+                self.memo_put(k.into())?;
+            }
+            b'r' => {
+                let k = u32::from_le_bytes(self.le()?);
+                self.memo_put(k.into())?;
+            }
+            0x94 => {
+                let k = self.memo.len() as u64;
+                self.memo_put(k)?;
+            }
+            b'g' => {
+                let l = self.line()?;
+                let k = l.parse().map_err(|_| malformed(format!("bad GET `{l}`")))?;
+                self.memo_get(k)?;
+            }
+            b'h' => {
+                let k = self.byte()?;
+                self.memo_get(k.into())?;
+            }
+            b'j' => {
+                let k = u32::from_le_bytes(self.le()?);
+                self.memo_get(k.into())?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
+    }
+
+    /// Globals and calls: only the allowlist, only as inert values.
+    fn object(&mut self, op: u8) -> Result<(), CheckpointError> {
+        match op {
+            b'c' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                let g = resolve_global(module, name)?;
+                self.push(Value::Global(g))?;
+            }
+            0x93 => {
+                let name = self.pop()?;
+                let module = self.pop()?;
+                let (Value::Str(module), Value::Str(name)) = (module, name) else {
+                    return Err(malformed("STACK_GLOBAL needs two strings"));
+                };
+                let g = resolve_global(&module, &name)?;
+                self.push(Value::Global(g))?;
+            }
+            b'R' => {
+                let args = self.pop()?;
+                let func = self.pop()?;
+                let v = self.call(&func, &args, true)?;
+                self.push(v)?;
+            }
+            0x81 => {
+                let _args = self.pop()?;
+                let cls = self.pop()?;
+                let v = self.new_object(&cls, "NEWOBJ")?;
+                self.push(v)?;
+            }
+            0x92 => {
+                let _kwargs = self.pop()?;
+                let _args = self.pop()?;
+                let cls = self.pop()?;
+                let v = self.new_object(&cls, "NEWOBJ_EX")?;
+                self.push(v)?;
+            }
+            b'i' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                let g = resolve_global(module, name)?;
+                self.pop_mark()?;
+                let v = self.new_object(&Value::Global(g), "INST")?;
+                self.push(v)?;
+            }
+            b'o' => {
+                let items = self.pop_mark()?;
+                let cls = items
+                    .first()
+                    .cloned()
+                    .ok_or_else(|| malformed("OBJ without a class"))?;
+                let v = self.new_object(&cls, "OBJ")?;
+                self.push(v)?;
+            }
+            b'b' => {
+                let state = self.pop()?;
+                let target = self
+                    .stack
+                    .last()
+                    .cloned()
+                    .ok_or_else(|| malformed("BUILD on an empty stack"))?;
+                self.build(&target, state)?;
+            }
+            b'Q' => {
+                let pid = self.pop()?;
+                let v = self.persistent_load(&pid)?;
+                self.push(v)?;
+            }
+            _ => return Err(self.unknown(op)),
+        }
+        Ok(())
     }
 
     fn extend_top(&mut self, items: Vec<Value>) -> Result<(), CheckpointError> {

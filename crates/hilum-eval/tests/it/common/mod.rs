@@ -58,6 +58,7 @@ pub fn config(bench: PathBuf, images_dir: PathBuf, out: PathBuf) -> EvalConfig {
         hilum_version: "test".into(),
         choice_instruction: hilum_eval::runner::CHOICE_INSTRUCTION.into(),
         letter_step: false,
+        send_pixels: false,
     }
 }
 
