@@ -5,6 +5,7 @@ mod cli;
 mod device_flag;
 mod eval;
 mod import_no_python;
+mod mcp_remote;
 mod model_view;
 mod pacs_kill9;
 mod serve_durable;
