@@ -3,7 +3,7 @@
 //! ORT_DYLIB_PATH is set: `eval "$(scripts/setup_onnxruntime.sh)"`) and the candle path, on
 //! seeded weights of the full-size networks (speed does not depend on the weights' values).
 //! Threads: `HILUM_CPU_THREADS`, else all cores — the same for native and ONNX Runtime.
-//! Compare with `scripts/bench_torch.py` (PyTorch, same threads, same machine).
+//! Compare with `scripts/bench/bench_torch.py` (PyTorch, same threads, same machine).
 //!
 //! `cargo bench --bench classifier` (add `-- native` or `-- onnx` for one backend).
 

@@ -8,7 +8,7 @@ usage: convert_keras_h5.py IN.h5 OUT.safetensors
 
 `hilum models import ID FILE.h5` no longer runs it: Hilum reads .h5 files in Rust
 (crates/hilum-models/src/checkpoint/keras.rs) and writes the same bytes. It stays as the
-reference scripts/make_keras_fixtures.py checks the Rust reader against.
+reference scripts/fixtures/make_keras_fixtures.py checks the Rust reader against.
 """
 import json
 import struct

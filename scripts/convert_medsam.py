@@ -9,7 +9,7 @@ Before writing, every name and shape is checked against segment-anything's own V
 without Python; this script stays as their reference and for converting by hand.
 
 Run: scripts/.venv-medsam/bin/python scripts/convert_medsam.py medsam_vit_b.pth medsam-vit-b.safetensors
-(versions pinned in scripts/requirements-medsam.txt)
+(versions pinned in scripts/fixtures/requirements-medsam.txt)
 """
 import argparse
 import hashlib

@@ -3,7 +3,7 @@
 Usage: python scripts/convert_pspnet.py pspnet_chestxray_best_model_4.pth model.safetensors
 Names are kept (after stripping DataParallel's `module.`); BN counters and the training-only
 auxiliary head (convbnrelu4_aux, aux_cls) are dropped. Needs torch + safetensors
-(scripts/requirements-anatomy.txt). `hilum models import` reads the .pth in Rust with these
+(scripts/fixtures/requirements-anatomy.txt). `hilum models import` reads the .pth in Rust with these
 rules (crates/hilum-models/src/checkpoint/), without Python; this script stays as their
 reference.
 """

@@ -8,7 +8,7 @@ Usage: convert_report.py SNAPSHOT_DIR OUT.safetensors
   (tokenizer.json, or vocab.txt + tokenizer_config.json as the published repos have).
   e.g. huggingface-cli download IAMJB/chexpert-mimic-cxr-findings-baseline --local-dir snap
 Needs: safetensors and numpy; torch for pytorch_model.bin; transformers for vocab.txt
-(pip install -r scripts/requirements-report.txt).
+(pip install -r scripts/fixtures/requirements-report.txt).
 """
 import json
 import os

@@ -8,7 +8,7 @@ names; `*.num_batches_tracked` (integer training bookkeeping, unused at inferenc
 With --arch the names and shapes are checked against torchxrayvision's own architecture.
 `hilum models import`/`fetch` no longer run this script: they read .pt files in Rust with the
 same rules (crates/hilum-models/src/checkpoint/); it stays as the reference those are tested
-against (scripts/make_checkpoint_fixtures.py).
+against (scripts/fixtures/make_checkpoint_fixtures.py).
 
 Run:  scripts/.venv-fixtures/bin/python scripts/convert_xrv.py IN.pt OUT.safetensors [--arch densenet121|resnet50]
       scripts/.venv-fixtures/bin/python scripts/convert_xrv.py --self-test

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Python side of Hilum's models into scripts/.venv-models:
 #  - onnxruntime 1.31.1, whose libonnxruntime.so the `ort` crate loads at run time (load-dynamic);
-#  - h5py + numpy, for the Keras fixtures (scripts/make_keras_fixtures.py; `hilum models import`
+#  - h5py + numpy, for the Keras fixtures (scripts/fixtures/make_keras_fixtures.py; `hilum models import`
 #    reads .h5 files itself).
 # Prints the environment to export (CI: eval "$(scripts/setup_onnxruntime.sh)").
 set -euo pipefail

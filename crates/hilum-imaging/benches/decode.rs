@@ -1,6 +1,6 @@
 //! Decode + torchxrayvision normalisation + centre crop + resize to 224 of real radiographs:
 //! the largest JPEG (2544x3056, 8-bit) and the 1841x1955 JPEG 2000 DICOM (15-bit MONOCHROME1).
-//! Python counterpart: scripts/bench_decode.py (same files, same steps); compare the medians as
+//! Python counterpart: scripts/bench/bench_decode.py (same files, same steps); compare the medians as
 //! a ratio on one machine. Run: `cargo bench -p hilum-imaging --bench decode`.
 //!
 //! The `jpeg_decoders` group times Hilum's JPEG path (libjpeg-turbo, C without SIMD) beside

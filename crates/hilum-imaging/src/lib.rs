@@ -143,7 +143,7 @@ pub enum ImagingError {
         what: String,
     },
     /// The built-in de-identification table is malformed.
-    #[error("the de-identification table (data/annex_e.tsv) is malformed: {0}; regenerate it with scripts/gen_annex_e.py")]
+    #[error("the de-identification table (data/annex_e.tsv) is malformed: {0}; regenerate it with scripts/fixtures/gen_annex_e.py")]
     DeidTable(String),
 }
 

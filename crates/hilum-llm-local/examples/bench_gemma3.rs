@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release -p hilum-llm-local --example bench_gemma3 -- [MODEL.gguf] [REPS]
 //!
-//! scripts/bench_llm.sh's llama.cpp side is for chat models; compare Gemma with llama.cpp by
+//! scripts/bench/bench_llm.sh's llama.cpp side is for chat models; compare Gemma with llama.cpp by
 //! `llama_cpp.Llama(MODEL, n_threads=2).create_completion(PROMPT, max_tokens=128)` and its perf
 //! counters (docs/models.md, "Gemma 3", has the exact command).
 

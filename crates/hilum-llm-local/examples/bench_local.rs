@@ -6,7 +6,7 @@
 //! the first tool call. Round 2: the same conversation plus the tool result, reusing the cache.
 //! Round 3: generation speed on its own — a fresh conversation without tools whose answer runs
 //! to `GEN_TOKENS` tokens (a list), timed per sampled token.
-//! Prints one JSON object per round (scripts/bench_llm.sh compares it with llama.cpp).
+//! Prints one JSON object per round (scripts/bench/bench_llm.sh compares it with llama.cpp).
 
 use std::time::Instant;
 

@@ -1,5 +1,5 @@
 //! Writes a full-size classifier checkpoint with seeded weights, for benchmarks on machines that
-//! cannot download the published ones (`scripts/bench_triton.sh` imports it with `--custom`):
+//! cannot download the published ones (`scripts/bench/bench_triton.sh` imports it with `--custom`):
 //! `cargo run --release -p hilum-models --example seeded_classifier -- OUT.safetensors [densenet|resnet]`
 
 use hilum_models::xrv::{self, XrvSpec};

@@ -1,6 +1,6 @@
 //! JPEG pixels equal Pillow's, bit for bit: every JPEG in ../shared/data and the synthetic ones
 //! in tests/fixtures/jpeg (gray and colour, baseline and progressive, 4:4:4/4:2:2/4:2:0),
-//! against the checksums `scripts/make_jpeg_fixtures.py` wrote from Pillow's decode.
+//! against the checksums `scripts/fixtures/make_jpeg_fixtures.py` wrote from Pillow's decode.
 //! Run: `cargo test -p hilum-imaging --test it jpeg_pillow::`.
 
 use std::path::{Path, PathBuf};
@@ -146,7 +146,7 @@ fn manifest_covers_every_shared_jpeg() {
     let missing: Vec<_> = found.iter().filter(|f| !listed.contains(f)).collect();
     assert!(
         missing.is_empty(),
-        "not in pillow.json (rerun scripts/make_jpeg_fixtures.py): {missing:?}"
+        "not in pillow.json (rerun scripts/fixtures/make_jpeg_fixtures.py): {missing:?}"
     );
 }
 

@@ -1,6 +1,6 @@
 //! The image store's torchxrayvision variant (`Preprocess::xrv(224)`) against torchxrayvision
 //! 1.5.7's own pipeline on real radiographs (tests/fixtures/xrv_parity, written by
-//! scripts/make_xrv_parity_fixtures.py). The scores and the PSPNet/MedSAM inputs are checked in
+//! scripts/fixtures/make_xrv_parity_fixtures.py). The scores and the PSPNet/MedSAM inputs are checked in
 //! `cargo test -p hilum-models --test it xrv_parity::`.
 
 use std::path::PathBuf;
@@ -16,7 +16,7 @@ fn xrv_224_variant_matches_torchxrayvision() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let fixtures = root.join("tests/fixtures/xrv_parity");
     let text = std::fs::read_to_string(fixtures.join("manifest.json"))
-        .expect("manifest: run scripts/make_xrv_parity_fixtures.py");
+        .expect("manifest: run scripts/fixtures/make_xrv_parity_fixtures.py");
     let m: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     let images = m["images"].as_array().expect("images");
     assert!(images.len() >= 12);

@@ -1,5 +1,5 @@
 //! The local backend on Gemma 3 270M (base model, Q4_K_M GGUF) against llama.cpp's behaviour
-//! recorded by scripts/gen_gemma3_fixture.py in tests/fixtures/gemma3_llamacpp.json: the
+//! recorded by scripts/fixtures/gen_gemma3_fixture.py in tests/fixtures/gemma3_llamacpp.json: the
 //! SentencePiece tokenization, the first-step logits and greedy continuations (one prompt longer
 //! than the 512-token sliding window), and a KV cache filled in chunks.
 //!

@@ -1,5 +1,5 @@
 //! Gemma 3's multimodal model (MedGemma 4B's architecture) against transformers 4.57.6, on a
-//! seeded tiny `Gemma3ForConditionalGeneration` written by scripts/make_gemma3_vlm_fixtures.py
+//! seeded tiny `Gemma3ForConditionalGeneration` written by scripts/fixtures/make_gemma3_vlm_fixtures.py
 //! (tests/fixtures/gemma3_vlm/tiny): the image processor's pixel values, the image features
 //! (SigLIP tower + projector), the logits of every position of a prompt with two images and a
 //! text-only turn (token ids: the tiny vocabulary has no tokenizer), and greedy tokens; and

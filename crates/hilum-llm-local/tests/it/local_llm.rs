@@ -64,7 +64,7 @@ fn fixture(name: &str) -> PathBuf {
 /// compared. Cases whose text changes under NFC are left out when `skip_nfc_changes`.
 fn check_corpus(tok: &GgufTokenizer, name: &str, skip_nfc_changes: bool) -> usize {
     let text = std::fs::read_to_string(fixture(name))
-        .expect("fixture from scripts/gen_llm_tokenizer_fixture.py");
+        .expect("fixture from scripts/fixtures/gen_llm_tokenizer_fixture.py");
     let v: Value = serde_json::from_str(&text).unwrap();
     let cases = v["cases"].as_array().unwrap();
     assert!(cases.len() >= 20);

@@ -1,5 +1,5 @@
 //! The PyTorch checkpoint reader against files written by torch and torchxrayvision themselves
-//! (`scripts/make_checkpoint_fixtures.py`, fixtures in `tests/fixtures/checkpoints/`): values
+//! (`scripts/fixtures/make_checkpoint_fixtures.py`, fixtures in `tests/fixtures/checkpoints/`): values
 //! equal torch's own `.to(float32)`, converted files equal the Python converters' output tensor
 //! for tensor, and malicious pickles are refused by name without anything running.
 

@@ -1,6 +1,6 @@
 //! The Keras `.h5` reader against files written by h5py (the HDF5 C library): the safetensors it
 //! writes are byte for byte those of `scripts/convert_keras_h5.py` (fixtures from
-//! `scripts/make_keras_fixtures.py`, and the real lung U-Net in ../shared/data), and damaged
+//! `scripts/fixtures/make_keras_fixtures.py`, and the real lung U-Net in ../shared/data), and damaged
 //! files give errors, never a panic.
 
 use std::path::{Path, PathBuf};

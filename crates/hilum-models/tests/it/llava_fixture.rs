@@ -1,5 +1,5 @@
 //! The native LLaVA against transformers 4.57.6 on tiny seeded models
-//! (`scripts/make_llava_fixtures.py`, fixtures in `tests/fixtures/llava/`): a Llama text model
+//! (`scripts/fixtures/make_llava_fixtures.py`, fixtures in `tests/fixtures/llava/`): a Llama text model
 //! with centre-cropped input and a Mistral text model with pad-to-square input, both with a
 //! CLIP vision tower, grouped-query attention and a real radiograph.
 

@@ -1,5 +1,5 @@
 //! SAM / MedSAM against facebookresearch/segment-anything (fixtures from
-//! scripts/make_medsam_fixtures.py): a seeded small configuration to 1e-4 for the image
+//! scripts/fixtures/make_medsam_fixtures.py): a seeded small configuration to 1e-4 for the image
 //! embedding, the prompt embeddings, every mask token's low-res logits and the IoU predictions,
 //! and the full-size ViT-B parameter names and shapes one to one.
 
@@ -14,7 +14,7 @@ fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/medsam");
     assert!(
         p.is_dir(),
-        "{} missing: run scripts/make_medsam_fixtures.py",
+        "{} missing: run scripts/fixtures/make_medsam_fixtures.py",
         p.display()
     );
     p

@@ -1,6 +1,6 @@
 //! The MedSAM (SAM ViT) image encoder's ONNX graph, written by Hilum from the weights, on ONNX
 //! Runtime: the seeded small configuration against segment-anything's own embedding (fixture
-//! from scripts/make_medsam_fixtures.py) and against candle; ViT-B's full width (768 channels,
+//! from scripts/fixtures/make_medsam_fixtures.py) and against candle; ViT-B's full width (768 channels,
 //! 12 heads, 14-px windows padded) at a smaller image against candle; a free batch; and
 //! `export-triton` writing the graph for `medsam-vit-b`.
 //!

@@ -1,5 +1,5 @@
 //! ChestX-Det PSPNet against torchxrayvision's reference blocks (fixtures from
-//! scripts/make_anatomy_fixtures.py): seeded small configuration to 1e-4, and the full-size
+//! scripts/fixtures/make_anatomy_fixtures.py): seeded small configuration to 1e-4, and the full-size
 //! published parameter names and shapes one to one.
 
 use std::collections::{BTreeMap, HashMap};
@@ -13,7 +13,7 @@ fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/anatomy");
     assert!(
         p.is_dir(),
-        "{} missing: run scripts/make_anatomy_fixtures.py",
+        "{} missing: run scripts/fixtures/make_anatomy_fixtures.py",
         p.display()
     );
     p

@@ -1,5 +1,5 @@
 //! The SwinV2 + BERT report model against Hugging Face transformers 4.57.6 on tiny seeded
-//! configurations (`scripts/make_report_fixtures.py` → `tests/fixtures/report/`): encoder output
+//! configurations (`scripts/fixtures/make_report_fixtures.py` → `tests/fixtures/report/`): encoder output
 //! and decoder logits to 1e-4, greedy and beam-search tokens exactly, detokenised text exactly,
 //! and the full-size parameter list one to one.
 
@@ -239,7 +239,7 @@ fn vocab_txt_tokenizer_decodes_like_tokenizer_json() {
 }
 
 /// The report models' recipe on real radiographs (a PNG and a JPEG) against transformers'
-/// ViTImageProcessor as the checkpoints configure it (`scripts/make_report_preprocess_fixtures.py`
+/// ViTImageProcessor as the checkpoints configure it (`scripts/fixtures/make_report_preprocess_fixtures.py`
 /// wrote its planes back as bytes): equal byte for byte.
 #[test]
 fn the_recipe_is_the_vit_image_processor() {

@@ -1,5 +1,5 @@
 //! The torchxrayvision classifiers against reference outputs of the original Python code
-//! (tests/fixtures/classifier, written by scripts/make_fixtures.py), on both backends.
+//! (tests/fixtures/classifier, written by scripts/fixtures/make_fixtures.py), on both backends.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/classifier");
     assert!(
         p.join("small_configs.json").exists(),
-        "fixtures missing in {}: run scripts/make_fixtures.py",
+        "fixtures missing in {}: run scripts/fixtures/make_fixtures.py",
         p.display()
     );
     p

@@ -30,7 +30,7 @@ fn fixture_vb(name: &str) -> VarBuilder<'static> {
 
 fn small_config(key: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(fixtures().join("small_configs.json"))
-        .expect("fixtures present (scripts/make_fixtures.py)");
+        .expect("fixtures present (scripts/fixtures/make_fixtures.py)");
     let v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     v[key].clone()
 }

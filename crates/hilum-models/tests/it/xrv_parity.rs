@@ -1,7 +1,7 @@
 //! End-to-end parity with the Python reference pipelines on real radiographs: Hilum decodes the
 //! shared files (../shared/data/cxr/images) and preprocesses them as `classify_chest_xray`,
 //! `segment_anatomy` and `segment_region` do; the fixtures (tests/fixtures/xrv_parity, written by
-//! scripts/make_xrv_parity_fixtures.py with torchxrayvision 1.5.7, scikit-image 0.26 and torch
+//! scripts/fixtures/make_xrv_parity_fixtures.py with torchxrayvision 1.5.7, scikit-image 0.26 and torch
 //! 2.15) hold what torchxrayvision's own pipeline and MedSAM_Inference.py produce from the same
 //! files, and the scores of a full-size DenseNet-121 with Hilum's seeded weights.
 //!
@@ -37,7 +37,7 @@ fn manifest() -> Value {
     let path = fixtures().join("manifest.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e}; run scripts/make_xrv_parity_fixtures.py",
+            "{}: {e}; run scripts/fixtures/make_xrv_parity_fixtures.py",
             path.display()
         )
     });

@@ -30,7 +30,7 @@ fn small_model() -> pspnet::AnatomySegmenter {
     let dir = root().join("tests/fixtures/anatomy");
     let cfg: Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("pspnet_small_config.json"))
-            .expect("run scripts/make_anatomy_fixtures.py"),
+            .expect("run scripts/fixtures/make_anatomy_fixtures.py"),
     )
     .expect("config");
     pspnet::load_file(

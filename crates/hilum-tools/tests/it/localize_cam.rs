@@ -24,7 +24,7 @@ fn fixtures() -> PathBuf {
     let p = repo().join("tests/fixtures/classifier");
     assert!(
         p.join("densenet_small.safetensors").exists(),
-        "classifier fixtures missing in {}: run scripts/make_fixtures.py",
+        "classifier fixtures missing in {}: run scripts/fixtures/make_fixtures.py",
         p.display()
     );
     p

@@ -31,7 +31,7 @@ fn small_model() -> Arc<Sam> {
     let dir = root().join("tests/fixtures/medsam");
     let cfg: Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("sam_small_config.json"))
-            .expect("run scripts/make_medsam_fixtures.py"),
+            .expect("run scripts/fixtures/make_medsam_fixtures.py"),
     )
     .expect("config");
     Arc::new(

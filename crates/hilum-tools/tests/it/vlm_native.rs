@@ -1,6 +1,6 @@
 //! `answer_visual_question` on the native backend: the tiny LLaVA-Med-style fixture
 //! (Mistral text model, pad-to-square, `[INST]` prompt; `tests/fixtures/llava/tiny_mistral`,
-//! made by `scripts/make_llava_fixtures.py`) imported into a temporary models directory
+//! made by `scripts/fixtures/make_llava_fixtures.py`) imported into a temporary models directory
 //! through `hilum models import`'s code path, run in-process on a real radiograph. Its answer
 //! must be transformers' greedy decode, decoded.
 
