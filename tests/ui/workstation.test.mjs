@@ -271,6 +271,32 @@ try {
   await shot(page, "33-help.png");
   await page.keyboard.press("Escape");
 
+  // ---- a context overflow is a failure, not "Done", and the session still answers ----
+  const other = await context.newPage();
+  other.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
+  await other.goto(env("HILUM_OVERFLOW_URL"));
+  await other.fill("#token", env("HILUM_OVERFLOW_TOKEN"));
+  await other.press("#token", "Enter");
+  await other.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await other.setInputFiles("#file", IMAGE);
+  await other.waitForSelector("#canvas[data-image]");
+  await other.fill("#question", "Describe this image.");
+  await other.click("#ask");
+  await other.waitForSelector("#run-state[data-done=true]", { timeout: 30_000 });
+  assert.equal(await other.getAttribute("#run-state", "data-outcome"), "failed");
+  assert.match(await other.textContent("#run-state"), /^Failed after [\d.]+ s: .*over the model's context/);
+  assert.match(await other.textContent("#alert-text"), /over the model's context/);
+  await shot(other, "34-context-overflow.png");
+  await other.click("#alert-close");
+  await other.fill("#question", "Describe this image, briefly.");
+  await other.click("#ask");
+  await other.waitForSelector("#run-state[data-done=true]", { timeout: 30_000 });
+  assert.equal(await other.getAttribute("#run-state", "data-outcome"), "completed", await other.textContent("#run-state"));
+  const last = await other.$$eval("[data-role=answer]", (a) => a.map((e) => e.textContent.trim()));
+  assert.equal(last[last.length - 1], ANSWER);
+  await shot(other, "35-after-overflow.png");
+  await other.close();
+
   assert.deepEqual(errors, [], "browser errors");
   console.log("UI WORKSTATION TEST PASSED");
 } catch (e) {

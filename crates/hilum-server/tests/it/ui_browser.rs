@@ -246,10 +246,40 @@ async fn ui_workstation_in_headless_chromium() {
     });
     let srv = start(cfg).await;
     let tok = token(&srv.state, "radiologist");
+    // A second service whose first run fails on the model's context, as a local model does
+    // with a prompt over its window; the runs after it get a working model.
+    for sub in ["overflow", "fine"] {
+        std::fs::create_dir_all(dir.path().join(sub)).expect("script dir");
+    }
+    let overflow = write_script(
+        &dir.path().join("overflow"),
+        json!([{"error": "the prompt is 9,312 tokens, over the model's context of 8,192 tokens"}]),
+    );
+    let fine = write_script(
+        &dir.path().join("fine"),
+        json!([{"content": answer}, {"content": answer}, {"content": answer}]),
+    );
+    let built = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut ocfg = config(&dir.path().join("overflow.db"), None);
+    ocfg.llm = Some(hilum_server::LlmFactory {
+        name: "script:overflow-then-fine".into(),
+        local: true,
+        build: Arc::new(move || {
+            let n = built.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let path = if n == 0 { &overflow } else { &fine };
+            hilum_llm::ScriptLlm::from_file(path)
+                .map(|l| Arc::new(l) as Arc<dyn hilum_agent::Llm>)
+                .map_err(|e| e.to_string())
+        }),
+    });
+    let osrv = start(ocfg).await;
+    let otok = token(&osrv.state, "radiologist");
     let shots = repo().join("target/ui-screenshots");
     std::fs::create_dir_all(&shots).expect("create target/ui-screenshots");
     let mut cmd = tokio::process::Command::new("node");
     cmd.arg("workstation.test.mjs")
+        .env("HILUM_OVERFLOW_URL", osrv.url("/"))
+        .env("HILUM_OVERFLOW_TOKEN", &otok)
         .current_dir(repo().join("tests/ui"))
         .env("HILUM_URL", srv.url("/"))
         .env("HILUM_TOKEN", &tok)
@@ -265,6 +295,7 @@ async fn ui_workstation_in_headless_chromium() {
     // the run, it did not start or resume it again).
     let audit = srv.state.db().audit_since(0, 10_000).expect("audit");
     srv.stop().await;
+    osrv.stop().await;
     passed.unwrap_or_else(|e| panic!("{e}"));
     let mut seen = std::collections::HashMap::new();
     // (The page's own direct `visualize` calls, which render a DICOM, belong to no run.)
@@ -291,6 +322,8 @@ async fn ui_workstation_in_headless_chromium() {
         "31-wl-drag.png",
         "32-ruler-mm.png",
         "33-help.png",
+        "34-context-overflow.png",
+        "35-after-overflow.png",
     ] {
         let p = shots.join(name);
         let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
