@@ -138,16 +138,10 @@ impl Tool for RemoteTool {
     }
 }
 
-/// The PNG a reasoning model is sent for `img` with `--send-pixels`: the canonical pixels
-/// scaled to 8 bits, grey, no metadata chunk (what `hilum analyze` sends today).
+/// The PNG a reasoning model is shown of `img` (`hilum_imaging::model_view_png`: grey, 8-bit,
+/// longest side at most 1024 px, no metadata).
 fn model_png(img: &CxrImage) -> Result<Vec<u8>, ToolError> {
-    let scale = 255.0 / img.max_value().max(1.0);
-    let bytes: Vec<u8> = img
-        .pixels
-        .iter()
-        .map(|&v| (v * scale).round().clamp(0.0, 255.0) as u8)
-        .collect();
-    hilum_imaging::encode_png(img.width, img.height, &bytes, 1)
+    hilum_imaging::model_view_png(img)
         .map_err(|e| ToolError::Internal(format!("cannot encode the image: {e}")))
 }
 
