@@ -141,10 +141,10 @@ export async function cancelRun(sessionId, runId) {
   );
 }
 
-/** Continues an interrupted run; its remaining events stream as from ask(). */
+/** Continues an interrupted run; its remaining events stream as from ask() (detached too). */
 export async function resume(sessionId, runId, onEvent) {
   const resp = await request(
-    `/v1/sessions/${encodeURIComponent(sessionId)}/runs/${encodeURIComponent(runId)}/resume`,
+    `/v1/sessions/${encodeURIComponent(sessionId)}/runs/${encodeURIComponent(runId)}/resume?detach=true`,
     { method: "POST", headers: { Accept: "application/x-ndjson" } },
   );
   await readEvents(resp, onEvent);
