@@ -1,10 +1,11 @@
 //! `hilum bench`: per-tool latency on real images, the classifiers' batched forward at several
-//! batch sizes on each backend, and one round of parallel calls against the same calls one
-//! after another.
+//! batch sizes on each backend, bursts of concurrent classifier calls without and with dynamic
+//! batching, and one round of parallel calls against the same calls one after another.
 
 mod batch;
 mod concurrent;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,9 +37,11 @@ Classifiers: `--backend native,onnx` times classify_chest_xray once per backend,
 forward (preprocessed images, no decoding) runs at each `--batch` size on each backend \
 (`hilum bench --image chest.png --tool classify_chest_xray --backend native,onnx --batch 1,4,16`). \
 Threads: HILUM_CPU_THREADS (native and ONNX Runtime alike).\n\n\
-Triton: `--backend native,kserve --concurrent 16` (with HILUM_KSERVE_URL or [remote] url) also \
-times bursts of 16 concurrent classify_chest_xray calls per backend, the backends interleaved; \
-the server's dynamic batching batches a burst.")]
+Concurrent calls: `--concurrent 16` also times bursts of 16 concurrent classify_chest_xray calls \
+per backend, without and with the pool's dynamic batching (HILUM_BATCH_MAX_SIZE / \
+HILUM_BATCH_DELAY_MS when set, else up to 16 calls for 2 ms), all sides interleaved: throughput \
+and p50/p95 call latency side by side. With `--backend native,kserve` (HILUM_KSERVE_URL or \
+[remote] url) the server's own dynamic batching batches a burst.")]
 pub struct BenchArgs {
     #[command(flatten)]
     pub devices: crate::config::DeviceFlag,
@@ -65,7 +68,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
     /// Also time bursts of this many concurrent classify_chest_xray calls on each classifier
-    /// backend (0: skip).
+    /// backend, without and with dynamic batching (0: skip).
     #[arg(long, default_value_t = 0)]
     pub concurrent: usize,
     /// Skip the round benchmark (parallel round vs serial calls).
@@ -187,33 +190,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .with_backends(crate::config::resolve_backends(&[], &file.backends)?);
     let toolbox = Arc::new(crate::toolbox(&deps)?);
     let env = Environment::default();
-
-    let mut extra = std::collections::HashMap::new();
-    for a in &args.args {
-        let (name, json) = a
-            .split_once('=')
-            .with_context(|| format!("--args `{a}` must look like NAME=JSON"))?;
-        let v: Value =
-            serde_json::from_str(json).with_context(|| format!("--args for {name} is not JSON"))?;
-        extra.insert(name.to_string(), v);
-    }
-    let specs = toolbox.specs(&env);
-    let names: Vec<String> = if args.tool.is_empty() {
-        specs
-            .iter()
-            .filter(|s| {
-                let required: Vec<&str> = s.parameters["required"]
-                    .as_array()
-                    .map(|r| r.iter().filter_map(Value::as_str).collect())
-                    .unwrap_or_default();
-                extra.contains_key(&s.name) || required.iter().all(|r| r.starts_with("image"))
-            })
-            .map(|s| s.name.clone())
-            .collect()
-    } else {
-        args.tool.clone()
-    };
-
+    let extra = extra_args(&args.args)?;
+    let names = tool_names(&toolbox, &env, &args.tool, &extra);
     let backends = args
         .backend
         .iter()
@@ -234,72 +212,21 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             jobs.push((name.clone(), None, toolbox.clone()));
         }
     }
-
     let mut results = Vec::new();
-    for (name, backend, toolbox) in &jobs {
-        let toolbox = toolbox.as_ref();
-        if !args.json {
-            match backend {
-                Some(b) => eprintln!("timing {name} on {b} …"),
-                None => eprintln!("timing {name} …"),
-            }
-        }
-        let mut per_image = Vec::new();
-        for id in &ids {
-            let mut a = extra.get(name).cloned().unwrap_or_else(|| json!({}));
-            fill_image_args(toolbox, &env, name, &mut a, std::slice::from_ref(id))?;
-            // segment_region needs a prompt: default to the central half of the image.
-            if name == "segment_region" && a.get("box").is_none() && a.get("points").is_none() {
-                let img = store.get(id)?;
-                let (w, h) = (img.width as f64, img.height as f64);
-                a["box"] = json!([w / 4.0, h / 4.0, 3.0 * w / 4.0, 3.0 * h / 4.0]);
-            }
-            per_image.push(a);
-        }
-        let mut res = ToolResult {
-            name: name.clone(),
-            backend: *backend,
-            first_ms: f64::NAN,
-            times: Vec::new(),
-            error: None,
-            tokens_per_s: Vec::new(),
-            devices: Vec::new(),
-        };
-        let before = calls_per_device(&deps.models);
-        match call(toolbox, &env, name, &per_image[0]).await {
-            Err(e) => res.error = Some(e),
-            Ok(ms) => {
-                res.first_ms = ms;
-                for i in 0..args.warmup {
-                    let _ = call(toolbox, &env, name, &per_image[i % per_image.len()]).await;
-                }
-                for i in 0..args.iterations {
-                    match call_tps(toolbox, &env, name, &per_image[i % per_image.len()]).await {
-                        Ok((ms, tps)) => {
-                            res.times.push(ms);
-                            res.tokens_per_s.extend(tps);
-                        }
-                        Err(e) => {
-                            res.error = Some(e);
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        res.devices = calls_per_device(&deps.models)
-            .into_iter()
-            .zip(before)
-            .map(|((d, n), (_, was))| (d, n.saturating_sub(was)))
-            .filter(|(_, n)| *n > 0)
-            .collect();
-        results.push(res);
+    for job in &jobs {
+        results.push(time_tool(&args, job, &store, &ids, &extra, &deps.models).await?);
     }
 
     // What the classifier runs on without `--backend`: the default for the pool's devices.
     let pool = &deps.models;
     let default_backend = Backend::default_for(pool.settings().runs_on(pool.devices().first()));
-    let batched = if names.iter().any(|n| n == CLASSIFY) && !args.batch.is_empty() {
+    let classifier_backends = if backends.is_empty() {
+        vec![default_backend]
+    } else {
+        backends.clone()
+    };
+    let classifies = names.iter().any(|n| n == CLASSIFY);
+    let batched = if classifies && !args.batch.is_empty() {
         if !args.json {
             eprintln!("timing the batched classifier forward …");
         }
@@ -310,11 +237,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| xrv::XrvSpec::densenet121_res224_all().id);
         let plan = batch::Plan {
             models: vec![model],
-            backends: if backends.is_empty() {
-                vec![default_backend]
-            } else {
-                backends.clone()
-            },
+            backends: classifier_backends.clone(),
             batches: args.batch.clone(),
             iterations: args.iterations,
             warmup: args.warmup,
@@ -326,23 +249,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     let bursts = if args.concurrent > 0 {
         if !args.json {
-            eprintln!("timing bursts of {} concurrent calls …", args.concurrent);
+            eprintln!(
+                "timing bursts of {} concurrent calls, without and with batching …",
+                args.concurrent
+            );
         }
-        let on = if backends.is_empty() {
-            vec![default_backend]
-        } else {
-            backends.clone()
-        };
+        let pools = concurrent::pools(&deps.models, args.concurrent);
         let n = args.iterations.max(3);
-        concurrent::run(
-            store.clone(),
-            deps.models.clone(),
-            &ids,
-            &on,
-            args.concurrent,
-            n,
-        )
-        .await
+        let (c, on) = (args.concurrent, &classifier_backends);
+        concurrent::run(store.clone(), &pools, &ids, on, c, n).await
     } else {
         Vec::new()
     };
@@ -359,36 +274,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Some(round_bench(toolbox.clone(), &ids[0], &ok, &extra).await?)
     };
 
-    let rows: Vec<Value> = results
-        .iter()
-        .map(|r| {
-            let mut t = r.times.clone();
-            t.sort_by(|a, b| a.total_cmp(b));
-            let mut tps = r.tokens_per_s.clone();
-            tps.sort_by(|a, b| a.total_cmp(b));
-            let mean = if t.is_empty() {
-                f64::NAN
-            } else {
-                t.iter().sum::<f64>() / t.len() as f64
-            };
-            json!({
-                "tool": r.name,
-                "backend": r.backend.map(Backend::name),
-                "ok": r.error.is_none(),
-                "error": r.error,
-                "first_ms": finite(r.first_ms),
-                "iterations": t.len(),
-                "p50_ms": finite(percentile(&t, 50.0)),
-                "p95_ms": finite(percentile(&t, 95.0)),
-                "p99_ms": finite(percentile(&t, 99.0)),
-                "mean_ms": finite(mean),
-                "images_per_s": finite(1e3 / mean),
-                "load_ms_estimate": finite(r.first_ms - percentile(&t, 50.0)),
-                "tokens_per_s_p50": finite(percentile(&tps, 50.0)),
-                "devices": r.devices.iter().map(|(d, n)| (d.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
-            })
-        })
-        .collect();
+    let rows: Vec<Value> = results.iter().map(tool_row).collect();
     let report = json!({
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "images": ids,
@@ -401,32 +287,182 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "peak_rss_mib": peak_rss_mib(),
     });
     if let Some(path) = &args.plot {
-        let tools: Vec<(String, f64, f64)> = rows
-            .iter()
-            .filter_map(|r| {
-                let name = match r["backend"].as_str() {
-                    Some(b) => format!("{} {b}", r["tool"].as_str()?),
-                    None => r["tool"].as_str()?.to_string(),
-                };
-                Some((name, r["p50_ms"].as_f64()?, r["p95_ms"].as_f64()?))
-            })
-            .collect();
-        let round = report["round"]
-            .as_object()
-            .and_then(|r| Some((r["parallel_ms"].as_f64()?, r["serial_ms"].as_f64()?)));
-        let png = hilum_eval::plot::bench_figure(&tools, round)?;
-        std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("hilum: wrote {}", path.display());
+        write_plot(path, &rows, &report)?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    print_report(&rows, &report);
+    Ok(())
+}
+
+/// `--args NAME=JSON` as a map from tool name to its extra arguments.
+fn extra_args(args: &[String]) -> anyhow::Result<HashMap<String, Value>> {
+    let mut extra = HashMap::new();
+    for a in args {
+        let (name, json) = a
+            .split_once('=')
+            .with_context(|| format!("--args `{a}` must look like NAME=JSON"))?;
+        let v: Value =
+            serde_json::from_str(json).with_context(|| format!("--args for {name} is not JSON"))?;
+        extra.insert(name.to_string(), v);
+    }
+    Ok(extra)
+}
+
+/// The tools to time: `--tool`, else every tool that needs only an image (or gets its other
+/// arguments from `--args`).
+fn tool_names(
+    toolbox: &Toolbox,
+    env: &Environment,
+    chosen: &[String],
+    extra: &HashMap<String, Value>,
+) -> Vec<String> {
+    if !chosen.is_empty() {
+        return chosen.to_vec();
+    }
+    toolbox
+        .specs(env)
+        .iter()
+        .filter(|s| {
+            let required: Vec<&str> = s.parameters["required"]
+                .as_array()
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            extra.contains_key(&s.name) || required.iter().all(|r| r.starts_with("image"))
+        })
+        .map(|s| s.name.clone())
+        .collect()
+}
+
+/// One tool (on one classifier backend, if chosen): its first call, the warm-up calls, then
+/// the timed ones, cycling over the images; and the routed calls per device meanwhile.
+async fn time_tool(
+    args: &BenchArgs,
+    (name, backend, toolbox): &(String, Option<Backend>, Arc<Toolbox>),
+    store: &ImageStore,
+    ids: &[String],
+    extra: &HashMap<String, Value>,
+    pool: &hilum_models::ModelPool,
+) -> anyhow::Result<ToolResult> {
+    let toolbox = toolbox.as_ref();
+    let env = Environment::default();
+    if !args.json {
+        match backend {
+            Some(b) => eprintln!("timing {name} on {b} …"),
+            None => eprintln!("timing {name} …"),
+        }
+    }
+    let mut per_image = Vec::new();
+    for id in ids {
+        let mut a = extra.get(name).cloned().unwrap_or_else(|| json!({}));
+        fill_image_args(toolbox, &env, name, &mut a, std::slice::from_ref(id))?;
+        // segment_region needs a prompt: default to the central half of the image.
+        if name == "segment_region" && a.get("box").is_none() && a.get("points").is_none() {
+            let img = store.get(id)?;
+            let (w, h) = (img.width as f64, img.height as f64);
+            a["box"] = json!([w / 4.0, h / 4.0, 3.0 * w / 4.0, 3.0 * h / 4.0]);
+        }
+        per_image.push(a);
+    }
+    let mut res = ToolResult {
+        name: name.clone(),
+        backend: *backend,
+        first_ms: f64::NAN,
+        times: Vec::new(),
+        error: None,
+        tokens_per_s: Vec::new(),
+        devices: Vec::new(),
+    };
+    let before = calls_per_device(pool);
+    match call(toolbox, &env, name, &per_image[0]).await {
+        Err(e) => res.error = Some(e),
+        Ok(ms) => {
+            res.first_ms = ms;
+            for i in 0..args.warmup {
+                let _ = call(toolbox, &env, name, &per_image[i % per_image.len()]).await;
+            }
+            for i in 0..args.iterations {
+                match call_tps(toolbox, &env, name, &per_image[i % per_image.len()]).await {
+                    Ok((ms, tps)) => {
+                        res.times.push(ms);
+                        res.tokens_per_s.extend(tps);
+                    }
+                    Err(e) => {
+                        res.error = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    res.devices = calls_per_device(pool)
+        .into_iter()
+        .zip(before)
+        .map(|((d, n), (_, was))| (d, n.saturating_sub(was)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    Ok(res)
+}
+
+/// One tool's JSON row: percentiles, throughput, the load estimate, tokens/s, devices.
+fn tool_row(r: &ToolResult) -> Value {
+    let mut t = r.times.clone();
+    t.sort_by(|a, b| a.total_cmp(b));
+    let mut tps = r.tokens_per_s.clone();
+    tps.sort_by(|a, b| a.total_cmp(b));
+    let mean = if t.is_empty() {
+        f64::NAN
+    } else {
+        t.iter().sum::<f64>() / t.len() as f64
+    };
+    json!({
+        "tool": r.name,
+        "backend": r.backend.map(Backend::name),
+        "ok": r.error.is_none(),
+        "error": r.error,
+        "first_ms": finite(r.first_ms),
+        "iterations": t.len(),
+        "p50_ms": finite(percentile(&t, 50.0)),
+        "p95_ms": finite(percentile(&t, 95.0)),
+        "p99_ms": finite(percentile(&t, 99.0)),
+        "mean_ms": finite(mean),
+        "images_per_s": finite(1e3 / mean),
+        "load_ms_estimate": finite(r.first_ms - percentile(&t, 50.0)),
+        "tokens_per_s_p50": finite(percentile(&tps, 50.0)),
+        "devices": r.devices.iter().map(|(d, n)| (d.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
+    })
+}
+
+/// `--plot`: per tool p50/p95, and the round's parallel and serial times.
+fn write_plot(path: &std::path::Path, rows: &[Value], report: &Value) -> anyhow::Result<()> {
+    let tools: Vec<(String, f64, f64)> = rows
+        .iter()
+        .filter_map(|r| {
+            let name = match r["backend"].as_str() {
+                Some(b) => format!("{} {b}", r["tool"].as_str()?),
+                None => r["tool"].as_str()?.to_string(),
+            };
+            Some((name, r["p50_ms"].as_f64()?, r["p95_ms"].as_f64()?))
+        })
+        .collect();
+    let round = report["round"]
+        .as_object()
+        .and_then(|r| Some((r["parallel_ms"].as_f64()?, r["serial_ms"].as_f64()?)));
+    let png = hilum_eval::plot::bench_figure(&tools, round)?;
+    std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("hilum: wrote {}", path.display());
+    Ok(())
+}
+
+/// The tables: per tool, per device, the batched forward, the bursts, the round, peak memory.
+fn print_report(rows: &[Value], report: &Value) {
     println!(
         "{:<28} {:>9} {:>9} {:>9} {:>9} {:>8}  note",
         "tool", "first ms", "p50 ms", "p95 ms", "p99 ms", "img/s"
     );
-    for r in &rows {
+    for r in rows {
         let f = |k: &str| {
             r[k].as_f64()
                 .map(|v| format!("{v:.1}"))
@@ -457,8 +493,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     print_devices(&report["devices"]);
-    batch::print(&batched, crate::model_settings().cpu.threads());
-    concurrent::print(&bursts);
+    let rows_of = |k: &str| report[k].as_array().cloned().unwrap_or_default();
+    batch::print(&rows_of("batched"), crate::model_settings().cpu.threads());
+    concurrent::print(&rows_of("concurrent"));
     if let Some(r) = &report["round"].as_object() {
         println!(
             "\nround of {} calls: parallel {:.1} ms, serial {:.1} ms, serial/parallel {:.2}x",
@@ -471,7 +508,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(rss) = peak_rss_mib() {
         println!("peak RSS {rss:.0} MiB");
     }
-    Ok(())
 }
 
 const CLASSIFY: &str = "classify_chest_xray";
@@ -518,7 +554,7 @@ async fn round_bench(
     toolbox: Arc<Toolbox>,
     image: &str,
     tools: &[&ToolResult],
-    extra: &std::collections::HashMap<String, Value>,
+    extra: &HashMap<String, Value>,
 ) -> anyhow::Result<Value> {
     let calls: Vec<ScriptCall> = tools
         .iter()

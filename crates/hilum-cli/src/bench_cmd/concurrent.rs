@@ -1,7 +1,8 @@
-//! Bursts of N `classify_chest_xray` calls at once, per backend, the backends interleaved
-//! burst by burst so both sides see the same machine state. In process the calls share the
-//! device's permits (one forward per core); with the kserve backend they all go to the server,
-//! whose dynamic batcher turns a burst into a few batched forwards.
+//! Bursts of N `classify_chest_xray` calls at once, per backend, without and with the pool's
+//! dynamic batching (`hilum_models::batch`), every side interleaved burst by burst so all see
+//! the same machine state. Without batching the calls share the device's permits (one forward
+//! per core, one per GPU); with it they are gathered into a few batched forwards; with the
+//! kserve backend they all go to the server, whose own dynamic batcher batches them.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,14 +11,18 @@ use serde_json::{json, Value};
 
 use hilum_agent::{Tool, ToolContext};
 use hilum_imaging::ImageStore;
-use hilum_models::{Backend, ModelPool};
+use hilum_models::{Backend, BatchSettings, ModelPool};
 use hilum_tools::ClassifyChestXray;
 
 use super::{finite, percentile};
 
-/// One burst: the wall time of `n` concurrent calls and each call's own time, or the first
-/// error.
-async fn burst(tool: &Arc<dyn Tool>, ids: &[String], n: usize) -> Result<(f64, Vec<f64>), String> {
+/// One burst: the wall time of `n` concurrent calls, each call's own time and the size of the
+/// batch it ran in (1 without batching), or the first error.
+async fn burst(
+    tool: &Arc<dyn Tool>,
+    ids: &[String],
+    n: usize,
+) -> Result<(f64, Vec<(f64, usize)>), String> {
     let started = Instant::now();
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..n {
@@ -26,7 +31,10 @@ async fn burst(tool: &Arc<dyn Tool>, ids: &[String], n: usize) -> Result<(f64, V
             let t = Instant::now();
             tool.call(&ToolContext::default(), json!({ "image": id }))
                 .await
-                .map(|_| t.elapsed().as_secs_f64() * 1e3)
+                .map(|out| {
+                    let size = out.data["batch"].as_u64().unwrap_or(1) as usize;
+                    (t.elapsed().as_secs_f64() * 1e3, size)
+                })
                 .map_err(|e| e.to_string())
         });
     }
@@ -37,68 +45,107 @@ async fn burst(tool: &Arc<dyn Tool>, ids: &[String], n: usize) -> Result<(f64, V
     Ok((started.elapsed().as_secs_f64() * 1e3, each))
 }
 
-/// `bursts` timed bursts of `n` calls per backend after one warm-up burst each; one JSON row
-/// per backend.
+/// The two pools compared: the process's settings with batching off, and with it on (the
+/// configured batching, else gathering up to `n` calls for the default delay). Each loads its
+/// own copy of the model.
+pub fn pools(base: &ModelPool, n: usize) -> Vec<(String, Arc<ModelPool>)> {
+    let mut off = base.settings().clone();
+    off.batch = BatchSettings::default();
+    let mut on = base.settings().clone();
+    if !on.batch.enabled() {
+        on.batch = BatchSettings::new(n.max(2), hilum_models::batch::DEFAULT_BATCH_DELAY);
+    }
+    let label = format!(
+        "max {}, {:.1} ms",
+        on.batch.max_size,
+        on.batch.max_delay.as_secs_f64() * 1e3
+    );
+    vec![
+        ("off".to_string(), Arc::new(ModelPool::from_settings(off))),
+        (label, Arc::new(ModelPool::from_settings(on))),
+    ]
+}
+
+/// One side of the comparison: a backend with or without batching.
+struct Side {
+    backend: Backend,
+    batching: String,
+    tool: Arc<dyn Tool>,
+    walls: Vec<f64>,
+    calls: Vec<f64>,
+    sizes: Vec<usize>,
+    error: Option<String>,
+}
+
+/// `bursts` timed bursts of `n` calls per side after one warm-up burst each; one JSON row per
+/// side. The kserve backend is timed once (its server batches, not the pool).
 pub async fn run(
     store: Arc<ImageStore>,
-    models: Arc<ModelPool>,
+    pools: &[(String, Arc<ModelPool>)],
     ids: &[String],
     backends: &[Backend],
     n: usize,
     bursts: usize,
 ) -> Vec<Value> {
-    let tools: Vec<(Backend, Arc<dyn Tool>)> = backends
-        .iter()
-        .map(|&b| {
-            let t: Arc<dyn Tool> = Arc::new(ClassifyChestXray::with_backend(
-                store.clone(),
-                models.clone(),
-                b,
-            ));
-            (b, t)
-        })
-        .collect();
-    let mut walls = vec![Vec::new(); tools.len()];
-    let mut calls = vec![Vec::new(); tools.len()];
-    let mut errors: Vec<Option<String>> = vec![None; tools.len()];
-    for round in 0..=bursts {
-        for (k, (_, tool)) in tools.iter().enumerate() {
-            if errors[k].is_some() {
+    let mut sides: Vec<Side> = Vec::new();
+    for &backend in backends {
+        for (k, (batching, pool)) in pools.iter().enumerate() {
+            if backend == Backend::Kserve && k > 0 {
                 continue;
             }
-            match burst(tool, ids, n).await {
+            let tool = ClassifyChestXray::with_backend(store.clone(), pool.clone(), backend);
+            sides.push(Side {
+                backend,
+                batching: if backend == Backend::Kserve {
+                    "server".into()
+                } else {
+                    batching.clone()
+                },
+                tool: Arc::new(tool),
+                walls: Vec::new(),
+                calls: Vec::new(),
+                sizes: Vec::new(),
+                error: None,
+            });
+        }
+    }
+    for round in 0..=bursts {
+        for side in sides.iter_mut().filter(|s| s.error.is_none()) {
+            match burst(&side.tool, ids, n).await {
                 // Round 0 warms up (model loads, server connection).
                 Ok(_) if round == 0 => {}
                 Ok((wall, each)) => {
-                    walls[k].push(wall);
-                    calls[k].extend(each);
+                    side.walls.push(wall);
+                    side.calls.extend(each.iter().map(|(ms, _)| ms));
+                    side.sizes.extend(each.iter().map(|(_, size)| size));
                 }
-                Err(e) => errors[k] = Some(e),
+                Err(e) => side.error = Some(e),
             }
         }
     }
-    tools
-        .iter()
-        .enumerate()
-        .map(|(k, (b, _))| {
-            let (mut w, mut c) = (walls[k].clone(), calls[k].clone());
-            w.sort_by(|a, b| a.total_cmp(b));
-            c.sort_by(|a, b| a.total_cmp(b));
-            let p50 = percentile(&w, 50.0);
-            json!({
-                "backend": b.name(),
-                "concurrent": n,
-                "bursts": w.len(),
-                "ok": errors[k].is_none(),
-                "error": errors[k],
-                "burst_p50_ms": finite(p50),
-                "burst_min_ms": finite(w.first().copied().unwrap_or(f64::NAN)),
-                "calls_per_s": finite(n as f64 * 1e3 / p50),
-                "call_p50_ms": finite(percentile(&c, 50.0)),
-                "call_p95_ms": finite(percentile(&c, 95.0)),
-            })
-        })
-        .collect()
+    sides.iter().map(|s| row(s, n)).collect()
+}
+
+fn row(side: &Side, n: usize) -> Value {
+    let (mut w, mut c) = (side.walls.clone(), side.calls.clone());
+    w.sort_by(|a, b| a.total_cmp(b));
+    c.sort_by(|a, b| a.total_cmp(b));
+    let p50 = percentile(&w, 50.0);
+    let mean_batch = side.sizes.iter().sum::<usize>() as f64 / side.sizes.len().max(1) as f64;
+    json!({
+        "backend": side.backend.name(),
+        "batching": side.batching,
+        "concurrent": n,
+        "bursts": w.len(),
+        "ok": side.error.is_none(),
+        "error": side.error,
+        "burst_p50_ms": finite(p50),
+        "burst_min_ms": finite(w.first().copied().unwrap_or(f64::NAN)),
+        "calls_per_s": finite(n as f64 * 1e3 / p50),
+        "call_p50_ms": finite(percentile(&c, 50.0)),
+        "call_p95_ms": finite(percentile(&c, 95.0)),
+        "mean_batch": finite(mean_batch),
+    })
 }
 
 /// The table under the per-tool one.
@@ -107,12 +154,19 @@ pub fn print(rows: &[Value]) {
         return;
     };
     println!(
-        "\n{} concurrent classify_chest_xray calls per burst (backends interleaved):",
+        "\n{} concurrent classify_chest_xray calls per burst (sides interleaved):",
         first["concurrent"]
     );
     println!(
-        "{:<10} {:>7} {:>14} {:>10} {:>13} {:>13}  note",
-        "backend", "bursts", "burst p50 ms", "calls/s", "call p50 ms", "call p95 ms"
+        "{:<8} {:<18} {:>6} {:>13} {:>9} {:>12} {:>12} {:>10}  note",
+        "backend",
+        "batching",
+        "bursts",
+        "burst p50 ms",
+        "calls/s",
+        "call p50 ms",
+        "call p95 ms",
+        "mean batch"
     );
     for r in rows {
         let f = |k: &str| {
@@ -121,13 +175,15 @@ pub fn print(rows: &[Value]) {
                 .unwrap_or_else(|| "-".into())
         };
         println!(
-            "{:<10} {:>7} {:>14} {:>10} {:>13} {:>13}  {}",
+            "{:<8} {:<18} {:>6} {:>13} {:>9} {:>12} {:>12} {:>10}  {}",
             r["backend"].as_str().unwrap_or(""),
+            r["batching"].as_str().unwrap_or(""),
             r["bursts"],
             f("burst_p50_ms"),
             f("calls_per_s"),
             f("call_p50_ms"),
             f("call_p95_ms"),
+            f("mean_batch"),
             r["error"]
                 .as_str()
                 .map(|e| e.chars().take(90).collect::<String>())
