@@ -206,7 +206,11 @@ impl Architecture for SamArch {
         crate::sam::auto_backend(device)
     }
 
-    fn expected_params(&self, m: &Manifest, _: Option<&Path>) -> Result<Option<Params>, ModelError> {
+    fn expected_params(
+        &self,
+        m: &Manifest,
+        _: Option<&Path>,
+    ) -> Result<Option<Params>, ModelError> {
         let cfg = crate::sam::Config::from_manifest(m)?;
         crate::sam::expected_params(&cfg).map(Some)
     }

@@ -228,24 +228,32 @@ impl<N, C> Engine<N, C> {
     }
 
     /// The graph's output `(shape, values)` for `input` of `shape`, on ONNX Runtime or the
-    /// server; `None` for the in-process networks (the caller runs `N` or `C` itself).
+    /// server; an error for the in-process networks (the caller runs `N` or `C` itself).
     pub fn run_graph(
         &self,
         shape: &[usize],
         input: &[f32],
-    ) -> Option<Result<(Vec<usize>, Vec<f32>), ModelError>> {
+    ) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
         match self {
             #[cfg(feature = "onnx")]
-            Engine::Onnx(g) => Some(g.run(shape, input)),
-            Engine::Kserve(m) => Some(m.infer(shape, input)),
-            _ => None,
+            Engine::Onnx(g) => g.run(shape, input),
+            Engine::Kserve(m) => m.infer(shape, input),
+            _ => Err(ModelError::Compute(format!(
+                "the {} backend runs no graph",
+                self.backend()
+            ))),
         }
     }
 
     /// The network on ONNX Runtime from a serialised graph (`what` names it in errors), with
     /// `threads` intra-op threads on `device`.
     #[cfg_attr(not(feature = "onnx"), allow(unused_variables))]
-    pub fn onnx(graph: &[u8], what: &str, threads: usize, device: Device) -> Result<Self, ModelError> {
+    pub fn onnx(
+        graph: &[u8],
+        what: &str,
+        threads: usize,
+        device: Device,
+    ) -> Result<Self, ModelError> {
         #[cfg(feature = "onnx")]
         {
             Ok(Engine::Onnx(crate::onnx::OnnxModel::from_memory(

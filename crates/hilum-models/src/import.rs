@@ -81,10 +81,7 @@ pub fn import_with_progress(
 
     let work = tempfile::tempdir().map_err(|e| ModelError::io(Path::new("temporary dir"), e))?;
     let format = format_of(path, &manifest.source.format);
-    let renames = registry
-        .architectures()
-        .of(manifest)?
-        .pytorch_renames();
+    let renames = registry.architectures().of(manifest)?.pytorch_renames();
     if format != "safetensors" {
         progress.step("converting to safetensors", None);
     }

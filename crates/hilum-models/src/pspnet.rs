@@ -593,13 +593,7 @@ impl AnatomySegmenter {
                     .map(|m| m.concat())
                     .collect())
             }
-            graph => split_maps(
-                graph
-                    .run_graph(&[1, 3, s, s], input)
-                    .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?
-                    .1,
-                &self.config,
-            ),
+            graph => split_maps(graph.run_graph(&[1, 3, s, s], input)?.1, &self.config),
         }
     }
 }

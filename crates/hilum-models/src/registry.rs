@@ -292,7 +292,6 @@ impl ModelRegistry {
     }
 }
 
-
 impl ModelRegistry {
     /// Fails unless the safetensors file at `path` has exactly the parameters `manifest`'s
     /// architecture expects (those it can state: some read a config beside the weights).

@@ -489,10 +489,7 @@ impl LungSegmenter {
                     .flatten_all()?
                     .to_vec1::<f32>()?
             }
-            graph => graph
-                .run_graph(&[inputs.len(), s, s, 3], &flat)
-                .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?
-                .1,
+            graph => graph.run_graph(&[inputs.len(), s, s, 3], &flat)?.1,
         };
         if ys.len() != inputs.len() * s * s {
             return Err(ModelError::Compute(format!(

@@ -136,10 +136,7 @@ impl XrvSpec {
             id: m.id.clone(),
             reason,
         };
-        let Some(family) = XrvArch::FAMILY
-            .iter()
-            .find(|a| a.name == m.architecture)
-        else {
+        let Some(family) = XrvArch::FAMILY.iter().find(|a| a.name == m.architecture) else {
             return Err(bad(format!(
                 "`{}` is not a torchxrayvision classifier",
                 m.architecture
@@ -390,10 +387,9 @@ impl Classifier {
                 CandleNet::Dense(densenet::DenseNet::load(vb, c)?),
                 device.clone(),
             ),
-            (Arch::ResNet(c), Backend::Candle) => Net::Candle(
-                CandleNet::Res(resnet::ResNet::load(vb, c)?),
-                device.clone(),
-            ),
+            (Arch::ResNet(c), Backend::Candle) => {
+                Net::Candle(CandleNet::Res(resnet::ResNet::load(vb, c)?), device.clone())
+            }
             // The native plans are built from the checkpoint's weights, not from candle modules.
             (Arch::DenseNet(c), _) => {
                 let w = densenet::native_weights(vb, c)?;
@@ -506,9 +502,7 @@ impl Classifier {
             Net::Candle(CandleNet::Dense(n), _) => self.candle_logits(n, input, batch),
             Net::Candle(CandleNet::Res(n), _) => self.candle_logits(n, input, batch),
             graph => {
-                let (_, out) = graph
-                    .run_graph(&[batch, 1, size, size], input)
-                    .unwrap_or_else(|| Err(ModelError::Compute("no graph to run".into())))?;
+                let (_, out) = graph.run_graph(&[batch, 1, size, size], input)?;
                 let (source, error): (&str, fn(String) -> ModelError) =
                     if self.backend == Backend::Kserve {
                         ("the server", ModelError::Compute)

@@ -15,8 +15,8 @@ use hilum_models::devcheck::{self, CheckOptions, CheckRow};
 use hilum_models::onnx_graph::{GraphBuilder, INPUT};
 use hilum_models::triton::{export_triton, ExportOptions, Exported};
 use hilum_models::{
-    Backend, BackendChoice, Device, InstalledModel, Manifest, ModelError, ModelPool,
-    ModelRegistry, ModelSettings,
+    Backend, BackendChoice, Device, InstalledModel, Manifest, ModelError, ModelPool, ModelRegistry,
+    ModelSettings,
 };
 
 // ---- The model file -------------------------------------------------------------------------
@@ -73,7 +73,10 @@ impl TinyNet {
 impl Module for TinyNet {
     /// (b, 1, s, s) → (b, classes)
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        xs.apply(&self.conv)?.relu()?.mean((2, 3))?.apply(&self.head)
+        xs.apply(&self.conv)?
+            .relu()?
+            .mean((2, 3))?
+            .apply(&self.head)
     }
 }
 
@@ -112,14 +115,21 @@ fn device_check(o: &CheckOptions) -> Result<CheckRow, ModelError> {
         size: 32,
     };
     let weights = hilum_models::weights::seeded(&params(&cfg), 5);
-    let x: Vec<f32> = (0..cfg.size * cfg.size).map(|i| (i % 7) as f32 - 3.0).collect();
+    let x: Vec<f32> = (0..cfg.size * cfg.size)
+        .map(|i| (i % 7) as f32 - 3.0)
+        .collect();
     let run = |d: Device| -> Result<Vec<f32>, ModelError> {
         let net = TinyNet::load(devcheck::vb_on(&weights, d)?, &cfg)?;
         let t = Tensor::from_slice(&x, (1, 1, cfg.size, cfg.size), &d.candle()?)?;
         Ok(net.forward(&t)?.flatten_all()?.to_vec1::<f32>()?)
     };
     let (a, b) = (run(o.reference)?, run(o.target)?);
-    Ok(devcheck::row("tiny-cnn", "logits", devcheck::rel_diff(&a, &b), 1e-4))
+    Ok(devcheck::row(
+        "tiny-cnn",
+        "logits",
+        devcheck::rel_diff(&a, &b),
+        1e-4,
+    ))
 }
 
 /// The architecture's entry.
@@ -130,7 +140,11 @@ impl Architecture for TinyArch {
         "tiny-cnn"
     }
 
-    fn expected_params(&self, m: &Manifest, _: Option<&Path>) -> Result<Option<Params>, ModelError> {
+    fn expected_params(
+        &self,
+        m: &Manifest,
+        _: Option<&Path>,
+    ) -> Result<Option<Params>, ModelError> {
         Ok(Some(params(&Config::from_manifest(m)?)))
     }
 
@@ -206,12 +220,18 @@ fn a_new_architecture_goes_through_import_candle_export_and_the_device_check() {
     let backend = pool
         .backend_for(ID, &installed, Device::Cpu, &choice)
         .expect("backend");
-    assert_eq!(backend, Backend::Candle, "`*` = native skips a candle-only model");
+    assert_eq!(
+        backend,
+        Backend::Candle,
+        "`*` = native skips a candle-only model"
+    );
     let net = pool
         .get_or_load::<TinyNet>(ID, Device::Cpu, backend)
         .expect("loads on candle");
     let s = cfg.size;
-    let x: Vec<f32> = (0..2 * s * s).map(|i| ((i * 37) % 19) as f32 / 9.0 - 1.0).collect();
+    let x: Vec<f32> = (0..2 * s * s)
+        .map(|i| ((i * 37) % 19) as f32 / 9.0 - 1.0)
+        .collect();
     let logits = net
         .forward(&Tensor::from_slice(&x, (2, 1, s, s), &candle_core::Device::Cpu).expect("x"))
         .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
@@ -220,14 +240,28 @@ fn a_new_architecture_goes_through_import_candle_export_and_the_device_check() {
 
     // export-triton: the entry's graph, its Triton config from the graph's tensors.
     let repo = dir.path().join("repo");
-    let done = export_triton(pool.registry(), &repo, &[ID.to_string()], &ExportOptions::default())
-        .expect("export");
+    let done = export_triton(
+        pool.registry(),
+        &repo,
+        &[ID.to_string()],
+        &ExportOptions::default(),
+    )
+    .expect("export");
     assert!(
-        matches!(&done[..], [Exported::Written { max_batch_size: 16, .. }]),
+        matches!(
+            &done[..],
+            [Exported::Written {
+                max_batch_size: 16,
+                ..
+            }]
+        ),
         "{done:?}"
     );
     let config = std::fs::read_to_string(repo.join(ID).join("config.pbtxt")).expect("config");
-    assert!(config.contains("dims: [ 1, 32, 32 ]") && config.contains("dims: [ 2 ]"), "{config}");
+    assert!(
+        config.contains("dims: [ 1, 32, 32 ]") && config.contains("dims: [ 2 ]"),
+        "{config}"
+    );
     let graph = std::fs::read(repo.join(ID).join("1/model.onnx")).expect("graph");
     match std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
         Some(lib) => {

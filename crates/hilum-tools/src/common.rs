@@ -156,7 +156,12 @@ where
     let work = Arc::new(work);
     let mut note = None;
     if backend == Backend::Kserve {
-        let (pool, w, mid, inst) = (models.clone(), work.clone(), id.to_string(), installed.clone());
+        let (pool, w, mid, inst) = (
+            models.clone(),
+            work.clone(),
+            id.to_string(),
+            installed.clone(),
+        );
         let device = pin.unwrap_or(models.devices().first());
         let served = run_blocking(move || {
             let since = Instant::now();

@@ -649,12 +649,16 @@ fn report_data(id: &str, img: &CxrImage, m: &Masks, r: &ChestMeasurements, notes
 /// answer tokens. The view's note only with a CTR; the missing heart mask is said in the CTR's
 /// place.
 fn summary_text(id: &str, m: &Masks, r: &ChestMeasurements, notes: &Notes) -> String {
-    let px = |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
-    let said: Vec<&str> = [r.ctr.and(notes.view_note.as_ref()), notes.pediatric_note.as_ref()]
-        .into_iter()
-        .flatten()
-        .map(String::as_str)
-        .collect();
+    let px =
+        |s: Option<Span>| s.map_or("not measured".to_string(), |s| format!("{} px", s.width()));
+    let said: Vec<&str> = [
+        r.ctr.and(notes.view_note.as_ref()),
+        notes.pediatric_note.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .map(String::as_str)
+    .collect();
     let heart = match (r.ctr, notes.anatomy) {
         (Some(c), _) => format!(
             "CTR {c:.2}{}; heart {}, ",
@@ -663,9 +667,9 @@ fn summary_text(id: &str, m: &Masks, r: &ChestMeasurements, notes: &Notes) -> St
                 .map_or(String::new(), |i| format!(" ({i})")),
             px(r.heart)
         ),
-        (None, false) => format!(
-            "CTR not measured (no heart mask: `hilum models fetch {ANATOMY_MODEL_ID}`); "
-        ),
+        (None, false) => {
+            format!("CTR not measured (no heart mask: `hilum models fetch {ANATOMY_MODEL_ID}`); ")
+        }
         (None, true) => format!("CTR not measured; heart {}, ", px(r.heart)),
     };
     let lungs = match (r.left_lung_px, r.right_lung_px) {

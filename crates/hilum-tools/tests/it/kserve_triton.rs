@@ -209,8 +209,13 @@ fn registry(dir: &Path, anatomy: bool) -> ModelRegistry {
     let psp = root().join("tests/fixtures/anatomy");
     let registry = with_config(registry, ANATOMY, &psp.join("pspnet_small_config.json"));
     if anatomy {
-        hilum_models::import(&registry, ANATOMY, &psp.join("pspnet_small.safetensors"), &opts)
-            .expect("PSPNet import");
+        hilum_models::import(
+            &registry,
+            ANATOMY,
+            &psp.join("pspnet_small.safetensors"),
+            &opts,
+        )
+        .expect("PSPNet import");
     }
     registry
 }
@@ -463,9 +468,21 @@ async fn triton_serves_the_cnns_with_native_outputs_and_its_loss_is_a_clear_erro
     // measure_chest measures on the lung U-Net), `chestx-det-pspnet = "kserve"` segment_anatomy's
     // and measure_chest's PSPNet; each equals its in-process run.
     let lungs_served = BackendChoice::parse("lung-unet=kserve").expect("choice");
-    let by_lungs = routed_pool(&dir.path().join("l"), &triton.url, None, lungs_served, false);
+    let by_lungs = routed_pool(
+        &dir.path().join("l"),
+        &triton.url,
+        None,
+        lungs_served,
+        false,
+    );
     let anatomy_served = BackendChoice::parse("chestx-det-pspnet=kserve").expect("choice");
-    let by_anatomy = routed_pool(&dir.path().join("p"), &triton.url, None, anatomy_served, true);
+    let by_anatomy = routed_pool(
+        &dir.path().join("p"),
+        &triton.url,
+        None,
+        anatomy_served,
+        true,
+    );
     // The same graph on ONNX Runtime in process: a probability at the threshold cannot flip.
     let psp_here = BackendChoice::parse("chestx-det-pspnet=onnx").expect("choice");
     let in_process = routed_pool(&dir.path().join("n"), &triton.url, None, psp_here, true);
