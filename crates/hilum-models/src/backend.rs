@@ -273,6 +273,79 @@ impl<N, C> Engine<N, C> {
 mod tests {
     use super::*;
 
+    fn installed(onnx: bool) -> InstalledModel {
+        InstalledModel {
+            weights: "model.safetensors".into(),
+            onnx: onnx.then(|| "model.onnx".into()),
+            record: crate::InstallRecord {
+                id: "lung-unet".into(),
+                sha256: String::new(),
+                source_sha256: String::new(),
+                source: "test".into(),
+                custom: false,
+                installed_at: 0,
+                hilum_version: "test".into(),
+                onnx_sha256: None,
+            },
+            size: 0,
+        }
+    }
+
+    #[test]
+    fn every_model_choice_skips_models_it_cannot_run() {
+        let unet = crate::unet::LungUnetArch;
+        let report = crate::report::ReportArch;
+        let onnx = BackendChoice::every(Backend::Onnx);
+        // The U-Net runs on ONNX Runtime only with its imported graph.
+        let with = onnx.resolve("lung-unet", &unet, &installed(true), Device::Cpu);
+        assert_eq!(with, Backend::Onnx);
+        let without = onnx.resolve("lung-unet", &unet, &installed(false), Device::Cpu);
+        assert_eq!(
+            without,
+            crate::unet::auto_backend(&installed(false), Device::Cpu)
+        );
+        // A candle-only model stays on candle; naming it is the caller's explicit choice.
+        let kserve = BackendChoice::every(Backend::Kserve);
+        let r = kserve.resolve(
+            "chexpert-report-findings",
+            &report,
+            &installed(false),
+            Device::Cpu,
+        );
+        assert_eq!(r, Backend::Candle);
+        let named = BackendChoice::parse("chexpert-report-findings=onnx").expect("parses");
+        let r = named.resolve(
+            "chexpert-report-findings",
+            &report,
+            &installed(false),
+            Device::Cpu,
+        );
+        assert_eq!(r, Backend::Onnx);
+    }
+
+    #[test]
+    fn a_bad_setting_is_every_model_calls_error() {
+        let settings = crate::ModelSettings::from_vars(|k| {
+            (k == "HILUM_BACKEND").then(|| "lung-unet=tensorflow".to_string())
+        });
+        let err = settings.backends.clone().expect_err("does not parse");
+        assert!(err.starts_with("HILUM_BACKEND:"), "{err}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let registry = crate::ModelRegistry::new(dir.path()).expect("registry");
+        let pool = ModelPool::with_settings(std::sync::Arc::new(registry), settings);
+        let e = pool.backend_for(
+            "lung-unet",
+            &installed(false),
+            Device::Cpu,
+            &BackendChoice::default(),
+        );
+        assert!(matches!(e, Err(ModelError::BadSetting(_))), "{e:?}");
+        let one = crate::ModelSettings::from_vars(|k| {
+            (k == "HILUM_LUNG_UNET_BACKEND").then(|| "kserve".to_string())
+        });
+        assert_eq!(one.backend_of("lung-unet"), Some(Backend::Kserve));
+    }
+
     #[test]
     fn choices_layer_and_every_model_applies_where_it_runs() {
         let base = BackendChoice::parse("kserve,lung-unet=onnx").expect("parses");
