@@ -79,8 +79,9 @@ pub struct AnalyzeArgs {
     /// Config file (TOML with [llm] and [agent] tables).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Classifier backend: BACKEND for every classifier, or MODEL=BACKEND (native, candle,
-    /// onnx, kserve; `kserve` for every classifier serves the lung U-Net and MedSAM's image encoder too); repeatable. Overrides HILUM_BACKEND and the config file's [backends] table.
+    /// Model backend: BACKEND for every model that runs on it, or MODEL=BACKEND (native,
+    /// candle, onnx, kserve); every tool using the model follows it; repeatable. Overrides
+    /// HILUM_BACKEND and the config file's [models.backend] table.
     #[arg(long)]
     pub backend: Vec<String>,
     /// Log lines on stderr: -v info, -vv debug, -vvv trace (RUST_LOG, when set, filters
