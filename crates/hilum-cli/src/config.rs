@@ -895,7 +895,7 @@ mod tests {
         let s = from(&[("HILUM_MODELS_DIR", "/tmp/m"), ("HILUM_CPU_THREADS", "")]);
         assert_eq!(s.models_dir, PathBuf::from("/tmp/m"));
         assert_eq!(s.cpu.threads, Some(3));
-        assert_eq!(from(&[("HILUM_BATCH_MAX_SIZE", "1")]).batch.enabled(), false);
+        assert!(!from(&[("HILUM_BATCH_MAX_SIZE", "1")]).batch.enabled());
         // Nothing anywhere: the models library's one default.
         let s = hilum_models::ModelSettings::from_vars(|k| models_var(k, env(&[]), None));
         assert_eq!(s.models_dir, hilum_models::ModelRegistry::default_dir());
