@@ -35,8 +35,9 @@ t0=$(date +%s)
 
 if [ -z "$example" ]; then
   if [ "$dry" = 1 ]; then
-    # The dry run needs no CUDA: the default build, on the CPU.
-    cargo build -q -p hilum-models --example torch_side_by_side
+    # The dry run needs no CUDA: the default build, on the CPU. `--workspace` keeps the
+    # dependencies' features those of `cargo test --workspace`, so CI reuses that build.
+    cargo build -q --workspace --example torch_side_by_side
     example="$target/debug/examples/torch_side_by_side"
   else
     if ! command -v nvcc >/dev/null 2>&1; then
