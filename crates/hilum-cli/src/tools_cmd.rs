@@ -77,10 +77,14 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
                 let listed: Vec<Value> = specs
                     .iter()
                     .map(|s| {
-                        let req = toolbox
-                            .get(&s.name)
-                            .map(|t| t.requirements())
-                            .unwrap_or_default();
+                        let tool = toolbox.get(&s.name);
+                        let req = tool.as_ref().map(|t| t.requirements()).unwrap_or_default();
+                        // The topics it answers (see `hilum_agent::coverage`).
+                        let topics: Vec<&str> = tool
+                            .iter()
+                            .flat_map(|t| t.capabilities())
+                            .map(|c| c.topic.id)
+                            .collect();
                         json!({
                             "name": s.name,
                             "description": s.description,
@@ -88,6 +92,7 @@ pub async fn run(cmd: ToolsCmd) -> anyhow::Result<()> {
                             "requirements": req,
                             "unmet": req.unmet(&facts),
                             "server": servers.get(&s.name),
+                            "capabilities": topics,
                         })
                     })
                     .collect();

@@ -11,8 +11,8 @@ use std::time::Duration;
 use base64::Engine;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
-    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig,
-    Tool as McpTool,
+    JsonObject, ListToolsResult, MetaObject, PaginatedRequestParams, ServerCapabilities,
+    ServerConfig, Tool as McpTool,
 };
 use rmcp::service::RequestContext;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
@@ -21,8 +21,10 @@ use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-use hilum_agent::{Artifact, Environment, ToolCall, ToolContext, ToolSpec};
+use hilum_agent::coverage::capability_table;
+use hilum_agent::{Artifact, Capability, Environment, ToolCall, ToolContext, ToolSpec};
 use hilum_imaging::ImageStore;
+use hilum_tools::remote::{capabilities_meta, CAPABILITIES_META};
 
 use crate::api::{direct_call, ingest};
 use crate::db::Caller;
@@ -247,8 +249,23 @@ impl ServerHandler for HilumMcp {
     ) -> Result<ListToolsResult, ErrorData> {
         let caller = caller_of(&ctx);
         let space = self.space(caller.as_ref()).await?;
+        let env = self.env();
         let mut tools = vec![to_mcp_tool(&self.load_image_spec())];
-        tools.extend(space.toolbox.specs(&self.env()).iter().map(to_mcp_tool));
+        for spec in space.toolbox.specs(&env) {
+            let mut tool = to_mcp_tool(&spec);
+            // What it can answer here, so a client Hilum's coverage check counts it.
+            if let Some(t) = space.toolbox.get(&spec.name) {
+                let ready: Vec<Capability> = capability_table(&[t], &env)
+                    .into_iter()
+                    .filter(|r| r.ready)
+                    .map(|r| r.capability)
+                    .collect();
+                let mut meta = JsonObject::new();
+                meta.insert(CAPABILITIES_META.into(), capabilities_meta(&ready));
+                tool.meta = Some(MetaObject(meta));
+            }
+            tools.push(tool);
+        }
         Ok(ListToolsResult::with_all_items(tools))
     }
 

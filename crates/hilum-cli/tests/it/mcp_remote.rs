@@ -675,6 +675,23 @@ fn a_remote_hilums_segment_lungs_equals_the_local_one() {
         .find(|t| t["name"] == "gpu__segment_lungs")
         .expect("gpu__segment_lungs listed");
     assert_eq!(remote["server"], "gpu");
+    // What each remote tool answers came in its `_meta` (hilum/capabilities), checked against
+    // the GPU server's models: not read off its description, which for `measure_chest` and
+    // `dicom_info` names the cardiothoracic ratio that only a heart model could measure.
+    let topics = |name: &str| {
+        listed
+            .as_array()
+            .and_then(|a| a.iter().find(|t| t["name"] == name))
+            .map(|t| t["capabilities"].clone())
+            .unwrap_or_else(|| panic!("{name} not listed"))
+    };
+    assert_eq!(topics("gpu__segment_lungs"), json!(["lung_size"]));
+    assert_eq!(topics("gpu__segment_lungs"), topics("segment_lungs"));
+    assert_eq!(topics("gpu__measure_chest"), json!(["lung_size"]));
+    assert!(topics("measure_chest")
+        .as_array()
+        .is_some_and(|a| a.contains(&json!("ctr"))));
+    assert_eq!(topics("gpu__dicom_info"), json!([]));
     assert!(!listed
         .as_array()
         .expect("array")

@@ -34,6 +34,26 @@ pub const SEPARATOR: &str = "__";
 /// in, `{"id": …}` out. It is the client's channel, never offered to the model.
 pub const LOAD_IMAGE: &str = "load_image";
 
+/// The key of a tool's `_meta` under which Hilum's MCP server lists the topics the tool can
+/// answer now: `[{"topic": "lung_size"}, …]`, ids of [`crate::topics::vocabulary`] (`*`: any
+/// question). A client Hilum's coverage check counts them as the remote tool's own.
+pub const CAPABILITIES_META: &str = "hilum/capabilities";
+
+/// The `_meta` value for `capabilities` (see [`CAPABILITIES_META`]).
+pub fn capabilities_meta(capabilities: &[hilum_agent::Capability]) -> serde_json::Value {
+    let mut ids: Vec<&str> = Vec::new();
+    for c in capabilities {
+        if !ids.contains(&c.topic.id) {
+            ids.push(c.topic.id);
+        }
+    }
+    serde_json::Value::Array(
+        ids.into_iter()
+            .map(|id| serde_json::json!({ "topic": id }))
+            .collect(),
+    )
+}
+
 /// Results larger than this (text, structured content and images together) are refused
 /// unless the entry sets `max_result_mb`.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 4_000_000;

@@ -8,10 +8,11 @@ use base64::Engine;
 use rmcp::model::{CallToolResult, ContentBlock, JsonObject, Tool as McpTool};
 use serde_json::{json, Value};
 
-use hilum_agent::{Artifact, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
+use hilum_agent::coverage::{asked, ANY_TOPIC};
+use hilum_agent::{Artifact, Capability, Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use hilum_imaging::{CxrImage, ImageStore};
 
-use super::{namespaced, Server, LOAD_IMAGE};
+use super::{namespaced, Server, CAPABILITIES_META, LOAD_IMAGE};
 
 /// A remote tool in the toolbox, named `server__tool`.
 pub struct RemoteTool {
@@ -19,6 +20,7 @@ pub struct RemoteTool {
     remote_name: String,
     spec: ToolSpec,
     images: Arc<ImageStore>,
+    capabilities: Vec<Capability>,
 }
 
 impl RemoteTool {
@@ -47,6 +49,7 @@ impl RemoteTool {
         };
         Ok(RemoteTool {
             remote_name: tool.name.to_string(),
+            capabilities: capabilities_of(tool),
             server,
             spec,
             images,
@@ -106,6 +109,10 @@ impl Tool for RemoteTool {
         &self.spec
     }
 
+    fn capabilities(&self) -> Vec<Capability> {
+        self.capabilities.clone()
+    }
+
     async fn call(&self, _ctx: &ToolContext, mut args: Value) -> Result<ToolOutput, ToolError> {
         // Remote id → our id, to speak of images by our ids in what comes back.
         let mut renamed = Vec::new();
@@ -136,6 +143,41 @@ impl Tool for RemoteTool {
         }
         Ok(out)
     }
+}
+
+/// What a remote tool answers: the topics a remote Hilum declares in its `_meta` (ids this
+/// version knows; the remote checked its models), else the topics its name and description
+/// name, matched as a question is. A description that names no finding covers none.
+fn capabilities_of(tool: &McpTool) -> Vec<Capability> {
+    let vocabulary = crate::topics::vocabulary();
+    let declared = tool.meta.as_ref().and_then(|m| m.0.get(CAPABILITIES_META));
+    let topics = match declared {
+        Some(list) => list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["topic"].as_str())
+            .filter_map(|id| {
+                if id == ANY_TOPIC.id {
+                    Some(&ANY_TOPIC)
+                } else {
+                    vocabulary.iter().copied().find(|t| t.id == id)
+                }
+            })
+            .collect(),
+        None => {
+            let name = tool.name.replace(['_', '-', '.'], " ");
+            let text = format!("{name}. {}", tool.description.as_deref().unwrap_or(""));
+            asked(&text, &vocabulary)
+        }
+    };
+    let mut out: Vec<Capability> = Vec::new();
+    for topic in topics {
+        if !out.iter().any(|c| std::ptr::eq(c.topic, topic)) {
+            out.push(Capability::new(topic, &[]));
+        }
+    }
+    out
 }
 
 /// The PNG a reasoning model is shown of `img` (`hilum_imaging::model_view_png`: grey, 8-bit,
@@ -298,6 +340,45 @@ mod tests {
             "image/png".to_string(),
         )]);
         assert!(to_output("s", "t", not_png, 1 << 20).is_err());
+    }
+
+    fn topics(name: &str, description: &str, meta: Option<Value>) -> Vec<&'static str> {
+        let mut tool = McpTool::new(
+            name.to_string(),
+            description.to_string(),
+            Arc::new(JsonObject::new()),
+        );
+        if let Some(m) = meta {
+            let mut obj = JsonObject::new();
+            obj.insert(CAPABILITIES_META.into(), m);
+            tool.meta = Some(rmcp::model::MetaObject(obj));
+        }
+        capabilities_of(&tool).iter().map(|c| c.topic.id).collect()
+    }
+
+    #[test]
+    fn a_site_tool_covers_the_findings_its_description_names() {
+        let prior = "The prior radiology report of the patient in `image` (from the RIS).";
+        assert_eq!(topics("prior_report", prior, None), ["report"]);
+        assert_eq!(
+            topics("nodule_ai", "Finds lung nodules and masses.", None),
+            ["nodule", "mass"]
+        );
+        // Its name counts too; a description that names no finding covers nothing.
+        assert_eq!(topics("ctr", "Measures it.", None), ["ctr"]);
+        assert!(topics("lookup", "Returns the patient's last visit.", None).is_empty());
+    }
+
+    #[test]
+    fn a_remote_hilums_declared_topics_win_over_its_description() {
+        let declared =
+            json!([{"topic": "lung_size"}, {"topic": "no_such_topic"}, {"topic": "lung_size"}]);
+        assert_eq!(
+            topics("segment_lungs", "Draws a pleural effusion.", Some(declared)),
+            ["lung_size"]
+        );
+        assert!(topics("draw", "Finds nodules.", Some(json!([]))).is_empty());
+        assert_eq!(topics("vqa", "", Some(json!([{"topic": "*"}]))), ["*"]);
     }
 
     #[test]
