@@ -8,16 +8,22 @@ use super::{
 /// norm1 → relu → conv1 (1x1) → norm2 → relu → conv2 (3x3, padding 1), concatenated.
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
+    /// BatchNorm before the bottleneck conv.
     pub norm1: BatchNorm,
+    /// 1x1 bottleneck conv.
     pub conv1: Conv,
+    /// BatchNorm before the 3x3 conv.
     pub norm2: BatchNorm,
+    /// 3x3 conv whose output channels are appended to the block's features.
     pub conv2: Conv,
 }
 
 /// norm → relu → conv (1x1) → 2x2 average pool.
 #[derive(Clone, Debug)]
 pub struct Transition {
+    /// BatchNorm before the conv.
     pub norm: BatchNorm,
+    /// 1x1 conv that narrows the features before pooling.
     pub conv: Conv,
 }
 
@@ -26,11 +32,17 @@ pub struct Transition {
 /// norm5 + relu, global average pool and the classifier. Widths are read from the weights.
 #[derive(Clone, Debug)]
 pub struct DenseNetWeights {
+    /// 7x7 stem conv.
     pub conv0: Conv,
+    /// BatchNorm after the stem conv.
     pub norm0: BatchNorm,
+    /// Dense blocks, each a list of layers in order.
     pub blocks: Vec<Vec<DenseLayer>>,
+    /// Transitions between blocks, one fewer than the blocks.
     pub transitions: Vec<Transition>,
+    /// BatchNorm after the last block.
     pub norm5: BatchNorm,
+    /// Classifier over the pooled features.
     pub classifier: Linear,
 }
 
@@ -213,10 +225,12 @@ impl NativeDenseNet {
         Ok(out)
     }
 
+    /// Number of logits per image.
     pub fn classes(&self) -> usize {
         self.classes
     }
 
+    /// Worker threads this network runs on.
     pub fn threads(&self) -> usize {
         self.exec.threads()
     }

@@ -24,6 +24,8 @@
 //! The engines read no environment variables: threads are given to each network, and the
 //! process-wide tuning knobs are set by [`configure`] (see [`CpuSettings`]).
 
+#![warn(missing_docs)]
+
 mod dense_gemm;
 pub mod densenet;
 pub mod pspnet;
@@ -45,15 +47,22 @@ use std::sync::Mutex;
 /// Errors of the native path; they only arise from malformed weights or inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum CpuError {
+    /// The weights do not fit the network: wrong lengths, or layers that do not connect.
     #[error("cannot read weights for the CPU kernels: {0}")]
     Weights(String),
+    /// The input buffer's length does not match the batch and the network's input shape.
     #[error("input has {got} values, expected {expected} (batch x {channels} x {size} x {size})")]
     Input {
+        /// Values the caller passed.
         got: usize,
+        /// Values the batch and input shape call for.
         expected: usize,
+        /// Input channels the network takes.
         channels: usize,
+        /// Side of the square input the network was built for.
         size: usize,
     },
+    /// The worker pool could not be started.
     #[error("cannot start CPU worker threads: {0}")]
     Threads(String),
 }
@@ -62,10 +71,15 @@ pub enum CpuError {
 /// row-major, square kernels only. Stride, padding and dilation belong to the network.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Conv {
+    /// Output channels.
     pub c_out: usize,
+    /// Input channels.
     pub c_in: usize,
+    /// Side of the square kernel.
     pub k: usize,
+    /// (c_out, c_in, k, k) row-major.
     pub weight: Vec<f32>,
+    /// One bias per output channel, if the layer has them.
     pub bias: Option<Vec<f32>>,
 }
 
@@ -90,19 +104,28 @@ impl Conv {
 /// An inference BatchNorm, per channel: `(x - mean) / sqrt(var + eps) * gamma + beta`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BatchNorm {
+    /// Per-channel scale.
     pub gamma: Vec<f32>,
+    /// Per-channel shift.
     pub beta: Vec<f32>,
+    /// Running mean, subtracted first.
     pub mean: Vec<f32>,
+    /// Running variance.
     pub var: Vec<f32>,
+    /// Added to the variance before its square root.
     pub eps: f32,
 }
 
 /// A fully connected layer: `weight` is (out_features, in_features) row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Linear {
+    /// Length of the input vector.
     pub in_features: usize,
+    /// Length of the output vector (the number of classes for a classifier head).
     pub out_features: usize,
+    /// (out_features, in_features) row-major.
     pub weight: Vec<f32>,
+    /// One bias per output feature, if the layer has them.
     pub bias: Option<Vec<f32>>,
 }
 

@@ -8,11 +8,17 @@ use super::{validate, Act, BatchNorm, Conv, ConvOp, CpuError, Executor, Op, Outp
 /// conv (no bias) + BatchNorm, optionally ReLU: ptsemseg's `conv2DBatchNorm[Relu]`.
 #[derive(Clone, Debug)]
 pub struct ConvBn {
+    /// The convolution, without bias.
     pub conv: Conv,
+    /// BatchNorm folded into the conv at load.
     pub bn: BatchNorm,
+    /// Conv stride.
     pub stride: usize,
+    /// Zero padding on each side.
     pub padding: usize,
+    /// Conv dilation (1: none).
     pub dilation: usize,
+    /// Whether a ReLU follows the BatchNorm.
     pub relu: bool,
 }
 
@@ -20,9 +26,13 @@ pub struct ConvBn {
 /// cbr1 → cbr2 → cb3, plus the shortcut, ReLU.
 #[derive(Clone, Debug)]
 pub struct Bottleneck {
+    /// 1x1 unit that narrows the channels.
     pub cbr1: ConvBn,
+    /// 3x3 unit (strided or dilated as the stage asks).
     pub cbr2: ConvBn,
+    /// 1x1 unit that widens the channels, without ReLU.
     pub cb3: ConvBn,
+    /// Projection shortcut; `None`: the input is added as is.
     pub cb4: Option<ConvBn>,
 }
 
@@ -32,11 +42,17 @@ pub struct Bottleneck {
 /// `classification` conv; logits are resized to the input.
 #[derive(Clone, Debug)]
 pub struct PspNetWeights {
+    /// Stem units, applied before the max pool.
     pub stem: Vec<ConvBn>,
+    /// Bottlenecks of the dilated encoder, in order.
     pub blocks: Vec<Bottleneck>,
+    /// Output side of each pyramid path's average pool.
     pub pool_sizes: Vec<usize>,
+    /// One 1x1 unit per pyramid path, in the order of `pool_sizes`.
     pub pyramid: Vec<ConvBn>,
+    /// 3x3 unit over the features and the pyramid paths.
     pub cbr_final: ConvBn,
+    /// 1x1 conv to one logit per class.
     pub classification: Conv,
 }
 
@@ -250,14 +266,17 @@ impl NativePspNet {
         Ok(out)
     }
 
+    /// Side of the square input the network was built for.
     pub fn size(&self) -> usize {
         self.size
     }
 
+    /// Number of classes (output channels).
     pub fn classes(&self) -> usize {
         self.classes
     }
 
+    /// Worker threads this network runs on.
     pub fn threads(&self) -> usize {
         self.exec.threads()
     }

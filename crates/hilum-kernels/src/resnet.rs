@@ -10,13 +10,21 @@ use super::{
 /// bn3, plus the shortcut (`downsample`: a strided 1x1 conv + BN, else the input), relu.
 #[derive(Clone, Debug)]
 pub struct Bottleneck {
+    /// 1x1 conv that narrows the channels.
     pub conv1: Conv,
+    /// BatchNorm after `conv1`.
     pub bn1: BatchNorm,
+    /// 3x3 conv, strided by `stride`.
     pub conv2: Conv,
+    /// BatchNorm after `conv2`.
     pub bn2: BatchNorm,
+    /// 1x1 conv that widens the channels.
     pub conv3: Conv,
+    /// BatchNorm after `conv3`.
     pub bn3: BatchNorm,
+    /// Projection shortcut (strided 1x1 conv + BatchNorm); `None`: the input is added as is.
     pub downsample: Option<(Conv, BatchNorm)>,
+    /// Stride of `conv2` and of the shortcut.
     pub stride: usize,
 }
 
@@ -24,9 +32,13 @@ pub struct Bottleneck {
 /// padding 1), the bottlenecks in order, global average pool and fc.
 #[derive(Clone, Debug)]
 pub struct ResNetWeights {
+    /// 7x7 stem conv.
     pub conv1: Conv,
+    /// BatchNorm after the stem conv.
     pub bn1: BatchNorm,
+    /// Bottlenecks in order.
     pub blocks: Vec<Bottleneck>,
+    /// Classifier over the pooled features.
     pub fc: Linear,
 }
 
@@ -184,10 +196,12 @@ impl NativeResNet {
         self.exec.forward(input, batch)
     }
 
+    /// Number of logits per image.
     pub fn classes(&self) -> usize {
         self.classes
     }
 
+    /// Worker threads this network runs on.
     pub fn threads(&self) -> usize {
         self.exec.threads()
     }

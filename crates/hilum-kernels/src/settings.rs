@@ -28,7 +28,9 @@ pub enum UnetEngine {
     /// The direct kernels on x86-64 with AVX2 or AVX-512, else the im2col + gemm plan.
     #[default]
     Auto,
+    /// The direct kernels (`HILUM_UNET_ENGINE=direct`).
     Direct,
+    /// The im2col + gemm plan (`HILUM_UNET_ENGINE=gemm`).
     Gemm,
 }
 
@@ -36,7 +38,9 @@ pub enum UnetEngine {
 /// machine); what the CPU lacks is never used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub enum IsaCap {
+    /// The portable kernels, without AVX2 or AVX-512 (`HILUM_UNET_ISA=portable`).
     Portable,
+    /// AVX2 at most, even on AVX-512 CPUs (`HILUM_UNET_ISA=avx2`).
     Avx2,
     /// AVX-512 where the CPU has it.
     #[default]
@@ -46,6 +50,7 @@ pub enum IsaCap {
 /// Timing of every op of a forward pass, printed on stderr.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Profile {
+    /// No timing.
     #[default]
     Off,
     /// Per kind of op.
@@ -63,8 +68,11 @@ pub struct CpuSettings {
     pub tile_floats: Option<usize>,
     /// Images per pass of a large DenseNet batch; `None` (or 0): 4.
     pub images_per_pass: Option<usize>,
+    /// Which engine runs the lung U-Net.
     pub unet_engine: UnetEngine,
+    /// Widest instruction set the U-Net's direct kernels may use.
     pub unet_isa: IsaCap,
+    /// Whether to time each op of a forward pass.
     pub profile: Profile,
 }
 

@@ -45,12 +45,19 @@ use crate::{Profile, UnetEngine};
 /// first.
 #[derive(Clone, Debug)]
 pub struct UnetBlock {
+    /// 3x3 conv of the stage.
     pub conv: crate::Conv,
+    /// BatchNorm after `conv`.
     pub bn: BatchNorm,
+    /// Stride of `conv`.
     pub stride: usize,
+    /// BatchNorm after the residual sum, for encoder stages that keep their width.
     pub residual_bn: Option<BatchNorm>,
+    /// Squeeze-excitation 1x1 conv that narrows the channel means.
     pub se_reduce: crate::Conv,
+    /// Squeeze-excitation 1x1 conv back to one gate per channel.
     pub se_expand: crate::Conv,
+    /// 1x1 projection after the squeeze-excitation.
     pub project: crate::Conv,
 }
 
@@ -59,9 +66,13 @@ pub struct UnetBlock {
 /// conv + `head_bn` + sigmoid to one channel.
 #[derive(Clone, Debug)]
 pub struct UnetWeights {
+    /// Encoder stages, input side first.
     pub encoder: Vec<UnetBlock>,
+    /// Decoder stages, deepest first.
     pub decoder: Vec<UnetBlock>,
+    /// 3x3 conv to the single output channel.
     pub head: crate::Conv,
+    /// BatchNorm after the head conv.
     pub head_bn: BatchNorm,
 }
 
@@ -147,10 +158,12 @@ impl NativeUnet {
         }
     }
 
+    /// Side of the square input the network was built for.
     pub fn size(&self) -> usize {
         self.size
     }
 
+    /// Worker threads this network runs on.
     pub fn threads(&self) -> usize {
         self.threads
     }
