@@ -42,12 +42,18 @@ pub const ACCEPT_DICOM_JSON: &str = "application/dicom+json";
 /// Credentials sent with every request. `Debug` never shows the secret.
 #[derive(Clone, Default)]
 pub enum Auth {
+    /// No credentials.
     #[default]
     None,
     /// `Authorization: Bearer <token>`.
     Bearer(String),
     /// HTTP basic authentication.
-    Basic { user: String, password: String },
+    Basic {
+        /// User name.
+        user: String,
+        /// Password, never shown by `Debug`.
+        password: String,
+    },
 }
 
 impl std::fmt::Debug for Auth {
@@ -65,6 +71,7 @@ impl std::fmt::Debug for Auth {
 pub struct DicomWebConfig {
     /// The server's DICOMweb root, e.g. `http://127.0.0.1:8042/dicom-web` (Orthanc).
     pub base_url: String,
+    /// Credentials sent with every request.
     pub auth: Auth,
     /// Time to open a connection (default 10 s).
     pub connect_timeout: Duration,
@@ -77,6 +84,8 @@ pub struct DicomWebConfig {
 }
 
 impl DicomWebConfig {
+    /// A configuration for the server at `base_url`, without credentials and with the default
+    /// timeouts and size limits.
     pub fn new(base_url: impl Into<String>) -> Self {
         Self {
             base_url: base_url.into(),
@@ -88,11 +97,13 @@ impl DicomWebConfig {
         }
     }
 
+    /// Sends `Authorization: Bearer <token>` with every request.
     pub fn bearer(mut self, token: impl Into<String>) -> Self {
         self.auth = Auth::Bearer(token.into());
         self
     }
 
+    /// Sends HTTP basic authentication with every request.
     pub fn basic(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
         self.auth = Auth::Basic {
             user: user.into(),
@@ -101,6 +112,7 @@ impl DicomWebConfig {
         self
     }
 
+    /// Sets the connection timeout and the whole-request timeout.
     pub fn timeouts(mut self, connect: Duration, request: Duration) -> Self {
         self.connect_timeout = connect;
         self.timeout = request;
@@ -111,85 +123,145 @@ impl DicomWebConfig {
 /// Why a DICOMweb request failed, with what to check. URLs in messages have no query string.
 #[derive(Debug, thiserror::Error)]
 pub enum DicomWebError {
+    /// The base URL is unusable (not http(s), with a query or fragment) or no client can be built.
     #[error(
         "invalid DICOMweb base URL {url:?}: {reason}; give the server's DICOMweb root, e.g. \
          http://127.0.0.1:8042/dicom-web"
     )]
-    InvalidUrl { url: String, reason: String },
+    InvalidUrl {
+        /// The base URL given (at most 200 characters).
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
+    /// A study, series or instance UID given to a request is not a DICOM UID.
     #[error("invalid {what} {value:?}: a DICOM UID is 1 to 64 digits and dots")]
-    InvalidUid { what: &'static str, value: String },
+    InvalidUid {
+        /// Which UID it is (study, series or instance).
+        what: &'static str,
+        /// The value given.
+        value: String,
+    },
 
+    /// The server could not be connected to.
     #[error(
         "cannot reach {url} ({reason}): is the PACS at {base} running, and are the host and \
          port right?"
     )]
     Unreachable {
+        /// The request's URL, without query string.
         url: String,
+        /// The configured base URL.
         base: String,
+        /// The connection error.
         reason: String,
     },
 
+    /// The server did not answer within the request timeout.
     #[error(
         "{url} did not answer within {secs} s: is the PACS overloaded or the network down? A \
          large study may need a longer timeout"
     )]
-    Timeout { url: String, secs: u64 },
+    Timeout {
+        /// The request's URL, without query string.
+        url: String,
+        /// The request timeout in seconds.
+        secs: u64,
+    },
 
+    /// The server refused the credentials (HTTP 401 or 403).
     #[error(
         "{url} refused the request with HTTP {status}: check the credentials (bearer token, or \
          user and password) and that they allow {action}"
     )]
     Unauthorized {
+        /// The request's URL, without query string.
         url: String,
+        /// The HTTP status (401 or 403).
         status: u16,
+        /// What the request was doing, e.g. `storing (STOW-RS)`.
         action: &'static str,
     },
 
+    /// The server answered with an HTTP status the request does not accept.
     #[error("{url} answered HTTP {status}{hint}: {body:?}")]
     Http {
+        /// The request's URL, without query string.
         url: String,
+        /// The HTTP status.
         status: u16,
+        /// What to check for this status, or empty.
         hint: &'static str,
         /// The first 200 characters of the response body.
         body: String,
     },
 
+    /// The response's content type or body is not what DICOMweb specifies.
     #[error("{url} answered with something that is not a DICOMweb response: {reason}")]
-    BadResponse { url: String, reason: String },
+    BadResponse {
+        /// The request's URL, without query string.
+        url: String,
+        /// What is wrong with the response.
+        reason: String,
+    },
 
+    /// The response body is over `max_response_bytes`.
     #[error(
         "the response from {url} is over {limit} bytes: raise max_response_bytes, or retrieve \
          fewer instances per request"
     )]
-    TooLarge { url: String, limit: usize },
+    TooLarge {
+        /// The request's URL, without query string.
+        url: String,
+        /// `max_response_bytes`.
+        limit: usize,
+    },
 
+    /// The request failed for another reason (TLS, protocol, body).
     #[error("the request to {url} failed: {reason}")]
-    Request { url: String, reason: String },
+    Request {
+        /// The request's URL, without query string.
+        url: String,
+        /// The HTTP client's error.
+        reason: String,
+    },
 
+    /// The STOW-RS request body could not be built from the objects given.
     #[error("cannot prepare the STOW-RS request: {0}")]
     Build(PacsError),
 
+    /// A retrieved instance is not readable DICOM.
     #[error("instance {index} retrieved from {url} is not readable DICOM: {source}")]
     Dicom {
+        /// The request's URL, without query string.
         url: String,
+        /// The instance's position in the response, from 1.
         index: usize,
+        /// Why it could not be read.
         source: PacsError,
     },
 
+    /// A retrieved instance's SOPInstanceUID is not a UID, so it cannot name a file.
     #[error(
         "instance {index} retrieved from {url} has SOPInstanceUID {value:?}, which is not a UID \
          (1 to 64 digits and dots): nothing is written, as the UID names the file"
     )]
     BadInstanceUid {
+        /// The request's URL, without query string.
         url: String,
+        /// The instance's position in the response, from 1.
         index: usize,
+        /// The SOPInstanceUID it carries.
         value: String,
     },
 
+    /// A retrieved instance could not be written to disk.
     #[error("cannot write {path}: {source}; check that the folder is writable and has room")]
     Io {
+        /// The file that could not be written.
         path: PathBuf,
+        /// The operating system's error.
         source: std::io::Error,
     },
 }
@@ -197,6 +269,7 @@ pub enum DicomWebError {
 /// A study found by QIDO-RS.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StudyRecord {
+    /// StudyInstanceUID (0020,000D).
     pub study_instance_uid: String,
     /// ModalitiesInStudy (0008,0061).
     pub modalities: Vec<String>,
@@ -204,12 +277,14 @@ pub struct StudyRecord {
     pub number_of_series: Option<i64>,
     /// NumberOfStudyRelatedInstances (0020,1208).
     pub number_of_instances: Option<i64>,
+    /// The study's whole DICOM JSON record, for attributes without a field here.
     pub json: Value,
 }
 
 /// A series found by QIDO-RS.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeriesRecord {
+    /// SeriesInstanceUID (0020,000E).
     pub series_instance_uid: String,
     /// Modality (0008,0060).
     pub modality: Option<String>,
@@ -217,17 +292,20 @@ pub struct SeriesRecord {
     pub series_number: Option<i64>,
     /// NumberOfSeriesRelatedInstances (0020,1209).
     pub number_of_instances: Option<i64>,
+    /// The series' whole DICOM JSON record, for attributes without a field here.
     pub json: Value,
 }
 
 /// An instance found by QIDO-RS.
 #[derive(Clone, Debug, PartialEq)]
 pub struct InstanceRecord {
+    /// SOPInstanceUID (0008,0018).
     pub sop_instance_uid: String,
     /// SOPClassUID (0008,0016).
     pub sop_class_uid: Option<String>,
     /// InstanceNumber (0020,0013).
     pub instance_number: Option<i64>,
+    /// The instance's whole DICOM JSON record, for attributes without a field here.
     pub json: Value,
 }
 
@@ -251,6 +329,7 @@ pub struct StowResponse {
     pub stored: Vec<String>,
     /// Each FailedSOPSequence (0008,1198) item.
     pub failed: Vec<StowFailure>,
+    /// The whole DICOM JSON response.
     pub json: Value,
 }
 
@@ -332,6 +411,8 @@ fn status_hint(status: StatusCode) -> &'static str {
 }
 
 impl DicomWebClient {
+    /// A client for the server `config` names; fails when the base URL is not a usable http(s)
+    /// URL.
     pub fn new(config: DicomWebConfig) -> Result<Self, DicomWebError> {
         let invalid = |reason: String| DicomWebError::InvalidUrl {
             url: config.base_url.chars().take(200).collect(),

@@ -8,7 +8,10 @@ pub enum PacsError {
         "cannot read the DICOM object: {reason}. Give a DICOM Part 10 file, or a bare data set \
          in implicit or explicit VR little endian"
     )]
-    Read { reason: String },
+    Read {
+        /// What the DICOM reader reported.
+        reason: String,
+    },
 
     /// A required attribute of the source image is absent or empty.
     #[error(
@@ -17,16 +20,22 @@ pub enum PacsError {
          beyond the DICOM basic profile)"
     )]
     MissingAttribute {
+        /// The attribute's keyword, e.g. `StudyInstanceUID`.
         keyword: &'static str,
+        /// Its tag, e.g. `(0020,000D)`.
         tag: &'static str,
     },
 
     /// An attribute of the source image has a value the writers cannot use.
     #[error("the source image's {keyword} {tag} is {value:?}: {reason}")]
     InvalidAttribute {
+        /// The attribute's keyword.
         keyword: &'static str,
+        /// Its tag.
         tag: &'static str,
+        /// The value found.
         value: String,
+        /// Why it cannot be used.
         reason: String,
     },
 
@@ -45,4 +54,5 @@ pub enum PacsError {
     Multipart(crate::multipart::MultipartError),
 }
 
+/// The crate's result type, [`PacsError`] by default.
 pub type Result<T, E = PacsError> = std::result::Result<T, E>;

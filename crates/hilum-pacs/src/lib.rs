@@ -32,6 +32,8 @@
 //! is a [`PacsError::Read`], a missing attribute names itself, an inconsistent result set names
 //! the field to fix.
 
+#![warn(missing_docs)]
+
 pub mod codes;
 mod dataset;
 pub mod dicomweb;

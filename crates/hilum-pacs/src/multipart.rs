@@ -28,7 +28,9 @@ const MAX_PARSE_BOUNDARY: usize = 200;
 /// parameter when the part has none) and its content.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Part {
+    /// The part's media type, e.g. `application/dicom`.
     pub content_type: String,
+    /// The part's content, headers excluded.
     pub bytes: Vec<u8>,
 }
 
@@ -45,49 +47,90 @@ impl Part {
 /// Why a multipart body could not be parsed or built. Parts are numbered from 1.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MultipartError {
+    /// The Content-Type is not a multipart type.
     #[error(
         "the Content-Type {content_type:?} is not multipart: a DICOMweb body of instances is \
          multipart/related; type=\"application/dicom\"; boundary=..."
     )]
-    NotMultipart { content_type: String },
+    NotMultipart {
+        /// The Content-Type given.
+        content_type: String,
+    },
 
+    /// The Content-Type has no `boundary` parameter.
     #[error(
         "the Content-Type {content_type:?} has no boundary parameter: a multipart body needs \
          one (multipart/related; type=\"application/dicom\"; boundary=...)"
     )]
-    MissingBoundary { content_type: String },
+    MissingBoundary {
+        /// The Content-Type given.
+        content_type: String,
+    },
 
+    /// The boundary is empty, too long or has characters RFC 2046 forbids.
     #[error("invalid multipart boundary: {reason}")]
-    InvalidBoundary { reason: String },
+    InvalidBoundary {
+        /// What is wrong with it.
+        reason: String,
+    },
 
+    /// No line of the body holds the boundary.
     #[error(
         "the body has no line with the boundary given in its Content-Type: the boundary does \
          not match the body, or the body is not multipart"
     )]
     NoFirstBoundary,
 
+    /// The body ends before the closing boundary.
     #[error(
         "the body ends inside part {part} ({reason}): the transfer was cut off; retry it, and \
          check the size limits of the sender and any proxy between"
     )]
-    Truncated { part: usize, reason: &'static str },
+    Truncated {
+        /// The part being read when the body ended.
+        part: usize,
+        /// What was missing.
+        reason: &'static str,
+    },
 
+    /// A part is larger than the caller's limit.
     #[error(
         "part {part} is over the limit of {limit} bytes: raise the limit, or send fewer or \
          smaller objects per request"
     )]
-    PartTooLarge { part: usize, limit: usize },
+    PartTooLarge {
+        /// The part over the limit.
+        part: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
 
+    /// A part's header block cannot be parsed.
     #[error("part {part} has malformed headers: {reason}")]
-    MalformedHeaders { part: usize, reason: String },
+    MalformedHeaders {
+        /// The part whose headers are malformed.
+        part: usize,
+        /// What is wrong with them.
+        reason: String,
+    },
 
+    /// A boundary line is followed by something other than a line end or `--`.
     #[error("the boundary line after part {part} is malformed: {reason}")]
-    MalformedDelimiter { part: usize, reason: &'static str },
+    MalformedDelimiter {
+        /// The part before the boundary line.
+        part: usize,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
 
+    /// When building: a part's content contains the boundary.
     #[error(
         "the boundary occurs inside part {part}: pick another one (multipart::new_boundary does)"
     )]
-    BoundaryInPart { part: usize },
+    BoundaryInPart {
+        /// The part that contains it.
+        part: usize,
+    },
 }
 
 impl From<MultipartError> for PacsError {
@@ -100,7 +143,9 @@ impl From<MultipartError> for PacsError {
 /// values unquoted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MediaType {
+    /// `type/subtype`, lower-cased.
     pub essence: String,
+    /// Parameters in order as (lower-cased name, unquoted value).
     pub params: Vec<(String, String)>,
 }
 

@@ -21,6 +21,7 @@ pub struct Protocol {
     /// without the attribute matches only when `missing_body_part_ok` is true.
     #[serde(default)]
     pub body_parts: Vec<String>,
+    /// Whether an instance without Body Part Examined matches `body_parts` (default: true).
     #[serde(default = "yes")]
     pub missing_body_part_ok: bool,
     /// View Position (0018,5101) values, e.g. `PA`, `AP`; empty: any (laterals included).
@@ -55,13 +56,18 @@ fn yes() -> bool {
 /// What a protocol is matched against: the attributes of one instance.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct InstanceFacts {
+    /// Modality (0008,0060).
     pub modality: Option<String>,
+    /// Body Part Examined (0018,0015).
     pub body_part: Option<String>,
+    /// View Position (0018,5101).
     pub view_position: Option<String>,
+    /// Series Description (0008,103E).
     pub series_description: Option<String>,
 }
 
 impl InstanceFacts {
+    /// The facts of `source`, with the series description read beside it.
     pub fn of(source: &SourceImage, series_description: Option<String>) -> Self {
         InstanceFacts {
             modality: source.modality.clone(),
@@ -85,6 +91,7 @@ pub fn read_facts(bytes: &[u8]) -> crate::error::Result<(SourceImage, InstanceFa
 /// Why an instance matched no protocol, one reason per protocol.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NoMatch {
+    /// Why each protocol did not match, one per protocol; empty when none is configured.
     pub reasons: Vec<String>,
 }
 

@@ -14,11 +14,13 @@ pub use crate::uid::ModelInfo;
 /// and as the SR's device observer (TID 1004).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Device {
+    /// Manufacturer, written as the equipment's and the device observer's manufacturer.
     pub manufacturer: String,
     /// Device Observer Name in the SR.
     pub name: String,
     /// ManufacturerModelName, and Device Observer Model Name in the SR.
     pub model_name: String,
+    /// SoftwareVersions (0018,1020).
     pub software_version: String,
     /// DeviceSerialNumber (Type 1 in Enhanced General Equipment): the site's installation id.
     pub serial_number: String,
@@ -41,7 +43,9 @@ impl Device {
 /// times. Given by the caller so that a resend can reproduce an object byte for byte.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Timestamp {
+    /// `YYYYMMDD`.
     pub date: String,
+    /// `HHMMSS`.
     pub time: String,
 }
 
@@ -97,7 +101,12 @@ pub enum Quantity {
     /// A dimensionless ratio (UCUM `1`).
     Ratio(f64),
     /// A value already in the given UCUM unit.
-    Value { value: f64, unit: Code },
+    Value {
+        /// The number.
+        value: f64,
+        /// Its UCUM unit.
+        unit: Code,
+    },
 }
 
 /// One numeric measurement (TID 300 inside the SR's TID 1501 measurement group).
@@ -110,6 +119,7 @@ pub struct Measurement {
     pub code: Code,
     /// Where, e.g. Right lung (3341006, SCT), written as Finding Site.
     pub site: Option<Code>,
+    /// What was measured and in which unit.
     pub quantity: Quantity,
     /// The model whose output this was computed from (one of the result set's models).
     pub model_id: Option<String>,
@@ -118,7 +128,9 @@ pub struct Measurement {
 /// Left or right, as seen from the patient.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Side {
+    /// The patient's right.
     Right,
+    /// The patient's left.
     Left,
 }
 
@@ -182,14 +194,18 @@ impl Measurement {
 /// One classifier output: a label, its probability, the model that gave it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Finding {
+    /// The classifier's label, e.g. `Cardiomegaly`.
     pub label: String,
     /// The concept; `None` takes [`codes::finding_code`] of the label.
     pub code: Option<Code>,
+    /// The classifier's probability, in 0..=1.
     pub probability: f64,
+    /// The model that gave it (one of the result set's models).
     pub model_id: String,
 }
 
 impl Finding {
+    /// A finding coded by [`codes::finding_code`] of its label.
     pub fn new(label: &str, probability: f64, model_id: &str) -> Self {
         Self {
             label: label.into(),
@@ -210,11 +226,15 @@ impl Finding {
 /// One structure of the SEG: its coded category and type (CID 7150 / 7151) and its mask.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Segment {
+    /// Segment Label (0062,0005), e.g. `Right lung`.
     pub label: String,
+    /// Segmented Property Category (CID 7150).
     pub category: Code,
+    /// Segmented Property Type (CID 7151).
     pub property_type: Code,
     /// One value per source pixel, row-major, `rows * columns` long; non-zero is inside.
     pub mask: Vec<u8>,
+    /// The model whose mask this is (one of the result set's models).
     pub model_id: String,
 }
 
@@ -229,10 +249,12 @@ impl Segment {
         }
     }
 
+    /// The right lung's mask.
     pub fn right_lung(mask: Vec<u8>, model_id: &str) -> Self {
         Self::anatomy("Right lung", codes::right_lung(), mask, model_id)
     }
 
+    /// The left lung's mask.
     pub fn left_lung(mask: Vec<u8>, model_id: &str) -> Self {
         Self::anatomy("Left lung", codes::left_lung(), mask, model_id)
     }
@@ -242,6 +264,7 @@ impl Segment {
         Self::anatomy("Lung", codes::lung(), mask, model_id)
     }
 
+    /// The heart's mask.
     pub fn heart(mask: Vec<u8>, model_id: &str) -> Self {
         Self::anatomy("Heart", codes::heart(), mask, model_id)
     }
@@ -251,8 +274,11 @@ impl Segment {
 /// (R, G, B per pixel), row-major, annotations already drawn in.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Overlay {
+    /// Height in pixels.
     pub rows: u16,
+    /// Width in pixels.
     pub columns: u16,
+    /// `rows * columns * 3` bytes.
     pub rgb: Vec<u8>,
     /// What was drawn, written as DerivationDescription ("Lung masks and CTR lines by Hilum").
     pub description: String,
@@ -261,24 +287,31 @@ pub struct Overlay {
 /// Everything one protocol run produced for one source image.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ResultSet {
+    /// The source image's attributes: its study and patient, and what the results refer to.
     pub source: SourceImage,
     /// The protocol's name: enters the UIDs and the series descriptions.
     pub protocol: String,
+    /// The device written as equipment and observer.
     pub device: Device,
     /// Every model that contributed (id and weights' sha256): enters the UIDs, the SR's
     /// observer context and each group's algorithm identification.
     pub models: Vec<ModelInfo>,
+    /// Numeric measurements, one SR measurement group each.
     pub measurements: Vec<Measurement>,
+    /// Classifier outputs, one SR measurement group each.
     pub findings: Vec<Finding>,
     /// The question the protocol asked the agent, if any.
     pub question: Option<String>,
     /// The agent's answer, if any.
     pub answer: Option<String>,
+    /// Structures for the SEG, one segment each.
     pub segments: Vec<Segment>,
+    /// The annotated image for the secondary capture, if any.
     pub overlay: Option<Overlay>,
     /// Adds "research use only, not for diagnostic use" to every object (a model's licence
     /// may require it).
     pub research_only: bool,
+    /// Content and creation date and time of every object.
     pub created: Timestamp,
 }
 

@@ -23,20 +23,30 @@ use crate::error::{PacsError, Result};
 /// empty when the source has none).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Patient {
+    /// PatientName (0010,0010).
     pub name: Option<String>,
+    /// PatientID (0010,0020).
     pub id: Option<String>,
+    /// PatientBirthDate (0010,0030).
     pub birth_date: Option<String>,
+    /// PatientSex (0010,0040).
     pub sex: Option<String>,
 }
 
 /// The General Study module attributes copied into every result object.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Study {
+    /// StudyInstanceUID (0020,000D).
     pub instance_uid: String,
+    /// StudyDate (0008,0020).
     pub date: Option<String>,
+    /// StudyTime (0008,0030).
     pub time: Option<String>,
+    /// AccessionNumber (0008,0050).
     pub accession_number: Option<String>,
+    /// ReferringPhysicianName (0008,0090).
     pub referring_physician_name: Option<String>,
+    /// StudyID (0020,0010).
     pub id: Option<String>,
 }
 
@@ -45,15 +55,20 @@ pub struct Study {
 /// lengths from it include the projection's geometric magnification (PS3.3 C.8.11.4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SpacingSource {
+    /// PixelSpacing (0028,0030): in the patient plane, or a calibrated one.
     PixelSpacing,
+    /// ImagerPixelSpacing (0018,1164): at the detector face, magnification included.
     ImagerPixelSpacing,
 }
 
 /// Physical size of one pixel: `row_mm` between rows (vertical), `column_mm` between columns.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PixelSpacing {
+    /// Distance between rows (vertical), in mm.
     pub row_mm: f64,
+    /// Distance between columns (horizontal), in mm.
     pub column_mm: f64,
+    /// The attribute it was read from.
     pub source: SpacingSource,
 }
 
@@ -67,21 +82,32 @@ impl PixelSpacing {
 /// The source image of a result set: what to copy and what to reference.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SourceImage {
+    /// Patient module attributes to copy.
     pub patient: Patient,
+    /// General Study module attributes to copy.
     pub study: Study,
+    /// SOPClassUID (0008,0016), for references to the source.
     pub sop_class_uid: String,
+    /// SOPInstanceUID (0008,0018), for references to the source.
     pub sop_instance_uid: String,
+    /// SeriesInstanceUID (0020,000E), for references to the source.
     pub series_instance_uid: String,
+    /// Rows (0028,0010).
     pub rows: u16,
+    /// Columns (0028,0011).
     pub columns: u16,
     /// `PixelSpacing`, else `ImagerPixelSpacing`; `None` when absent or not positive (some
     /// archives write `0\0`), in which case areas are reported in pixels.
     pub pixel_spacing: Option<PixelSpacing>,
+    /// FrameOfReferenceUID (0020,0052), copied into a SEG when present.
     pub frame_of_reference_uid: Option<String>,
     /// SliceThickness (0018,0050) in mm, when the source has a positive one.
     pub slice_thickness: Option<f64>,
+    /// Modality (0008,0060), matched by protocols.
     pub modality: Option<String>,
+    /// BodyPartExamined (0018,0015), matched by protocols.
     pub body_part_examined: Option<String>,
+    /// ViewPosition (0018,5101), matched by protocols.
     pub view_position: Option<String>,
     /// `PatientOrientation` (0020,0020), e.g. `["L", "F"]`; copied into a SEG (Type 2C there
     /// when the source has no patient-space geometry).

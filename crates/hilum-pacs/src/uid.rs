@@ -27,6 +27,7 @@ pub enum ObjectKind {
 }
 
 impl ObjectKind {
+    /// The kind as it enters the UID digest: `sr`, `seg` or `sc`.
     pub fn as_str(self) -> &'static str {
         match self {
             ObjectKind::Sr => "sr",
@@ -39,14 +40,18 @@ impl ObjectKind {
 /// A model's identity as it enters UIDs and reports: its id and the sha256 of its weights.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelInfo {
+    /// The model's id.
     pub id: String,
+    /// Hex SHA-256 of the model's weights.
     pub sha256: String,
 }
 
 /// The Series and SOP Instance UIDs of one result object.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResultUids {
+    /// SeriesInstanceUID (0020,000E) of the object's series.
     pub series_instance_uid: String,
+    /// SOPInstanceUID (0008,0018) of the object.
     pub sop_instance_uid: String,
 }
 

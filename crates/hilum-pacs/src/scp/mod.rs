@@ -135,9 +135,13 @@ impl ScpConfig {
 pub struct StoredInstance {
     /// The Part 10 file, `<storage_dir>/<study_uid>/<sop_instance_uid>.dcm`.
     pub path: PathBuf,
+    /// StudyInstanceUID (0020,000D) of the instance.
     pub study_uid: String,
+    /// SeriesInstanceUID (0020,000E) of the instance.
     pub series_uid: String,
+    /// SOPInstanceUID (0008,0018) of the instance.
     pub sop_instance_uid: String,
+    /// SOPClassUID (0008,0016) of the instance.
     pub sop_class_uid: String,
     /// The negotiated transfer syntax the data set arrived (and is stored) in.
     pub transfer_syntax: String,
@@ -154,19 +158,26 @@ pub type OnStored = dyn Fn(&StoredInstance) -> Result<(), String> + Send + Sync;
 /// Why the node could not start or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ScpError {
+    /// The listening socket could not be opened.
     #[error("the DICOM node cannot listen on {addr}: {source}; choose a free port (0 for any)")]
     Bind {
+        /// The address asked for.
         addr: String,
+        /// The operating system's error.
         source: std::io::Error,
     },
+    /// The storage folder could not be created.
     #[error(
         "the DICOM node's storage folder {path} cannot be created: {source}; give a writable \
          folder"
     )]
     StorageDir {
+        /// The folder asked for.
         path: PathBuf,
+        /// The operating system's error.
         source: std::io::Error,
     },
+    /// A setting is out of range; the message names it.
     #[error("invalid DICOM node setting: {0}")]
     Config(String),
 }
