@@ -992,13 +992,11 @@ mod tests {
 
     #[test]
     fn models_backend_table_is_the_backend_variable() {
-        let file: FileConfig = toml::from_str(
-            "[models.backend]\n\"lung-unet\" = \"kserve\"\n\"*\" = \"onnx\"\n",
-        )
-        .expect("parses");
-        let s = hilum_models::ModelSettings::from_vars(|k| {
-            models_var(k, |_| None, Some(&file.models))
-        });
+        let file: FileConfig =
+            toml::from_str("[models.backend]\n\"lung-unet\" = \"kserve\"\n\"*\" = \"onnx\"\n")
+                .expect("parses");
+        let s =
+            hilum_models::ModelSettings::from_vars(|k| models_var(k, |_| None, Some(&file.models)));
         let b = s.backends.expect("parses");
         assert_eq!(b.get("lung-unet"), Some(Backend::Kserve));
         assert_eq!(b.every_model(), Some(Backend::Onnx));

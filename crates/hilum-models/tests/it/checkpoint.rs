@@ -135,7 +135,12 @@ fn whole_pickled_module_flattens_like_state_dict_in_both_formats() {
 fn converter_metadata_matches_convert_xrv() {
     let out = tempfile::tempdir().expect("tempdir");
     let dst = out.path().join("m.safetensors");
-    pytorch_to_safetensors(&renames("resnet50"), &fixtures().join("module_zip.pt"), &dst).expect("convert");
+    pytorch_to_safetensors(
+        &renames("resnet50"),
+        &fixtures().join("module_zip.pt"),
+        &dst,
+    )
+    .expect("convert");
     let bytes = std::fs::read(&dst).expect("read");
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("header");
     let meta = meta.metadata().clone().unwrap_or_default();
@@ -154,7 +159,12 @@ fn pspnet_conversion_equals_convert_pspnet() {
         .all(|k| !k.starts_with("module.") && !k.starts_with("aux_cls.")));
     let out = tempfile::tempdir().expect("tempdir");
     let dst = out.path().join("p.safetensors");
-    pytorch_to_safetensors(&renames("pspnet"), &fixtures().join("pspnet_state.pth"), &dst).expect("convert");
+    pytorch_to_safetensors(
+        &renames("pspnet"),
+        &fixtures().join("pspnet_state.pth"),
+        &dst,
+    )
+    .expect("convert");
     assert_same("pspnet", &load_safetensors(&dst), &want);
 }
 
@@ -163,7 +173,8 @@ fn sam_conversion_follows_convert_medsam_rules() {
     let want = load_safetensors(&fixtures().join("sam.expected.safetensors"));
     let out = tempfile::tempdir().expect("tempdir");
     let dst = out.path().join("s.safetensors");
-    pytorch_to_safetensors(&renames("sam"), &fixtures().join("sam_state.pth"), &dst).expect("convert");
+    pytorch_to_safetensors(&renames("sam"), &fixtures().join("sam_state.pth"), &dst)
+        .expect("convert");
     assert_same("sam", &load_safetensors(&dst), &want);
 }
 
@@ -209,8 +220,12 @@ fn malicious_pickles_are_refused_by_name_and_nothing_runs() {
 fn malicious_checkpoint_is_refused_by_the_converter_too() {
     let out = tempfile::tempdir().expect("tempdir");
     let dst = out.path().join("x.safetensors");
-    let err = pytorch_to_safetensors(&renames("densenet121"), &fixtures().join("evil_nested_zip.pt"), &dst)
-        .expect_err("refused");
+    let err = pytorch_to_safetensors(
+        &renames("densenet121"),
+        &fixtures().join("evil_nested_zip.pt"),
+        &dst,
+    )
+    .expect_err("refused");
     assert!(err.to_string().contains("`posix.system`"), "{err}");
     assert!(!dst.exists());
 }
