@@ -26,27 +26,37 @@ use crate::{LocalDevice, LocalError};
 /// default.
 #[derive(Clone, Debug)]
 pub struct CheckTiming {
+    /// The step timed, e.g. `decode ms/token (dense)`.
     pub what: String,
+    /// Mean milliseconds on the device under test.
     pub target_ms: f64,
+    /// Mean milliseconds on candle's CPU f32 path, when measured.
     pub reference_ms: Option<f64>,
+    /// Mean milliseconds on the CPU default (Hilum's block kernels), when measured.
     pub native_ms: Option<f64>,
 }
 
 /// The row: agreement of the two devices and the timings.
 #[derive(Clone, Debug)]
 pub struct DeviceCheck {
+    /// What was compared, e.g. the last logits after the prompt.
     pub compared: String,
     /// max |target - cpu| / max(1, max |cpu|) of the prompt's last logits (f32 on both).
     pub max_rel_diff: f32,
+    /// Largest `max_rel_diff` that passes.
     pub tolerance: f32,
     /// Greedy tokens equal (the f32 decode must agree token for token; quantized is reported).
     pub greedy_equal: usize,
+    /// Greedy tokens decoded on each device.
     pub new_tokens: usize,
+    /// Remarks for the report (what was skipped, what differs).
     pub notes: Vec<String>,
+    /// Timings of each step.
     pub timings: Vec<CheckTiming>,
 }
 
 impl DeviceCheck {
+    /// Whether the logits agree within `tolerance` and every greedy token is equal.
     pub fn passed(&self) -> bool {
         self.max_rel_diff <= self.tolerance && self.greedy_equal == self.new_tokens
     }

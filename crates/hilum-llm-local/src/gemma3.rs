@@ -36,15 +36,25 @@ const DEFAULT_LOCAL_ROPE_BASE: f32 = 10_000.0;
 /// Gemma 3 hyper-parameters read from the GGUF metadata.
 #[derive(Clone, Debug)]
 pub struct Gemma3Config {
+    /// Transformer blocks.
     pub n_layer: usize,
+    /// Width of the residual stream.
     pub n_embd: usize,
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads.
     pub n_kv_head: usize,
+    /// Width of one attention head.
     pub head_dim: usize,
+    /// Longest context the model was trained for.
     pub context_length: usize,
+    /// Epsilon of the RMS norms.
     pub rms_eps: f64,
+    /// Rotary base frequency of the global layers.
     pub rope_base_global: f32,
+    /// Rotary base frequency of the local (sliding-window) layers.
     pub rope_base_local: f32,
+    /// Positions a local layer attends to.
     pub sliding_window: usize,
     /// Per layer: attends only to its sliding window (from a GGUF: every layer but each
     /// `sliding_window_pattern`-th).
@@ -58,6 +68,7 @@ pub struct Gemma3Config {
 }
 
 impl Gemma3Config {
+    /// Reads the hyper-parameters from a GGUF's metadata.
     pub fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Self> {
         let arch = md(ct, "general.architecture")?.to_string()?;
         if arch != "gemma3" {
@@ -237,7 +248,9 @@ impl BlockEmbedding {
     }
 }
 
+/// A Gemma 3 decoder with its KV cache.
 pub struct Gemma3 {
+    /// Its hyper-parameters.
     pub cfg: Gemma3Config,
     embed: Embedding,
     layers: Vec<Layer>,

@@ -41,16 +41,21 @@ const SHORT_RESULT_CHARS: usize = 400;
 /// What the last request cost.
 #[derive(Clone, Debug, Default)]
 pub struct GenStats {
+    /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
     /// Prompt tokens whose KV entries were already cached from an earlier round.
     pub reused_tokens: usize,
     /// Prompt tokens run through the model in this request.
     pub prefill_tokens: usize,
+    /// Seconds spent running the prompt through the model.
     pub prefill_secs: f64,
+    /// Answer tokens produced.
     pub decode_tokens: usize,
+    /// Seconds spent producing the answer tokens.
     pub decode_secs: f64,
     /// Of `decode_tokens`, those the tool-call grammar forced and that ran as one batch.
     pub forced_tokens: usize,
+    /// Seconds spent on the forced tokens.
     pub forced_secs: f64,
     /// The passes those forced tokens ran in.
     pub forced_batches: usize,
@@ -58,6 +63,7 @@ pub struct GenStats {
     pub rewound_tokens: usize,
     /// Seconds from the request to the end of its first complete tool call.
     pub first_tool_call_secs: Option<f64>,
+    /// Seconds from the request to the end of the answer.
     pub total_secs: f64,
     /// Tool results shortened to fit the context.
     pub shortened_tool_results: usize,
@@ -67,6 +73,7 @@ pub struct GenStats {
     pub prefix_source: Option<PrefixSource>,
     /// Pictures in the prompt (a multimodal model), and the prompt tokens that stand for them.
     pub images: usize,
+    /// Prompt tokens standing for those pictures.
     pub image_tokens: usize,
     /// Seconds spent encoding pictures not already encoded (the vision tower).
     pub image_secs: f64,
@@ -74,10 +81,12 @@ pub struct GenStats {
     /// token before them, and of those the ones greedy decoding then chose (no pass of their
     /// own).
     pub drafted_tokens: usize,
+    /// Of `drafted_tokens`, those greedy decoding then chose.
     pub draft_kept: usize,
 }
 
 impl GenStats {
+    /// Prompt tokens run per second of prefill.
     pub fn prefill_tokens_per_sec(&self) -> f64 {
         self.prefill_tokens as f64 / self.prefill_secs.max(1e-9)
     }

@@ -119,6 +119,8 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    /// Matchers for `<tool_call>` blocks calling `tools` (with the picture ids a call may name);
+    /// fails when the vocabulary has no `<tool_call>` token.
     pub fn new(
         tok: &Arc<GgufTokenizer>,
         tools: &[ToolSpec],

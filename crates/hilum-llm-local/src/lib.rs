@@ -9,6 +9,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod devcheck;
 pub mod gemma3;
 mod generate;
@@ -50,31 +52,72 @@ pub fn default_model_path(models_dir: &Path) -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
+/// Why a local model could not be loaded or could not answer.
 #[derive(Debug, Error)]
 pub enum LocalError {
+    /// The model file (or a snapshot folder) cannot be opened or read.
     #[error("local model file {path}: {reason} (fetch the default model with scripts/fetch_local_llm.sh)")]
-    Io { path: String, reason: String },
+    Io {
+        /// The file or folder.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// A multimodal model's files (`--llm local-vlm:`) as named.
     #[error("multimodal model {path}: {reason}")]
-    VlmFiles { path: String, reason: String },
+    VlmFiles {
+        /// The file or folder at fault.
+        path: String,
+        /// What is missing or wrong.
+        reason: String,
+    },
+    /// The file is not a GGUF candle can read.
     #[error("local model {path} is not a readable GGUF file: {reason}")]
-    BadGguf { path: String, reason: String },
+    BadGguf {
+        /// The file.
+        path: String,
+        /// What the GGUF reader reported.
+        reason: String,
+    },
+    /// The model's architecture, quantization or device is not supported.
     #[error("local model not supported: {0}")]
     Unsupported(String),
+    /// The GGUF's tokenizer cannot be built or cannot encode the prompt.
     #[error("local model tokenizer: {0}")]
     Tokenizer(String),
+    /// The chat template is missing, does not compile or fails to render.
     #[error("local model chat template: {0}")]
     Template(String),
+    /// The tool-call grammar cannot be built from the request's tools.
     #[error("tool-call grammar: {0}")]
     Grammar(String),
+    /// A forward pass failed (candle's error).
     #[error("local model inference failed: {0}")]
     Inference(String),
+    /// The conversation does not fit the context, even with old tool results shortened.
     #[error("the conversation needs {needed} tokens but the local model's context is {limit} even after shortening old tool results; start a new conversation or raise the context with --llm-context")]
-    ContextFull { needed: usize, limit: usize },
+    ContextFull {
+        /// Tokens the conversation needs.
+        needed: usize,
+        /// The context in tokens.
+        limit: usize,
+    },
+    /// The answer kept repeating itself and was stopped.
     #[error("the local model repeated the same {period} token(s) over its last {window} tokens and was stopped; try a higher temperature or a clearer question")]
-    Repetition { period: usize, window: usize },
+    Repetition {
+        /// Length of the repeated run in tokens.
+        period: usize,
+        /// Tokens over which it repeated (`repetition_window`).
+        window: usize,
+    },
+    /// The answer reached `max_tokens` inside a tool call.
     #[error("the local model reached max_tokens ({max}) in the middle of a tool call ({partial}); raise max_tokens")]
-    CallCutOff { max: u32, partial: String },
+    CallCutOff {
+        /// The answer's token limit.
+        max: u32,
+        /// The start of the tool call as written (at most 200 characters).
+        partial: String,
+    },
 }
 
 impl From<LocalError> for LlmError {
@@ -94,9 +137,12 @@ impl From<candle_core::Error> for LocalError {
 /// kept on the device).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LocalDevice {
+    /// The CPU.
     #[default]
     Cpu,
+    /// A CUDA GPU, by ordinal (a build with the `cuda` feature).
     Cuda(usize),
+    /// A Metal GPU, by ordinal (a build with the `metal` feature).
     Metal(usize),
 }
 
@@ -156,6 +202,7 @@ impl LocalDevice {
 /// override the defaults here.
 #[derive(Clone, Debug)]
 pub struct LocalConfig {
+    /// The GGUF file, or a multimodal model's files.
     pub path: PathBuf,
     /// Longest conversation in tokens (prompt + answer); capped by the model's own context.
     pub context: usize,
@@ -163,7 +210,9 @@ pub struct LocalConfig {
     pub max_tokens: u32,
     /// 0 = greedy.
     pub temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this total probability.
     pub top_p: Option<f64>,
+    /// Seed of the sampler (with a temperature above 0).
     pub seed: u64,
     /// Decode tool calls under a grammar built from the request's tools.
     pub constrain_tool_calls: bool,
@@ -191,6 +240,7 @@ pub struct LocalConfig {
 }
 
 impl LocalConfig {
+    /// The defaults for the model at `path`.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         LocalConfig {
             path: path.into(),
@@ -216,6 +266,7 @@ impl LocalConfig {
 pub enum Decoder {
     /// `qwen2` and `llama`.
     Llama(model::Model),
+    /// `gemma3` (text only).
     Gemma3(gemma3::Gemma3),
     /// Gemma 3 multimodal (`local-vlm:`): the Gemma 3 decoder with the vision tower.
     Vlm(Box<vlm::reasoner::VlmDecoder>),
@@ -279,6 +330,7 @@ impl Decoder {
         }
     }
 
+    /// Positions held in the KV cache.
     pub fn cached_len(&self) -> usize {
         match self {
             Decoder::Llama(m) => m.cached_len(),
@@ -463,6 +515,7 @@ impl LocalLlm {
         ))
     }
 
+    /// The model's file, as configured.
     pub fn path(&self) -> &Path {
         &self.inner.cfg.path
     }
@@ -472,10 +525,12 @@ impl LocalLlm {
         self.inner.cfg.seed
     }
 
+    /// The model's tokenizer.
     pub fn tokenizer(&self) -> &Arc<GgufTokenizer> {
         &self.inner.tok
     }
 
+    /// The model's chat template.
     pub fn template(&self) -> &ChatTemplate {
         &self.inner.template
     }

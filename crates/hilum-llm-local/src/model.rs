@@ -93,15 +93,25 @@ impl std::str::FromStr for MatmulMode {
 /// Model hyper-parameters read from the GGUF metadata.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Which decoder family the weights are for.
     pub arch: Arch,
+    /// Transformer blocks.
     pub n_layer: usize,
+    /// Width of the residual stream.
     pub n_embd: usize,
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_head`).
     pub n_kv_head: usize,
+    /// Width of one attention head.
     pub head_dim: usize,
+    /// Longest context the model was trained for.
     pub context_length: usize,
+    /// Epsilon of the RMS norms.
     pub rms_eps: f64,
+    /// Rotary embedding base frequency.
     pub rope_base: f32,
+    /// How the rotary embedding pairs a head's elements.
     pub rope: Rope,
 }
 
@@ -114,9 +124,12 @@ pub enum Rope {
     Pairs,
 }
 
+/// The GGUF architectures this decoder runs (`general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
+    /// `qwen2` (Qwen2, Qwen2.5), whose rotary embedding turns halves.
     Qwen2,
+    /// `llama` (Llama, Mistral), whose rotary embedding turns pairs.
     Llama,
 }
 
@@ -155,6 +168,7 @@ pub(crate) fn md<'a>(
 }
 
 impl Config {
+    /// Reads the hyper-parameters from a GGUF's metadata.
     pub fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Self> {
         let arch_name = md(ct, "general.architecture")?.to_string()?.clone();
         let arch = match arch_name.as_str() {
@@ -430,6 +444,7 @@ impl KvCache {
         self.len
     }
 
+    /// Whether no position is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -588,7 +603,9 @@ pub(crate) fn check_span(pos: usize, t: usize, max: usize) -> candle_core::Resul
     Ok(())
 }
 
+/// A Qwen2/Llama decoder with its KV cache, on the CPU block kernels or a candle device.
 pub struct Model {
+    /// Its hyper-parameters.
     pub cfg: Config,
     embed: Tensor,
     layers: Vec<Layer>,
@@ -675,7 +692,9 @@ fn quantized_for_dot(q: QTensor, w: &Tensor) -> candle_core::Result<QMatMul> {
 /// What a Hugging Face Llama/Mistral checkpoint adds to [`Config`] for [`Model::from_dense`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DenseLayout {
+    /// Vocabulary size.
     pub vocab: usize,
+    /// Width of the feed-forward layer.
     pub intermediate: usize,
     /// q/k/v/o carry biases (`attention_bias`).
     pub attention_bias: bool,

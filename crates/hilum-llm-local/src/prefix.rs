@@ -40,7 +40,9 @@ impl KvSnapshot {
 /// Where a restored prefix came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefixSource {
+    /// This process's memory, from an earlier request.
     Memory,
+    /// The prefix cache folder, saved by an earlier process.
     Disk,
 }
 

@@ -299,6 +299,7 @@ enum Simd {
 /// The widest SIMD the block kernels may use; they take the best the CPU has up to it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SimdCap {
+    /// The best the CPU has.
     #[default]
     Auto,
     /// AVX2 at most (to compare with builds without AVX-512).

@@ -28,8 +28,10 @@ const GEMMA_TURNS: &str = r#"{%- set ns = namespace(system='') -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
 
+/// A chat template, compiled, that renders a conversation into the model's prompt text.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's Jinja source.
     pub source: String,
     /// Text of the BOS token the prompt must start with (`bos_token` in templates), if any.
     bos: Option<String>,

@@ -31,12 +31,14 @@ impl Encoder {
     }
 }
 
+/// The tokenizer a GGUF carries (byte-level BPE or SentencePiece), with its special tokens.
 pub struct GgufTokenizer {
     encoder: Encoder,
     /// Raw bytes of each token (special tokens: their text).
     bytes: Vec<Vec<u8>>,
     special: HashMap<String, u32>,
     is_special: Vec<bool>,
+    /// End-of-sequence token (`tokenizer.ggml.eos_token_id`).
     pub eos: u32,
     /// Beginning-of-sequence token, if the GGUF names one.
     pub bos: Option<u32>,
@@ -90,6 +92,7 @@ impl GgufTokenizer {
         Self::from_gguf(&ct)
     }
 
+    /// Reads the tokenizer from a GGUF's metadata.
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self, LocalError> {
         let tokens: Vec<String> = ct
             .metadata
@@ -320,6 +323,7 @@ impl GgufTokenizer {
         Some(String::from_utf8_lossy(self.token_bytes(b)).into_owned())
     }
 
+    /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()
     }
@@ -335,14 +339,17 @@ impl GgufTokenizer {
         self.bytes.get(t as usize).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// Whether `t` is a special (control) token.
     pub fn is_special(&self, t: u32) -> bool {
         self.is_special.get(t as usize).copied().unwrap_or(false)
     }
 
+    /// The id of the special token whose text is `name`, e.g. `<|im_end|>`.
     pub fn special(&self, name: &str) -> Option<u32> {
         self.special.get(name).copied()
     }
 
+    /// The text of `tokens`, invalid UTF-8 replaced.
     pub fn decode(&self, tokens: &[u32]) -> String {
         let mut out = Vec::new();
         for &t in tokens {
@@ -380,6 +387,7 @@ impl GgufTokenizer {
         })
     }
 
+    /// The token trie the tool-call grammar matches against.
     pub fn trie(&self) -> Arc<TokTrie> {
         self.trie.clone()
     }
@@ -438,6 +446,7 @@ pub struct Utf8Stream {
 }
 
 impl Utf8Stream {
+    /// Adds a token's bytes and returns the text now complete.
     pub fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
         match std::str::from_utf8(&self.pending) {

@@ -6,7 +6,9 @@ use serde_json::Value;
 /// the raw text otherwise, so the agent can report or repair it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParsedCall {
+    /// The tool's name.
     pub name: String,
+    /// The call's arguments as JSON text.
     pub arguments: String,
 }
 

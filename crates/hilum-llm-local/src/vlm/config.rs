@@ -8,13 +8,21 @@ use crate::gemma3::Gemma3Config;
 /// The SigLIP vision tower's hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct VisionConfig {
+    /// Width of the tower's tokens.
     pub hidden: usize,
+    /// Width of its feed-forward layers.
     pub intermediate: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads.
     pub heads: usize,
+    /// Input channels (3: RGB).
     pub channels: usize,
+    /// Side of the square input in pixels.
     pub image_size: usize,
+    /// Side of one patch in pixels.
     pub patch_size: usize,
+    /// Epsilon of the layer norms.
     pub eps: f64,
 }
 
@@ -29,34 +37,54 @@ impl VisionConfig {
 /// [`Gemma3Config`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TextConfig {
+    /// Vocabulary size.
     pub vocab: usize,
+    /// Width of the residual stream.
     pub hidden: usize,
+    /// Width of the feed-forward layers.
     pub intermediate: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Width of one attention head.
     pub head_dim: usize,
+    /// Queries are scaled by its inverse square root.
     pub query_pre_attn_scalar: f64,
+    /// Epsilon of the RMS norms.
     pub eps: f64,
+    /// Rotary base frequency of the global layers.
     pub rope_theta: f32,
+    /// Rotary base frequency of the local (sliding-window) layers.
     pub rope_local_base: f32,
     /// Linear rotary scaling factor of the global layers (1 = none).
     pub rope_linear_factor: f32,
+    /// Positions a local layer attends to.
     pub sliding_window: usize,
     /// Per layer: attends only to its sliding window.
     pub local: Vec<bool>,
+    /// Longest context (`max_position_embeddings`).
     pub max_positions: usize,
+    /// `tanh` cap of the final logits, if any.
     pub final_softcap: Option<f32>,
 }
 
 /// The whole model's configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct VlmConfig {
+    /// The language model's.
     pub text: TextConfig,
+    /// The vision tower's.
     pub vision: VisionConfig,
+    /// Soft tokens each picture becomes in the prompt.
     pub mm_tokens_per_image: usize,
+    /// Token that opens a picture (`<start_of_image>`).
     pub boi_token: u32,
+    /// Token that closes a picture (`<end_of_image>`).
     pub eoi_token: u32,
+    /// Placeholder for each of a picture's soft tokens (`<image_soft_token>`).
     pub image_token: u32,
 }
 

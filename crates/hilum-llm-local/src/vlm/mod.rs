@@ -34,7 +34,9 @@ pub const BOI_TEXT: &str = "<start_of_image>";
 pub(crate) const EOI_TEXT: &str = "<end_of_image>";
 pub(crate) const IMAGE_TOKEN_TEXT: &str = "<image_soft_token>";
 
+/// A Gemma 3 multimodal model: the SigLIP vision tower, its projector and the decoder.
 pub struct Gemma3Vlm {
+    /// Its configuration.
     pub cfg: VlmConfig,
     vision: VisionTower,
     projector: Projector,
@@ -272,6 +274,7 @@ impl Gemma3Vlm {
         &mut self.decoder
     }
 
+    /// The decoder, for reading its state (cached positions, configuration).
     pub fn decoder(&self) -> &Gemma3 {
         &self.decoder
     }

@@ -39,7 +39,12 @@ pub enum VlmFiles {
     /// `tokenizer_config.json`).
     Snapshot(PathBuf),
     /// llama.cpp's text GGUF (with its tokenizer and chat template) and mmproj GGUF.
-    Gguf { text: PathBuf, mmproj: PathBuf },
+    Gguf {
+        /// The text model's GGUF.
+        text: PathBuf,
+        /// The vision tower and projector's GGUF (mmproj).
+        mmproj: PathBuf,
+    },
 }
 
 impl VlmFiles {
@@ -301,6 +306,7 @@ impl Vision {
 
 /// The decoder side: the model and the features of recent pictures, by slot.
 pub struct VlmDecoder {
+    /// The model.
     pub vlm: Gemma3Vlm,
     features: HashMap<u32, Tensor>,
 }
@@ -313,10 +319,12 @@ impl VlmDecoder {
         }
     }
 
+    /// The text decoder.
     pub fn decoder(&self) -> &Gemma3 {
         self.vlm.decoder()
     }
 
+    /// The text decoder, for steps that change its cache.
     pub fn decoder_mut(&mut self) -> &mut Gemma3 {
         self.vlm.decoder_mut()
     }
