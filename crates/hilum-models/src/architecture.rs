@@ -62,7 +62,9 @@ pub enum Graph {
 /// One device check: a name for `hilum gpu-check --only` and the check itself.
 #[derive(Clone, Copy)]
 pub struct DeviceCheck {
+    /// Name for `hilum gpu-check --only`.
     pub name: &'static str,
+    /// Runs the check and gives its row of the report.
     pub run: fn(&CheckOptions) -> Result<CheckRow, ModelError>,
 }
 
@@ -179,10 +181,12 @@ impl Architectures {
             })
     }
 
+    /// The known architectures' names, in registration order.
     pub fn names(&self) -> Vec<&'static str> {
         self.entries.iter().map(|a| a.name()).collect()
     }
 
+    /// Every known architecture, in registration order.
     pub fn iter(&self) -> impl Iterator<Item = &dyn Architecture> {
         self.entries.iter().map(|a| a.as_ref())
     }

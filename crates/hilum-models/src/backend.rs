@@ -31,6 +31,7 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every backend, in the order `hilum` lists them.
     pub const ALL: [Backend; 4] = [
         Backend::Native,
         Backend::Candle,
@@ -50,6 +51,7 @@ impl Backend {
         }
     }
 
+    /// The name used in settings and on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Native => "native",
@@ -133,10 +135,12 @@ impl BackendChoice {
         self.get("*")
     }
 
+    /// Whether no model has a backend chosen.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    /// Every choice: model id (`*`: every model) and backend.
     pub fn iter(&self) -> impl Iterator<Item = (&str, Backend)> {
         self.0.iter().map(|(k, v)| (k.as_str(), *v))
     }
@@ -209,14 +213,19 @@ impl ModelPool {
 /// its network in one of these instead of an enum of its own, so every model reports its
 /// backend, runs its graph and checks the graph's output the same way.
 pub enum Engine<N, C> {
+    /// Hilum's native CPU plan.
     Native(N),
+    /// A candle model and the device its weights live on.
     Candle(C, candle_core::Device),
+    /// A graph in an ONNX Runtime session.
     #[cfg(feature = "onnx")]
     Onnx(crate::onnx::OnnxModel),
+    /// A model served by a KServe v2 inference server.
     Kserve(crate::kserve::KserveModel),
 }
 
 impl<N, C> Engine<N, C> {
+    /// The backend this engine runs on.
     pub fn backend(&self) -> Backend {
         match self {
             Engine::Native(_) => Backend::Native,

@@ -61,7 +61,9 @@ impl BatchSettings {
 
 /// A network that can run several calls' inputs in one forward pass.
 pub trait Batched: Model {
+    /// One call's input (the image models take a prepared image).
     type Input: Send + Sync + 'static;
+    /// One call's output.
     type Output: Send + 'static;
 
     /// Refuses an input this network cannot take (another size, layout, ...), before it joins
@@ -74,9 +76,11 @@ pub trait Batched: Model {
 
 /// One call's result and where it came from.
 pub struct BatchOutput<M: Batched> {
+    /// The model's output for this call's input.
     pub output: M::Output,
     /// The warm copy that ran it.
     pub model: Arc<M>,
+    /// The device the warm copy runs on.
     pub device: Device,
     /// Inputs in the forward pass that gave this output (1: it ran alone).
     pub size: usize,

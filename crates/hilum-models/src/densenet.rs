@@ -33,7 +33,9 @@ pub struct Config {
     pub num_init_features: usize,
     /// Bottleneck width multiplier: the 1x1 conv of a dense layer outputs `bn_size * growth_rate`.
     pub bn_size: usize,
+    /// Outputs of the classifier (one logit per label).
     pub num_classes: usize,
+    /// Channels of the input image (1 for radiographs).
     pub in_channels: usize,
 }
 
@@ -68,9 +70,13 @@ impl Config {
 /// norm1 → relu → conv1 (1x1) → norm2 → relu → conv2 (3x3); the output is concatenated.
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
+    /// BatchNorm before the bottleneck convolution.
     pub norm1: BatchNorm,
+    /// The 1x1 bottleneck convolution.
     pub conv1: Conv2d,
+    /// BatchNorm before the 3x3 convolution.
     pub norm2: BatchNorm,
+    /// The 3x3 convolution that adds `growth_rate` channels.
     pub conv2: Conv2d,
 }
 
@@ -103,7 +109,9 @@ impl DenseLayer {
 /// norm → relu → conv (1x1, halves channels) → 2x2 average pool.
 #[derive(Clone, Debug)]
 pub struct Transition {
+    /// BatchNorm before the convolution.
     pub norm: BatchNorm,
+    /// The 1x1 convolution that halves the channels.
     pub conv: Conv2d,
 }
 
@@ -123,16 +131,22 @@ impl Transition {
     }
 }
 
+/// The DenseNet on candle: the reference path, and the GPU one.
 #[derive(Clone, Debug)]
 pub struct DenseNet {
+    /// The architecture it was built for.
     pub cfg: Config,
+    /// The 7x7 stride-2 stem convolution.
     pub conv0: Conv2d,
+    /// BatchNorm after the stem.
     pub norm0: BatchNorm,
     /// One Vec of layers per dense block.
     pub blocks: Vec<Vec<DenseLayer>>,
     /// One transition after every block but the last.
     pub transitions: Vec<Transition>,
+    /// BatchNorm after the last block.
     pub norm5: BatchNorm,
+    /// The linear classifier over the pooled features.
     pub classifier: Linear,
 }
 

@@ -17,7 +17,9 @@ use crate::{llava, pspnet, report, sam, unet, xrv, Backend, Device, ModelError};
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct CheckOptions {
+    /// The device whose output is taken as right (normally the CPU).
     pub reference: Device,
+    /// The device checked against it.
     pub target: Device,
     /// Small batches and one timed call: checks the plumbing in seconds (CPU dry runs).
     pub quick: bool,
@@ -34,25 +36,34 @@ pub struct CheckOptions {
 /// A grayscale image for the checks.
 #[derive(Clone, Debug)]
 pub struct Gray {
+    /// Luminance values, row by row.
     pub pixels: Vec<f32>,
+    /// Width in pixels.
     pub width: usize,
+    /// Height in pixels.
     pub height: usize,
+    /// The value of full white.
     pub max_value: f32,
 }
 
 /// One model's result: agreement between the devices and its timings.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CheckRow {
+    /// The check's name.
     pub model: String,
     /// What was compared (e.g. "logits", "probabilities").
     pub compared: String,
     /// max |target - reference| / max(1, max |reference|).
     pub max_rel_diff: Option<f32>,
+    /// Largest `max_rel_diff` that passes.
     pub tolerance: f32,
+    /// Whether the devices agreed within the tolerance (false when the check failed to run).
     pub passed: bool,
     /// Extra agreement figures (e.g. mask pixels equal, greedy tokens equal).
     pub notes: Vec<String>,
+    /// The measured calls.
     pub timings: Vec<Timing>,
+    /// Why the check could not run, if it could not.
     pub error: Option<String>,
 }
 
@@ -75,8 +86,11 @@ impl CheckRow {
 /// Mean milliseconds of one measured call on each device.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Timing {
+    /// The call measured.
     pub what: String,
+    /// Mean milliseconds on the target device.
     pub target_ms: f64,
+    /// Mean milliseconds on the reference device, when it was timed.
     pub reference_ms: Option<f64>,
     /// Hilum's own CPU kernels (the CPU default) where the model has them: what a GPU replaces
     /// in practice, where `reference_ms` is candle's CPU path.

@@ -7,10 +7,14 @@ use std::str::FromStr;
 
 use crate::ModelError;
 
+/// Where a model runs: `cpu`, `cuda:N` or `metal:N` (`cuda` and `metal` mean GPU 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Device {
+    /// The CPU.
     Cpu,
+    /// CUDA GPU number N.
     Cuda(usize),
+    /// Metal GPU number N.
     Metal(usize),
 }
 
@@ -28,6 +32,7 @@ impl Device {
         Device::Cpu
     }
 
+    /// Whether this is a GPU (CUDA or Metal).
     pub fn is_gpu(&self) -> bool {
         !matches!(self, Device::Cpu)
     }
@@ -170,10 +175,12 @@ impl DeviceSet {
         DeviceSet::default()
     }
 
+    /// The devices, in the order given.
     pub fn devices(&self) -> &[Device] {
         &self.0
     }
 
+    /// Number of devices.
     pub fn len(&self) -> usize {
         self.0.len()
     }
@@ -188,6 +195,7 @@ impl DeviceSet {
         self.0.first().copied().unwrap_or(Device::Cpu)
     }
 
+    /// Whether `device` is one of the set.
     pub fn contains(&self, device: Device) -> bool {
         self.0.contains(&device)
     }

@@ -44,7 +44,9 @@ pub const DEFAULT_HUB_ENDPOINT: &str = "https://huggingface.co";
 pub trait FetchProgress: Send {
     /// `total` is the full size when known; `done` the bytes already on disk (resume).
     fn start(&mut self, _total: Option<u64>, _done: u64) {}
+    /// `bytes` more are on disk.
     fn advance(&mut self, _bytes: u64) {}
+    /// The download is complete.
     fn finish(&mut self) {}
 }
 
@@ -58,6 +60,7 @@ impl FetchProgress for NoProgress {}
 pub struct HfToken(String);
 
 impl HfToken {
+    /// Wraps a token read from the settings or the environment.
     pub fn new(token: impl Into<String>) -> Self {
         HfToken(token.into())
     }
@@ -74,6 +77,7 @@ impl std::fmt::Debug for HfToken {
     }
 }
 
+/// How [`fetch`] gets the weights: mirror, Hub endpoint, token, cache, and import options.
 #[derive(Clone, Debug, Default)]
 pub struct FetchOptions {
     /// Download from here instead of the manifest's source (a site mirror of the one file).
@@ -86,6 +90,7 @@ pub struct FetchOptions {
     /// The Hub cache shared with Python tools (`~/.cache/huggingface/hub`); `None`: a private
     /// cache in the model's download folder, removed after installation.
     pub hub_cache: Option<PathBuf>,
+    /// How the downloaded file is imported once verified.
     pub import: ImportOptions,
 }
 

@@ -7,6 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::{sha256_file_with, InstallRecord, InstalledModel, ModelError, ModelRegistry};
 
+/// How [`import`] treats a checkpoint copied from elsewhere.
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
     /// A site's own checkpoint of the architecture: any sha256 is accepted, names and shapes

@@ -75,11 +75,14 @@ pub fn configured(settings: &crate::ModelSettings) -> Result<&KserveSettings, Mo
 /// A tensor a served model takes or gives: its name and shape, `-1` for any size (the batch).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
+    /// The tensor's name in the served model.
     pub name: String,
+    /// Its dimensions; `-1` for any size.
     pub shape: Vec<i64>,
 }
 
 impl TensorSpec {
+    /// A spec from a name and dimensions.
     pub fn new(name: &str, shape: &[i64]) -> Self {
         TensorSpec {
             name: name.to_string(),

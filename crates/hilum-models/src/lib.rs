@@ -6,6 +6,8 @@
 //! The crate reads no environment variables: its settings are one [`ModelSettings`] value the
 //! program builds and passes to the pool (see the `settings` module for what is process-wide).
 
+#![warn(missing_docs)]
+
 pub mod architecture;
 mod backend;
 pub mod batch;
@@ -52,48 +54,122 @@ pub use settings::{ModelSettings, DEFAULT_DEVICE_COOLDOWN};
 
 use thiserror::Error;
 
+/// Everything that can go wrong finding, installing, loading or running a model; each message
+/// says what to do next.
 #[derive(Clone, Debug, Error)]
 pub enum ModelError {
+    /// A device name that is none of cpu, cuda, cuda:N or metal.
     #[error("unknown device `{0}`: use cpu, cuda, cuda:N or metal")]
     BadDevice(String),
+    /// A device list (`--device`) that did not parse.
     #[error("bad device list `{list}`: {reason}; use --device auto, cpu, cuda:N or a list such as cuda:0,cuda:1")]
-    BadDeviceList { list: String, reason: String },
+    BadDeviceList {
+        /// The list as given.
+        list: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A device that exists by name but cannot be opened or used (not compiled in, no driver).
     #[error("cannot use device {device}: {reason}")]
-    Device { device: String, reason: String },
+    Device {
+        /// The device's name.
+        device: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// A model id that no manifest names.
     #[error("unknown model `{id}`; known models: {known} (see `hilum models list`)")]
-    UnknownModel { id: String, known: String },
+    UnknownModel {
+        /// The id asked for.
+        id: String,
+        /// The known ids, comma-separated.
+        known: String,
+    },
+    /// A known model whose weights are not in the models directory.
     #[error(
         "model `{id}` is not installed in {dir}: run `hilum models fetch {id}`, or on a machine \
          without internet `hilum models import {id} PATH` (set HILUM_MODELS_DIR to use another directory)"
     )]
-    NotInstalled { id: String, dir: String },
+    NotInstalled {
+        /// The model's id.
+        id: String,
+        /// The models directory looked in.
+        dir: String,
+    },
+    /// Installed weights that cannot be read or do not match their install record.
     #[error("the installed weights of `{id}` are unusable ({reason}); reinstall them with `hilum models fetch {id}` or `hilum models import {id} PATH`")]
-    Corrupt { id: String, reason: String },
+    Corrupt {
+        /// The model's id.
+        id: String,
+        /// What is wrong with the weights.
+        reason: String,
+    },
+    /// Weights whose tensors (names, shapes) do not fit the architecture they are loaded into.
     #[error("{what} does not fit architecture `{architecture}`: {details}")]
     WeightsMismatch {
+        /// The weights (a file or model id).
         what: String,
+        /// The architecture they were loaded into.
         architecture: String,
+        /// Which tensors are missing or misshapen.
         details: String,
     },
+    /// A file whose sha256 differs from the one the manifest or install record expects.
     #[error("sha256 of {what} is {actual}, expected {expected}: {hint}")]
     Checksum {
+        /// The file checked.
         what: String,
+        /// The expected lowercase hex digest.
         expected: String,
+        /// The digest the file has.
         actual: String,
+        /// What to do about it.
         hint: String,
     },
+    /// A model manifest that does not parse or contradicts itself.
     #[error("bad manifest for `{id}`: {reason}")]
-    Manifest { id: String, reason: String },
+    Manifest {
+        /// The model's id.
+        id: String,
+        /// What is wrong with the manifest.
+        reason: String,
+    },
+    /// A file or directory that could not be read or written.
     #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
+    Io {
+        /// The path involved.
+        path: String,
+        /// The operating system's error.
+        reason: String,
+    },
+    /// A checkpoint that could not be converted to the installed format.
     #[error("cannot convert {what}: {reason}")]
-    Convert { what: String, reason: String },
+    Convert {
+        /// The checkpoint converted.
+        what: String,
+        /// Why it failed.
+        reason: String,
+    },
+    /// A model with no download source: it can only be imported.
     #[error("no download source is known for `{id}`{detail}: copy the weights here another way and run `hilum models import {id} PATH`")]
-    NoDownload { id: String, detail: String },
+    NoDownload {
+        /// The model's id.
+        id: String,
+        /// More on why, with its leading separator (may be empty).
+        detail: String,
+    },
+    /// A download that failed (network, HTTP status, interrupted transfer).
     #[error("download of {url} failed: {reason}")]
-    Fetch { url: String, reason: String },
+    Fetch {
+        /// The URL downloaded.
+        url: String,
+        /// Why it failed.
+        reason: String,
+    },
+    /// A failure while running a model (a tensor operation, a shape, the device).
     #[error("model computation failed: {0}")]
     Compute(String),
+    /// An error reported by ONNX Runtime.
     #[error("ONNX Runtime: {0}")]
     Onnx(String),
     /// The inference server of the kserve backend does not answer (down, unreachable, timing
@@ -105,7 +181,13 @@ pub enum ModelError {
          [remote] fallback = \"native\" (HILUM_KSERVE_FALLBACK=native) to run in process while it \
          is down, or use --backend native"
     )]
-    RemoteDown { url: String, reason: String },
+    RemoteDown {
+        /// The server's base URL.
+        url: String,
+        /// The last failure seen.
+        reason: String,
+    },
+    /// The kserve backend was chosen but no server URL is configured.
     #[error(
         "the kserve backend has no inference server configured: set [remote] url = \
          \"http://HOST:8000\" in the config file or HILUM_KSERVE_URL"
@@ -114,15 +196,24 @@ pub enum ModelError {
     /// The inference server answers but not as Hilum needs (no such model, other tensors, a
     /// malformed reply).
     #[error("the KServe v2 inference server at {url}: {reason}")]
-    Remote { url: String, reason: String },
+    Remote {
+        /// The server's base URL.
+        url: String,
+        /// What was wrong with its answer.
+        reason: String,
+    },
     /// A backend setting (`[models.backend]`, `HILUM_BACKEND`) that did not parse: every model
     /// call reports it, nothing runs on a guess.
     #[error("bad backend setting: {0}")]
     BadSetting(String),
+    /// A model or operation the chosen backend cannot run.
     #[error("{what} does not run on the {backend} backend: use {supported}")]
     Backend {
+        /// The model or operation.
         what: String,
+        /// The backend chosen.
         backend: Backend,
+        /// The backends that do run it.
         supported: String,
     },
 }

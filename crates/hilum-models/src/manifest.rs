@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 /// What `models/<id>.toml` says about a model.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
+    /// Model id, as the command line names it (`lung-unet`, ...).
     pub id: String,
+    /// Human-readable name.
     pub name: String,
     /// `classification`, `segmentation`, ...
     pub task: String,
@@ -18,14 +20,20 @@ pub struct Manifest {
     /// Architecture configuration (free-form, read by the architecture's `Config`).
     #[serde(default)]
     pub config: toml::Table,
+    /// License of the published weights.
     pub license: String,
+    /// One-paragraph description for `hilum models list`.
     #[serde(default)]
     pub description: String,
+    /// Output labels (classes), in the network's order.
     #[serde(default)]
     pub labels: Vec<String>,
+    /// Where the published weights live.
     pub source: Source,
+    /// How images are prepared for the network (free-form, read by the architecture).
     #[serde(default)]
     pub preprocessing: toml::Table,
+    /// How the network's output is turned into results (free-form, read by the architecture).
     #[serde(default)]
     pub postprocessing: toml::Table,
 }
@@ -43,8 +51,10 @@ pub struct Source {
     /// the Hub and its cache (see `fetch.rs`), unless `url` is given.
     #[serde(default)]
     pub hf_repo: Option<String>,
+    /// File in `hf_repo`.
     #[serde(default)]
     pub hf_file: Option<String>,
+    /// Git revision of `hf_repo` (default `main`).
     #[serde(default)]
     pub revision: Option<String>,
     /// File name of the published checkpoint.
@@ -55,11 +65,13 @@ pub struct Source {
     /// sha256 of the published file; `None` when the publisher gives none.
     #[serde(default)]
     pub sha256: Option<String>,
+    /// Size of the published file in bytes, when known.
     #[serde(default)]
     pub size: Option<u64>,
     /// The same network as an ONNX graph (for the ONNX Runtime backend), when published.
     #[serde(default)]
     pub onnx_file: Option<String>,
+    /// sha256 of `onnx_file`.
     #[serde(default)]
     pub onnx_sha256: Option<String>,
     /// Files the architecture needs beside its weights (e.g. `tokenizer.json`), copied at
@@ -104,6 +116,7 @@ impl Source {
 /// What an installation wrote to `install.toml`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct InstallRecord {
+    /// Model id.
     pub id: String,
     /// sha256 of `model.safetensors`.
     pub sha256: String,
@@ -115,6 +128,7 @@ pub struct InstallRecord {
     pub custom: bool,
     /// Seconds since the Unix epoch.
     pub installed_at: u64,
+    /// Version of Hilum that installed it.
     pub hilum_version: String,
     /// sha256 of `model.onnx`, when an ONNX graph was imported for the ONNX Runtime backend.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,9 +138,12 @@ pub struct InstallRecord {
 /// An installed model: where its weights are and what the record says.
 #[derive(Clone, Debug)]
 pub struct InstalledModel {
+    /// Path of the installed `model.safetensors`.
     pub weights: PathBuf,
     /// `model.onnx`, when imported (ONNX Runtime backend).
     pub onnx: Option<PathBuf>,
+    /// What `install.toml` says.
     pub record: InstallRecord,
+    /// Size of the weights in bytes.
     pub size: u64,
 }

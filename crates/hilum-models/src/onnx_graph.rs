@@ -61,9 +61,13 @@ impl Pb {
 
 /// One node attribute (`AttributeProto`).
 pub enum Attr {
+    /// An integer attribute: name and value.
     Int(&'static str, i64),
+    /// A list of integers: name and values.
     Ints(&'static str, Vec<i64>),
+    /// A float attribute: name and value.
     Float(&'static str, f32),
+    /// A string attribute: name and value.
     Str(&'static str, &'static str),
 }
 
@@ -103,6 +107,7 @@ impl Attr {
 /// A dimension of a graph input or output.
 #[derive(Clone, Copy, Debug)]
 pub enum Dim {
+    /// A fixed size.
     Fixed(usize),
     /// Symbolic, e.g. the batch size.
     Named(&'static str),
@@ -141,6 +146,7 @@ pub struct GraphBuilder {
 }
 
 impl GraphBuilder {
+    /// An empty graph named `name`.
     pub fn new(name: &str) -> Self {
         GraphBuilder {
             name: name.to_string(),
@@ -218,14 +224,17 @@ impl GraphBuilder {
         self.node("Reshape", &[x, &s], &[])
     }
 
+    /// `Transpose` by the permutation `perm`.
     pub fn transpose(&mut self, x: &str, perm: &[i64]) -> String {
         self.node("Transpose", &[x], &[Attr::Ints("perm", perm.to_vec())])
     }
 
+    /// `MatMul` of `a` by `b`.
     pub fn matmul(&mut self, a: &str, b: &str) -> String {
         self.node("MatMul", &[a, b], &[])
     }
 
+    /// Elementwise `Mul` (broadcasting).
     pub fn mul(&mut self, a: &str, b: &str) -> String {
         self.node("Mul", &[a, b], &[])
     }
@@ -296,6 +305,7 @@ impl GraphBuilder {
         ))
     }
 
+    /// `Relu`.
     pub fn relu(&mut self, x: &str) -> String {
         self.node("Relu", &[x], &[])
     }
@@ -350,14 +360,17 @@ impl GraphBuilder {
         )
     }
 
+    /// `Sigmoid`.
     pub fn sigmoid(&mut self, x: &str) -> String {
         self.node("Sigmoid", &[x], &[])
     }
 
+    /// `Concat` of `xs` along `axis`.
     pub fn concat(&mut self, xs: &[&str], axis: i64) -> String {
         self.node("Concat", xs, &[Attr::Int("axis", axis)])
     }
 
+    /// Elementwise `Add` (broadcasting).
     pub fn add(&mut self, a: &str, b: &str) -> String {
         self.node("Add", &[a, b], &[])
     }
@@ -455,6 +468,7 @@ impl GraphBuilder {
 /// A graph input or output as the model declares it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValueSpec {
+    /// The tensor's name.
     pub name: String,
     /// `TensorProto.DataType` (1: FLOAT).
     pub elem_type: i64,
@@ -463,6 +477,7 @@ pub struct ValueSpec {
 }
 
 impl ValueSpec {
+    /// Whether the elements are 32-bit floats.
     pub fn is_float(&self) -> bool {
         self.elem_type == FLOAT
     }
@@ -471,7 +486,9 @@ impl ValueSpec {
 /// The inputs (initializers excluded) and outputs of a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GraphIo {
+    /// The graph's inputs, in order.
     pub inputs: Vec<ValueSpec>,
+    /// The graph's outputs, in order.
     pub outputs: Vec<ValueSpec>,
 }
 

@@ -23,6 +23,7 @@ use crate::{
 /// that supports only some backends says so with [`Backend::expect`]), with the pool's
 /// settings (CPU threads, quantization).
 pub trait Model: Send + Sync + Sized + 'static {
+    /// Loads the installed weights onto `device` with `backend`, or says why it cannot.
     fn load(
         manifest: &Manifest,
         installed: &InstalledModel,
@@ -35,6 +36,8 @@ pub trait Model: Send + Sync + Sized + 'static {
 type Key = (String, Device, Backend, TypeId);
 type Slot = Arc<Mutex<Option<(Arc<dyn Any + Send + Sync>, Duration)>>>;
 
+/// The process's one holder of loaded models: loads each lazily, keeps it warm, and routes
+/// calls over the configured devices (one permit per device, failed devices cooled off).
 pub struct ModelPool {
     registry: Arc<ModelRegistry>,
     settings: ModelSettings,
@@ -66,6 +69,7 @@ struct Routing {
 /// the most held at once, failures, and the models it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceStats {
+    /// The device.
     pub device: Device,
     /// Leases granted on it that have ended (the call finished, failed or was cancelled).
     pub calls: u64,
@@ -116,6 +120,7 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// The device chosen for this call.
     pub fn device(&self) -> Device {
         self.device
     }
@@ -217,6 +222,7 @@ impl ModelPool {
         &self.settings
     }
 
+    /// The registry the pool loads from.
     pub fn registry(&self) -> &ModelRegistry {
         &self.registry
     }

@@ -51,8 +51,10 @@ pub const TARGETS: [&str; 14] = [
     "Spine",
 ];
 
+/// The shape of the anatomy PSPNet.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
+    /// Output classes (anatomical structures), one mask each.
     pub n_classes: usize,
     /// Output channels of `convbnrelu1_1`, `_2`, `_3`.
     pub stem: [usize; 3],
@@ -60,7 +62,9 @@ pub struct Config {
     pub stages: [[usize; 2]; 4],
     /// Bottlenecks per stage.
     pub block_config: [usize; 4],
+    /// Grid sides of the pyramid pooling paths (6, 3, 2, 1).
     pub pool_sizes: Vec<usize>,
+    /// Output channels of `cbr_final`, the 3x3 conv before the classifier.
     pub final_channels: usize,
     /// Side of the square network input.
     pub input_size: usize,
@@ -232,6 +236,7 @@ pub struct PspNet {
 }
 
 impl PspNet {
+    /// Builds the network from a `VarBuilder` at the checkpoint's root (`module.` stripped).
     pub fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
         let [s1, s2, s3] = cfg.stem;
         let stem = [
@@ -289,6 +294,7 @@ impl PspNet {
         })
     }
 
+    /// The shape it was built for.
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -544,10 +550,12 @@ impl AnatomySegmenter {
         })
     }
 
+    /// The shape of the loaded network.
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    /// The backend it runs on.
     pub fn backend(&self) -> Backend {
         self.net.backend()
     }

@@ -52,18 +52,24 @@ pub const ONNX_FILE: &str = "model.onnx";
 /// One line of `hilum models list`.
 #[derive(Clone, Debug)]
 pub struct ModelStatus {
+    /// The model's manifest.
     pub manifest: Manifest,
+    /// Its installation, when installed.
     pub installed: Option<InstalledModel>,
 }
 
 /// Result of `hilum models verify` for one model.
 #[derive(Clone, Debug)]
 pub struct VerifyReport {
+    /// Model id.
     pub id: String,
+    /// Whether every check passed.
     pub ok: bool,
+    /// What failed, one sentence each.
     pub problems: Vec<String>,
 }
 
+/// The known models (built-in manifests) and the directory their weights are installed in.
 pub struct ModelRegistry {
     dir: PathBuf,
     manifests: BTreeMap<String, Manifest>,
@@ -131,14 +137,17 @@ impl ModelRegistry {
             .unwrap_or_else(|| PathBuf::from(".hilum/models"))
     }
 
+    /// The models directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
+    /// Every known model's manifest, by id.
     pub fn manifests(&self) -> impl Iterator<Item = &Manifest> {
         self.manifests.values()
     }
 
+    /// The manifest of `id`, or an error listing the known ids.
     pub fn manifest(&self, id: &str) -> Result<&Manifest, ModelError> {
         self.manifests
             .get(id)
@@ -153,6 +162,7 @@ impl ModelRegistry {
             })
     }
 
+    /// The directory model `id` installs into.
     pub fn model_dir(&self, id: &str) -> PathBuf {
         self.dir.join(id)
     }
@@ -184,6 +194,7 @@ impl ModelRegistry {
         })
     }
 
+    /// Every known model with its installation, by id.
     pub fn status(&self) -> Vec<ModelStatus> {
         self.manifests
             .values()

@@ -19,6 +19,7 @@ use hilum_kernels::resnet as kw;
 
 use crate::native;
 
+/// The shape of a torchvision-style bottleneck ResNet (ResNet-50 for torchxrayvision).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
     /// Bottleneck blocks per stage.
@@ -27,8 +28,11 @@ pub struct Config {
     pub stem_channels: usize,
     /// Inner (3x3) width of each stage's blocks; a stage outputs `planes * expansion` channels.
     pub planes: Vec<usize>,
+    /// Width multiplier of a block's last 1x1 convolution (4 for ResNet-50).
     pub expansion: usize,
+    /// Outputs of the classifier (one logit per label).
     pub num_classes: usize,
+    /// Channels of the input image (1 for radiographs).
     pub in_channels: usize,
 }
 
@@ -55,6 +59,7 @@ impl Config {
         }
     }
 
+    /// Channels of the last stage: what the classifier sees after pooling.
     pub fn out_channels(&self) -> usize {
         self.planes.last().copied().unwrap_or(self.stem_channels) * self.expansion
     }
@@ -63,14 +68,21 @@ impl Config {
 /// 1x1 → 3x3 (stride) → 1x1, each followed by BN; ReLU after the first two and after the sum.
 #[derive(Clone, Debug)]
 pub struct Bottleneck {
+    /// The 1x1 convolution that narrows to `planes`.
     pub conv1: Conv2d,
+    /// BatchNorm after `conv1`.
     pub bn1: BatchNorm,
+    /// The 3x3 convolution (with the block's stride).
     pub conv2: Conv2d,
+    /// BatchNorm after `conv2`.
     pub bn2: BatchNorm,
+    /// The 1x1 convolution that widens to `planes * expansion`.
     pub conv3: Conv2d,
+    /// BatchNorm after `conv3`.
     pub bn3: BatchNorm,
     /// 1x1 conv (with the block's stride) + BN, when the shortcut changes shape.
     pub downsample: Option<(Conv2d, BatchNorm)>,
+    /// Stride of the 3x3 convolution (2 in the first block of every stage but the first).
     pub stride: usize,
 }
 
@@ -133,13 +145,18 @@ impl Module for Bottleneck {
     }
 }
 
+/// The ResNet on candle: the reference path, and the GPU one.
 #[derive(Clone, Debug)]
 pub struct ResNet {
+    /// The architecture it was built for.
     pub cfg: Config,
+    /// The 7x7 stride-2 stem convolution.
     pub conv1: Conv2d,
+    /// BatchNorm after the stem.
     pub bn1: BatchNorm,
     /// One Vec of blocks per stage (`layer1` ..).
     pub stages: Vec<Vec<Bottleneck>>,
+    /// The linear classifier over the pooled features.
     pub fc: Linear,
 }
 

@@ -9,7 +9,9 @@ use hilum_imaging::{prepare_values, Prepared, Preprocess};
 
 use crate::ModelError;
 
+/// An architecture loaded for inference: the input it takes and how to run it on one image.
 pub trait Runner {
+    /// What one run gives (probabilities, a mask, ...).
     type Output;
 
     /// The input this network takes (`ImageStore::prepared(id, &runner.recipe())`).

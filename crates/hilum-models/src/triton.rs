@@ -45,19 +45,26 @@ impl Default for ExportOptions {
 /// What `export_triton` did with one model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Exported {
+    /// The model's directory was written.
     Written {
+        /// Model id.
         id: String,
         /// `DIR/<id>`.
         dir: PathBuf,
         /// "built from the installed weights" or "the imported model.onnx".
         graph: &'static str,
+        /// The graph's input tensor.
         input: ValueSpec,
+        /// The graph's output tensor.
         output: ValueSpec,
         /// 0 when the graph's batch size is fixed.
         max_batch_size: usize,
     },
+    /// The model was left out.
     Skipped {
+        /// Model id.
         id: String,
+        /// Why (not installed, no graph for its architecture, ...).
         reason: String,
     },
 }

@@ -27,18 +27,21 @@ use hilum_imaging::{Filter, Layout, Norm, Prepared, Preprocess};
 use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
-/// Input and output names of the published ONNX export (`lung_seg_valiou_088.onnx`), used by
-/// the kserve backend when no `model.onnx` is installed to read them from.
+/// Input name of the published ONNX export (`lung_seg_valiou_088.onnx`), used by the kserve
+/// backend when no `model.onnx` is installed to read the names from.
 pub const ONNX_INPUT: &str = "input";
+/// Output name of the published ONNX export.
 pub const ONNX_OUTPUT: &str = "activation_51";
 
 /// Keras' default batch-norm epsilon, used by every BN layer of the checkpoint.
 pub(crate) const BN_EPS: f64 = 1e-3;
 
+/// The shape of the lung U-Net.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
     /// Square input side in pixels.
     pub input_size: usize,
+    /// Channels of the input image.
     pub in_channels: usize,
     /// Output width of each encoder stage; stage 0 convolves with stride 2, later stages
     /// max-pool first.
@@ -210,6 +213,7 @@ pub struct LungUnet {
 }
 
 impl LungUnet {
+    /// Builds the network from a `VarBuilder` at the checkpoint's root.
     pub fn load(vb: VarBuilder, config: &Config) -> candle_core::Result<Self> {
         let mut se = 0;
         let mut encoder = Vec::new();
@@ -269,6 +273,7 @@ impl LungUnet {
         })
     }
 
+    /// The shape it was built for.
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -452,10 +457,12 @@ impl LungSegmenter {
         })
     }
 
+    /// The shape of the loaded network.
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    /// The backend it runs on.
     pub fn backend(&self) -> Backend {
         self.net.backend()
     }

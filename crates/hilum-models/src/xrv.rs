@@ -88,15 +88,20 @@ const RESNET50_ALL_THRESHS: [f32; 18] = [
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "architecture", rename_all = "lowercase")]
 pub enum Arch {
+    /// A torchxrayvision DenseNet.
     DenseNet(densenet::Config),
+    /// A torchxrayvision ResNet.
     ResNet(resnet::Config),
 }
 
 /// Everything about a published torchxrayvision model besides its weights.
 #[derive(Clone, Debug, PartialEq)]
 pub struct XrvSpec {
+    /// Model id (`densenet121-res224-all`, ...).
     pub id: String,
+    /// The network and its shape.
     pub arch: Arch,
+    /// Output labels, in the network's order.
     pub labels: Vec<String>,
     /// Per-label operating point; `None` where the model has none.
     pub op_threshs: Vec<Option<f32>>,
@@ -109,6 +114,7 @@ fn threshs(t: &[f32]) -> Vec<Option<f32>> {
 }
 
 impl XrvSpec {
+    /// torchxrayvision `densenet121-res224-all`: 224 px, 18 pathologies, published thresholds.
     pub fn densenet121_res224_all() -> Self {
         XrvSpec {
             id: "densenet121-res224-all".into(),
@@ -119,6 +125,7 @@ impl XrvSpec {
         }
     }
 
+    /// torchxrayvision `resnet50-res512-all`: 512 px, 18 pathologies, published thresholds.
     pub fn resnet50_res512_all() -> Self {
         XrvSpec {
             id: "resnet50-res512-all".into(),
@@ -189,11 +196,13 @@ pub struct XrvArch {
 }
 
 impl XrvArch {
+    /// The DenseNet-121 family (`densenet121-res224-all` and custom checkpoints of it).
     pub const DENSENET121: XrvArch = XrvArch {
         name: "densenet121",
         base: XrvSpec::densenet121_res224_all,
         check: crate::devcheck::densenet121,
     };
+    /// The ResNet-50 family (`resnet50-res512-all` and custom checkpoints of it).
     pub const RESNET50: XrvArch = XrvArch {
         name: "resnet50",
         base: XrvSpec::resnet50_res512_all,
@@ -257,6 +266,7 @@ impl XrvSpec {
     }
 }
 
+/// The logistic function: a logit's probability.
 pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -319,16 +329,19 @@ enum CandleNet {
 /// One label's result.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LabelScore {
+    /// The pathology.
     pub label: String,
     /// Calibrated score: 0.5 is the published operating point. `None` where the model has
     /// no operating point for this label.
     pub score: Option<f32>,
     /// The network's sigmoid output, uncalibrated.
     pub probability: f32,
+    /// The operating point the score is calibrated against; `None` where there is none.
     pub threshold: Option<f32>,
 }
 
 impl LabelScore {
+    /// Whether the calibrated score reaches the operating point (0.5); false without one.
     pub fn positive(&self) -> bool {
         self.score.is_some_and(|s| s >= 0.5)
     }
@@ -336,6 +349,7 @@ impl LabelScore {
 
 /// A torchxrayvision classifier ready to run.
 pub struct Classifier {
+    /// The model this classifier runs.
     pub spec: XrvSpec,
     backend: Backend,
     device: candle_core::Device,
@@ -479,10 +493,12 @@ impl Classifier {
         ))
     }
 
+    /// The backend it runs on.
     pub fn backend(&self) -> Backend {
         self.backend
     }
 
+    /// Number of labels (the network's outputs).
     pub fn classes(&self) -> usize {
         self.spec.labels.len()
     }

@@ -32,27 +32,45 @@ const MAX_TENSOR_ELEMS: usize = 1 << 30;
 /// such is small; a huge one is a file that asks for memory it does not hold.
 const MAX_BROADCAST_ELEMS: usize = 1 << 24;
 
+/// Why a checkpoint was not read; nothing of a refused or malformed file is used.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// The pickle names something outside the allowed list (it could run code).
     #[error(
         "refused {what} `{name}`: a checkpoint may name only tensors, storages, ordered dicts \
          and torch/torchxrayvision module classes, and Hilum never runs code from a checkpoint"
     )]
-    Refused { what: &'static str, name: String },
+    Refused {
+        /// What kind of thing it is (a global, an opcode, a module class, ...).
+        what: &'static str,
+        /// Its name.
+        name: String,
+    },
+    /// A file that does not parse as a `torch.save` archive or pickle.
     #[error("malformed checkpoint: {0}")]
     Malformed(String),
+    /// A file that asks for more tensors, elements or nesting than Hilum accepts.
     #[error("checkpoint over a limit: {0}")]
     Limit(String),
+    /// A valid file in a form Hilum does not read (a dtype, a layout).
     #[error("unsupported checkpoint: {0}")]
     Unsupported(String),
+    /// The file could not be read.
     #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
+    Io {
+        /// The checkpoint's path.
+        path: String,
+        /// The operating system's error.
+        reason: String,
+    },
 }
 
 /// A dense row-major f32 tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
+    /// Size of each dimension.
     pub shape: Vec<usize>,
+    /// The elements, last dimension fastest.
     pub data: Vec<f32>,
 }
 
@@ -75,7 +93,9 @@ impl safetensors::View for Tensor {
 /// old torchxrayvision models, `pathologies`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Attribute {
+    /// A tensor attribute.
     Tensor(Tensor),
+    /// Plain data (numbers, strings, lists, dicts) as JSON.
     Data(serde_json::Value),
 }
 
@@ -84,7 +104,9 @@ pub enum Attribute {
 pub enum Content {
     /// A whole pickled module, with its class (`torchxrayvision.models.DenseNet`).
     Module(String),
+    /// A dict (a `state_dict`, or one holding it under a key).
     Dict,
+    /// Anything else, with its type name.
     Other(String),
 }
 
@@ -94,12 +116,14 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// Reads and parses the file, refusing any pickle that names something not allowed.
     pub fn open(path: &Path) -> Result<Checkpoint, CheckpointError> {
         Ok(Checkpoint {
             file: torch::TorchFile::open(path)?,
         })
     }
 
+    /// What the checkpoint holds at the top.
     pub fn content(&self) -> Content {
         let p = &self.file.pickle;
         match p.obj(&p.root) {

@@ -23,22 +23,31 @@ pub(crate) fn bad_config(why: impl Into<String>) -> ModelError {
 /// `CLIPVisionConfig`.
 #[derive(Clone, Debug, Deserialize)]
 pub struct VisionConfig {
+    /// Width of the vision encoder's tokens.
     #[serde(default = "d_clip_hidden")]
     pub hidden_size: usize,
+    /// Width of the vision encoder's MLP.
     #[serde(default = "d_clip_inter")]
     pub intermediate_size: usize,
+    /// Number of vision encoder layers.
     #[serde(default = "d_clip_layers")]
     pub num_hidden_layers: usize,
+    /// Attention heads per vision layer.
     #[serde(default = "d_clip_heads")]
     pub num_attention_heads: usize,
+    /// Channels of the input image.
     #[serde(default = "d_three")]
     pub num_channels: usize,
+    /// Side of the square input image, in pixels.
     #[serde(default = "d_clip_image")]
     pub image_size: usize,
+    /// Side of one square patch, in pixels.
     #[serde(default = "d_clip_patch")]
     pub patch_size: usize,
+    /// The vision MLP's activation (`quick_gelu` or `gelu`).
     #[serde(default = "d_quick_gelu")]
     pub hidden_act: String,
+    /// Epsilon of the vision encoder's layer norms.
     #[serde(default = "d_ln_eps")]
     pub layer_norm_eps: f64,
 }
@@ -46,47 +55,72 @@ pub struct VisionConfig {
 /// `LlamaConfig` / `MistralConfig` (the decoder is the same; defaults differ by `model_type`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct TextConfig {
+    /// `llama` or `mistral`: picks the defaults of the fields left out.
     #[serde(default = "d_llama")]
     pub model_type: String,
+    /// Size of the token vocabulary.
     pub vocab_size: Option<usize>,
+    /// Width of the decoder's tokens.
     pub hidden_size: Option<usize>,
+    /// Width of the decoder's MLP.
     pub intermediate_size: Option<usize>,
+    /// Number of decoder layers.
     pub num_hidden_layers: Option<usize>,
+    /// Query heads per decoder layer.
     pub num_attention_heads: Option<usize>,
+    /// Key/value heads per decoder layer (fewer than query heads with grouped attention).
     pub num_key_value_heads: Option<usize>,
+    /// Width of one attention head, when not `hidden_size / num_attention_heads`.
     pub head_dim: Option<usize>,
+    /// Longest sequence the rotary embeddings were trained for.
     pub max_position_embeddings: Option<usize>,
+    /// Epsilon of the RMS norms.
     pub rms_norm_eps: Option<f64>,
+    /// Base of the rotary position embeddings.
     pub rope_theta: Option<f64>,
+    /// Rotary scaling settings; only none (or the `default` type) is supported.
     pub rope_scaling: Option<serde_json::Value>,
+    /// The MLP's activation; only `silu` is supported.
     pub hidden_act: Option<String>,
+    /// Whether the attention projections carry biases.
     #[serde(default)]
     pub attention_bias: bool,
+    /// Whether the MLP projections carry biases.
     #[serde(default)]
     pub mlp_bias: bool,
+    /// Whether the output head shares the token embedding's weights.
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Mistral only; `None` (null) means full attention.
     pub sliding_window: Option<usize>,
+    /// Beginning-of-sequence token id.
     pub bos_token_id: Option<u32>,
+    /// End-of-sequence token id: one id or a list.
     pub eos_token_id: Option<serde_json::Value>,
 }
 
 /// `LlavaConfig`.
 #[derive(Clone, Debug, Deserialize)]
 pub struct Config {
+    /// The CLIP vision tower's configuration.
     #[serde(default = "d_clip_l336")]
     pub vision_config: VisionConfig,
+    /// The text decoder's configuration.
     #[serde(default = "d_text")]
     pub text_config: TextConfig,
+    /// Token id that marks where the image's tokens go in the prompt.
     #[serde(default = "d_image_token", alias = "image_token_id")]
     pub image_token_index: u32,
+    /// Activation between the projector's two linear layers.
     #[serde(default = "d_gelu")]
     pub projector_hidden_act: String,
+    /// Which CLIP hidden state feeds the projector (negative counts from the last).
     #[serde(default = "d_feature_layer")]
     pub vision_feature_layer: serde_json::Value,
+    /// `default` drops CLIP's CLS token, `full` keeps it.
     #[serde(default = "d_default")]
     pub vision_feature_select_strategy: String,
+    /// Whether the projector's linear layers carry biases.
     #[serde(default = "d_true")]
     pub multimodal_projector_bias: bool,
 }
@@ -158,23 +192,38 @@ pub(crate) fn d_text() -> TextConfig {
 /// The text decoder's configuration with the defaults of its `model_type` filled in.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decoder {
+    /// Size of the token vocabulary.
     pub vocab_size: usize,
+    /// Width of the decoder's tokens.
     pub hidden_size: usize,
+    /// Width of the decoder's MLP.
     pub intermediate_size: usize,
+    /// Number of decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads per layer.
     pub num_attention_heads: usize,
+    /// Key/value heads per layer.
     pub num_key_value_heads: usize,
+    /// Width of one attention head.
     pub head_dim: usize,
+    /// Longest sequence the rotary embeddings were trained for.
     pub max_position_embeddings: usize,
+    /// Epsilon of the RMS norms.
     pub rms_norm_eps: f64,
+    /// Base of the rotary position embeddings.
     pub rope_theta: f64,
+    /// Whether the attention projections carry biases.
     pub attention_bias: bool,
+    /// Whether the MLP projections carry biases.
     pub mlp_bias: bool,
+    /// Whether the output head shares the token embedding's weights.
     pub tie_word_embeddings: bool,
+    /// Mistral's attention window; `None` means full attention.
     pub sliding_window: Option<usize>,
 }
 
 impl TextConfig {
+    /// Fills in the `model_type`'s defaults and rejects settings Hilum's decoder cannot run.
     pub fn resolve(&self) -> Result<Decoder, ModelError> {
         // LlamaConfig and MistralConfig defaults (transformers 4.57).
         let mistral = match self.model_type.as_str() {
@@ -273,6 +322,7 @@ impl Config {
         })
     }
 
+    /// Parses the text of an HF `config.json` and checks Hilum can run it.
     pub fn from_json(text: &str) -> Result<Config, ModelError> {
         let cfg: Config = serde_json::from_str(text)
             .map_err(|e| bad_config(format!("not a LlavaConfig: {e}")))?;

@@ -68,6 +68,7 @@ impl KvCache {
         self.0.as_ref().map_or(0, lm::KvCache::len)
     }
 
+    /// Whether no position is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -147,8 +148,9 @@ pub struct Generation {
     pub prompt_tokens: usize,
     /// Whether a stop token ended it (else the length limit did).
     pub stopped: bool,
-    /// Image encoding + prompt forward, and the per-token decode loop, in seconds.
+    /// Image encoding + prompt forward, in seconds.
     pub prefill_secs: f64,
+    /// The per-token decode loop, in seconds.
     pub decode_secs: f64,
 }
 
@@ -176,10 +178,12 @@ impl Llava {
         })
     }
 
+    /// The configuration the model was built from.
     pub fn config(&self) -> &Config {
         &self.cfg
     }
 
+    /// The device its weights live on.
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -364,28 +368,36 @@ pub fn expand_image_tokens(ids: &[u32], image_token: u32, seq_len: usize) -> Vec
 // An installed LLaVA: network, tokenizer, prompt
 // ---------------------------------------------------------------------------------------------
 
-/// Files an installed LLaVA keeps beside `model.safetensors`.
+/// The tokenizer file an installed LLaVA keeps beside `model.safetensors`.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// The `config.json` an installed LLaVA may keep beside `model.safetensors`.
 pub const CONFIG_FILE: &str = "config.json";
 
 /// A LLaVA ready to answer questions about a radiograph: the network, its Hugging Face
 /// tokenizer, and the manifest's prompt and preprocessing.
 pub struct NativeVlm {
+    /// The network.
     pub model: Llava,
+    /// The Hugging Face tokenizer of the text decoder.
     pub tokenizer: tokenizers::Tokenizer,
+    /// How a radiograph is fitted to the vision tower's square input.
     pub aspect: AspectMode,
     /// Prompt template with `<image>` and `{question}`.
     pub prompt: String,
+    /// Longest answer, in new tokens.
     pub max_new_tokens: usize,
     /// Ids that end an answer: the config's `eos_token_id` and the tokenizer's `</s>`.
     pub stop: Vec<u32>,
+    /// How the text decoder's matrices are stored.
     pub precision: Precision,
 }
 
 /// One answer of [`NativeVlm::answer`].
 #[derive(Clone, Debug)]
 pub struct NativeAnswer {
+    /// The decoded answer.
     pub text: String,
+    /// The tokens and timings behind it.
     pub generation: Generation,
 }
 

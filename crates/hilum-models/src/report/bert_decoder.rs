@@ -18,21 +18,30 @@ use super::FlatLinear;
 /// `BertConfig` fields that change the computation (names as in `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BertDecoderConfig {
+    /// Size of the token vocabulary.
     pub vocab_size: usize,
+    /// Width of the decoder's tokens.
     #[serde(default = "d_hidden")]
     pub hidden_size: usize,
+    /// Number of decoder layers.
     #[serde(default = "d_layers")]
     pub num_hidden_layers: usize,
+    /// Attention heads per layer (self- and cross-attention).
     #[serde(default = "d_heads")]
     pub num_attention_heads: usize,
+    /// Width of the MLP.
     #[serde(default = "d_intermediate")]
     pub intermediate_size: usize,
+    /// Longest sequence the position embeddings cover.
     #[serde(default = "d_max_pos")]
     pub max_position_embeddings: usize,
+    /// Number of token types (only type 0 is used).
     #[serde(default = "d_type_vocab")]
     pub type_vocab_size: usize,
+    /// Epsilon of the layer norms.
     #[serde(default = "d_eps")]
     pub layer_norm_eps: f64,
+    /// The MLP's activation; only `gelu` is supported.
     #[serde(default = "d_act")]
     pub hidden_act: String,
 }
@@ -63,6 +72,7 @@ fn d_act() -> String {
 }
 
 impl BertDecoderConfig {
+    /// Checks the sizes fit together before any tensor is built; the error says which does not.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.num_attention_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_attention_heads)
@@ -152,6 +162,7 @@ impl KvCache {
             .unwrap_or(0)
     }
 
+    /// Whether no token is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -173,6 +184,7 @@ pub struct CrossKv {
 }
 
 impl CrossKv {
+    /// The device the keys and values live on.
     pub fn device(&self) -> Result<Device> {
         Ok(self.device.clone())
     }
@@ -262,10 +274,12 @@ impl BertDecoder {
         })
     }
 
+    /// The configuration the decoder was built from.
     pub fn config(&self) -> &BertDecoderConfig {
         &self.cfg
     }
 
+    /// The device its weights live on.
     pub fn device(&self) -> Result<Device> {
         Ok(self.token_type0.device().clone())
     }

@@ -11,13 +11,17 @@ use super::bert_decoder::{log_softmax, BertDecoder, CrossKv, KvCache};
 /// Decoding settings (names as in `GenerationConfig`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenerationConfig {
+    /// Beams kept per step (1: greedy).
     pub num_beams: usize,
     /// Total length including the start token.
     pub max_length: usize,
+    /// Exponent of the length dividing a finished beam's score (> 0 favours longer reports).
     pub length_penalty: f32,
     /// `true`: stop as soon as `num_beams` hypotheses are finished.
     pub early_stopping: bool,
+    /// Token the decoder starts from.
     pub decoder_start_token_id: u32,
+    /// Token that ends a report; `None` decodes to `max_length`.
     pub eos_token_id: Option<u32>,
 }
 

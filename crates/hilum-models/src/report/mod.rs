@@ -52,17 +52,23 @@ impl Module for FlatLinear {
 pub const ARCHITECTURE: &str = "swinv2-bert";
 /// Safetensors metadata keys written by `scripts/convert_report.py`.
 pub const META_CONFIG: &str = "hilum.config";
+/// Safetensors metadata key holding the tokenizer's JSON.
 pub const META_TOKENIZER: &str = "hilum.tokenizer";
 
 /// The parts of a VisionEncoderDecoder `config.json` that matter here.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Config {
+    /// The SwinV2 encoder's configuration.
     pub encoder: SwinV2Config,
+    /// The BERT decoder's configuration.
     pub decoder: BertDecoderConfig,
+    /// Token the decoder starts from.
     #[serde(default)]
     pub decoder_start_token_id: Option<u32>,
+    /// Token that ends a report.
     #[serde(default)]
     pub eos_token_id: Option<u32>,
+    /// Padding token.
     #[serde(default)]
     pub pad_token_id: Option<u32>,
 }
@@ -230,9 +236,12 @@ pub fn expected_params(cfg: &Config) -> BTreeMap<String, Vec<usize>> {
 
 /// The network: SwinV2 encoder, optional projection, BERT decoder.
 pub struct ReportNet {
+    /// The SwinV2 image encoder.
     pub encoder: SwinV2,
     proj: Option<Linear>,
+    /// The BERT text decoder with cross-attention.
     pub decoder: BertDecoder,
+    /// The configuration it was built from.
     pub config: Config,
 }
 
@@ -277,6 +286,7 @@ impl ReportNet {
         self.decoder.forward(ids, &mut KvCache::default(), &cross)
     }
 
+    /// Writes a report for pixel values as [`recipe`] makes them, by beam search.
     pub fn generate(
         &self,
         pixel_values: &Tensor,
@@ -297,12 +307,17 @@ pub fn recipe(size: usize) -> Preprocess {
 
 /// What the tool needs: the network, its tokenizer, token ids and input size.
 pub struct ReportModel {
+    /// The network.
     pub net: ReportNet,
+    /// The Hugging Face tokenizer of the decoder.
     pub tokenizer: tokenizers::Tokenizer,
+    /// Token the decoder starts from.
     pub start_token: u32,
+    /// Token that ends a report.
     pub eos_token: Option<u32>,
     /// Square input side (ViTImageProcessor `size`), from the manifest's preprocessing.
     pub input_size: usize,
+    /// Whether the weights are a custom checkpoint (imported, not the manifest's own).
     pub custom: bool,
 }
 

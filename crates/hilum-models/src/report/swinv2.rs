@@ -13,28 +13,40 @@ use serde::{Deserialize, Serialize};
 /// `Swinv2Config` fields that change the computation (names as in `config.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SwinV2Config {
+    /// Side of the square input image, in pixels.
     #[serde(default = "d_image_size")]
     pub image_size: usize,
+    /// Side of one square patch, in pixels.
     #[serde(default = "d_patch_size")]
     pub patch_size: usize,
+    /// Channels of the input image.
     #[serde(default = "d_num_channels")]
     pub num_channels: usize,
+    /// Width of the first stage's tokens (doubled at each later stage).
     #[serde(default = "d_embed_dim")]
     pub embed_dim: usize,
+    /// Number of blocks in each stage.
     #[serde(default = "d_depths")]
     pub depths: Vec<usize>,
+    /// Attention heads in each stage.
     #[serde(default = "d_num_heads")]
     pub num_heads: Vec<usize>,
+    /// Side of the square attention window, in patches.
     #[serde(default = "d_window_size")]
     pub window_size: usize,
+    /// Window sizes at pre-training per stage (the continuous position bias scales to them).
     #[serde(default)]
     pub pretrained_window_sizes: Vec<usize>,
+    /// Width of the MLP relative to the tokens.
     #[serde(default = "d_mlp_ratio")]
     pub mlp_ratio: f64,
+    /// Whether the query and value projections carry biases.
     #[serde(default = "d_true")]
     pub qkv_bias: bool,
+    /// Epsilon of the layer norms.
     #[serde(default = "d_ln_eps")]
     pub layer_norm_eps: f64,
+    /// Whether absolute position embeddings are added to the patches.
     #[serde(default)]
     pub use_absolute_embeddings: bool,
 }
@@ -94,6 +106,7 @@ impl SwinV2Config {
         self.embed_dim << self.depths.len().saturating_sub(1)
     }
 
+    /// Checks the sizes fit together before any tensor is built; the error says which does not.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.depths.is_empty() || self.depths.len() != self.num_heads.len() {
             return Err(format!(
@@ -501,6 +514,7 @@ impl SwinV2 {
         })
     }
 
+    /// The configuration the encoder was built from.
     pub fn config(&self) -> &SwinV2Config {
         &self.cfg
     }

@@ -51,9 +51,13 @@ use transformer::*;
 pub struct Config {
     /// Side of the square encoder input (1024).
     pub image_size: usize,
+    /// Side of one square patch, in pixels (16).
     pub patch_size: usize,
+    /// Width of the image encoder's tokens.
     pub encoder_embed_dim: usize,
+    /// Number of image encoder blocks.
     pub encoder_depth: usize,
+    /// Attention heads per image encoder block.
     pub encoder_num_heads: usize,
     /// Window side of the windowed-attention blocks.
     pub window_size: usize,
@@ -61,12 +65,19 @@ pub struct Config {
     pub global_attn_indexes: Vec<usize>,
     /// Channels of the image embedding and of every prompt token (256).
     pub prompt_embed_dim: usize,
+    /// Hidden channels of the convolutions that embed a mask prompt.
     pub mask_in_chans: usize,
+    /// Number of two-way transformer blocks in the mask decoder.
     pub decoder_depth: usize,
+    /// Attention heads per mask decoder block.
     pub decoder_num_heads: usize,
+    /// Width of the mask decoder's MLP.
     pub decoder_mlp_dim: usize,
+    /// Masks predicted besides the single-mask output (3).
     pub num_multimask_outputs: usize,
+    /// Layers of the MLP that predicts each mask's IoU.
     pub iou_head_depth: usize,
+    /// Width of that IoU MLP.
     pub iou_head_hidden_dim: usize,
 }
 
@@ -193,10 +204,12 @@ impl Sam {
         })
     }
 
+    /// The architecture the model was built from.
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    /// The device its weights live on.
     pub fn device(&self) -> &candle_core::Device {
         &self.device
     }
