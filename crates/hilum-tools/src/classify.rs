@@ -25,6 +25,7 @@ use crate::common::{choice, run_model, Choice, ImageId};
 pub const DEFAULT_MODEL: &str = "densenet121-res224-all";
 pub const MODELS: [&str; 2] = ["densenet121-res224-all", "resnet50-res512-all"];
 
+/// The `classify_chest_xray` tool: scores 18 findings with a torchxrayvision classifier.
 pub struct ClassifyChestXray {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,

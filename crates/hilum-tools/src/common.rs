@@ -225,11 +225,15 @@ pub const MIN_SIDE: u32 = 64;
 /// Binary masks at one resolution (row-major, `width * height`).
 #[derive(Clone, Debug, Default)]
 pub struct ChestMasks {
+    /// Columns.
     pub width: usize,
+    /// Rows.
     pub height: usize,
     /// Both lung fields (one mask or the union of the left and right masks).
     pub lungs: Vec<bool>,
+    /// The heart, when the model segments it.
     pub heart: Option<Vec<bool>>,
+    /// The mediastinum, when the model segments it.
     pub mediastinum: Option<Vec<bool>>,
 }
 

@@ -9,6 +9,7 @@ use serde_json::json;
 
 use crate::common::{run_blocking, ImageArgs};
 
+/// The `dicom_info` tool: an image's de-identified DICOM metadata (view, spacing, window, …).
 pub struct DicomInfo {
     store: Arc<ImageStore>,
 }

@@ -36,6 +36,7 @@ use thiserror::Error;
 use crate::common::ImageId;
 use crate::vlm::{self, Family, SentImage, VlmSettings};
 
+/// The tool's name, as models call it.
 pub const NAME: &str = "ground_phrase";
 /// MAIRA-2's number of coordinate bins per axis.
 pub const MAIRA2_BINS: u32 = 100;
@@ -45,14 +46,20 @@ pub(crate) const RENDER_MAX_SIDE: u32 = 1024;
 /// A box in original-image pixels, corners inclusive-exclusive: `[x1, x2) x [y1, y2)`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PixelBox {
+    /// The phrase the box is for.
     pub label: String,
+    /// Left edge.
     pub x1: f64,
+    /// Top edge.
     pub y1: f64,
+    /// Right edge.
     pub x2: f64,
+    /// Bottom edge.
     pub y2: f64,
 }
 
 impl PixelBox {
+    /// The box as the tool reports it, corners rounded to a tenth of a pixel.
     pub fn to_json(&self) -> Value {
         let r = |v: f64| (v * 10.0).round() / 10.0;
         json!({
@@ -68,8 +75,11 @@ impl PixelBox {
 #[derive(Debug, Error, PartialEq)]
 #[error("the {family} grounding output could not be read: {reason} (model said: {excerpt:?})")]
 pub struct ParseError {
+    /// The model family whose output this was.
     pub family: &'static str,
+    /// What was wrong with it.
     pub reason: String,
+    /// The start of the output, to show what the model said.
     pub excerpt: String,
 }
 
@@ -84,7 +94,9 @@ fn perr(family: Family, text: &str, reason: impl Into<String>) -> ParseError {
 /// A phrase with boxes relative to MAIRA-2's centre crop (0..1).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Maira2Phrase {
+    /// The phrase as the model wrote it.
     pub phrase: String,
+    /// Its boxes, `[x1, y1, x2, y2]` as fractions of the image's size (bin centres).
     pub boxes: Vec<[f64; 4]>,
 }
 
@@ -402,11 +414,15 @@ pub fn grounding_prompt(family: Family, phrase: &str) -> (Option<&'static str>, 
     }
 }
 
+/// The `ground_phrase` tool: boxes around a finding named in words, from a grounding VLM.
 pub struct GroundPhrase {
     store: Arc<ImageStore>,
     settings: Arc<VlmSettings>,
 }
 
+// The arguments of `ground_phrase` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

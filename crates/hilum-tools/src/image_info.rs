@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use crate::common::{run_blocking, ImageArgs};
 use crate::{BuildTool, ToolDeps};
 
+/// The `image_info` tool: size, bit depth, format and intensity statistics of an image.
 pub struct ImageInfo {
     store: Arc<ImageStore>,
 }

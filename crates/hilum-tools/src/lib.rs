@@ -2,6 +2,8 @@
 //! description written for a model, typed arguments whose JSON Schema is generated, declared
 //! requirements) and one async function. [`default_toolbox`] registers them all.
 
+#![warn(missing_docs)]
+
 mod classify;
 mod common;
 mod dicom_info;
@@ -45,10 +47,13 @@ pub use vqa::AnswerVisualQuestion;
 /// Everything the tools share: the image store, the model pool and their settings.
 #[derive(Clone)]
 pub struct ToolDeps {
+    /// The images the tools read and write.
     pub images: Arc<ImageStore>,
+    /// The model pool the tools run their networks on.
     pub models: Arc<ModelPool>,
     /// Served VLM endpoints (`[vlm]` table, `HILUM_VLM_*`).
     pub vlm: Arc<VlmSettings>,
+    /// The tools' own settings (backend choices over the models' settings).
     pub settings: ToolSettings,
 }
 
@@ -90,16 +95,19 @@ impl ToolDeps {
         self
     }
 
+    /// Replaces the tool settings (e.g. backends read from a config file).
     pub fn with_settings(mut self, settings: ToolSettings) -> Self {
         self.settings = settings;
         self
     }
 
+    /// Replaces the model pool the tools run on.
     pub fn with_models(mut self, models: Arc<ModelPool>) -> Self {
         self.models = models;
         self
     }
 
+    /// Replaces the served-VLM settings (`[vlm]` table, `HILUM_VLM_*`).
     pub fn with_vlm(mut self, vlm: Arc<VlmSettings>) -> Self {
         self.vlm = vlm;
         self
@@ -110,6 +118,7 @@ impl ToolDeps {
 /// tool; registering the tool is then one line in [`Registry::builtin`] (or in a program's own
 /// registry, see `hilum_cli::main_with`).
 pub trait BuildTool {
+    /// The tool over `deps`, ready to register.
     fn build(deps: &ToolDeps) -> Arc<dyn Tool>;
 }
 

@@ -27,7 +27,9 @@ use serde_json::{json, Value};
 use crate::common::{run_model, ImageId};
 use crate::ground::{base_canvas, draw_boxes, encode_png, PixelBox};
 
+/// The tool's name, as models call it.
 pub const NAME: &str = "localize_finding";
+/// The classifier whose last feature map gives the class activation maps.
 pub const MODEL_ID: &str = "densenet121-res224-all";
 /// At most this many boxes are reported, strongest first.
 const MAX_BOXES: usize = 5;
@@ -38,7 +40,9 @@ const HEAT_MAX_SIDE: usize = 1024;
 
 /// The candle DenseNet with access to its last feature map.
 pub struct CamNet {
+    /// The network.
     pub net: DenseNet,
+    /// Its input recipe and labels.
     pub spec: XrvSpec,
     device: candle_core::Device,
     // One forward at a time, as the classifier's candle path.
@@ -48,9 +52,11 @@ pub struct CamNet {
 /// A class activation map at feature-map resolution.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Cam {
+    /// Index of the class in the model's labels.
     pub class: usize,
     /// (h, w) of the feature map.
     pub h: usize,
+    /// Width of the feature map (`h` is its height).
     pub w: usize,
     /// `sum_k W[class, k] * F[k, y, x]`, row-major, without the bias.
     pub values: Vec<f32>,
@@ -64,6 +70,7 @@ impl CamNet {
         Preprocess::xrv(self.spec.resolution as u32)
     }
 
+    /// The CAM network over `net` on `device`.
     pub fn new(net: DenseNet, spec: XrvSpec, device: candle_core::Device) -> Self {
         CamNet {
             net,
@@ -184,10 +191,15 @@ pub fn normalise(values: &[f32]) -> Vec<f32> {
 pub struct HeatBox {
     /// Corners in map pixels, `[x1, x2) x [y1, y2)`.
     pub x1: usize,
+    /// Top edge.
     pub y1: usize,
+    /// Right edge (exclusive).
     pub x2: usize,
+    /// Bottom edge (exclusive).
     pub y2: usize,
+    /// Pixels in the region.
     pub area: usize,
+    /// Highest map value in the region.
     pub peak: f32,
 }
 
@@ -230,15 +242,20 @@ pub fn boxes_from_map(
 /// Everything `localize_finding` computes for one image and class.
 #[derive(Clone, Debug)]
 pub struct Localization {
+    /// The class activation map at feature-map resolution.
     pub cam: Cam,
+    /// The classifier's probability for the class.
     pub probability: f32,
     /// Side and top-left corner of the centre square the model saw, in image pixels.
     pub crop: usize,
+    /// Left edge of the square, in image pixels.
     pub crop_x: usize,
+    /// Top edge of the square, in image pixels.
     pub crop_y: usize,
     /// Normalised CAM upsampled to `heat_side` x `heat_side` over the centre square
     /// (`heat_side` = the square's side, at most 1024).
     pub heat: Vec<f32>,
+    /// Side of `heat`.
     pub heat_side: usize,
     /// Boxes in original-image pixels, strongest first.
     pub boxes: Vec<(HeatBox, PixelBox)>,
@@ -348,6 +365,8 @@ pub fn overlay_png(img: &CxrImage, loc: &Localization) -> Result<Vec<u8>, ToolEr
     encode_png(canvas)
 }
 
+/// The `localize_finding` tool: where in the image the classifier saw a finding (Grad-CAM
+/// boxes).
 pub struct LocalizeFinding {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
@@ -355,6 +374,9 @@ pub struct LocalizeFinding {
     pin: Option<Device>,
 }
 
+// The arguments of `localize_finding` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

@@ -22,7 +22,9 @@ use crate::common::{choice, run_model, Choice, Fail, ImageId};
 pub use crate::common::{ChestMasks, MIN_SIDE};
 use crate::segment_lungs::regions;
 
+/// The anatomy model that gives the heart and mediastinum.
 pub const ANATOMY_MODEL_ID: &str = "chestx-det-pspnet";
+/// The lung model that gives the lung fields.
 pub const LUNG_MODEL_ID: &str = "lung-unet";
 /// A lung region smaller than this fraction of the image is a speck, not a lung.
 const MIN_LUNG_FRACTION: f64 = 0.005;
@@ -31,12 +33,16 @@ const OVERLAY_MAX_SIDE: u32 = 1024;
 /// A horizontal segment on row `y` from `x0` to `x1`, both inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Span {
+    /// Row.
     pub y: usize,
+    /// First column.
     pub x0: usize,
+    /// Last column.
     pub x1: usize,
 }
 
 impl Span {
+    /// Columns covered, both ends included.
     pub fn width(&self) -> usize {
         self.x1 + 1 - self.x0
     }
@@ -49,13 +55,19 @@ pub struct ChestMeasurements {
     pub heart: Option<Span>,
     /// Widest row between the outer edges of the two lung fields.
     pub thorax: Option<Span>,
+    /// Cardiothoracic ratio: heart width over thorax width.
     pub ctr: Option<f64>,
+    /// Widest row of the mediastinum.
     pub mediastinum: Option<Span>,
+    /// How the mediastinum row was found (from its own mask or from the lungs).
     pub mediastinum_method: Option<&'static str>,
     /// The patient's right lung is on the image's left.
     pub right_lung_px: Option<usize>,
+    /// Area of the patient's left lung, in pixels.
     pub left_lung_px: Option<usize>,
+    /// Left lung area over right lung area.
     pub left_right_area_ratio: Option<f64>,
+    /// Why each absent measurement could not be made.
     pub missing: Vec<String>,
 }
 
@@ -295,6 +307,8 @@ fn mask_png(m: &[bool], w: usize, h: usize) -> Result<Vec<u8>, ToolError> {
         .map_err(|e| ToolError::Internal(format!("mask PNG: {e}")))
 }
 
+/// The `measure_chest` tool: cardiothoracic ratio, mediastinal width and lung areas from
+/// the segmentation masks.
 pub struct MeasureChest {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
@@ -306,6 +320,9 @@ pub struct MeasureChest {
 }
 
 /// The projection as the model may state it.
+// No doc lint on the variants: a doc comment on one would turn the schema's `enum` of names
+// into a `oneOf` of described subschemas.
+#[allow(missing_docs)]
 #[derive(Clone, Copy, Debug, Deserialize, JsonSchema)]
 pub enum ViewArg {
     #[serde(rename = "PA")]
@@ -316,6 +333,9 @@ pub enum ViewArg {
     Lateral,
 }
 
+// The arguments of `measure_chest` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

@@ -18,12 +18,17 @@ use serde_json::json;
 
 use crate::common::{model_error, run_model, Fail, ImageId};
 
+/// The model that writes the findings section.
 pub const FINDINGS_MODEL: &str = "chexpert-report-findings";
+/// The model that writes the impression section.
 pub const IMPRESSION_MODEL: &str = "chexpert-report-impression";
 /// The published usage (CheXpert-Plus tutorial, MedRAX): greedy, 128 tokens.
 pub const DEFAULT_MAX_LENGTH: u32 = 128;
+/// Greedy decoding, as published.
 pub const DEFAULT_NUM_BEAMS: u32 = 1;
 
+/// The `generate_report` tool: a findings and impression draft from the CheXpert-Plus report
+/// models.
 pub struct GenerateReport {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
@@ -32,6 +37,9 @@ pub struct GenerateReport {
 }
 
 /// Which sections to write.
+// No doc lint on the variants: a doc comment on one would turn the schema's `enum` of names
+// into a `oneOf` of described subschemas.
+#[allow(missing_docs)]
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Sections {
@@ -41,6 +49,9 @@ pub enum Sections {
     Impression,
 }
 
+// The arguments of `generate_report` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

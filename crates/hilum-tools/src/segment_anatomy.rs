@@ -18,14 +18,18 @@ use serde_json::{json, Value};
 use crate::common::{choice, round2, run_model, Choice, ImageId};
 use crate::common::{ChestMasks, MIN_SIDE};
 
+/// The ChestX-Det PSPNet: 14 anatomical structures.
 pub const MODEL_ID: &str = "chestx-det-pspnet";
 const OVERLAY_MAX_SIDE: u32 = 1024;
 const THRESHOLD: f32 = 0.5;
 
 /// One structure's probability map at the original resolution.
 pub struct StructureMap {
+    /// Index of the structure in the model's outputs.
     pub index: usize,
+    /// Its name.
     pub name: &'static str,
+    /// Probability per pixel, row-major at the image's size.
     pub prob: Vec<f32>,
 }
 
@@ -191,6 +195,7 @@ pub fn overlay_png(img: &CxrImage, maps: &[StructureMap]) -> Result<Vec<u8>, Too
         .map_err(|e| ToolError::Internal(format!("overlay: {e}")))
 }
 
+/// The structure's mask (probability above the threshold) as a grey PNG of `w` x `h`.
 pub fn mask_png(m: &StructureMap, w: u32, h: u32) -> Result<Vec<u8>, ToolError> {
     let px: Vec<u8> = m
         .prob
@@ -201,6 +206,7 @@ pub fn mask_png(m: &StructureMap, w: u32, h: u32) -> Result<Vec<u8>, ToolError> 
         .map_err(|e| ToolError::Internal(format!("mask PNG: {e}")))
 }
 
+/// The `segment_anatomy` tool: masks, areas and boxes of the chest structures.
 pub struct SegmentAnatomy {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,
@@ -210,6 +216,9 @@ pub struct SegmentAnatomy {
     backends: Choice,
 }
 
+// The arguments of `segment_anatomy` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

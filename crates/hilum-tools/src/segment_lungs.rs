@@ -22,6 +22,7 @@ pub const MODEL_ID: &str = "lung-unet";
 /// Longest side of the overlay PNG (the mask artifact keeps the original resolution).
 const OVERLAY_MAX_SIDE: u32 = 1024;
 
+/// The `segment_lungs` tool: lung fields from the lung U-Net, with areas and masks.
 pub struct SegmentLungs {
     store: Arc<ImageStore>,
     models: Arc<ModelPool>,

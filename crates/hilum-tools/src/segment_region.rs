@@ -23,6 +23,7 @@ use serde_json::json;
 
 use crate::common::{choice, round2, run_blocking, run_model, Choice, Fail, ImageId};
 
+/// The MedSAM checkpoint the tool runs.
 pub const MODEL_ID: &str = "medsam-vit-b";
 /// Smallest image side MedSAM is run on (it is stretched to 1024 px).
 pub const MIN_SIDE: u32 = 64;
@@ -44,6 +45,7 @@ pub struct EmbeddingCache {
 }
 
 impl EmbeddingCache {
+    /// An empty cache holding at most `capacity` embeddings (at least one).
     pub fn new(capacity: usize) -> Self {
         EmbeddingCache {
             capacity: capacity.max(1),
@@ -73,6 +75,7 @@ impl EmbeddingCache {
         self.entries.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    /// Whether no embedding is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -91,7 +94,9 @@ pub struct RegionPrompt {
 
 // The prompt arguments as the model sends them: lengths and labels are checked by
 // `parse_prompt`, against the image, so a wrong prompt gets an answer that says what to send
-// instead. (A plain comment: a doc comment would become the description of the whole schema.)
+// instead. (A plain comment and no doc lint: a doc comment would become the description of
+// the whole schema.)
+#[allow(missing_docs)]
 #[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
 pub struct PromptArgs {
     /// [x0, y0, x1, y1] around the region, original-image pixels
@@ -235,7 +240,9 @@ impl RegionPrompt {
 
 /// The region's probability map at the original resolution and the model's predicted IoU.
 pub struct RegionMap {
+    /// Probability per pixel, row-major at the image's size.
     pub prob: Vec<f32>,
+    /// The model's own estimate of the mask's IoU.
     pub predicted_iou: f32,
 }
 
@@ -285,12 +292,17 @@ enum Source {
     Fixed(Arc<Sam>),
 }
 
+/// The `segment_region` tool: the mask of a region the model points at with a box or
+/// points (MedSAM).
 pub struct SegmentRegion {
     store: Arc<ImageStore>,
     source: Source,
     cache: Arc<EmbeddingCache>,
 }
 
+// The arguments of `segment_region` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct Args {
@@ -333,6 +345,7 @@ impl SegmentRegion {
         Self::build(store, Source::Fixed(model))
     }
 
+    /// The image embeddings kept between calls.
     pub fn cache(&self) -> &EmbeddingCache {
         &self.cache
     }
@@ -475,8 +488,11 @@ impl TypedTool for SegmentRegion {
 /// How a call spent its time, and whether the image embedding came from the cache.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
+    /// Whether the embedding came from the cache.
     pub cached: bool,
+    /// Milliseconds until the image embedding was ready (from the cache or the encoder).
     pub encode_ms: f64,
+    /// Milliseconds spent decoding the mask from the prompt.
     pub decode_ms: f64,
 }
 

@@ -7,9 +7,11 @@ use hilum_agent::Topic;
 
 macro_rules! topic {
     ($name:ident, $id:literal, $label:literal, [$($t:literal),* $(,)?]) => {
+        #[doc = concat!("The `", $id, "` topic: ", $label, ".")]
         pub static $name: Topic = Topic { id: $id, label: $label, terms: &[$($t),*], answer_terms: &[] };
     };
     ($name:ident, $id:literal, $label:literal, [$($t:literal),* $(,)?], [$([$($a:literal),* $(,)?]),* $(,)?]) => {
+        #[doc = concat!("The `", $id, "` topic: ", $label, ".")]
         pub static $name: Topic = Topic { id: $id, label: $label, terms: &[$($t),*], answer_terms: &[$(&[$($a),*]),*] };
     };
 }

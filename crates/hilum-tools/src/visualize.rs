@@ -13,6 +13,7 @@ use serde_json::json;
 
 use crate::common::{run_blocking, ImageId};
 
+/// The `visualize` tool: draws other tools' masks, heatmaps and boxes on an image as a PNG.
 pub struct Visualize {
     store: Arc<ImageStore>,
 }

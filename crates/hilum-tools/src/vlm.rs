@@ -43,6 +43,7 @@ pub enum Family {
 }
 
 impl Family {
+    /// The family named `s` (case and surrounding spaces ignored).
     pub fn parse(s: &str) -> Result<Family, VlmError> {
         serde_json::from_value(Value::String(s.trim().to_ascii_lowercase())).map_err(|_| {
             VlmError::Config(format!(
@@ -51,6 +52,7 @@ impl Family {
         })
     }
 
+    /// Its name in settings.
     pub fn as_str(self) -> &'static str {
         match self {
             Family::Maira2 => "maira2",
@@ -63,30 +65,56 @@ impl Family {
 /// Why the VLM layer failed, in words a user can act on.
 #[derive(Debug, Error)]
 pub enum VlmError {
+    /// No endpoint or native model is set for the tool.
     #[error(
         "no VLM endpoint is configured for `{tool}`: set HILUM_VLM_BASE_URL and HILUM_VLM_MODEL \
          (and HILUM_VLM_FAMILY), or base_url/model/family in the [vlm] table of the config file \
          (or backend = \"native\" to run a model in-process: an installed LLaVA, or MedGemma \
          with model = \"local-vlm:PATH\")"
     )]
-    NotConfigured { tool: String },
+    NotConfigured {
+        /// The tool's name.
+        tool: String,
+    },
+    /// The configuration is wrong; the text says which setting and why.
     #[error("VLM configuration: {0}")]
     Config(String),
+    /// Pixels would go to an endpoint off loopback without `allow_pixels`.
     #[error(
         "refusing to send pixels to {url}: it is not a loopback address; if it is an on-site \
          server allowed to see images, set allow_pixels = true in the [vlm] table"
     )]
-    PixelsNotAllowed { url: String },
+    PixelsNotAllowed {
+        /// The endpoint's URL.
+        url: String,
+    },
+    /// The endpoint could not be reached.
     #[error("VLM endpoint {url} unreachable: {reason}; check that the server is running")]
-    Unreachable { url: String, reason: String },
+    Unreachable {
+        /// The endpoint's URL.
+        url: String,
+        /// What the connection reported.
+        reason: String,
+    },
+    /// The endpoint answered with an HTTP error.
     #[error("VLM endpoint {url} answered HTTP {status}: {body}")]
     Status {
+        /// The endpoint's URL.
         url: String,
+        /// The HTTP status code.
         status: u16,
+        /// The body of the answer.
         body: String,
     },
+    /// The endpoint answered something that is not a chat completion.
     #[error("VLM endpoint {url} sent a response that is not a chat completion: {reason}")]
-    BadResponse { url: String, reason: String },
+    BadResponse {
+        /// The endpoint's URL.
+        url: String,
+        /// What was wrong with the answer.
+        reason: String,
+    },
+    /// The image could not be resized or encoded for sending.
     #[error("could not prepare the image for the VLM: {0}")]
     Image(String),
 }
@@ -109,13 +137,19 @@ pub struct EndpointTable {
     /// Native backend: the one device the model runs on (`cpu`, `cuda:0`, …); default: routed
     /// across the pool's devices (`--device`; the CPU unless told otherwise).
     pub device: Option<String>,
+    /// Base URL of the OpenAI-compatible server (e.g. `http://127.0.0.1:8000/v1`).
     pub base_url: Option<String>,
+    /// Model name the server serves (native: registry id).
     pub model: Option<String>,
+    /// Prompt and output format of the model.
     pub family: Option<Family>,
+    /// API key sent as a bearer token.
     pub api_key: Option<String>,
     /// The endpoint may receive pixels although it is not on loopback.
     pub allow_pixels: Option<bool>,
+    /// Seconds to wait for an answer (default 120).
     pub timeout_secs: Option<u64>,
+    /// Largest number of tokens the model may write (default 512).
     pub max_tokens: Option<u32>,
     /// Longest side of the image sent (MAIRA-2 and generic families).
     pub max_side: Option<u32>,
@@ -145,8 +179,10 @@ impl EndpointTable {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VlmSettings {
+    /// Settings every VLM tool starts from (the top of the table).
     #[serde(flatten)]
     pub default: EndpointTable,
+    /// Per-tool overrides, by tool name (`[vlm.tools.ground_phrase]`).
     #[serde(default)]
     pub tools: BTreeMap<String, EndpointTable>,
     /// A configuration that failed to load: every endpoint reports it instead of guessing.
@@ -161,14 +197,23 @@ pub struct VlmSettings {
 /// A resolved endpoint for one tool.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Endpoint {
+    /// Base URL of the OpenAI-compatible server.
     pub base_url: String,
+    /// Model name the server serves.
     pub model: String,
+    /// Prompt and output format of the model.
     pub family: Family,
+    /// API key sent as a bearer token.
     pub api_key: Option<String>,
+    /// The endpoint may receive pixels although it is not on loopback.
     pub allow_pixels: bool,
+    /// How long to wait for an answer.
     pub timeout: Duration,
+    /// Largest number of tokens the model may write.
     pub max_tokens: u32,
+    /// Longest side of the image sent (MAIRA-2 and generic families).
     pub max_side: u32,
+    /// Pixel budget of the image sent (Qwen families).
     pub max_pixels: u32,
 }
 
@@ -179,6 +224,7 @@ pub struct NativeModel {
     pub model: String,
     /// `None`: routed across the pool's devices.
     pub device: Option<hilum_models::Device>,
+    /// Largest number of tokens the model may write.
     pub max_tokens: u32,
 }
 
@@ -191,6 +237,7 @@ pub const NATIVE_DEFAULT_MODEL: &str = "llava-med-v1.5";
 pub struct LocalVlmModel {
     /// PATH as `--llm local-vlm:PATH` takes it (see `hilum_llm_local::VlmFiles::parse`).
     pub spec: String,
+    /// Largest number of tokens the model may write.
     pub max_tokens: u32,
     /// Longest side of the picture handed to the model (its processor resizes it again).
     pub max_side: u32,
@@ -204,8 +251,11 @@ pub const LOCAL_VLM_PREFIX: &str = "local-vlm:";
 /// How one tool reaches its VLM.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Backend {
+    /// An OpenAI-compatible server.
     Served(Endpoint),
+    /// A registry model run in-process.
     Native(NativeModel),
+    /// A Gemma 3 multimodal model run in-process.
     LocalVlm(LocalVlmModel),
 }
 
@@ -372,16 +422,20 @@ fn local_vlm(
 /// The image as the endpoint receives it, and the geometry needed to map boxes back.
 #[derive(Clone, Debug)]
 pub struct SentImage {
+    /// The PNG bytes.
     pub png: Vec<u8>,
     /// Size of the PNG sent.
     pub width: u32,
+    /// Height of the PNG sent.
     pub height: u32,
     /// Size of the image in the store.
     pub orig_width: u32,
+    /// Height of the image in the store.
     pub orig_height: u32,
 }
 
 impl SentImage {
+    /// The PNG as a `data:` URL for a chat message.
     pub fn data_url(&self) -> String {
         format!(
             "data:image/png;base64,{}",
@@ -489,6 +543,7 @@ fn encode_sent(img: &CxrImage, tw: u32, th: u32) -> Result<SentImage, VlmError> 
 /// A client for one endpoint, over Hilum's one OpenAI-compatible client. Construction
 /// enforces the pixel policy.
 pub struct VlmClient {
+    /// Where the client sends its requests.
     pub endpoint: Endpoint,
     llm: hilum_llm::OpenAiLlm,
 }
@@ -505,13 +560,18 @@ impl std::fmt::Debug for VlmClient {
 /// What the endpoint answered.
 #[derive(Clone, Debug)]
 pub struct VlmAnswer {
+    /// The answer's text.
     pub text: String,
+    /// The model that answered.
     pub model: String,
+    /// Tokens written, when the server says.
     pub completion_tokens: Option<u64>,
+    /// Time until the answer, in milliseconds.
     pub latency_ms: f64,
 }
 
 impl VlmClient {
+    /// A client for `endpoint`; refuses one off loopback that may not receive pixels.
     pub fn new(endpoint: Endpoint) -> Result<VlmClient, VlmError> {
         if !endpoint.allow_pixels && !hilum_llm::is_loopback_url(&endpoint.base_url) {
             return Err(VlmError::PixelsNotAllowed {

@@ -59,11 +59,15 @@ impl std::fmt::Debug for LocalVlms {
 /// What the model answered, with its costs.
 #[derive(Clone, Debug)]
 pub struct LocalAnswer {
+    /// The answer's text.
     pub text: String,
     /// The model's name (`local-vlm:FILE`).
     pub model: String,
+    /// Why generation stopped.
     pub finish: FinishReason,
+    /// Tokens written.
     pub completion_tokens: u32,
+    /// Timings of the prompt and of generation.
     pub stats: GenStats,
 }
 
@@ -150,6 +154,7 @@ async fn load_model(
 }
 
 impl LoadedVlm {
+    /// The model's name (`local-vlm:FILE`).
     pub fn name(&self) -> String {
         self.llm.name()
     }

@@ -22,12 +22,14 @@ use serde_json::{json, Value};
 use crate::common::{run_model, ImageId};
 use crate::vlm::{self, Backend, LocalVlmModel, NativeModel, VlmSettings};
 
+/// The tool's name, as models call it.
 pub const NAME: &str = "answer_visual_question";
 
 const SYSTEM: &str = "You are an expert radiology assistant. Answer the question about the chest \
     X-ray concisely, from what is visible in the image. Say so when the image does not allow an \
     answer.";
 
+/// The `answer_visual_question` tool: a VLM's answer to one question about the image.
 pub struct AnswerVisualQuestion {
     store: Arc<ImageStore>,
     settings: Arc<VlmSettings>,
@@ -35,6 +37,9 @@ pub struct AnswerVisualQuestion {
     models: Option<Arc<ModelPool>>,
 }
 
+// The arguments of `answer_visual_question` as the model sends them.
+// (A plain comment and no doc lint: a doc comment would become the schema's description.)
+#[allow(missing_docs)]
 #[derive(Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Args {

@@ -50,10 +50,12 @@ impl Server {
         })
     }
 
+    /// The entry's name, the prefix of its tools' names.
     pub fn name(&self) -> &str {
         &self.config.name
     }
 
+    /// The entry it was started from.
     pub fn config(&self) -> &McpServerConfig {
         &self.config
     }

@@ -67,6 +67,7 @@ pub struct McpServerConfig {
     pub name: String,
     /// The program to start (stdio).
     pub command: Option<String>,
+    /// The program's arguments.
     #[serde(default)]
     pub args: Vec<String>,
     /// The only environment the program gets.
@@ -91,6 +92,7 @@ pub struct McpServerConfig {
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct McpSection {
+    /// One entry per remote server.
     #[serde(default)]
     pub servers: Vec<McpServerConfig>,
 }
@@ -234,10 +236,15 @@ pub struct RemoteServers {
 /// One remote tool as `hilum tools list` shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct RemoteListing {
+    /// The name models call it by (`SERVER__tool`).
     pub name: String,
+    /// The server's name.
     pub server: String,
+    /// The tool's name on the server.
     pub remote_name: String,
+    /// Its description, as the server sent it.
     pub description: String,
+    /// Its arguments' JSON Schema.
     pub parameters: serde_json::Value,
 }
 
@@ -267,10 +274,12 @@ impl RemoteServers {
         out
     }
 
+    /// Whether no server answered.
     pub fn is_empty(&self) -> bool {
         self.servers.is_empty()
     }
 
+    /// The servers that answered.
     pub fn servers(&self) -> &[Arc<Server>] {
         &self.servers
     }

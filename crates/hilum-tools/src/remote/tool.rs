@@ -56,6 +56,7 @@ impl RemoteTool {
         })
     }
 
+    /// The name of the server the tool lives on.
     pub fn server(&self) -> &str {
         self.server.name()
     }
