@@ -635,6 +635,19 @@ pub fn resolve_backends(
     parse(&spec.join(","), "[backends] in the config file")
 }
 
+/// Fills each MCP server entry's `token` from the variable its `token_env` names (`--mcp`
+/// entries name `HILUM_MCP_<NAME>_TOKEN`), unless the file gave the token itself.
+pub(crate) fn mcp_tokens(entries: &mut [hilum_tools::remote::McpServerConfig]) {
+    for e in entries {
+        if e.token.as_deref().is_some_and(|t| !t.is_empty()) {
+            continue;
+        }
+        if let Some(var) = e.token_env.as_deref() {
+            e.token = std::env::var(var).ok().filter(|t| !t.is_empty());
+        }
+    }
+}
+
 /// `RUST_LOG`, when set: the log filter of `hilum serve`, `hilum mcp` and `hilum analyze -v`.
 pub fn log_filter() -> Option<String> {
     std::env::var("RUST_LOG")

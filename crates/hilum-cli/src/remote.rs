@@ -24,7 +24,8 @@ pub(crate) async fn connect(
     file: &McpSection,
     flag: &McpFlag,
 ) -> anyhow::Result<Option<Arc<RemoteServers>>> {
-    let entries = merge_entries(file, &flag.mcp).map_err(anyhow::Error::msg)?;
+    let mut entries = merge_entries(file, &flag.mcp).map_err(anyhow::Error::msg)?;
+    crate::config::mcp_tokens(&mut entries);
     if entries.is_empty() {
         return Ok(None);
     }

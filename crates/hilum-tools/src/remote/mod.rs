@@ -181,14 +181,10 @@ impl McpServerConfig {
             .unwrap_or(DEFAULT_MAX_RESULT_BYTES)
     }
 
-    /// The bearer token, from `token` or `token_env`.
+    /// The bearer token. The program resolves `token_env` into `token` before connecting (a
+    /// library reads no environment).
     pub(crate) fn bearer(&self) -> Option<String> {
-        self.token.clone().or_else(|| {
-            self.token_env
-                .as_deref()
-                .and_then(|v| std::env::var(v).ok())
-                .filter(|t| !t.is_empty())
-        })
+        self.token.clone().filter(|t| !t.is_empty())
     }
 }
 
