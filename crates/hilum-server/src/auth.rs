@@ -22,7 +22,9 @@ const CACHE_TTL: Duration = Duration::from_secs(30);
 /// Requests per second and burst per token; `per_sec <= 0` turns limiting off.
 #[derive(Clone, Copy, Debug)]
 pub struct RateLimit {
+    /// Steady requests per second a token may make.
     pub per_sec: f64,
+    /// Requests a token may make at once above that rate.
     pub burst: f64,
 }
 

@@ -21,20 +21,33 @@ use thiserror::Error;
 
 use backend::{args, Engine, Exec, Job, PgPool, Row, AUDIT_LOCK};
 
+/// Why a database operation failed.
 #[derive(Debug, Error)]
 pub enum DbError {
+    /// The URL is neither SQLite nor PostgreSQL.
     #[error("unsupported database URL `{0}`: use sqlite://PATH or postgres://USER@HOST:PORT/DB")]
     UnsupportedUrl(String),
+    /// The database cannot be opened or migrated.
     #[error("cannot open the database {path}: {reason}")]
-    Open { path: String, reason: String },
+    Open {
+        /// The database, as shown (without a password).
+        path: String,
+        /// Why, in words.
+        reason: String,
+    },
+    /// An SQLite error.
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// A PostgreSQL error (its message without the password).
     #[error("database error: {}", backend::pg_message(.0))]
     Postgres(#[from] tokio_postgres::Error),
+    /// No token has this id.
     #[error("no token `{0}`: `hilum serve token list` shows the ids")]
     UnknownToken(String),
+    /// The blocking database thread panicked or was cancelled.
     #[error("database task failed: {0}")]
     Task(String),
+    /// A stored row does not parse (JSON of a message, an event, …).
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
 }
@@ -62,6 +75,7 @@ pub fn hash_token(secret: &str) -> String {
 /// Which database `--db` names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DbUrl {
+    /// An SQLite file path.
     Sqlite(PathBuf),
     /// A `postgres://` or `postgresql://` URL, as given.
     Postgres(String),
@@ -90,79 +104,125 @@ pub fn parse_url(url: &str) -> Result<DbUrl, DbError> {
 /// The caller behind a bearer token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
+    /// The token's id (not its secret).
     pub token_id: String,
+    /// The name given when the token was created.
     pub name: String,
+    /// Whether the token may manage tokens and read every caller's data.
     pub admin: bool,
 }
 
+/// An uploaded image, as listed (its bytes are in the image store).
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ImageRow {
+    /// The image id (`img_…`).
     pub id: String,
+    /// The MIME type it was uploaded as.
     pub media_type: String,
+    /// Its size in bytes.
     pub size: i64,
+    /// Width in pixels.
     pub width: i64,
+    /// Height in pixels.
     pub height: i64,
+    /// Bits per pixel sample.
     pub bit_depth: i64,
+    /// The decoded format (`png`, `jpeg`, `dicom`, …).
     pub format: String,
+    /// When it was uploaded, ms since the epoch.
     pub created_ms: i64,
 }
 
+/// A session: a conversation of runs about images.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct SessionRow {
+    /// The session id (`ses_…`).
     pub id: String,
+    /// Its title, as given.
     pub title: String,
+    /// When it was created, ms since the epoch.
     pub created_ms: i64,
+    /// When a run last changed it, ms since the epoch.
     pub updated_ms: i64,
 }
 
+/// One run of the agent: a question and its answer.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct RunRow {
+    /// The run id (`run_…`).
     pub id: String,
+    /// The question asked.
     pub question: String,
+    /// The ids of the images the question is about.
     pub images: Vec<String>,
+    /// The model that answers.
     pub model: String,
     /// `running`, `completed`, `failed`, `cancelled`, or `interrupted` (its server stopped
     /// before it finished: `POST …/runs/{run_id}/resume` continues it).
     pub status: String,
+    /// The final answer, once completed.
     pub answer: Option<String>,
+    /// Why the run failed, if it did.
     pub error: Option<String>,
+    /// When it started, ms since the epoch.
     pub started_ms: i64,
+    /// When it ended, ms since the epoch; none while running.
     pub finished_ms: Option<i64>,
 }
 
+/// One message of a session's conversation.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct MessageRow {
+    /// Its position in the session, increasing.
     pub seq: i64,
+    /// The run that added it.
     pub run_id: String,
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The message as the model saw it (`role`, `content`, `tool_calls`, …).
     #[schema(value_type = Object)]
     pub message: Value,
+    /// When it was stored, ms since the epoch.
     pub created_ms: i64,
 }
 
+/// A file a tool made (a mask, an overlay, a report, …), as listed.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ArtifactRow {
+    /// The artifact id (`art_…`).
     pub id: String,
+    /// The session it belongs to, if any.
     pub session_id: Option<String>,
+    /// The run that made it, if any.
     pub run_id: Option<String>,
+    /// The tool call that made it.
     pub call_id: String,
+    /// The tool that made it.
     pub tool: String,
+    /// Its file name.
     pub name: String,
+    /// Its MIME type.
     pub media_type: String,
+    /// What it is (`mask`, `overlay`, …), as the tool says.
     pub kind: String,
+    /// Its size in bytes.
     pub size: i64,
+    /// When it was stored, ms since the epoch.
     pub created_ms: i64,
 }
 
 /// One row of the audit log.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct AuditRow {
+    /// Its position in the log, increasing.
     pub seq: i64,
+    /// When it happened, ms since the epoch.
     pub ts_ms: i64,
     /// The token id (never the token) that acted.
     pub actor: String,
+    /// The session it happened in, if any.
     pub session_id: Option<String>,
+    /// The run it happened in, if any.
     pub run_id: Option<String>,
     /// `tool_call`, `llm_call`, `run_cancelled`, `run_failed`, `upload`.
     pub kind: String,
@@ -173,34 +233,53 @@ pub struct AuditRow {
     pub arguments: Value,
     /// `ok` or the failure kind.
     pub outcome: String,
+    /// How long it took, in milliseconds.
     pub duration_ms: f64,
 }
 
 /// What is appended to the audit log.
 #[derive(Clone, Debug)]
 pub struct AuditEntry {
+    /// The token id that acted.
     pub actor: String,
+    /// The session it happened in, if any.
     pub session_id: Option<String>,
+    /// The run it happened in, if any.
     pub run_id: Option<String>,
+    /// `tool_call`, `llm_call`, `run_cancelled`, `run_failed`, `upload`.
     pub kind: &'static str,
+    /// The tool or model name.
     pub name: String,
+    /// The arguments, de-identified before they are stored.
     pub arguments: Value,
+    /// `ok` or the failure kind.
     pub outcome: String,
+    /// How long it took, in milliseconds.
     pub duration_ms: f64,
 }
 
 /// A tool call to record.
 #[derive(Clone, Debug)]
 pub struct ToolCallRecord {
+    /// The token id that called.
     pub token_id: String,
+    /// The session of the call, if any.
     pub session_id: Option<String>,
+    /// The run of the call, if any.
     pub run_id: Option<String>,
+    /// The model's id of the call.
     pub call_id: String,
+    /// The tool called.
     pub tool: String,
+    /// Its arguments.
     pub arguments: Value,
+    /// Whether the tool succeeded.
     pub ok: bool,
+    /// The kind of its error, if it failed.
     pub error_kind: Option<String>,
+    /// How long it took, in milliseconds.
     pub ms: f64,
+    /// What the tool returned.
     pub result: Value,
     /// The round of a run's call.
     pub round: Option<i64>,
@@ -209,6 +288,7 @@ pub struct ToolCallRecord {
 /// What a stopped run stored, to continue it.
 #[derive(Clone, Debug)]
 pub struct StoredRun {
+    /// The run, as stored.
     pub run: RunRow,
     /// The loop's counters at the last stored step (JSON), if any step was stored.
     pub progress: Option<Value>,
@@ -224,38 +304,61 @@ pub struct StoredRun {
 /// A finished tool call of a run, as stored.
 #[derive(Clone, Debug)]
 pub struct StoredCall {
+    /// The round of the run the call was made in.
     pub round: i64,
+    /// The model's id of the call.
     pub call_id: String,
+    /// The tool called.
     pub tool: String,
+    /// Its arguments.
     pub arguments: Value,
+    /// Whether the tool succeeded.
     pub ok: bool,
+    /// The kind of its error, if it failed.
     pub error_kind: Option<String>,
+    /// How long it took, in milliseconds.
     pub ms: f64,
+    /// What the tool returned.
     pub result: Value,
 }
 
 /// An artifact to store.
 #[derive(Clone, Debug)]
 pub struct NewArtifact {
+    /// The artifact id (`art_…`).
     pub id: String,
+    /// The token that owns it.
     pub token_id: String,
+    /// The session it belongs to, if any.
     pub session_id: Option<String>,
+    /// The run that made it, if any.
     pub run_id: Option<String>,
+    /// The tool call that made it.
     pub call_id: String,
+    /// The tool that made it.
     pub tool: String,
+    /// Its file name.
     pub name: String,
+    /// Its MIME type.
     pub media_type: String,
+    /// What it is (`mask`, `overlay`, …).
     pub kind: String,
+    /// The file's bytes.
     pub bytes: Vec<u8>,
 }
 
 /// A token as listed: never its secret, nor its hash.
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenRow {
+    /// The token id.
     pub id: String,
+    /// The name given when it was created.
     pub name: String,
+    /// Whether it may manage tokens and read every caller's data.
     pub admin: bool,
+    /// When it was created, ms since the epoch.
     pub created_ms: i64,
+    /// When it was revoked, ms since the epoch; none while valid.
     pub revoked_ms: Option<i64>,
 }
 
@@ -296,6 +399,7 @@ impl Db {
         }
     }
 
+    /// Opens (creating if needed) and migrates the SQLite database at `path`.
     pub fn open_path(path: &Path) -> Result<Db, DbError> {
         let open_err = |e: &dyn std::fmt::Display| DbError::Open {
             path: path.display().to_string(),
@@ -459,6 +563,7 @@ impl Db {
         .await
     }
 
+    /// The caller behind a token hash; none for an unknown or revoked token.
     pub async fn caller_for_hash(&self, hash: String) -> Result<Option<Caller>, DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
@@ -505,6 +610,7 @@ impl Db {
         .await
     }
 
+    /// The images a token uploaded, oldest first.
     pub async fn list_images(&self, token_id: String) -> Result<Vec<ImageRow>, DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
@@ -566,6 +672,7 @@ impl Db {
 
     // ---- sessions, runs, messages, events ----
 
+    /// Creates a session owned by `token_id`.
     pub async fn create_session(
         &self,
         token_id: String,
@@ -605,6 +712,7 @@ impl Db {
         .await
     }
 
+    /// The sessions a token owns, oldest first.
     pub async fn list_sessions(&self, token_id: String) -> Result<Vec<SessionRow>, DbError> {
         self.run(false, move |c| Box::pin(async move {
             c.query(
@@ -845,6 +953,7 @@ impl Db {
         .await
     }
 
+    /// A session's runs, oldest first.
     pub async fn runs(&self, session_id: String) -> Result<Vec<RunRow>, DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
@@ -861,6 +970,7 @@ impl Db {
         .await
     }
 
+    /// A session's conversation, in order.
     pub async fn messages(&self, session_id: String) -> Result<Vec<MessageRow>, DbError> {
         self.run(false, move |c| Box::pin(async move {
             c.query(
@@ -886,6 +996,7 @@ impl Db {
         .await
     }
 
+    /// Stores a run's event `seq` (what its stream sent), so a reconnecting client can replay it.
     pub async fn insert_event(
         &self,
         run_id: String,
@@ -970,6 +1081,7 @@ impl Db {
         .await
     }
 
+    /// Appends one entry to the audit log.
     pub async fn append_audit(&self, entry: AuditEntry) -> Result<(), DbError> {
         self.run(true, move |c| {
             Box::pin(async move { insert_audit(c, &entry, now_ms()).await })

@@ -9,36 +9,52 @@ use thiserror::Error;
 
 use crate::db::DbError;
 
+/// Why a request failed, as the caller is told.
 #[derive(Debug, Error)]
 pub enum ApiError {
+    /// No valid bearer token came with the request (401).
     #[error("missing or invalid bearer token: send `Authorization: Bearer <token>` with a token from `hilum serve token create`")]
     Unauthorized,
+    /// The token is valid but not allowed this (403).
     #[error("this token may not do that: {0}")]
     Forbidden(String),
+    /// Nothing by that id for this token (404).
     #[error("{0}")]
     NotFound(String),
+    /// The request is malformed (400).
     #[error("{0}")]
     BadRequest(String),
+    /// The body is over its limit (413).
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// Well-formed but unusable, e.g. an image that does not decode (422).
     #[error("{0}")]
     Unprocessable(String),
+    /// The token is over its rate limit (429, with `Retry-After`).
     #[error("too many requests for this token: retry in {retry_after_secs} s")]
-    RateLimited { retry_after_secs: u64 },
+    RateLimited {
+        /// Seconds until a request will be accepted.
+        retry_after_secs: u64,
+    },
+    /// No reasoning model is configured or it cannot be built (503).
     #[error("the reasoning model is not available: {0}")]
     LlmUnavailable(String),
+    /// The request clashes with the current state: cancelling a run not running (409).
     #[error("{0}")]
     Conflict(String),
+    /// A part this needs is not configured, e.g. the DICOM node is off (503).
     #[error("{0}")]
     Unavailable(String),
     /// A peer (the PACS) could not be reached or answered wrongly.
     #[error("{0}")]
     BadGateway(String),
+    /// A fault of the service itself (500); it is logged.
     #[error("internal error: {0}")]
     Internal(String),
 }
 
 impl ApiError {
+    /// The HTTP status the error is answered with.
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -56,6 +72,7 @@ impl ApiError {
         }
     }
 
+    /// The stable machine-readable code of the JSON body (`not_found`, …).
     pub fn code(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "unauthorized",
@@ -73,6 +90,7 @@ impl ApiError {
         }
     }
 
+    /// A 404 for the `what` with id `id`, which this token does not have.
     pub fn not_found(what: &str, id: &str) -> Self {
         ApiError::NotFound(format!("no {what} `{id}` for this token"))
     }

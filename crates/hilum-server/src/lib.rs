@@ -5,6 +5,8 @@
 //!
 //! Routing is in [`router`], top to bottom; handlers are in `api` and `run`.
 
+#![warn(missing_docs)]
+
 mod api;
 mod auth;
 pub mod db;
@@ -51,6 +53,7 @@ pub struct LlmFactory {
     pub name: String,
     /// Whether the endpoint runs on this machine (so nothing leaves it).
     pub local: bool,
+    /// Makes the model, or says why it cannot (missing key, unreadable script, …).
     pub build: Arc<dyn Fn() -> Result<Arc<dyn Llm>, String> + Send + Sync>,
 }
 
@@ -93,6 +96,7 @@ pub fn default_toolbox_factory(models: Arc<hilum_tools::ModelPool>) -> ToolboxFa
     )
 }
 
+/// How the service runs: where it listens, its database, its limits and policies.
 #[derive(Clone)]
 pub struct ServerConfig {
     /// 127.0.0.1 by default: exposing the service is an explicit choice.
@@ -103,6 +107,7 @@ pub struct ServerConfig {
     pub max_upload_bytes: usize,
     /// Largest JSON request body, bytes.
     pub max_json_bytes: usize,
+    /// Requests per second and burst allowed to each token.
     pub rate_limit: RateLimit,
     /// Memory each token's images may hold (files, decoded pixels, preprocessed variants);
     /// least recently used images are dropped and read again from the database when named.
@@ -118,8 +123,11 @@ pub struct ServerConfig {
     pub send_pixels: bool,
     /// Browser origins allowed by CORS; empty = CORS off.
     pub cors_origins: Vec<String>,
+    /// The agent loop's settings (rounds, budgets) for every run.
     pub agent: AgentConfig,
+    /// What the tools may use (threads, device, model directory).
     pub env: Environment,
+    /// Makes each tenant's toolbox over its own image store.
     pub toolbox: ToolboxFactory,
     /// The process's one model pool, when the server knows it (reported in `/metrics`).
     pub models: Option<Arc<hilum_tools::ModelPool>>,
@@ -144,6 +152,7 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// Defaults for everything but the database: 127.0.0.1:8080, Hilum's own tools, no model.
     pub fn new(db_url: impl Into<String>) -> Self {
         // Default settings; a program sets `toolbox` and `models` from its own.
         let models = hilum_tools::ModelPool::from_settings(Default::default());
@@ -176,7 +185,9 @@ impl ServerConfig {
 
 /// One tenant's images and the toolbox that sees only them.
 pub struct Space {
+    /// The tenant's images.
     pub images: Arc<ImageStore>,
+    /// The tools, seeing only those images.
     pub toolbox: Arc<Toolbox>,
 }
 
@@ -205,6 +216,7 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
+    /// Opens (creating and migrating) the configured database; nothing listens yet.
     pub fn new(cfg: ServerConfig) -> Result<Self, DbError> {
         let db = Db::open(&cfg.db_url)?;
         Ok(AppState(Arc::new(Inner {
@@ -219,6 +231,7 @@ impl AppState {
         })))
     }
 
+    /// The service's database.
     pub fn db(&self) -> &Db {
         &self.db
     }

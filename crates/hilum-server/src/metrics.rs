@@ -107,6 +107,7 @@ struct Inner {
     runs_total: BTreeMap<String, u64>,
 }
 
+/// The service's counters and histograms, rendered at `/metrics`.
 #[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
@@ -117,6 +118,7 @@ impl Metrics {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Counts one answered request by method, matched route and status.
     pub fn request(&self, method: &str, route: &str, status: u16) {
         *self
             .lock()
@@ -137,6 +139,7 @@ impl Metrics {
         }
     }
 
+    /// Records one model call's latency.
     pub fn llm_call(&self, model: &str, ms: f64) {
         self.lock()
             .llm_latency
@@ -145,14 +148,17 @@ impl Metrics {
             .observe(ms / 1e3);
     }
 
+    /// Counts one error of `kind`.
     pub fn error(&self, kind: &str) {
         *self.lock().errors.entry(kind.to_string()).or_default() += 1;
     }
 
+    /// Counts a run as in flight.
     pub fn run_started(&self) {
         self.lock().runs_active += 1;
     }
 
+    /// Counts a run as ended with `status` and no longer in flight.
     pub fn run_ended(&self, status: &str) {
         let mut g = self.lock();
         g.runs_active -= 1;

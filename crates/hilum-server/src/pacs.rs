@@ -29,7 +29,9 @@ use crate::AppState;
 /// Where results are sent: a PACS's DICOMweb root (`http://pacs:8042/dicom-web`).
 #[derive(Clone, Debug)]
 pub struct Destination {
+    /// The DICOMweb root URL.
     pub url: String,
+    /// A bearer token for it, if it needs one.
     pub bearer: Option<String>,
 }
 
@@ -38,17 +40,21 @@ pub struct Destination {
 pub struct PacsSettings {
     /// Where the node listens (`127.0.0.1:11112`).
     pub bind: SocketAddr,
+    /// The node's own AE title.
     pub ae_title: String,
     /// Calling AE titles allowed to send; empty: any.
     pub allowed_callers: Vec<String>,
     /// Hosts allowed to send; empty: any.
     pub allowed_hosts: Vec<IpAddr>,
+    /// Associations served at once.
     pub max_associations: usize,
+    /// Largest instance accepted, bytes.
     pub max_object_bytes: u64,
     /// Received instances and written results live under it.
     pub storage_dir: PathBuf,
     /// A study is complete when no instance has arrived for this long.
     pub quiet: Duration,
+    /// The protocols a complete study is matched against, in order.
     pub protocols: Vec<Protocol>,
     /// Where results go; `None`: they are written to disk only.
     pub destination: Option<Destination>,
@@ -62,6 +68,8 @@ pub struct PacsSettings {
 }
 
 impl PacsSettings {
+    /// A node on `bind` storing under `storage_dir`, with defaults: AE title `HILUM`, the chest
+    /// X-ray protocol, no destination.
     pub fn new(bind: SocketAddr, storage_dir: PathBuf) -> Self {
         PacsSettings {
             bind,
@@ -684,9 +692,12 @@ async fn artifact_rgb(
 /// The DICOM node's jobs, newest first.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub struct JobList {
+    /// The jobs.
     pub jobs: Vec<PacsJob>,
 }
 
+// GET /v1/pacs/jobs: the node's jobs.
+#[allow(missing_docs, reason = "a doc would become the OpenAPI summary")]
 #[utoipa::path(get, path = "/v1/pacs/jobs", tag = "pacs",
     responses((status = 200, description = "The DICOM node's jobs, newest first (no patient data: UIDs, states, protocols)", body = JobList)),
     security(("bearer" = [])))]
@@ -698,6 +709,8 @@ pub async fn list_jobs(
     }))
 }
 
+// POST /v1/pacs/jobs/{id}/retry: queues a job again.
+#[allow(missing_docs, reason = "a doc would become the OpenAPI summary")]
 #[utoipa::path(post, path = "/v1/pacs/jobs/{id}/retry", tag = "pacs",
     params(("id" = String, Path, description = "Job id")),
     responses((status = 202, description = "Queued again: the protocol runs (or the results are sent) again"),
@@ -724,10 +737,14 @@ pub struct Pull {
 /// What a pull received.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub struct Pulled {
+    /// The job the study was queued as.
     pub job: String,
+    /// How many instances were received.
     pub instances: usize,
 }
 
+// POST /v1/pacs/pull: retrieves a study from the PACS and queues it.
+#[allow(missing_docs, reason = "a doc would become the OpenAPI summary")]
 #[utoipa::path(post, path = "/v1/pacs/pull", tag = "pacs",
     request_body = Pull,
     responses((status = 202, description = "The study was retrieved (QIDO-RS + WADO-RS from the node's destination) and queued as a job", body = Pulled),
@@ -779,10 +796,13 @@ pub async fn pull(
 /// A job's runs as stored events.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub struct JobEvents {
+    /// The events, oldest first.
     #[schema(value_type = Vec<Object>)]
     pub events: Vec<Value>,
 }
 
+// GET /v1/pacs/jobs/{id}/events: what the job's runs did.
+#[allow(missing_docs, reason = "a doc would become the OpenAPI summary")]
 #[utoipa::path(get, path = "/v1/pacs/jobs/{id}/events", tag = "pacs",
     params(("id" = String, Path, description = "Job id")),
     responses((status = 200, description = "The events of the job's runs (the protocol's plan, then its question), as stored: what each tool found and the answer", body = JobEvents),

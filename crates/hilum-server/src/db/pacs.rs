@@ -11,11 +11,17 @@ use super::{new_id, now_ms, Db, DbError};
 /// One received instance (no patient data: UIDs, classes and where the file is).
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct PacsInstance {
+    /// The instance's SOP Instance UID.
     pub sop_instance_uid: String,
+    /// Its study's UID.
     pub study_uid: String,
+    /// Its series' UID.
     pub series_uid: String,
+    /// Its SOP Class UID (what kind of object it is).
     pub sop_class_uid: String,
+    /// The transfer syntax UID it was stored in.
     pub transfer_syntax: String,
+    /// Where its file is.
     pub path: String,
     /// `c-store:CALLING_AE`, `stow-rs` or `pull`.
     pub origin: String,
@@ -24,11 +30,17 @@ pub struct PacsInstance {
 /// A change of a job ([`Db::pacs_update_job`]): its new state, and each field to set.
 #[derive(Clone, Debug, Default)]
 pub struct JobUpdate {
+    /// The new state (one of [`JOB_STATES`]).
     pub state: &'static str,
+    /// What happened, in words.
     pub detail: Option<String>,
+    /// The protocol that matched.
     pub protocol: Option<String>,
+    /// The run started for the job.
     pub run_id: Option<String>,
+    /// The result objects' UIDs (JSON).
     pub results: Option<serde_json::Value>,
+    /// When the job is next due, ms since the epoch.
     pub next_ms: Option<i64>,
     /// A send was attempted.
     pub count_attempt: bool,
@@ -51,7 +63,9 @@ pub const JOB_STATES: &[&str] = &["received", "queued", "running", "sending", "d
 /// One study's job.
 #[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct PacsJob {
+    /// The job id.
     pub id: String,
+    /// The study it is for.
     pub study_uid: String,
     /// received, queued, running, sending, done or failed.
     pub state: String,
@@ -65,7 +79,9 @@ pub struct PacsJob {
     pub attempts: i64,
     /// When the job is next due (quiet period, retry backoff), ms since the epoch.
     pub next_ms: i64,
+    /// When it was created, ms since the epoch.
     pub created_ms: i64,
+    /// When it last changed, ms since the epoch.
     pub updated_ms: i64,
     /// The result objects' UIDs (JSON), once written.
     pub results: Option<serde_json::Value>,
@@ -255,6 +271,7 @@ impl Db {
         .await
     }
 
+    /// One job by id; none if there is no such job.
     pub async fn pacs_job(&self, id: String) -> Result<Option<PacsJob>, DbError> {
         self.run(false, move |c| {
             Box::pin(async move {
