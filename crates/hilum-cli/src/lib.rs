@@ -2,6 +2,8 @@
 //! The logic lives in the library crates. [`main_with`] runs the command with a tool registry,
 //! so a program can offer its own tools beside Hilum's (see `tests/extra_tool`).
 
+#![warn(missing_docs)]
+
 mod analyze;
 mod bench_cmd;
 mod config;
