@@ -208,14 +208,7 @@ pub async fn image_pixels(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let space = state.space(&caller).await?;
-    state
-        .ensure_images(&caller, &space, std::slice::from_ref(&id))
-        .await?;
-    let img = space
-        .images
-        .get(&id)
-        .map_err(|_| ApiError::not_found("image", &id))?;
+    let img = state.owned_image(&caller, &id).await?;
     let bits = img.meta.bit_depth;
     let png = tokio::task::spawn_blocking(move || encode_gray16(&img))
         .await

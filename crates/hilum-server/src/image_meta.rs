@@ -41,14 +41,7 @@ pub async fn image_info(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let space = state.space(&caller).await?;
-    state
-        .ensure_images(&caller, &space, std::slice::from_ref(&id))
-        .await?;
-    let img = space
-        .images
-        .get(&id)
-        .map_err(|_| ApiError::not_found("image", &id))?;
+    let img = state.owned_image(&caller, &id).await?;
     let meta = serde_json::to_value(&img.meta).map_err(|e| ApiError::Internal(e.to_string()))?;
     let (mut study, mut tags) = (None, Vec::new());
     if img.meta.format == "dicom" {

@@ -270,6 +270,22 @@ impl AppState {
         Ok(space)
     }
 
+    /// The caller's image `id`, brought into memory if it was evicted; 404 when the caller
+    /// does not own it.
+    pub(crate) async fn owned_image(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Arc<hilum_imaging::CxrImage>, ApiError> {
+        let space = self.space(caller).await?;
+        self.ensure_images(caller, &space, &[id.to_string()])
+            .await?;
+        space
+            .images
+            .get(id)
+            .map_err(|_| ApiError::not_found("image", id))
+    }
+
     /// Brings the given image ids into memory if the caller owns them (evicted, or uploaded
     /// through another replica), decoding off the runtime; tools would otherwise read them
     /// through the store's blocking loader. Ids the caller does not own stay unknown.
