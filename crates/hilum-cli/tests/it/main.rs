@@ -2,6 +2,7 @@
 //! module is one former test file; run one with `cargo test -p hilum-cli --test it MODULE::`.
 
 mod cli;
+mod common;
 mod device_flag;
 mod eval;
 mod import_no_python;

@@ -509,18 +509,7 @@ fn start_serve(dir: &Path, db: &str, extra: &[String]) -> (Proc, String) {
 }
 
 fn create_token(dir: &Path, db: &str, admin: bool) -> String {
-    let mut cmd = hilum(dir);
-    cmd.args(["serve", "token", "create", "--name", "ws", "--db", db]);
-    if admin {
-        cmd.arg("--admin");
-    }
-    let out = cmd.output().expect("token create");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    crate::common::create_token(hilum(dir), db, admin)
 }
 
 /// `hilum serve` with a remote server: a run's remote and native calls are both audited and

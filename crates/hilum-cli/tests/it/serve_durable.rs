@@ -412,18 +412,7 @@ fn hilum(dir: &Path, model_url: &str) -> Command {
 }
 
 fn token(db: &str, dir: &Path, admin: bool) -> String {
-    let mut cmd = hilum(dir, "http://127.0.0.1:9/v1");
-    cmd.args(["serve", "token", "create", "--name", "ws", "--db", db]);
-    if admin {
-        cmd.arg("--admin");
-    }
-    let out = cmd.output().expect("token create");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    crate::common::create_token(hilum(dir, "http://127.0.0.1:9/v1"), db, admin)
 }
 
 // ---- API helpers ----
