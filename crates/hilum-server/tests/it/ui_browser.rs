@@ -20,6 +20,18 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// Stops a browser test with the set-up command when Chromium or playwright-core is missing.
+fn require_browser() {
+    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
+    assert!(
+        chromium().is_file() && node_modules.is_dir(),
+        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh (installs Debian \
+         chromium + chromium-driver and runs `npm ci` in tests/ui)",
+        chromium().display(),
+        node_modules.display()
+    );
+}
+
 fn chromium() -> PathBuf {
     std::env::var_os("HILUM_CHROMIUM")
         .map(PathBuf::from)
@@ -45,14 +57,7 @@ fn lung_models(dir: &Path) -> (Arc<ModelPool>, bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workstation_ui_in_headless_chromium() {
-    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
-    assert!(
-        chromium().is_file() && node_modules.is_dir(),
-        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh (installs Debian \
-         chromium + chromium-driver and runs `npm ci` in tests/ui)",
-        chromium().display(),
-        node_modules.display()
-    );
+    require_browser();
     let image = data_dir().join("cxr/images").join(IMAGE);
     let dir = tempfile::tempdir().expect("tempdir");
     let (pool, lungs) = lung_models(&dir.path().join("models"));
@@ -126,13 +131,7 @@ async fn workstation_ui_in_headless_chromium() {
 /// that were never offered (tests/ui/answers.test.mjs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ui_answers_in_headless_chromium() {
-    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
-    assert!(
-        chromium().is_file() && node_modules.is_dir(),
-        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh",
-        chromium().display(),
-        node_modules.display()
-    );
+    require_browser();
     let image = data_dir().join("cxr/images").join(IMAGE);
     let dir = tempfile::tempdir().expect("tempdir");
     let (pool, lungs) = lung_models(&dir.path().join("models"));
@@ -207,13 +206,7 @@ async fn run_node(mut cmd: tokio::process::Command, done: &str) -> Result<(), St
 /// presets, zoom readout and a ruler in mm (tests/ui/workstation.test.mjs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ui_workstation_in_headless_chromium() {
-    let node_modules = repo().join("tests/ui/node_modules/playwright-core");
-    assert!(
-        chromium().is_file() && node_modules.is_dir(),
-        "the browser test needs {} and {}: run scripts/setup_ui_tests.sh",
-        chromium().display(),
-        node_modules.display()
-    );
+    require_browser();
     let image = data_dir().join("cxr/images").join(IMAGE);
     let dicom = data_dir().join("cxr/dicom/siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm");
     let dir = tempfile::tempdir().expect("tempdir");
