@@ -611,6 +611,81 @@ impl Classifier {
     }
 }
 
+/// A class activation map (Zhou et al., "Learning Deep Features for Discriminative
+/// Localization", CVPR 2016) at feature-map resolution: one class's head weights over the
+/// classifier's last feature map.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cam {
+    /// Index of the class in the model's labels.
+    pub class: usize,
+    /// Height of the feature map.
+    pub h: usize,
+    /// Width of the feature map.
+    pub w: usize,
+    /// `sum_k W[class, k] * F[k, y, x]`, row-major, without the bias.
+    pub values: Vec<f32>,
+    /// The class logit: mean of `values` plus the bias, as the head computes it.
+    pub logit: f32,
+}
+
+impl Classifier {
+    /// Whether [`Classifier::class_activation`] runs on this classifier: a DenseNet on the
+    /// candle backend (the native plan and the graphs end at the logits).
+    pub fn has_feature_map(&self) -> bool {
+        matches!(self.net, Net::Candle(CandleNet::Dense(_), _))
+    }
+
+    /// The class activation map of `class` for one preprocessed input (res x res,
+    /// xrv-normalised): this network's own last feature map ([`densenet::DenseNet::feature_map`],
+    /// after `norm5` and ReLU) weighed by its own head, so the map's mean plus the bias is the
+    /// logit [`Classifier::logits`] gives.
+    pub fn class_activation(&self, input: &[f32], class: usize) -> Result<Cam, ModelError> {
+        let res = self.spec.resolution;
+        if input.len() != res * res {
+            return Err(ModelError::Compute(format!(
+                "CAM input has {} values, expected {res} x {res}",
+                input.len()
+            )));
+        }
+        let k = self.classes();
+        if class >= k {
+            return Err(ModelError::Compute(format!(
+                "class {class} out of range (the model has {k})"
+            )));
+        }
+        let Net::Candle(CandleNet::Dense(net), device) = &self.net else {
+            return Err(ModelError::Backend {
+                what: format!("the class activation map of {}", self.spec.id),
+                backend: self.backend,
+                supported: "candle, for a DenseNet (the native plan and the graphs end at the \
+                            logits)"
+                    .into(),
+            });
+        };
+        let _one = self.candle_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let x = Tensor::from_slice(input, (1, 1, res, res), device)?;
+        let f = net.feature_map(&x)?; // (1, C, h, w)
+        let (_, c, h, w) = f.dims4()?;
+        let wc = net.classifier.weight().narrow(0, class, 1)?; // (1, C)
+        let values = wc
+            .matmul(&f.reshape((c, h * w))?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let bias = match net.classifier.bias() {
+            Some(b) => b.narrow(0, class, 1)?.to_vec1::<f32>()?[0],
+            None => 0.0,
+        };
+        let logit = values.iter().sum::<f32>() / values.len().max(1) as f32 + bias;
+        Ok(Cam {
+            class,
+            h,
+            w,
+            values,
+            logit,
+        })
+    }
+}
+
 impl Runner for Classifier {
     type Output = Vec<LabelScore>;
 

@@ -7,19 +7,19 @@
 //! With a global-average-pool + linear head, Grad-CAM (Selvaraju et al., ICCV 2017) on that
 //! feature map is `ReLU(CAM) / (h * w)`: after normalisation the two maps are identical, so
 //! only CAM is computed.
+//!
+//! The classifier computes the map itself ([`Classifier::class_activation`]): this tool loads
+//! no network of its own, and asks the pool for the classifier on its candle backend.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
-use candle_core::Tensor;
 use hilum_agent::{
     Artifact, Requirements, Tool, ToolContext, ToolError, ToolOutput, Typed, TypedTool,
 };
-use hilum_imaging::{prepare, CxrImage, ImageStore, Prepared, Preprocess};
-use hilum_models::densenet::DenseNet;
-use hilum_models::xrv::{self, Arch, XrvSpec};
+use hilum_imaging::{prepare, CxrImage, ImageStore, Prepared};
+use hilum_models::xrv::{self, Classifier};
 use hilum_models::{Device, ModelError, ModelPool, Placed};
-use hilum_models::{InstalledModel, Manifest};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -38,118 +38,7 @@ const MIN_REGION_FRACTION: f64 = 0.002;
 /// Side of the upsampled map: the 7x7 CAM holds no detail finer than this on any image.
 const HEAT_MAX_SIDE: usize = 1024;
 
-/// The candle DenseNet with access to its last feature map.
-pub struct CamNet {
-    /// The network.
-    pub net: DenseNet,
-    /// Its input recipe and labels.
-    pub spec: XrvSpec,
-    device: candle_core::Device,
-    // One forward at a time, as the classifier's candle path.
-    lock: Mutex<()>,
-}
-
-/// A class activation map at feature-map resolution.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Cam {
-    /// Index of the class in the model's labels.
-    pub class: usize,
-    /// (h, w) of the feature map.
-    pub h: usize,
-    /// Width of the feature map (`h` is its height).
-    pub w: usize,
-    /// `sum_k W[class, k] * F[k, y, x]`, row-major, without the bias.
-    pub values: Vec<f32>,
-    /// The class logit: mean of `values` plus the bias, as the head computes it.
-    pub logit: f32,
-}
-
-impl CamNet {
-    /// The classifier's input recipe ([`Preprocess::xrv`] at the model's resolution).
-    pub fn recipe(&self) -> Preprocess {
-        Preprocess::xrv(self.spec.resolution as u32)
-    }
-
-    /// The CAM network over `net` on `device`.
-    pub fn new(net: DenseNet, spec: XrvSpec, device: candle_core::Device) -> Self {
-        CamNet {
-            net,
-            spec,
-            device,
-            lock: Mutex::new(()),
-        }
-    }
-
-    /// (b, 1, res, res) → (b, c_final, res/32, res/32): the classifier's own last feature map
-    /// ([`DenseNet::feature_map`]).
-    pub fn feature_map(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        self.net.feature_map(xs)
-    }
-
-    /// The CAM of `class` for one preprocessed input (res x res, xrv-normalised).
-    pub fn cam(&self, input: &[f32], class: usize) -> Result<Cam, ModelError> {
-        let res = self.spec.resolution;
-        if input.len() != res * res {
-            return Err(ModelError::Compute(format!(
-                "CAM input has {} values, expected {res} x {res}",
-                input.len()
-            )));
-        }
-        let k = self.net.cfg.num_classes;
-        if class >= k {
-            return Err(ModelError::Compute(format!(
-                "class {class} out of range (the model has {k})"
-            )));
-        }
-        let _one = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let x = Tensor::from_slice(input, (1, 1, res, res), &self.device)?;
-        let f = self.feature_map(&x)?; // (1, C, h, w)
-        let (_, c, h, w) = f.dims4()?;
-        let wc = self.net.classifier.weight().narrow(0, class, 1)?; // (1, C)
-        let values = wc
-            .matmul(&f.reshape((c, h * w))?)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let bias = match self.net.classifier.bias() {
-            Some(b) => b.narrow(0, class, 1)?.to_vec1::<f32>()?[0],
-            None => 0.0,
-        };
-        let logit = values.iter().sum::<f32>() / values.len().max(1) as f32 + bias;
-        Ok(Cam {
-            class,
-            h,
-            w,
-            values,
-            logit,
-        })
-    }
-}
-
-impl hilum_models::Model for CamNet {
-    fn load(
-        manifest: &Manifest,
-        installed: &InstalledModel,
-        device: Device,
-        backend: hilum_models::Backend,
-        _: &hilum_models::ModelSettings,
-    ) -> Result<Self, ModelError> {
-        backend.expect(&[hilum_models::Backend::Candle], &manifest.id)?;
-        let spec = XrvSpec::from_manifest(manifest)?;
-        let Arch::DenseNet(cfg) = &spec.arch else {
-            return Err(ModelError::Manifest {
-                id: manifest.id.clone(),
-                reason: "localize_finding needs a DenseNet (its CAM uses the last dense block)"
-                    .into(),
-            });
-        };
-        let vb = hilum_models::weights::var_builder(&installed.weights, device)?;
-        let net = DenseNet::load(vb, cfg).map_err(|e| ModelError::Corrupt {
-            id: manifest.id.clone(),
-            reason: e.to_string(),
-        })?;
-        Ok(CamNet::new(net, spec, device.candle()?))
-    }
-}
+pub use hilum_models::xrv::Cam;
 
 /// Bilinear resize (half-pixel centres, edges clamped, as `F.interpolate(align_corners=False)`)
 /// of an (h, w) map to (out_h, out_w).
@@ -263,19 +152,19 @@ pub struct Localization {
 
 /// Runs the CAM of `class` on `img` and turns it into boxes (blocking; candle forward).
 pub fn localize(
-    net: &CamNet,
+    net: &Classifier,
     img: &CxrImage,
     class: usize,
     threshold: f32,
 ) -> Result<Localization, ModelError> {
-    let input = prepare(img, &net.recipe()).map_err(|e| ModelError::Compute(e.to_string()))?;
+    let input = prepare(img, &net.spec.recipe()).map_err(|e| ModelError::Compute(e.to_string()))?;
     localize_on(net, &input, class, threshold)
 }
 
 /// [`localize`] on the network's input as the store prepared it (shared with
 /// `classify_chest_xray`, which takes the same recipe).
 pub fn localize_on(
-    net: &CamNet,
+    net: &Classifier,
     input: &Prepared,
     class: usize,
     threshold: f32,
@@ -291,7 +180,7 @@ pub fn localize_on(
         input.geometry.src_width as usize,
         input.geometry.src_height as usize,
     );
-    let cam = net.cam(&input.data, class)?;
+    let cam = net.class_activation(&input.data, class)?;
     // The same centre square as `Preprocess::xrv`.
     let crop = w.min(h);
     let (crop_x, crop_y) = (w / 2 - crop / 2, h / 2 - crop / 2);
@@ -466,7 +355,9 @@ impl TypedTool for LocalizeFinding {
         let (store, image_id) = (self.store.clone(), args.image.clone());
         let id = args.image.0;
         let (finding, threshold) = (args.finding, args.threshold);
-        // The CAM reads the candle network's last feature map, whatever backend classifies.
+        // The CAM reads the classifier's last feature map, which its candle network has (the
+        // native plan and the graphs end at the logits): on a GPU that is the copy
+        // classify_chest_xray uses; on the CPU a candle copy of the same weights.
         let mut candle = hilum_models::BackendChoice::default();
         candle.set(MODEL_ID, hilum_models::Backend::Candle);
         let ((loc, label, installed, t0), _) = run_model(
@@ -474,7 +365,7 @@ impl TypedTool for LocalizeFinding {
             MODEL_ID,
             self.pin,
             &candle,
-            move |p: Placed<'_, CamNet>, installed| {
+            move |p: Placed<'_, Classifier>, installed| {
                 let net = p.model;
                 let class = class_index(&net.spec.labels, &finding).ok_or_else(|| {
                     ToolError::InvalidArguments(format!(
@@ -482,7 +373,7 @@ impl TypedTool for LocalizeFinding {
                         net.spec.labels.join(", ")
                     ))
                 })?;
-                let input = image_id.prepared(&store, &net.recipe())?;
+                let input = image_id.prepared(&store, &net.spec.recipe())?;
                 let loc = localize_on(net, &input, class, threshold)?;
                 Ok((
                     loc,

@@ -6,14 +6,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use hilum_agent::{Tool, ToolContext, ToolError};
 use hilum_imaging::ImageStore;
 use hilum_models::densenet::{self, DenseNet};
-use hilum_models::xrv::{Arch, XrvSpec};
-use hilum_models::{ModelPool, ModelRegistry, ModelSettings};
-use hilum_tools::localize::{self, CamNet, LocalizeFinding, MODEL_ID};
+use hilum_models::xrv::{Arch, Classifier, XrvSpec};
+use hilum_models::{Backend, ModelPool, ModelRegistry, ModelSettings};
+use hilum_tools::localize::{self, LocalizeFinding, MODEL_ID};
 use serde_json::json;
 
 fn repo() -> PathBuf {
@@ -40,7 +40,7 @@ fn shared() -> PathBuf {
     p
 }
 
-fn small_net() -> CamNet {
+fn small_weights() -> (densenet::Config, VarBuilder<'static>) {
     let text = std::fs::read_to_string(fixtures().join("small_configs.json")).expect("configs");
     let v: serde_json::Value = serde_json::from_str(&text).expect("json");
     let cfg: densenet::Config = serde_json::from_value(v["densenet"].clone()).expect("config");
@@ -53,13 +53,24 @@ fn small_net() -> CamNet {
         )
     }
     .expect("weights");
-    let net = DenseNet::load(vb, &cfg).expect("small densenet");
+    (cfg, vb)
+}
+
+/// The small DenseNet as the classifier the tool asks for: candle backend.
+fn small_net() -> Classifier {
+    let (cfg, vb) = small_weights();
     let spec = XrvSpec {
         resolution: 64,
         arch: Arch::DenseNet(cfg),
         ..XrvSpec::densenet121_res224_all()
     };
-    CamNet::new(net, spec, Device::Cpu)
+    Classifier::new(vb, spec, Backend::Candle, 1).expect("small classifier")
+}
+
+/// The same weights as a bare candle DenseNet, for direct computations.
+fn small_densenet() -> DenseNet {
+    let (cfg, vb) = small_weights();
+    DenseNet::load(vb, &cfg).expect("small densenet")
 }
 
 /// Inputs (b, 64*64) and PyTorch logits (b, 18) of the small DenseNet.
@@ -90,7 +101,7 @@ fn cam_mean_plus_bias_is_the_pytorch_logit() {
     let (inputs, logits) = torch_io();
     for (x, want) in inputs.iter().zip(&logits) {
         for (class, &w) in want.iter().enumerate() {
-            let cam = net.cam(x, class).expect("cam");
+            let cam = net.class_activation(x, class).expect("cam");
             assert_eq!((cam.h, cam.w), (4, 4), "64 px / 16 for three dense blocks");
             assert!(
                 (cam.logit - w).abs() <= 1e-4 * w.abs().max(1.0),
@@ -104,13 +115,14 @@ fn cam_mean_plus_bias_is_the_pytorch_logit() {
 #[test]
 fn cam_equals_weights_times_feature_map() {
     let net = small_net();
+    let dense = small_densenet();
     let (inputs, _) = torch_io();
     let x = Tensor::from_slice(&inputs[0], (1, 1, 64, 64), &Device::Cpu).expect("x");
-    let f = net.feature_map(&x).expect("feature map");
+    let f = dense.feature_map(&x).expect("feature map");
     let (_, c, h, w) = f.dims4().expect("4-d");
     // Pooling the map gives exactly DenseNet::features (norm5 + ReLU + mean).
     let pooled = f.mean((2, 3)).and_then(|t| t.flatten_all());
-    let reference = net.net.features(&x).and_then(|t| t.flatten_all());
+    let reference = dense.features(&x).and_then(|t| t.flatten_all());
     let (pooled, reference) = (
         pooled.and_then(|t| t.to_vec1::<f32>()).expect("pooled"),
         reference
@@ -130,14 +142,9 @@ fn cam_equals_weights_times_feature_map() {
         .flatten_all()
         .and_then(|t| t.to_vec1::<f32>())
         .expect("fm");
-    let wts = net
-        .net
-        .classifier
-        .weight()
-        .to_vec2::<f32>()
-        .expect("weights");
+    let wts = dense.classifier.weight().to_vec2::<f32>().expect("weights");
     for class in [0, 7, 17] {
-        let cam = net.cam(&inputs[0], class).expect("cam");
+        let cam = net.class_activation(&inputs[0], class).expect("cam");
         for p in 0..h * w {
             let direct: f64 = (0..c)
                 .map(|k| wts[class][k] as f64 * fm[k * h * w + p] as f64)
@@ -149,14 +156,9 @@ fn cam_equals_weights_times_feature_map() {
             );
         }
     }
-    // And the whole head: the logits of the reference forward.
-    let logits = net
-        .net
-        .forward(&x)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("logits");
-    let cam = net.cam(&inputs[0], 3).expect("cam");
+    // And the whole head: the logits of the classifier's own forward.
+    let logits = net.logits(&inputs[0], 1).expect("logits");
+    let cam = net.class_activation(&inputs[0], 3).expect("cam");
     assert!((cam.logit - logits[3]).abs() < 1e-4);
 }
 
@@ -175,7 +177,7 @@ fn boxes_are_the_regions_of_the_thresholded_map_on_a_real_image() {
     let x = hilum_models::xrv::preprocess(&img.pixels, 920, 977, img.max_value(), 64);
     let class = (0..18)
         .max_by_key(|&c| {
-            let cam = net.cam(&x, c).expect("cam");
+            let cam = net.class_activation(&x, c).expect("cam");
             cam.values.iter().filter(|&&v| v > 0.0).count()
         })
         .expect("18 classes");
@@ -351,28 +353,16 @@ fn full_size_densenet121_cam_matches_its_forward_and_reports_latency() {
     let spec = XrvSpec::densenet121_res224_all();
     let weights = hilum_models::xrv::synthetic_weights(&spec.arch, 7).expect("weights");
     let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
-    let Arch::DenseNet(cfg) = spec.arch.clone() else {
-        panic!("densenet121 spec is a DenseNet");
-    };
-    let net = CamNet::new(
-        DenseNet::load(vb, &cfg).expect("densenet121"),
-        spec,
-        Device::Cpu,
-    );
+    let net = Classifier::new(vb, spec, Backend::Candle, 1).expect("densenet121");
     let store = ImageStore::default();
     let id = store
         .ingest_file(&shared().join("images/nih_00004387_000_effusion.png"))
         .expect("ingest");
     let img = store.get(&id).expect("image");
     let x = hilum_models::xrv::preprocess(&img.pixels, 1024, 1024, img.max_value(), 224);
-    let cam = net.cam(&x, 7).expect("cam");
+    let cam = net.class_activation(&x, 7).expect("cam");
     assert_eq!((cam.h, cam.w), (7, 7));
-    let logits = net
-        .net
-        .forward(&Tensor::from_slice(&x, (1, 1, 224, 224), &Device::Cpu).expect("x"))
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("logits");
+    let logits = net.logits(&x, 1).expect("logits");
     assert!(
         (cam.logit - logits[7]).abs() <= 1e-4 * logits[7].abs().max(1.0),
         "{} vs {}",
@@ -405,7 +395,7 @@ fn large_images_keep_a_1024_map_and_scale_boxes_to_original_pixels() {
     let x = hilum_models::xrv::preprocess(&img.pixels, w, h, img.max_value(), 64);
     let class = (0..18)
         .max_by_key(|&c| {
-            let cam = net.cam(&x, c).expect("cam");
+            let cam = net.class_activation(&x, c).expect("cam");
             cam.values.iter().filter(|&&v| v > 0.0).count()
         })
         .expect("18 classes");
@@ -422,4 +412,92 @@ fn large_images_keep_a_1024_map_and_scale_boxes_to_original_pixels() {
     let png = localize::overlay_png(&img, &loc).expect("overlay");
     let rgb = image::load_from_memory(&png).expect("png").to_rgb8();
     assert_eq!(rgb.width().max(rgb.height()), 1024);
+}
+
+#[test]
+fn the_map_needs_the_candle_densenet_and_says_so() {
+    let (cfg, vb) = small_weights();
+    let spec = XrvSpec {
+        resolution: 64,
+        arch: Arch::DenseNet(cfg),
+        ..XrvSpec::densenet121_res224_all()
+    };
+    let native = Classifier::new(vb, spec, Backend::Native, 1).expect("native classifier");
+    assert!(!native.has_feature_map());
+    let e = native
+        .class_activation(&[0.0; 64 * 64], 0)
+        .expect_err("the native plan ends at the logits");
+    assert!(e.to_string().contains("candle"), "{e}");
+    let candle = small_net();
+    assert!(candle.has_feature_map());
+    let e = candle
+        .class_activation(&[0.0; 64 * 64], 18)
+        .expect_err("18 classes: 0..17");
+    assert!(e.to_string().contains("out of range"), "{e}");
+    let e = candle
+        .class_activation(&[0.0; 100], 0)
+        .expect_err("wrong input size");
+    assert!(e.to_string().contains("64 x 64"), "{e}");
+}
+
+/// The tool asks the pool for the classifier itself (on candle): with the classifier already
+/// warm on candle, running the tool loads nothing, and its logit is the classifier's.
+#[tokio::test]
+async fn the_tool_uses_the_classifiers_own_copy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let registry = ModelRegistry::new(dir.path().join("models")).expect("registry");
+    let spec = XrvSpec::densenet121_res224_all();
+    let weights = hilum_models::xrv::synthetic_weights(&spec.arch, 11).expect("weights");
+    let file = dir.path().join("site.safetensors");
+    candle_core::safetensors::save(&weights, &file).expect("save");
+    let opts = hilum_models::ImportOptions {
+        custom: true,
+        origin: None,
+    };
+    hilum_models::import(&registry, MODEL_ID, &file, &opts).expect("import");
+    let pool = Arc::new(ModelPool::new(Arc::new(registry)));
+    let store = Arc::new(ImageStore::default());
+    let id = store
+        .ingest_file(&shared().join("images/nih_00004387_000_effusion.png"))
+        .expect("ingest");
+    let (classifier, input) = {
+        let (pool, store, id) = (pool.clone(), store.clone(), id.clone());
+        tokio::task::spawn_blocking(move || {
+            let c = hilum_models::xrv::pooled(
+                &pool,
+                MODEL_ID,
+                hilum_models::Device::Cpu,
+                Some(Backend::Candle),
+            )
+            .expect("classifier on candle");
+            let img = store.get(&id).expect("image");
+            let x = hilum_imaging::prepare(&img, &c.spec.recipe()).expect("prepare");
+            (c, x)
+        })
+        .await
+        .expect("join")
+    };
+    assert_eq!(pool.load_count(MODEL_ID), 1);
+    let effusion = 7;
+    let want = classifier.logits(&input.data, 1).expect("logits")[effusion];
+    let tool = LocalizeFinding::on_device(store, pool.clone(), Some(hilum_models::Device::Cpu));
+    let out = tool
+        .call(
+            &ToolContext::default(),
+            json!({"image": id, "finding": "Effusion"}),
+        )
+        .await
+        .expect("localize");
+    assert_eq!(
+        pool.load_count(MODEL_ID),
+        1,
+        "the tool loaded a network of its own"
+    );
+    let got = out.data["logit"].as_f64().expect("logit") as f32;
+    assert!(
+        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+        "tool logit {got} vs classifier {want}"
+    );
+    assert_eq!(out.data["finding"], "Effusion");
+    assert_eq!(out.data["model_custom"], true);
 }
