@@ -148,7 +148,7 @@ impl Architectures {
             .with(crate::xrv::XrvArch::RESNET50)
             .with(crate::unet::LungUnetArch)
             .with(crate::pspnet::PspNetArch)
-            .with(SamArch)
+            .with(crate::sam::SamArch)
             .with(crate::report::ReportArch)
             .with(crate::llava::LlavaArch)
     }
@@ -189,64 +189,6 @@ impl Architectures {
     /// Every known architecture, in registration order.
     pub fn iter(&self) -> impl Iterator<Item = &dyn Architecture> {
         self.entries.iter().map(|a| a.as_ref())
-    }
-}
-
-/// Segment Anything / MedSAM (the model lives in [`crate::sam`]): the image encoder runs on
-/// candle, ONNX Runtime or a KServe server; it has no native kernels, so `native` (a fallback
-/// written for the CNNs) runs it on candle.
-pub struct SamArch;
-
-impl Architecture for SamArch {
-    fn name(&self) -> &'static str {
-        "sam"
-    }
-
-    fn backends(&self) -> &'static [Backend] {
-        &Backend::ALL
-    }
-
-    fn default_backend(&self, _: &InstalledModel, device: Device) -> Backend {
-        crate::sam::auto_backend(device)
-    }
-
-    fn expected_params(
-        &self,
-        m: &Manifest,
-        _: Option<&Path>,
-    ) -> Result<Option<Params>, ModelError> {
-        let cfg = crate::sam::Config::from_manifest(m)?;
-        crate::sam::expected_params(&cfg).map(Some)
-    }
-
-    /// scripts/convert_medsam.py: `{"model"|"state_dict": ..}` unwrapped, `module.` stripped,
-    /// the fixed pixel_mean/pixel_std buffers dropped.
-    fn pytorch_renames(&self) -> Option<Renames> {
-        Some(Renames {
-            unwrap: &["model", "state_dict"],
-            rename: |k| {
-                let name = strip_module(k);
-                (name != "pixel_mean" && name != "pixel_std").then(|| name.to_string())
-            },
-            record_source: false,
-        })
-    }
-
-    fn graph(&self) -> Graph {
-        Graph::Built
-    }
-
-    /// The image encoder only: the prompt encoder and mask decoder run in Hilum.
-    fn onnx_graph(&self, m: &Manifest, vb: VarBuilder) -> Result<Vec<u8>, ModelError> {
-        let cfg = crate::sam::Config::from_manifest(m)?;
-        Ok(crate::sam::Sam::load(vb, &cfg)?.encoder_onnx()?)
-    }
-
-    fn device_checks(&self) -> Vec<DeviceCheck> {
-        vec![DeviceCheck {
-            name: "medsam",
-            run: crate::devcheck::medsam,
-        }]
     }
 }
 

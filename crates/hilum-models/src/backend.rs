@@ -224,6 +224,12 @@ pub enum Engine<N, C> {
     Kserve(crate::kserve::KserveModel),
 }
 
+impl<N, C> std::fmt::Debug for Engine<N, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Engine({})", self.backend())
+    }
+}
+
 impl<N, C> Engine<N, C> {
     /// The backend this engine runs on.
     pub fn backend(&self) -> Backend {

@@ -30,6 +30,7 @@ use crate::onnx_graph::{self, Attr, Dim, GraphBuilder};
 use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Device, ModelError};
 
+mod arch;
 mod encoder_onnx;
 mod image_encoder;
 mod layers;
@@ -37,6 +38,7 @@ mod mask_decoder;
 mod prompt_encoder;
 mod transformer;
 
+pub use arch::SamArch;
 pub use encoder_onnx::ONNX_EMBEDDINGS;
 use image_encoder::*;
 use layers::*;
@@ -150,32 +152,16 @@ impl Config {
 
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
 
-/// Where the image encoder runs: candle on the model's device, or its ONNX graph
-/// ([`Sam::encoder_onnx`]) on ONNX Runtime or on a KServe v2 server (Triton). The prompt encoder
-/// and mask decoder always run in candle, in process.
-enum EncoderRun {
-    Candle,
-    #[cfg(feature = "onnx")]
-    Onnx(crate::onnx::OnnxModel),
-    Remote(crate::kserve::KserveModel),
-}
-
-impl std::fmt::Debug for EncoderRun {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            EncoderRun::Candle => "candle",
-            #[cfg(feature = "onnx")]
-            EncoderRun::Onnx(_) => "onnx",
-            EncoderRun::Remote(_) => "kserve",
-        })
-    }
-}
+/// Where the image encoder runs, in the holder every model keeps its network in: the candle
+/// encoder on the model's device, or its ONNX graph ([`Sam::encoder_onnx`]) on ONNX Runtime or
+/// on a KServe v2 server (Triton). SAM has no native plan. The prompt encoder and mask decoder
+/// always run in candle, in process.
+type EncoderEngine = crate::Engine<std::convert::Infallible, ImageEncoder>;
 
 /// SAM / MedSAM: encode an image once, then decode any number of prompts against it.
 #[derive(Debug)]
 pub struct Sam {
-    image_encoder: ImageEncoder,
-    encoder_run: EncoderRun,
+    encoder: EncoderEngine,
     prompt_encoder: PromptEncoder,
     mask_decoder: MaskDecoder,
     image_pe: Tensor,
@@ -192,8 +178,10 @@ impl Sam {
         let prompt_encoder = PromptEncoder::load(vb.pp("prompt_encoder"), cfg)?;
         let image_pe = prompt_encoder.dense_pe()?;
         Ok(Sam {
-            image_encoder: ImageEncoder::load(vb.pp("image_encoder"), cfg)?,
-            encoder_run: EncoderRun::Candle,
+            encoder: crate::Engine::Candle(
+                ImageEncoder::load(vb.pp("image_encoder"), cfg)?,
+                vb.device().clone(),
+            ),
             prompt_encoder,
             mask_decoder: MaskDecoder::load(vb.pp("mask_decoder"), cfg)?,
             image_pe,
@@ -224,20 +212,28 @@ impl Sam {
         self.instance
     }
 
-    /// The image encoder: (1, 3, S, S) -> (1, prompt_embed_dim, S/p, S/p).
+    /// The candle image encoder, or an error saying where the encoder runs instead.
+    fn candle_encoder(&self) -> candle_core::Result<&ImageEncoder> {
+        match &self.encoder {
+            crate::Engine::Candle(e, _) => Ok(e),
+            other => candle_core::bail!(
+                "the image encoder runs on {}, not candle: send it the prepared image \
+                 (embed_prepared), or load the model on candle",
+                other.backend()
+            ),
+        }
+    }
+
+    /// The candle image encoder: (1, 3, S, S) -> (1, prompt_embed_dim, S/p, S/p).
     pub fn embed_image(&self, input: &Tensor) -> candle_core::Result<Tensor> {
+        let encoder = self.candle_encoder()?;
         self.encoder_runs.fetch_add(1, Ordering::Relaxed);
-        self.image_encoder.forward(input)
+        encoder.forward(input)
     }
 
     /// Where the image encoder runs (the rest is candle's).
     pub fn backend(&self) -> crate::Backend {
-        match self.encoder_run {
-            EncoderRun::Candle => crate::Backend::Candle,
-            #[cfg(feature = "onnx")]
-            EncoderRun::Onnx(_) => crate::Backend::Onnx,
-            EncoderRun::Remote(_) => crate::Backend::Kserve,
-        }
+        self.encoder.backend()
     }
 
     /// The image encoder on `backend`: `Candle` (and `Native`) in process on the model's device,
@@ -256,34 +252,24 @@ impl Sam {
             self.config.prompt_embed_dim as i64,
             self.config.grid() as i64,
         );
-        self.encoder_run = match backend {
+        self.encoder = match backend {
             // SAM has no kernels of Hilum's own: in process, `native` (a `[remote] fallback`
             // written for the CNNs) is candle.
-            crate::Backend::Candle | crate::Backend::Native => EncoderRun::Candle,
+            crate::Backend::Candle | crate::Backend::Native => {
+                self.candle_encoder()?;
+                return Ok(self);
+            }
             crate::Backend::Kserve => {
                 use crate::kserve::{KserveModel, TensorSpec};
                 let remote = remote.ok_or(ModelError::NoRemote)?;
                 let input = TensorSpec::new(onnx_graph::INPUT, &[-1, 3, s, s]);
                 let output = TensorSpec::new(ONNX_EMBEDDINGS, &[-1, e, g, g]);
-                EncoderRun::Remote(KserveModel::connect(remote, id, input, output)?)
+                crate::Engine::Kserve(KserveModel::connect(remote, id, input, output)?)
             }
-            #[cfg(feature = "onnx")]
             crate::Backend::Onnx => {
                 let graph = self.encoder_onnx()?;
-                EncoderRun::Onnx(crate::onnx::OnnxModel::from_memory(
-                    &graph,
-                    &format!("{id}'s image encoder"),
-                    threads,
-                    Device::Cpu,
-                )?)
-            }
-            #[cfg(not(feature = "onnx"))]
-            crate::Backend::Onnx => {
-                let _ = threads;
-                return Err(ModelError::Onnx(
-                    "this hilum was built without the `onnx` feature; use the candle backend"
-                        .into(),
-                ));
+                let what = format!("{id}'s image encoder");
+                crate::Engine::onnx(&graph, &what, threads, Device::Cpu)?
             }
         };
         Ok(self)
@@ -296,14 +282,13 @@ impl Sam {
         let c = &self.config;
         let s = c.image_size;
         let (e, g) = (c.prompt_embed_dim, c.grid());
-        let served = match &self.encoder_run {
-            EncoderRun::Candle => {
-                let x = Tensor::from_slice(input, (1, 3, s, s), &self.device)?;
+        let served = match &self.encoder {
+            crate::Engine::Candle(_, device) => {
+                let x = Tensor::from_slice(input, (1, 3, s, s), device)?;
                 return Ok(self.embed_image(&x)?);
             }
-            #[cfg(feature = "onnx")]
-            EncoderRun::Onnx(m) => m.run(&[1, 3, s, s], input)?,
-            EncoderRun::Remote(m) => m.infer(&[1, 3, s, s], input)?,
+            crate::Engine::Native(never) => match *never {},
+            graph => graph.run_graph(&[1, 3, s, s], input)?,
         };
         self.encoder_runs.fetch_add(1, Ordering::Relaxed);
         let (shape, values) = served;
@@ -328,7 +313,7 @@ impl Sam {
             self.config.grid(),
         );
         let mut g = GraphBuilder::new("sam_image_encoder");
-        let y = self.image_encoder.to_onnx(&mut g, s)?;
+        let y = self.candle_encoder()?.to_onnx(&mut g, s)?;
         let batch = Dim::Named("batch");
         let (s, e, grid) = (Dim::Fixed(s), Dim::Fixed(e), Dim::Fixed(grid));
         Ok(g.finish(
