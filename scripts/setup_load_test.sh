@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs wrk (Debian package) for scripts/load_test.sh.
+# Installs wrk (Debian package) for scripts/deploy/load_test.sh.
 set -euo pipefail
 if ! command -v wrk >/dev/null; then
     apt-get update -qq

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates scripts/.venv-triton: a real Triton Inference Server for the kserve backend's tests
 # and benchmarks. PyPI's nvidia-pytriton 0.7.0 bundles tritonserver 2.51.0 with the Python
-# backend only, so scripts/triton_serve.py runs each exported model.onnx with ONNX Runtime
+# backend only, so scripts/deploy/triton_serve.py runs each exported model.onnx with ONNX Runtime
 # inside its callable. The venv needs pyenv's Python 3.12.1: the backend stub loads its
 # libpython3.12.so.1.0 (under 3.11 the models' initialize fails); triton_serve.py puts that
 # Python's lib/ on LD_LIBRARY_PATH. The kserve tests find the venv at this path.

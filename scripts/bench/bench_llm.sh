@@ -6,7 +6,7 @@
 # summary gives medians and the per-repetition ratios.
 #
 # Usage: scripts/bench/bench_llm.sh [MODEL.gguf]        env: THREADS (default 2), REPS (3), SKIP_LLAMA=1
-# The llama.cpp side needs scripts/.venv-llama from scripts/llama_server_check.sh (a ~20 min compile);
+# The llama.cpp side needs scripts/.venv-llama from scripts/deploy/llama_server_check.sh (a ~20 min compile);
 # LLAMA_VENV picks another build (e.g. one without AVX-512, to compare with HILUM_LOCAL_SIMD=avx2).
 set -euo pipefail
 
@@ -21,7 +21,7 @@ cd "$ROOT"
 cargo build --quiet --release -p hilum-llm-local --example bench_local
 PY="${LLAMA_VENV:-$ROOT/scripts/.venv-llama}/bin/python"
 if [[ "${SKIP_LLAMA:-0}" != 1 && ! -x "$PY" ]]; then
-    echo "no llama-cpp-python venv: run scripts/llama_server_check.sh first (or SKIP_LLAMA=1)" >&2
+    echo "no llama-cpp-python venv: run scripts/deploy/llama_server_check.sh first (or SKIP_LLAMA=1)" >&2
     exit 1
 fi
 OUT="$(mktemp -d)"

@@ -32,8 +32,8 @@ export HILUM_MODELS_DIR="$work/models"
 (cd "$root" && cargo run --release -q -p hilum-models --example seeded_classifier -- "$work/densenet.safetensors" >&2)
 "$bin" models import --custom densenet121-res224-all "$work/densenet.safetensors" >&2
 "$bin" models export-triton "$work/repo" densenet121-res224-all >&2
-# shellcheck source=scripts/triton_start.sh
-. "$root/scripts/triton_start.sh"
+# shellcheck source=scripts/deploy/triton_start.sh
+. "$root/scripts/deploy/triton_start.sh"
 triton_start "$work/repo" "$work"
 tp=$triton_http_port
 echo "== $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; Triton on 127.0.0.1:$tp" >&2

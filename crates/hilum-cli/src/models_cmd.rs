@@ -178,7 +178,7 @@ pub async fn run(cmd: ModelsCmd) -> anyhow::Result<()> {
             }
             println!(
                 "serve it: tritonserver --model-repository {} (a test server: \
-                 scripts/triton_serve.py {}); then --backend kserve with HILUM_KSERVE_URL or \
+                 scripts/deploy/triton_serve.py {}); then --backend kserve with HILUM_KSERVE_URL or \
                  [remote] url",
                 dir.display(),
                 dir.display()

@@ -4,7 +4,7 @@
 //! pixel data byte for byte, a resend that adds nothing, `pull_study`, and the error for a PACS
 //! that is not there.
 //!
-//! The test starts its own Orthanc with scripts/orthanc_start.sh (on free 127.0.0.1 ports, files
+//! The test starts its own Orthanc with scripts/deploy/orthanc_start.sh (on free 127.0.0.1 ports, files
 //! under Cargo's target tmp folder) and kills it at the end; with HILUM_ORTHANC_URL set it uses
 //! that server instead (and leaves it running). Without Orthanc it fails, naming
 //! scripts/setup_pacs_tools.sh, unless HILUM_SKIP_PACS_TOOLS=1 says to skip.
@@ -31,7 +31,7 @@ use hilum_pacs::{
 
 use common::{dicom_dir, CR_NO_META, RG1, SIIM};
 
-/// An Orthanc for this test: started by scripts/orthanc_start.sh (killed and its files removed
+/// An Orthanc for this test: started by scripts/deploy/orthanc_start.sh (killed and its files removed
 /// on drop), or the one HILUM_ORTHANC_URL names.
 struct Orthanc {
     url: String,
@@ -63,12 +63,12 @@ impl Orthanc {
                    orthanc-dicomweb), or set HILUM_SKIP_PACS_TOOLS=1 to skip the Orthanc tests";
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let out = Command::new("bash")
-            .arg(root.join("scripts/orthanc_start.sh"))
+            .arg(root.join("scripts/deploy/orthanc_start.sh"))
             .arg(env!("CARGO_TARGET_TMPDIR"))
             .env_remove("HILUM_ORTHANC_USER")
             .envs(user.map(|u| ("HILUM_ORTHANC_USER", u)))
             .output()
-            .unwrap_or_else(|e| panic!("{test}: cannot run scripts/orthanc_start.sh ({e}): {fix}"));
+            .unwrap_or_else(|e| panic!("{test}: cannot run scripts/deploy/orthanc_start.sh ({e}): {fix}"));
         let stdout = String::from_utf8_lossy(&out.stdout);
         let var = |name: &str| {
             stdout.lines().find_map(|l| {
@@ -83,7 +83,7 @@ impl Orthanc {
         };
         assert!(
             out.status.success() && !started.url.is_empty(),
-            "{test}: scripts/orthanc_start.sh failed: {}\n{fix}",
+            "{test}: scripts/deploy/orthanc_start.sh failed: {}\n{fix}",
             String::from_utf8_lossy(&out.stderr)
         );
         Some(started)
@@ -582,7 +582,7 @@ fn tag_of(obj: &InMemDicomObject, tag: dicom_object::Tag) -> String {
 fn missing_orthanc_names_the_setup_script() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = Command::new("bash")
-        .arg(root.join("scripts/orthanc_start.sh"))
+        .arg(root.join("scripts/deploy/orthanc_start.sh"))
         .arg(env!("CARGO_TARGET_TMPDIR"))
         .env("HILUM_ORTHANC_BIN", "/nonexistent/Orthanc")
         .output()

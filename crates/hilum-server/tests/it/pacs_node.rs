@@ -1,6 +1,6 @@
 //! Hilum in the hospital's imaging workflow, end to end with real peers: `hilum serve`'s DICOM
 //! node receives studies from dcmtk's `storescu` and from a real Orthanc that routes a study to
-//! it (Debian's orthanc 1.10.1 with orthanc-dicomweb, started by scripts/orthanc_start.sh); the
+//! it (Debian's orthanc 1.10.1 with orthanc-dicomweb, started by scripts/deploy/orthanc_start.sh); the
 //! protocol runs as an ordinary durable run with the real lung U-Net; the SR, SEG and overlay go
 //! back into the same study in Orthanc by STOW-RS, where QIDO-RS finds them and each references
 //! the source instance. A CT study matches no protocol and its job says why.

@@ -1,5 +1,5 @@
 //! Real peers of the DICOM node tests, shared by hilum-server's and hilum-cli's tests: a
-//! throw-away Orthanc (scripts/orthanc_start.sh), free ports, dcmtk's presence, and a TCP
+//! throw-away Orthanc (scripts/deploy/orthanc_start.sh), free ports, dcmtk's presence, and a TCP
 //! forwarder that brings a "stopped" PACS back on its old address.
 
 use std::path::{Path, PathBuf};
@@ -28,7 +28,7 @@ pub fn tools_missing() -> Option<String> {
     None
 }
 
-/// An Orthanc started by scripts/orthanc_start.sh; killed and its files removed when dropped.
+/// An Orthanc started by scripts/deploy/orthanc_start.sh; killed and its files removed when dropped.
 pub struct Orthanc {
     pub url: String,
     pub pid: u32,
@@ -46,15 +46,15 @@ impl Drop for Orthanc {
 /// An Orthanc; with `hilum_dicom_port`, one that knows Hilum's node there as modality `hilum`.
 pub fn orthanc(hilum_dicom_port: Option<u16>) -> Orthanc {
     let mut cmd = Command::new("bash");
-    cmd.arg(repo().join("scripts/orthanc_start.sh"))
+    cmd.arg(repo().join("scripts/deploy/orthanc_start.sh"))
         .arg(env!("CARGO_TARGET_TMPDIR"));
     if let Some(port) = hilum_dicom_port {
         cmd.env("HILUM_ORTHANC_MODALITY", format!("HILUM@127.0.0.1:{port}"));
     }
-    let out = cmd.output().expect("run scripts/orthanc_start.sh");
+    let out = cmd.output().expect("run scripts/deploy/orthanc_start.sh");
     assert!(
         out.status.success(),
-        "scripts/orthanc_start.sh failed: {}",
+        "scripts/deploy/orthanc_start.sh failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -83,7 +83,7 @@ impl Triton {
         let (http, grpc, metrics) = (port(), port(), port());
         let ready = workspace.with_file_name("triton-ready");
         let mut child = Command::new(python)
-            .arg(root().join("scripts/triton_serve.py"))
+            .arg(root().join("scripts/deploy/triton_serve.py"))
             .arg(repo)
             .args(["--http-port", &http.to_string()])
             .args(["--grpc-port", &grpc.to_string()])
@@ -97,7 +97,7 @@ impl Triton {
             .stderr(Stdio::null())
             .process_group(0)
             .spawn()
-            .expect("start scripts/triton_serve.py");
+            .expect("start scripts/deploy/triton_serve.py");
         let stdout = child.stdout.take().expect("piped stdout");
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -119,7 +119,7 @@ impl Triton {
                 Err(e) => panic!("read {}: {e}", ready.display()),
             }
             if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("scripts/triton_serve.py exited before it was ready: {status}");
+                panic!("scripts/deploy/triton_serve.py exited before it was ready: {status}");
             }
             assert!(
                 Instant::now() < deadline,

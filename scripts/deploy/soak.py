@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Soak driver for `hilum serve` (standard library only; called by `scripts/load_test.sh --soak`).
+"""Soak driver for `hilum serve` (standard library only; called by `scripts/deploy/load_test.sh --soak`).
 
 SESSIONS threads each own one session and ask, one question after another until SECONDS have
 passed, a question whose scripted model calls `segment_lungs` on one of the uploaded images; each

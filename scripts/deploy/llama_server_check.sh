@@ -5,7 +5,7 @@
 #
 # Separately run, NOT part of CI: installing llama-cpp-python compiles llama.cpp (~20 min on 2 cores).
 #
-# Usage: scripts/llama_server_check.sh [MODEL.gguf]
+# Usage: scripts/deploy/llama_server_check.sh [MODEL.gguf]
 #   env: PORT (default 8089), THREADS (2), LLAMA_CHAT_FORMAT (default: the GGUF's template),
 #        IMAGE (a CXR from ../shared/data/cxr/images), KEEP_SERVER=1 to leave it running,
 #        HILUM_BIN (an already built `hilum`; default: build target/release/hilum).
@@ -14,7 +14,7 @@
 # for the answer.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 MODELS_DIR="${HILUM_MODELS_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/hilum/models}"
 MODEL="${1:-$MODELS_DIR/llm/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
 PORT="${PORT:-8089}"

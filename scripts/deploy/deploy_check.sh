@@ -11,15 +11,15 @@
 # when the run completes, `segment_lungs` ran on Triton (its inference counter moved), the answer
 # is not empty, and both replicas see the same conversation and audit rows.
 #
-# Usage: scripts/deploy_check.sh            (separately run, NOT part of CI)
+# Usage: scripts/deploy/deploy_check.sh            (separately run, NOT part of CI)
 # Env:   HILUM_BIN (default target/release/hilum, built if missing), IMAGE (a radiograph),
 #        LLM_TIMEOUT_SECS (the reasoning server's longest turn, default 900).
 # Needs: scripts/setup_postgres.sh and scripts/setup_triton.sh (run here on first use), and for
-#        the reasoning server llama-cpp-python in scripts/.venv-llama (scripts/llama_server_check.sh
+#        the reasoning server llama-cpp-python in scripts/.venv-llama (scripts/deploy/llama_server_check.sh
 #        installs it, ~20 min); without it the replicas use the scripted model and say so.
 set -euo pipefail
 
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="${HILUM_BIN:-$root/target/release/hilum}"
 image="${IMAGE:-$root/../shared/data/cxr/images/covid_2c35005f.jpg}"
 weights="$root/../shared/data/models/lung_seg_unet/lung_seg_valiou_088.h5"
@@ -62,8 +62,8 @@ export HILUM_MODELS_DIR="$work/models"
 "$bin" models import lung-unet "$weights" >&2
 "$bin" models import lung-unet "${weights%.h5}.onnx" >&2  # Triton serves the model's ONNX graph
 "$bin" models export-triton "$work/triton-repo" lung-unet >&2
-# shellcheck source=scripts/triton_start.sh
-. "$root/scripts/triton_start.sh"
+# shellcheck source=scripts/deploy/triton_start.sh
+. "$root/scripts/deploy/triton_start.sh"
 triton_start "$work/triton-repo" "$work"
 pids+=("$triton_pid")
 tp=$triton_http_port; tm=$triton_metrics_port
@@ -96,7 +96,7 @@ else
 ]
 JSON
     llm_args=(--llm "script:$work/script.json")
-    reasoner="the scripted model (no llama-cpp-python in scripts/.venv-llama: run scripts/llama_server_check.sh once)"
+    reasoner="the scripted model (no llama-cpp-python in scripts/.venv-llama: run scripts/deploy/llama_server_check.sh once)"
 fi
 
 echo "== two hilum serve replicas on the one database, CNNs on Triton" >&2

@@ -2,11 +2,11 @@
 # Starts a throw-away Orthanc (Debian's orthanc 1.10.1 + orthanc-dicomweb) on 127.0.0.1, for the
 # DICOMweb tests (crates/hilum-pacs/tests/dicomweb.rs) and for trying `hilum pacs pull` by hand:
 #
-#   eval "$(scripts/orthanc_start.sh)"          # or: source scripts/orthanc_start.sh
+#   eval "$(scripts/deploy/orthanc_start.sh)"          # or: source scripts/deploy/orthanc_start.sh
 #   curl "$HILUM_ORTHANC_URL/system"
 #   kill "$HILUM_ORTHANC_PID"                   # stops it; rm -rf "$HILUM_ORTHANC_WORK" clears it
 #
-# Usage: scripts/orthanc_start.sh [PARENT_DIR]
+# Usage: scripts/deploy/orthanc_start.sh [PARENT_DIR]
 #   The storage, the index, the config and orthanc.log go in a new folder under PARENT_DIR
 #   (default: target/ in the repository). HTTP and DICOM ports are free ports picked at random;
 #   RemoteAccessAllowed is false and AuthenticationEnabled false (127.0.0.1 only), AE title ORTHANC,
@@ -23,7 +23,7 @@
 
 _hilum_orthanc_start() {
     local root parent work bin plugin http dicom pid try i auth modalities
-    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
     parent="${1:-$root/target}"
     plugin=/usr/share/orthanc/plugins/libOrthancDicomWeb.so
     if [ -n "${HILUM_ORTHANC_BIN:-}" ]; then

@@ -9,7 +9,7 @@ set (3 objects) per study and no more, and prints studies per minute and the p50
 study's last instance received to its results stored in Orthanc (the node's 1 s quiet period
 included).
 
-Run through `scripts/load_test.sh --pacs [STUDIES=200] [ASSOCIATIONS=4]`, which passes the
+Run through `scripts/deploy/load_test.sh --pacs [STUDIES=200] [ASSOCIATIONS=4]`, which passes the
 Python of scripts/setup_pacs_tools.sh (pydicom) and the hilum binary (HILUM_BIN, default
 target/release/hilum).
 """
@@ -28,7 +28,7 @@ import urllib.request
 import pydicom
 from pydicom.uid import generate_uid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "..", "shared", "data", "cxr", "dicom",
                       "siim_pneumothorax_neg_cr_pa_jpegbaseline.dcm")
 H5 = os.path.join(ROOT, "..", "shared", "data", "models", "lung_seg_unet", "lung_seg_valiou_088.h5")
@@ -74,7 +74,7 @@ def main():
         print(f"load_test --pacs: {studies} studies written", file=sys.stderr)
 
         # 2. The PACS.
-        out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "orthanc_start.sh"), work],
+        out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "deploy", "orthanc_start.sh"), work],
                              capture_output=True, text=True, check=True).stdout
         env = dict(re.findall(r"^export (\w+)=(.*)$", out, re.M))
         orthanc, orthanc_pid = env["HILUM_ORTHANC_URL"], env["HILUM_ORTHANC_PID"]

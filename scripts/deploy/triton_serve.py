@@ -6,7 +6,7 @@ PyTriton's tritonserver has no ONNX Runtime backend, so each model's callable ru
 `<model>/1/model.onnx` with ONNX Runtime; its inputs, outputs, max_batch_size, dynamic batching
 and instance count come from the exported `config.pbtxt`, as a full Triton would read them.
 
-    scripts/.venv-triton/bin/python scripts/triton_serve.py REPO --http-port 8000
+    scripts/.venv-triton/bin/python scripts/deploy/triton_serve.py REPO --http-port 8000
 
 Set up with scripts/setup_triton.sh. Prints `ready http://127.0.0.1:PORT` once serving (and,
 with --ready-file, writes that URL to the file: tritonserver logs to the same stdout from its own

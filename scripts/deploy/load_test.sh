@@ -6,11 +6,11 @@
 # Reports requests/s, p50/p99 latency and errors per phase, then checks the audit log against
 # what the server answered: audit rows == calls made, nothing lost.
 #
-# Usage: scripts/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
-#        scripts/load_test.sh --soak [SECONDS=300] [SESSIONS=30]
-#        scripts/load_test.sh --pacs [STUDIES=200] [ASSOCIATIONS=4]   (the DICOM node:
-#          scripts/load_test_pacs.py; studies/min and p50/p95 from last instance to results)
-#   --soak: SESSIONS concurrent sessions (one thread each, scripts/soak.py) ask for SECONDS, one
+# Usage: scripts/deploy/load_test.sh [SECONDS_PER_PHASE=10] [CONNECTIONS=8]
+#        scripts/deploy/load_test.sh --soak [SECONDS=300] [SESSIONS=30]
+#        scripts/deploy/load_test.sh --pacs [STUDIES=200] [ASSOCIATIONS=4]   (the DICOM node:
+#          scripts/deploy/load_test_pacs.py; studies/min and p50/p95 from last instance to results)
+#   --soak: SESSIONS concurrent sessions (one thread each, scripts/deploy/soak.py) ask for SECONDS, one
 #   question after another, questions whose scripted model calls the real lung U-Net
 #   (`segment_lungs`) on eight shared radiographs, with a 64 MiB image bound
 #   (SOAK_IMAGE_MB) so images are evicted and read back. Checks: 0 errors, every run completed,
@@ -23,14 +23,14 @@
 # Needs: wrk (scripts/setup_load_test.sh), curl, python3.
 set -euo pipefail
 
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 if [ "${1:-}" = "--pacs" ]; then
-    # The DICOM node: scripts/load_test_pacs.py (pydicom from scripts/setup_pacs_tools.sh).
+    # The DICOM node: scripts/deploy/load_test_pacs.py (pydicom from scripts/setup_pacs_tools.sh).
     shift
     eval "$(bash "$root/scripts/setup_pacs_tools.sh")"
     bin="${HILUM_BIN:-$root/target/release/hilum}"
     [ -x "$bin" ] || (cd "$root" && cargo build --release -p hilum-cli >&2)
-    HILUM_BIN="$bin" exec "$HILUM_PACS_PYTHON" "$root/scripts/load_test_pacs.py" "$@"
+    HILUM_BIN="$bin" exec "$HILUM_PACS_PYTHON" "$root/scripts/deploy/load_test_pacs.py" "$@"
 fi
 soak=""
 if [ "${1:-}" = "--soak" ]; then soak=1; shift; fi
@@ -126,7 +126,7 @@ JSON
         sessions="$sessions$sid,"
     done
     echo "# hilum soak: $conns sessions x ${secs}s of segment_lungs runs, $(nproc) cores, loopback, database ${db%%://*}" >&2
-    soak_json="$(python3 "$root/scripts/soak.py" "$base" "$token" "$server_pid" "$secs" "${sessions%,}" "${images%,}")"
+    soak_json="$(python3 "$root/scripts/deploy/soak.py" "$base" "$token" "$server_pid" "$secs" "${sessions%,}" "${images%,}")"
     wait_idle
     kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
     "$bin" serve audit export --db "$db" > "$work/audit.jsonl"

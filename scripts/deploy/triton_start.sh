@@ -1,5 +1,5 @@
 # Sourced by scripts that need a real Triton (deploy_check.sh, bench_triton.sh):
-#   triton_start REPO WORK   starts scripts/triton_serve.py on REPO in the background on free
+#   triton_start REPO WORK   starts scripts/deploy/triton_serve.py on REPO in the background on free
 #                            127.0.0.1 ports, logging to WORK/triton.log, and returns once every
 #                            model is bound; sets triton_pid, triton_http_port, triton_metrics_port.
 # Triton answers its health route before the models are bound, and its log threads share the
@@ -7,10 +7,10 @@
 # Exits the calling script, with the log, when Triton dies or is not ready in 240 s.
 triton_start() {
     local repo="$1" work="$2" root grpc port
-    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
     port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
     triton_http_port=$(port); grpc=$(port); triton_metrics_port=$(port)
-    "$root/scripts/.venv-triton/bin/python" "$root/scripts/triton_serve.py" "$repo" \
+    "$root/scripts/.venv-triton/bin/python" "$root/scripts/deploy/triton_serve.py" "$repo" \
         --http-port "$triton_http_port" --grpc-port "$grpc" --metrics-port "$triton_metrics_port" \
         --ready-file "$work/triton-ready" --threads "${TRITON_THREADS:-$(nproc)}" \
         > "$work/triton.log" 2>&1 &
