@@ -6,8 +6,15 @@
 //!
 //! This is the candle path (GPUs, reference); on the CPU `hilum-kernels` runs the same weights
 //! (read by [`native_weights`]).
+//!
+//! Batch norms are folded at load: a BN that directly follows a convolution (`norm0`, each
+//! layer's `norm2`) goes into that convolution's weight and bias, and a pre-activation BN
+//! (`norm1`, the transitions' `norm`, `norm5`) becomes one per-channel scale and shift, so the
+//! forward runs one broadcast mul + add instead of candle_nn's six-op `BatchNorm` (which also
+//! recomputes `sqrt(var + eps)` every call). The public `BatchNorm` fields keep the checkpoint's
+//! values for the ONNX export and for [`DenseNet::forward_unfolded`], the reference.
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{
     batch_norm, conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder,
 };
@@ -67,7 +74,82 @@ impl Config {
     }
 }
 
+/// A batch norm in inference mode as one per-channel `x * scale + shift` (shapes
+/// (1, c, 1, 1)), computed once at load.
+#[derive(Clone, Debug)]
+pub(crate) struct ChannelAffine {
+    scale: Tensor,
+    shift: Tensor,
+}
+
+impl ChannelAffine {
+    pub(crate) fn from_batch_norm(bn: &BatchNorm) -> Result<Self> {
+        let (scale, shift) = bn_scale_shift(bn)?;
+        let c = scale.dim(0)?;
+        Ok(ChannelAffine {
+            scale: scale.reshape((1, c, 1, 1))?,
+            shift: shift.reshape((1, c, 1, 1))?,
+        })
+    }
+
+    /// `relu(x * scale + shift)`: three ops where candle_nn's BatchNorm and a ReLU run seven.
+    pub(crate) fn forward_relu(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.broadcast_mul(&self.scale)?
+            .broadcast_add(&self.shift)?
+            .relu()
+    }
+}
+
+/// `bn`'s per-channel (scale, shift) = (g / sqrt(v + eps), beta - m * scale), shapes (c,),
+/// computed in f64 and returned detached in the statistics' dtype.
+pub(crate) fn bn_scale_shift(bn: &BatchNorm) -> Result<(Tensor, Tensor)> {
+    let dtype = bn.running_var().dtype();
+    let var = bn.running_var().to_dtype(DType::F64)?;
+    let mean = bn.running_mean().to_dtype(DType::F64)?;
+    let inv_std = (var + bn.eps())?.sqrt()?.recip()?;
+    let (scale, shift) = match bn.weight_and_bias() {
+        Some((w, b)) => {
+            let scale = w.to_dtype(DType::F64)?.mul(&inv_std)?;
+            let shift = b.to_dtype(DType::F64)?.sub(&mean.mul(&scale)?)?;
+            (scale, shift)
+        }
+        None => {
+            let shift = mean.mul(&inv_std)?.neg()?;
+            (inv_std, shift)
+        }
+    };
+    Ok((
+        scale.to_dtype(dtype)?.detach(),
+        shift.to_dtype(dtype)?.detach(),
+    ))
+}
+
+/// `conv` followed by `bn` as one convolution: w' = w * s per output channel and
+/// b' = (b - m) * s + beta, with s = g / sqrt(v + eps). The scale is rounded to the weights'
+/// dtype before the product, so each folded weight is one correctly rounded multiplication.
+pub(crate) fn fold_conv_bn(conv: &Conv2d, bn: &BatchNorm) -> Result<Conv2d> {
+    let (scale, shift) = bn_scale_shift(bn)?;
+    let c_out = scale.dim(0)?;
+    let w = conv.weight();
+    let scale_w = scale.to_dtype(w.dtype())?;
+    let weight = w
+        .broadcast_mul(&scale_w.reshape((c_out, 1, 1, 1))?)?
+        .contiguous()?
+        .detach();
+    let bias = match conv.bias() {
+        Some(b) => {
+            let s = scale.to_dtype(DType::F64)?;
+            let b = b.to_dtype(DType::F64)?.mul(&s)?;
+            (b + shift.to_dtype(DType::F64)?)?.to_dtype(shift.dtype())?
+        }
+        None => shift,
+    };
+    Ok(Conv2d::new(weight, Some(bias.detach()), *conv.config()))
+}
+
 /// norm1 → relu → conv1 (1x1) → norm2 → relu → conv2 (3x3); the output is concatenated.
+/// The forward runs the folded copies made at load; changing the public fields afterwards
+/// changes only the ONNX export and [`DenseNet::forward_unfolded`].
 #[derive(Clone, Debug)]
 pub struct DenseLayer {
     /// BatchNorm before the bottleneck convolution.
@@ -78,6 +160,10 @@ pub struct DenseLayer {
     pub norm2: BatchNorm,
     /// The 3x3 convolution that adds `growth_rate` channels.
     pub conv2: Conv2d,
+    /// `norm1` as a scale and shift.
+    pre: ChannelAffine,
+    /// `conv1` with `norm2` folded in.
+    conv1_norm2: Conv2d,
 }
 
 impl DenseLayer {
@@ -87,16 +173,30 @@ impl DenseLayer {
             padding: 1,
             ..Default::default()
         };
+        let norm1 = batch_norm(c_in, BN_EPS, vb.pp("norm1"))?;
+        let conv1 = conv2d_no_bias(c_in, mid, 1, Default::default(), vb.pp("conv1"))?;
+        let norm2 = batch_norm(mid, BN_EPS, vb.pp("norm2"))?;
         Ok(DenseLayer {
-            norm1: batch_norm(c_in, BN_EPS, vb.pp("norm1"))?,
-            conv1: conv2d_no_bias(c_in, mid, 1, Default::default(), vb.pp("conv1"))?,
-            norm2: batch_norm(mid, BN_EPS, vb.pp("norm2"))?,
+            pre: ChannelAffine::from_batch_norm(&norm1)?,
+            conv1_norm2: fold_conv_bn(&conv1, &norm2)?,
+            norm1,
+            conv1,
+            norm2,
             conv2: conv2d_no_bias(mid, cfg.growth_rate, 3, pad1, vb.pp("conv2"))?,
         })
     }
 
-    /// (b, c_in, h, w) → (b, growth_rate, h, w)
+    /// (b, c_in, h, w) → (b, growth_rate, h, w), batch norms folded.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.pre
+            .forward_relu(xs)?
+            .apply(&self.conv1_norm2)?
+            .relu()?
+            .apply(&self.conv2)
+    }
+
+    /// The same through candle_nn's BatchNorm (the reference).
+    fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
         xs.apply_t(&self.norm1, false)?
             .relu()?
             .apply(&self.conv1)?
@@ -113,25 +213,32 @@ pub struct Transition {
     pub norm: BatchNorm,
     /// The 1x1 convolution that halves the channels.
     pub conv: Conv2d,
+    /// `norm` as a scale and shift.
+    pre: ChannelAffine,
 }
 
 impl Transition {
     fn load(vb: VarBuilder, c_in: usize, c_out: usize) -> Result<Self> {
+        let norm = batch_norm(c_in, BN_EPS, vb.pp("norm"))?;
         Ok(Transition {
-            norm: batch_norm(c_in, BN_EPS, vb.pp("norm"))?,
+            pre: ChannelAffine::from_batch_norm(&norm)?,
+            norm,
             conv: conv2d_no_bias(c_in, c_out, 1, Default::default(), vb.pp("conv"))?,
         })
     }
 
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        xs.apply_t(&self.norm, false)?
-            .relu()?
-            .apply(&self.conv)?
-            .avg_pool2d(2)
+    fn forward(&self, xs: &Tensor, folded: bool) -> Result<Tensor> {
+        let ys = if folded {
+            self.pre.forward_relu(xs)?
+        } else {
+            xs.apply_t(&self.norm, false)?.relu()?
+        };
+        ys.apply(&self.conv)?.avg_pool2d(2)
     }
 }
 
-/// The DenseNet on candle: the reference path, and the GPU one.
+/// The DenseNet on candle: the reference path, and the GPU one. Its forward runs the batch
+/// norms folded at load (see the module's documentation).
 #[derive(Clone, Debug)]
 pub struct DenseNet {
     /// The architecture it was built for.
@@ -148,6 +255,10 @@ pub struct DenseNet {
     pub norm5: BatchNorm,
     /// The linear classifier over the pooled features.
     pub classifier: Linear,
+    /// `conv0` with `norm0` folded in.
+    conv0_norm0: Conv2d,
+    /// `norm5` as a scale and shift.
+    post: ChannelAffine,
 }
 
 impl DenseNet {
@@ -188,13 +299,16 @@ impl DenseNet {
                 )?);
             }
         }
+        let norm5 = batch_norm(c_final, BN_EPS, f.pp("norm5"))?;
         Ok(DenseNet {
             cfg: cfg.clone(),
+            conv0_norm0: fold_conv_bn(&conv0, &norm0)?,
+            post: ChannelAffine::from_batch_norm(&norm5)?,
             conv0,
             norm0,
             blocks,
             transitions,
-            norm5: batch_norm(c_final, BN_EPS, f.pp("norm5"))?,
+            norm5,
             classifier: linear(c_final, cfg.num_classes, vb.pp("classifier"))?,
         })
     }
@@ -208,24 +322,47 @@ impl DenseNet {
     /// The last feature map before the pool: (b, in_channels, h, w) → (b, c_final, h/32,
     /// w/32), after norm5 and ReLU (what a class activation map weighs).
     pub fn feature_map(&self, xs: &Tensor) -> Result<Tensor> {
+        self.feature_map_with(xs, true)
+    }
+
+    /// The logits through candle_nn's `BatchNorm` ops, nothing folded: the reference the
+    /// folded forward ([`Module::forward`]) is tested against.
+    pub fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
+        self.feature_map_with(xs, false)?
+            .mean((2, 3))?
+            .apply(&self.classifier)
+    }
+
+    fn feature_map_with(&self, xs: &Tensor, folded: bool) -> Result<Tensor> {
+        let stem = if folded {
+            xs.apply(&self.conv0_norm0)?
+        } else {
+            xs.apply(&self.conv0)?.apply_t(&self.norm0, false)?
+        };
         // Zero padding equals -inf padding here: the max pool follows a ReLU.
-        let mut xs = xs
-            .apply(&self.conv0)?
-            .apply_t(&self.norm0, false)?
+        let mut xs = stem
             .relu()?
             .pad_with_zeros(2, 1, 1)?
             .pad_with_zeros(3, 1, 1)?
             .max_pool2d_with_stride(3, 2)?;
         for (i, layers) in self.blocks.iter().enumerate() {
             for layer in layers {
-                let new = layer.forward(&xs)?;
+                let new = if folded {
+                    layer.forward(&xs)?
+                } else {
+                    layer.forward_unfolded(&xs)?
+                };
                 xs = Tensor::cat(&[&xs, &new], 1)?;
             }
             if let Some(t) = self.transitions.get(i) {
-                xs = t.forward(&xs)?;
+                xs = t.forward(&xs, folded)?;
             }
         }
-        xs.apply_t(&self.norm5, false)?.relu()
+        if folded {
+            self.post.forward_relu(&xs)
+        } else {
+            xs.apply_t(&self.norm5, false)?.relu()
+        }
     }
 }
 

@@ -4,7 +4,9 @@
 //! the input. Parameter names match `pspnet_chestxray_best_model_4.pth` once `module.` is
 //! stripped. The auxiliary head (`convbnrelu4_aux`, `aux_cls`) is training-only and not loaded.
 //! [`AnatomySegmenter`] runs it on `hilum-kernels`' native engine (from weights read by
-//! [`native_weights`]) or on candle.
+//! [`native_weights`]) or on candle. On candle every batch norm (each follows a convolution)
+//! is folded into that convolution at load; the `BatchNorm`s keep the checkpoint's values for
+//! the ONNX export and for [`PspNet::forward_unfolded`], the reference.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,6 +19,7 @@ use hilum_imaging::{Filter, Norm, Prepared, Preprocess};
 use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
 
+use crate::densenet::fold_conv_bn;
 use crate::native;
 use crate::onnx_graph::{self, Dim, GraphBuilder};
 
@@ -112,6 +115,8 @@ struct ConvBn {
     conv: Conv2d,
     bn: BatchNorm,
     relu: bool,
+    /// `conv` with `bn` folded in: what the forward runs.
+    folded: Conv2d,
 }
 
 impl ConvBn {
@@ -134,10 +139,13 @@ impl ConvBn {
             ..Default::default()
         };
         let vb = vb.pp(unit);
+        let conv = candle_nn::conv2d_no_bias(cin, cout, k, cfg, vb.pp("0"))?;
+        let bn = candle_nn::batch_norm(cout, BN_EPS, vb.pp("1"))?;
         Ok(ConvBn {
             name: vb.prefix(),
-            conv: candle_nn::conv2d_no_bias(cin, cout, k, cfg, vb.pp("0"))?,
-            bn: candle_nn::batch_norm(cout, BN_EPS, vb.pp("1"))?,
+            folded: fold_conv_bn(&conv, &bn)?,
+            conv,
+            bn,
             relu,
         })
     }
@@ -167,9 +175,14 @@ impl ConvBn {
     }
 }
 
-impl Module for ConvBn {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let ys = xs.apply(&self.conv)?.apply_t(&self.bn, false)?;
+impl ConvBn {
+    /// Folded (the forward) or through candle_nn's BatchNorm (the reference).
+    fn forward_with(&self, xs: &Tensor, folded: bool) -> candle_core::Result<Tensor> {
+        let ys = if folded {
+            xs.apply(&self.folded)?
+        } else {
+            xs.apply(&self.conv)?.apply_t(&self.bn, false)?
+        };
         if self.relu {
             ys.relu()
         } else {
@@ -213,11 +226,13 @@ impl Bottleneck {
     }
 }
 
-impl Module for Bottleneck {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let conv = xs.apply(&self.cbr1)?.apply(&self.cbr2)?.apply(&self.cb3)?;
+impl Bottleneck {
+    fn forward_with(&self, xs: &Tensor, folded: bool) -> candle_core::Result<Tensor> {
+        let conv = self.cbr1.forward_with(xs, folded)?;
+        let conv = self.cbr2.forward_with(&conv, folded)?;
+        let conv = self.cb3.forward_with(&conv, folded)?;
         let residual = match &self.cb4 {
-            Some(cb4) => xs.apply(cb4)?,
+            Some(cb4) => cb4.forward_with(xs, folded)?,
             None => xs.clone(),
         };
         (conv + residual)?.relu()
@@ -370,29 +385,42 @@ fn conv_out(i: usize, conv: &Conv2d) -> usize {
 }
 
 impl Module for PspNet {
-    /// Logits `(b, n_classes, h, w)` for a normalised input `(b, 3, h, w)`.
+    /// Logits `(b, n_classes, h, w)` for a normalised input `(b, 3, h, w)`, batch norms folded.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with(xs, true)
+    }
+}
+
+impl PspNet {
+    /// The logits through candle_nn's `BatchNorm` ops, nothing folded: the reference the
+    /// folded forward ([`Module::forward`]) is tested against.
+    pub fn forward_unfolded(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with(xs, false)
+    }
+
+    fn forward_with(&self, xs: &Tensor, folded: bool) -> candle_core::Result<Tensor> {
         let (_, _, h, w) = xs.dims4()?;
         let mut x = xs.clone();
         for s in &self.stem {
-            x = x.apply(s)?;
+            x = s.forward_with(&x, folded)?;
         }
         // max_pool2d(3, 2, padding 1): zero padding is exact here because x >= 0 after ReLU.
         x = x.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
         x = x.max_pool2d_with_stride(3, 2)?;
         for b in &self.blocks {
-            x = x.apply(b)?;
+            x = b.forward_with(&x, folded)?;
         } // (b, 2048, h/8, w/8)
         let (_, _, fh, fw) = x.dims4()?;
         let mut slices = vec![x.clone()];
         for (path, &p) in self.pyramid.iter().zip(&self.config.pool_sizes) {
             // ptsemseg: kernel = stride = floor(size / pool_size), no padding.
             let k = ((fh / p).max(1), (fw / p).max(1));
-            let pooled = x.avg_pool2d_with_stride(k, k)?.apply(path)?;
+            let pooled = path.forward_with(&x.avg_pool2d_with_stride(k, k)?, folded)?;
             slices.push(pooled.upsample_bilinear2d(fh, fw, false)?);
         }
-        Tensor::cat(&slices, 1)? // (b, 4096, h/8, w/8)
-            .apply(&self.cbr_final)?
+        let cat = Tensor::cat(&slices, 1)?; // (b, 4096, h/8, w/8)
+        self.cbr_final
+            .forward_with(&cat, folded)?
             .apply(&self.classification)?
             .upsample_bilinear2d(h, w, false)
     }

@@ -5,7 +5,9 @@
 //! `layer2.0.downsample.0.weight`, `fc.bias`).
 //!
 //! This is the candle path; on the CPU `hilum-kernels` runs the same weights (read by
-//! [`native_weights`]).
+//! [`native_weights`]). Every batch norm directly follows a convolution and is folded into it
+//! at load (weight and bias); the public `BatchNorm` fields keep the checkpoint's values for
+//! the ONNX export and for [`ResNet::forward_unfolded`], the reference.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{
@@ -13,7 +15,7 @@ use candle_nn::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::densenet::BN_EPS;
+use crate::densenet::{fold_conv_bn, BN_EPS};
 use crate::onnx_graph::{self, GraphBuilder};
 use hilum_kernels::resnet as kw;
 
@@ -66,6 +68,8 @@ impl Config {
 }
 
 /// 1x1 → 3x3 (stride) → 1x1, each followed by BN; ReLU after the first two and after the sum.
+/// The forward runs the convolutions with their BN folded in at load; changing the public
+/// fields afterwards changes only the ONNX export and [`ResNet::forward_unfolded`].
 #[derive(Clone, Debug)]
 pub struct Bottleneck {
     /// The 1x1 convolution that narrows to `planes`.
@@ -84,6 +88,8 @@ pub struct Bottleneck {
     pub downsample: Option<(Conv2d, BatchNorm)>,
     /// Stride of the 3x3 convolution (2 in the first block of every stage but the first).
     pub stride: usize,
+    /// conv1..conv3 with bn1..bn3 folded in, then the shortcut's conv + BN, if any.
+    folded: ([Conv2d; 3], Option<Conv2d>),
 }
 
 impl Bottleneck {
@@ -112,22 +118,38 @@ impl Bottleneck {
         } else {
             None
         };
+        let conv1 = conv2d_no_bias(c_in, planes, 1, Default::default(), vb.pp("conv1"))?;
+        let bn1 = batch_norm(planes, BN_EPS, vb.pp("bn1"))?;
+        let conv2 = conv2d_no_bias(planes, planes, 3, c3, vb.pp("conv2"))?;
+        let bn2 = batch_norm(planes, BN_EPS, vb.pp("bn2"))?;
+        let conv3 = conv2d_no_bias(planes, c_out, 1, Default::default(), vb.pp("conv3"))?;
+        let bn3 = batch_norm(c_out, BN_EPS, vb.pp("bn3"))?;
+        let folded = (
+            [
+                fold_conv_bn(&conv1, &bn1)?,
+                fold_conv_bn(&conv2, &bn2)?,
+                fold_conv_bn(&conv3, &bn3)?,
+            ],
+            match &downsample {
+                Some((conv, bn)) => Some(fold_conv_bn(conv, bn)?),
+                None => None,
+            },
+        );
         Ok(Bottleneck {
-            conv1: conv2d_no_bias(c_in, planes, 1, Default::default(), vb.pp("conv1"))?,
-            bn1: batch_norm(planes, BN_EPS, vb.pp("bn1"))?,
-            conv2: conv2d_no_bias(planes, planes, 3, c3, vb.pp("conv2"))?,
-            bn2: batch_norm(planes, BN_EPS, vb.pp("bn2"))?,
-            conv3: conv2d_no_bias(planes, c_out, 1, Default::default(), vb.pp("conv3"))?,
-            bn3: batch_norm(c_out, BN_EPS, vb.pp("bn3"))?,
+            conv1,
+            bn1,
+            conv2,
+            bn2,
+            conv3,
+            bn3,
             downsample,
             stride,
+            folded,
         })
     }
-}
 
-impl Module for Bottleneck {
-    /// (b, c_in, h, w) → (b, planes * expansion, h / stride, w / stride)
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    /// The block through candle_nn's BatchNorm (the reference).
+    fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
         let shortcut = match &self.downsample {
             Some((conv, bn)) => xs.apply(conv)?.apply_t(bn, false)?,
             None => xs.clone(),
@@ -145,7 +167,21 @@ impl Module for Bottleneck {
     }
 }
 
-/// The ResNet on candle: the reference path, and the GPU one.
+impl Module for Bottleneck {
+    /// (b, c_in, h, w) → (b, planes * expansion, h / stride, w / stride), BN folded.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let ([c1, c2, c3], downsample) = &self.folded;
+        let shortcut = match downsample {
+            Some(conv) => xs.apply(conv)?,
+            None => xs.clone(),
+        };
+        let ys = xs.apply(c1)?.relu()?.apply(c2)?.relu()?.apply(c3)?;
+        (ys + shortcut)?.relu()
+    }
+}
+
+/// The ResNet on candle: the reference path, and the GPU one. Its forward runs the batch
+/// norms folded at load (see the module's documentation).
 #[derive(Clone, Debug)]
 pub struct ResNet {
     /// The architecture it was built for.
@@ -158,6 +194,8 @@ pub struct ResNet {
     pub stages: Vec<Vec<Bottleneck>>,
     /// The linear classifier over the pooled features.
     pub fc: Linear,
+    /// `conv1` with `bn1` folded in.
+    conv1_bn1: Conv2d,
 }
 
 impl ResNet {
@@ -184,6 +222,7 @@ impl ResNet {
         }
         Ok(ResNet {
             cfg: cfg.clone(),
+            conv1_bn1: fold_conv_bn(&conv1, &bn1)?,
             conv1,
             bn1,
             stages,
@@ -193,16 +232,33 @@ impl ResNet {
 
     /// Pooled features: (b, in_channels, h, w) → (b, planes.last * expansion).
     pub fn features(&self, xs: &Tensor) -> Result<Tensor> {
+        self.features_with(xs, true)
+    }
+
+    /// The logits through candle_nn's `BatchNorm` ops, nothing folded: the reference the
+    /// folded forward ([`Module::forward`]) is tested against.
+    pub fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
+        self.features_with(xs, false)?.apply(&self.fc)
+    }
+
+    fn features_with(&self, xs: &Tensor, folded: bool) -> Result<Tensor> {
+        let stem = if folded {
+            xs.apply(&self.conv1_bn1)?
+        } else {
+            xs.apply(&self.conv1)?.apply_t(&self.bn1, false)?
+        };
         // Zero padding equals -inf padding here: the max pool follows a ReLU.
-        let mut xs = xs
-            .apply(&self.conv1)?
-            .apply_t(&self.bn1, false)?
+        let mut xs = stem
             .relu()?
             .pad_with_zeros(2, 1, 1)?
             .pad_with_zeros(3, 1, 1)?
             .max_pool2d_with_stride(3, 2)?;
         for block in self.stages.iter().flatten() {
-            xs = xs.apply(block)?;
+            xs = if folded {
+                xs.apply(block)?
+            } else {
+                block.forward_unfolded(&xs)?
+            };
         }
         xs.mean((2, 3))
     }

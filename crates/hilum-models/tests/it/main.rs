@@ -2,6 +2,7 @@
 //! module is one former test file; run one with `cargo test -p hilum-models --test it MODULE::`.
 
 mod batching;
+mod bn_folding;
 mod checkpoint;
 mod common;
 mod fetch;
