@@ -2,42 +2,23 @@
 // and no failed tool rows for tools that were never offered (issue 34). Started by
 // crates/hilum-server/tests/it/ui_browser.rs (`ui_answers_in_headless_chromium`), which runs a
 // server with only the lung U-Net installed and a script LLM.
-import { chromium } from "playwright-core";
 import assert from "node:assert/strict";
 import path from "node:path";
-import fs from "node:fs";
+import { connect, env, launch, recordErrors } from "./browser.mjs";
 
-const env = (k) => {
-  const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test it ui_browser::`);
-  return v;
-};
 const URL_ = env("HILUM_URL");
 const TOKEN = env("HILUM_TOKEN");
 const IMAGE = env("HILUM_IMAGE");
 const SHOTS = env("HILUM_SCREENSHOTS");
-const PROFILE = env("HILUM_PROFILE");
-fs.mkdirSync(PROFILE, { recursive: true });
 
-const context = await chromium.launchPersistentContext(PROFILE, {
-  executablePath: process.env.HILUM_CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1440, height: 900 },
-  bypassCSP: true,
-});
+const context = await launch({ width: 1440, height: 900 });
 const errors = [];
 const count = (text, part) => text.split(part).length - 1;
 try {
   const page = context.pages()[0] || await context.newPage();
-  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(`console: ${m.text()}`); });
+  recordErrors(page, errors);
   page.setDefaultTimeout(30_000);
-  await page.goto(URL_);
-  await page.fill("#token", TOKEN);
-  await page.press("#token", "Enter");
-  await page.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await connect(page, URL_, TOKEN);
   await page.setInputFiles("#file", IMAGE);
   await page.waitForSelector("#canvas[data-image]");
 

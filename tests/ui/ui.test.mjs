@@ -2,16 +2,11 @@
 // server started by crates/hilum-server/tests/it/ui_browser.rs (which passes the environment).
 // Run through `cargo test -p hilum-server --test it ui_browser::`; set up with
 // scripts/setup_ui_tests.sh.
-import { chromium } from "playwright-core";
 import assert from "node:assert/strict";
-import path from "node:path";
 import fs from "node:fs";
+import path from "node:path";
+import { connect, env, launch, recordErrors } from "./browser.mjs";
 
-const env = (k) => {
-  const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test it ui_browser::`);
-  return v;
-};
 const URL_ = env("HILUM_URL");
 const TOKEN = env("HILUM_TOKEN");
 const IMAGE = env("HILUM_IMAGE");
@@ -21,8 +16,6 @@ const NOLLM_TOKEN = env("HILUM_NOLLM_TOKEN");
 const ANSWER = env("HILUM_ANSWER");
 const LUNGS = process.env.HILUM_EXPECT_LUNGS === "1";
 const SHOTS = env("HILUM_SCREENSHOTS");
-const PROFILE = env("HILUM_PROFILE");
-fs.mkdirSync(PROFILE, { recursive: true });
 
 const shot = (page, name) => page.screenshot({ path: path.join(SHOTS, name), fullPage: true });
 
@@ -34,24 +27,12 @@ const canvasHash = (page) => page.evaluate(() => {
   return h;
 });
 
-const context = await chromium.launchPersistentContext(PROFILE, {
-  executablePath: process.env.HILUM_CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1500, height: 1000 },
-  acceptDownloads: true,
-  // The page's CSP forbids eval; Playwright's waitForFunction needs it (test only).
-  bypassCSP: true,
-});
+const context = await launch({ width: 1500, height: 1000 }, { acceptDownloads: true });
 const errors = [];
 try {
   const page = context.pages()[0] || await context.newPage();
-  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
-  page.on("console", (m) => {
-    // The wrong-token step makes the browser log its 401s; anything else is a fault.
-    if (m.type() === "error" && !/status of 401/.test(m.text())) errors.push(`console: ${m.text()}`);
-  });
+  // The wrong-token step makes the browser log its 401s; anything else is a fault.
+  recordErrors(page, errors, /status of 401/);
   page.setDefaultTimeout(30_000);
 
   await page.goto(URL_);
@@ -239,10 +220,7 @@ try {
   // A server without a reasoning model: asking shows what is missing and how to fix it.
   const bare = await context.newPage();
   bare.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
-  await bare.goto(NOLLM_URL);
-  await bare.fill("#token", NOLLM_TOKEN);
-  await bare.press("#token", "Enter");
-  await bare.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await connect(bare, NOLLM_URL, NOLLM_TOKEN);
   await bare.setInputFiles("#file", IMAGE);
   await bare.waitForSelector("#canvas[data-image]");
   await bare.fill("#question", "Is there cardiomegaly?");

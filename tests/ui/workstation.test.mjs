@@ -4,50 +4,28 @@
 // window/level, presets, zoom readout, a ruler in mm and the shortcut help. Started by
 // crates/hilum-server/tests/it/ui_browser.rs (`ui_workstation_in_headless_chromium`), with a
 // script LLM whose every run waits 3 s in a `sleep` tool, segments the lungs and answers.
-import { chromium } from "playwright-core";
 import assert from "node:assert/strict";
 import path from "node:path";
-import fs from "node:fs";
+import { connect, env, launch, recordErrors } from "./browser.mjs";
 
-const env = (k) => {
-  const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set: run this through cargo test -p hilum-server --test it ui_browser::`);
-  return v;
-};
 const URL_ = env("HILUM_URL");
 const TOKEN = env("HILUM_TOKEN");
 const IMAGE = env("HILUM_IMAGE");
 const DICOM = env("HILUM_DICOM");
 const ANSWER = env("HILUM_ANSWER");
 const SHOTS = env("HILUM_SCREENSHOTS");
-const PROFILE = env("HILUM_PROFILE");
-fs.mkdirSync(PROFILE, { recursive: true });
 
 const shot = (page, name) => page.screenshot({ path: path.join(SHOTS, name) });
 const text = (page, sel) => page.textContent(sel);
 
-const context = await chromium.launchPersistentContext(PROFILE, {
-  executablePath: process.env.HILUM_CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1440, height: 900 },
-  // Playwright's waitForFunction needs eval, which the page's CSP forbids (test only).
-  bypassCSP: true,
-});
+const context = await launch({ width: 1440, height: 900 });
 const errors = [];
 try {
   const page = context.pages()[0] || await context.newPage();
-  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
-  page.on("console", (m) => {
-    // A reload aborts the page's own stream; the browser may log that. Anything else is a fault.
-    if (m.type() === "error" && !/status of 413|aborted|network error/i.test(m.text())) errors.push(`console: ${m.text()}`);
-  });
+  // A reload aborts the page's own stream; the browser may log that. Anything else is a fault.
+  recordErrors(page, errors, /status of 413|aborted|network error/i);
   page.setDefaultTimeout(30_000);
-  await page.goto(URL_);
-  await page.fill("#token", TOKEN);
-  await page.press("#token", "Enter");
-  await page.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await connect(page, URL_, TOKEN);
   await page.setInputFiles("#file", IMAGE);
   await page.waitForSelector("#canvas[data-image]");
   const pngId = await page.getAttribute("#canvas", "data-image");
@@ -274,10 +252,7 @@ try {
   // ---- a context overflow is a failure, not "Done", and the session still answers ----
   const other = await context.newPage();
   other.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
-  await other.goto(env("HILUM_OVERFLOW_URL"));
-  await other.fill("#token", env("HILUM_OVERFLOW_TOKEN"));
-  await other.press("#token", "Enter");
-  await other.waitForFunction(() => document.getElementById("token-state").textContent === "Connected.");
+  await connect(other, env("HILUM_OVERFLOW_URL"), env("HILUM_OVERFLOW_TOKEN"));
   await other.setInputFiles("#file", IMAGE);
   await other.waitForSelector("#canvas[data-image]");
   await other.fill("#question", "Describe this image.");
