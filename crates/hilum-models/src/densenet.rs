@@ -13,6 +13,7 @@
 //! forward runs one broadcast mul + add instead of candle_nn's six-op `BatchNorm` (which also
 //! recomputes `sqrt(var + eps)` every call). The public `BatchNorm` fields keep the checkpoint's
 //! values for the ONNX export and for [`DenseNet::forward_unfolded`], the reference.
+//! [`DenseNet::to_dtype`] runs those folded layers in f16 (opt-in; logits stay f32).
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{
@@ -92,6 +93,13 @@ impl ChannelAffine {
         })
     }
 
+    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(ChannelAffine {
+            scale: self.scale.to_dtype(dtype)?,
+            shift: self.shift.to_dtype(dtype)?,
+        })
+    }
+
     /// `relu(x * scale + shift)`: three ops where candle_nn's BatchNorm and a ReLU run seven.
     pub(crate) fn forward_relu(&self, xs: &Tensor) -> Result<Tensor> {
         xs.broadcast_mul(&self.scale)?
@@ -147,6 +155,29 @@ pub(crate) fn fold_conv_bn(conv: &Conv2d, bn: &BatchNorm) -> Result<Conv2d> {
     Ok(Conv2d::new(weight, Some(bias.detach()), *conv.config()))
 }
 
+/// `conv` with its weight and bias in `dtype`.
+pub(crate) fn conv_to_dtype(conv: &Conv2d, dtype: DType) -> Result<Conv2d> {
+    let bias = conv.bias().map(|b| b.to_dtype(dtype)).transpose()?;
+    Ok(Conv2d::new(
+        conv.weight().to_dtype(dtype)?,
+        bias,
+        *conv.config(),
+    ))
+}
+
+/// The dtypes the candle CNNs' folded forward runs in: f32, or f16 (opt-in, for GPUs). bf16
+/// is not offered: candle's CPU backend has no bf16 matmul, so its convolutions and the
+/// tolerance of a bf16 path cannot be run and tested off a GPU.
+pub fn check_compute_dtype(dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F16 => Ok(()),
+        other => candle_core::bail!(
+            "the candle CNNs run in f32 or f16, not {other:?} (bf16 has no convolution on \
+             candle's CPU backend to test it against)"
+        ),
+    }
+}
+
 /// norm1 → relu → conv1 (1x1) → norm2 → relu → conv2 (3x3); the output is concatenated.
 /// The forward runs the folded copies made at load; changing the public fields afterwards
 /// changes only the ONNX export and [`DenseNet::forward_unfolded`].
@@ -164,6 +195,8 @@ pub struct DenseLayer {
     pre: ChannelAffine,
     /// `conv1` with `norm2` folded in.
     conv1_norm2: Conv2d,
+    /// `conv2` in the forward's dtype.
+    conv2_fwd: Conv2d,
 }
 
 impl DenseLayer {
@@ -176,13 +209,25 @@ impl DenseLayer {
         let norm1 = batch_norm(c_in, BN_EPS, vb.pp("norm1"))?;
         let conv1 = conv2d_no_bias(c_in, mid, 1, Default::default(), vb.pp("conv1"))?;
         let norm2 = batch_norm(mid, BN_EPS, vb.pp("norm2"))?;
+        let conv2 = conv2d_no_bias(mid, cfg.growth_rate, 3, pad1, vb.pp("conv2"))?;
         Ok(DenseLayer {
             pre: ChannelAffine::from_batch_norm(&norm1)?,
             conv1_norm2: fold_conv_bn(&conv1, &norm2)?,
+            conv2_fwd: conv2.clone(),
             norm1,
             conv1,
             norm2,
-            conv2: conv2d_no_bias(mid, cfg.growth_rate, 3, pad1, vb.pp("conv2"))?,
+            conv2,
+        })
+    }
+
+    /// The folded layer's tensors in `dtype`.
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(DenseLayer {
+            pre: self.pre.to_dtype(dtype)?,
+            conv1_norm2: conv_to_dtype(&self.conv1_norm2, dtype)?,
+            conv2_fwd: conv_to_dtype(&self.conv2_fwd, dtype)?,
+            ..self.clone()
         })
     }
 
@@ -192,7 +237,7 @@ impl DenseLayer {
             .forward_relu(xs)?
             .apply(&self.conv1_norm2)?
             .relu()?
-            .apply(&self.conv2)
+            .apply(&self.conv2_fwd)
     }
 
     /// The same through candle_nn's BatchNorm (the reference).
@@ -215,25 +260,37 @@ pub struct Transition {
     pub conv: Conv2d,
     /// `norm` as a scale and shift.
     pre: ChannelAffine,
+    /// `conv` in the forward's dtype.
+    conv_fwd: Conv2d,
 }
 
 impl Transition {
     fn load(vb: VarBuilder, c_in: usize, c_out: usize) -> Result<Self> {
         let norm = batch_norm(c_in, BN_EPS, vb.pp("norm"))?;
+        let conv = conv2d_no_bias(c_in, c_out, 1, Default::default(), vb.pp("conv"))?;
         Ok(Transition {
             pre: ChannelAffine::from_batch_norm(&norm)?,
+            conv_fwd: conv.clone(),
             norm,
-            conv: conv2d_no_bias(c_in, c_out, 1, Default::default(), vb.pp("conv"))?,
+            conv,
+        })
+    }
+
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(Transition {
+            pre: self.pre.to_dtype(dtype)?,
+            conv_fwd: conv_to_dtype(&self.conv_fwd, dtype)?,
+            ..self.clone()
         })
     }
 
     fn forward(&self, xs: &Tensor, folded: bool) -> Result<Tensor> {
         let ys = if folded {
-            self.pre.forward_relu(xs)?
+            self.pre.forward_relu(xs)?.apply(&self.conv_fwd)?
         } else {
-            xs.apply_t(&self.norm, false)?.relu()?
+            xs.apply_t(&self.norm, false)?.relu()?.apply(&self.conv)?
         };
-        ys.apply(&self.conv)?.avg_pool2d(2)
+        ys.avg_pool2d(2)
     }
 }
 
@@ -259,6 +316,8 @@ pub struct DenseNet {
     conv0_norm0: Conv2d,
     /// `norm5` as a scale and shift.
     post: ChannelAffine,
+    /// The dtype of the folded layers (f32 unless [`DenseNet::to_dtype`] changed it).
+    dtype: DType,
 }
 
 impl DenseNet {
@@ -304,6 +363,7 @@ impl DenseNet {
             cfg: cfg.clone(),
             conv0_norm0: fold_conv_bn(&conv0, &norm0)?,
             post: ChannelAffine::from_batch_norm(&norm5)?,
+            dtype: conv0.weight().dtype(),
             conv0,
             norm0,
             blocks,
@@ -322,7 +382,39 @@ impl DenseNet {
     /// The last feature map before the pool: (b, in_channels, h, w) → (b, c_final, h/32,
     /// w/32), after norm5 and ReLU (what a class activation map weighs).
     pub fn feature_map(&self, xs: &Tensor) -> Result<Tensor> {
-        self.feature_map_with(xs, true)
+        let dtype = xs.dtype();
+        self.feature_map_with(&xs.to_dtype(self.dtype)?, true)?
+            .to_dtype(dtype)
+    }
+
+    /// The same network with its folded forward in `dtype` (f32 or f16, see
+    /// [`check_compute_dtype`]): weights and activations in `dtype` on the device, the input
+    /// converted on entry and the feature map back to the input's dtype before the pool and
+    /// the classifier (which stay f32). The public fields, the ONNX export and
+    /// [`DenseNet::forward_unfolded`] keep the checkpoint's dtype.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        check_compute_dtype(dtype)?;
+        Ok(DenseNet {
+            conv0_norm0: conv_to_dtype(&self.conv0_norm0, dtype)?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| b.iter().map(|l| l.to_dtype(dtype)).collect())
+                .collect::<Result<_>>()?,
+            transitions: self
+                .transitions
+                .iter()
+                .map(|t| t.to_dtype(dtype))
+                .collect::<Result<_>>()?,
+            post: self.post.to_dtype(dtype)?,
+            dtype,
+            ..self.clone()
+        })
+    }
+
+    /// The dtype the folded forward runs in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The logits through candle_nn's `BatchNorm` ops, nothing folded: the reference the

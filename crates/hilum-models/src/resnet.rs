@@ -7,15 +7,16 @@
 //! This is the candle path; on the CPU `hilum-kernels` runs the same weights (read by
 //! [`native_weights`]). Every batch norm directly follows a convolution and is folded into it
 //! at load (weight and bias); the public `BatchNorm` fields keep the checkpoint's values for
-//! the ONNX export and for [`ResNet::forward_unfolded`], the reference.
+//! the ONNX export and for [`ResNet::forward_unfolded`], the reference. [`ResNet::to_dtype`]
+//! runs the folded convolutions in f16 (opt-in; logits stay f32).
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{
     batch_norm, conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::densenet::{fold_conv_bn, BN_EPS};
+use crate::densenet::{check_compute_dtype, conv_to_dtype, fold_conv_bn, BN_EPS};
 use crate::onnx_graph::{self, GraphBuilder};
 use hilum_kernels::resnet as kw;
 
@@ -148,6 +149,26 @@ impl Bottleneck {
         })
     }
 
+    /// The folded convolutions in `dtype`.
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let ([c1, c2, c3], downsample) = &self.folded;
+        let folded = (
+            [
+                conv_to_dtype(c1, dtype)?,
+                conv_to_dtype(c2, dtype)?,
+                conv_to_dtype(c3, dtype)?,
+            ],
+            downsample
+                .as_ref()
+                .map(|c| conv_to_dtype(c, dtype))
+                .transpose()?,
+        );
+        Ok(Bottleneck {
+            folded,
+            ..self.clone()
+        })
+    }
+
     /// The block through candle_nn's BatchNorm (the reference).
     fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
         let shortcut = match &self.downsample {
@@ -196,6 +217,8 @@ pub struct ResNet {
     pub fc: Linear,
     /// `conv1` with `bn1` folded in.
     conv1_bn1: Conv2d,
+    /// The dtype of the folded convolutions (f32 unless [`ResNet::to_dtype`] changed it).
+    dtype: DType,
 }
 
 impl ResNet {
@@ -223,6 +246,7 @@ impl ResNet {
         Ok(ResNet {
             cfg: cfg.clone(),
             conv1_bn1: fold_conv_bn(&conv1, &bn1)?,
+            dtype: conv1.weight().dtype(),
             conv1,
             bn1,
             stages,
@@ -235,13 +259,38 @@ impl ResNet {
         self.features_with(xs, true)
     }
 
+    /// The same network with its folded forward in `dtype` (f32 or f16, see
+    /// [`check_compute_dtype`]): weights and activations in `dtype` on the device, the input
+    /// converted on entry and the last feature map back to the input's dtype before the pool
+    /// and `fc` (which stay f32). The public fields, the ONNX export and
+    /// [`ResNet::forward_unfolded`] keep the checkpoint's dtype.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        check_compute_dtype(dtype)?;
+        Ok(ResNet {
+            conv1_bn1: conv_to_dtype(&self.conv1_bn1, dtype)?,
+            stages: self
+                .stages
+                .iter()
+                .map(|s| s.iter().map(|b| b.to_dtype(dtype)).collect())
+                .collect::<Result<_>>()?,
+            dtype,
+            ..self.clone()
+        })
+    }
+
+    /// The dtype the folded forward runs in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// The logits through candle_nn's `BatchNorm` ops, nothing folded: the reference the
     /// folded forward ([`Module::forward`]) is tested against.
     pub fn forward_unfolded(&self, xs: &Tensor) -> Result<Tensor> {
         self.features_with(xs, false)?.apply(&self.fc)
     }
 
-    fn features_with(&self, xs: &Tensor, folded: bool) -> Result<Tensor> {
+    fn features_with(&self, input: &Tensor, folded: bool) -> Result<Tensor> {
+        let xs = &input.to_dtype(if folded { self.dtype } else { input.dtype() })?;
         let stem = if folded {
             xs.apply(&self.conv1_bn1)?
         } else {
@@ -260,7 +309,7 @@ impl ResNet {
                 block.forward_unfolded(&xs)?
             };
         }
-        xs.mean((2, 3))
+        xs.to_dtype(input.dtype())?.mean((2, 3))
     }
 }
 

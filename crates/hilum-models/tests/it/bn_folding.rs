@@ -17,6 +17,9 @@ use hilum_models::{densenet, pspnet, resnet, weights};
 
 /// Folded vs unfolded: max |a - b| over max |b|, which must stay below this.
 const REL_TOL: f32 = 1e-5;
+/// The f16 forward against the f32 one: max |a - b| over max |b| (measured 1.5e-3 on both
+/// networks with seeded weights and inputs in [-1, 1]; f16 overflows past 65,504).
+const F16_REL_TOL: f32 = 5e-3;
 
 /// Seeded weights with running means of ±0.25 and variances spread over 0.37..2.7 (not 0/1,
 /// so a fold that mixed up mean, variance or epsilon would show; 1/sqrt(var) averages about 1,
@@ -201,6 +204,61 @@ fn folding_removes_ops_per_batch_norm() {
     let after = candle_ops(|x| net.forward(x), &x, 0);
     println!("resnet50: {n_bn} batch norms, candle ops per forward {before} → {after}");
     assert_eq!(before - after, 5 * n_bn, "resnet50: {before} → {after} ops");
+}
+
+/// Half precision (opt-in) against the f32 folded forward: max |f16 - f32| / max |f32| of
+/// the logits.
+fn f16_rel_diff(f32_net: &dyn Module, f16_net: &dyn Module, x: &Tensor) -> f32 {
+    let (a, b) = (
+        flat(&f16_net.forward(x).expect("f16")),
+        flat(&f32_net.forward(x).expect("f32")),
+    );
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    diff / scale
+}
+
+/// The f16 forward (weights and activations in f16, logits back in f32) stays within
+/// [`F16_REL_TOL`] of f32 on DenseNet-121 and ResNet-50 with seeded weights; bf16 is refused
+/// with the reason.
+#[test]
+fn f16_forward_within_its_tolerance_and_bf16_refused() {
+    let arch = Arch::DenseNet(densenet::Config::densenet121_res224_all());
+    let Arch::DenseNet(cfg) = &arch else {
+        unreachable!()
+    };
+    let w = xrv::synthetic_weights(&arch, 9).expect("weights");
+    let net = densenet::DenseNet::load(vb(w), cfg).expect("load");
+    let half = net.to_dtype(DType::F16).expect("f16");
+    assert_eq!(half.dtype(), DType::F16);
+    let x = input((2, 1, 64, 64));
+    let logits = half.forward(&x).expect("f16 forward");
+    assert_eq!(logits.dtype(), DType::F32, "logits come back in f32");
+    let map = half.feature_map(&x).expect("f16 map");
+    assert_eq!(
+        map.dtype(),
+        DType::F32,
+        "the CAM's feature map comes back in f32"
+    );
+    let rel = f16_rel_diff(&net, &half, &x);
+    println!("densenet121 f16 vs f32: relative {rel:.3e}");
+    assert!(rel <= F16_REL_TOL, "densenet121 f16: {rel:.3e}");
+    let err = net.to_dtype(DType::BF16).expect_err("bf16 is refused");
+    assert!(err.to_string().contains("f16"), "{err}");
+
+    let arch = Arch::ResNet(resnet::Config::resnet50_res512_all());
+    let Arch::ResNet(cfg) = &arch else {
+        unreachable!()
+    };
+    let w = xrv::synthetic_weights(&arch, 9).expect("weights");
+    let net = resnet::ResNet::load(vb(w), cfg).expect("load");
+    let half = net.to_dtype(DType::F16).expect("f16");
+    let rel = f16_rel_diff(&net, &half, &input((2, 1, 64, 64)));
+    println!("resnet50 f16 vs f32: relative {rel:.3e}");
+    assert!(rel <= F16_REL_TOL, "resnet50 f16: {rel:.3e}");
 }
 
 fn median_ms(v: &mut [f64]) -> f64 {
