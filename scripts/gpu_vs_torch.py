@@ -20,6 +20,7 @@ weights for the decoders) and say that Hilum has no bf16 path there yet.
 Usage (scripts/gpu_vs_torch.sh runs it):
   python3 gpu_vs_torch.py --example PATH --device cuda:0 --out gpu_vs_torch.json
   python3 gpu_vs_torch.py --example PATH --dry-run        # CPU, small sizes, 1 timed call
+  python3 gpu_vs_torch.py --example PATH --device cpu -n 1 --only lung-unet,sam-vit-b   # full sizes
 Without PyTorch importable the Hilum side still runs and the PyTorch columns say why not.
 """
 import argparse
@@ -279,9 +280,12 @@ def main():
     ap.add_argument("--example", required=True, help="the built torch_side_by_side example")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("-n", "--iters", type=int, default=20)
     ap.add_argument("--out", default="gpu_vs_torch.json")
+    ap.add_argument("--only", default="", help="comma-separated models (e.g. lung-unet,sam-vit-b): a rerun of some rows")
     a = ap.parse_args()
+    only = set(filter(None, a.only.split(",")))
+    wanted = lambda rows: [r for r in rows if not only or r[0] in only]
     device = "cpu" if a.dry_run else a.device
     iters = 1 if a.dry_run else a.iters
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -298,11 +302,11 @@ def main():
     rows = []
     work = tempfile.mkdtemp(prefix="gpu_vs_torch.")
     rng = np.random.default_rng(7)
-    for model, size, batches in DRY if a.dry_run else FULL:
+    for model, size, batches in wanted(DRY if a.dry_run else FULL):
         t = time.time()
         rows += image_rows(a, torch, device, iters, work, rng, model, size, batches)
         print(f"{model}: {time.time() - t:.1f} s", file=sys.stderr)
-    for model, prompt_len, new, gens in DRY_DECODERS if a.dry_run else FULL_DECODERS:
+    for model, prompt_len, new, gens in wanted(DRY_DECODERS if a.dry_run else FULL_DECODERS):
         t = time.time()
         rows += decoder_rows(a, torch, device, work, model, prompt_len, new, gens)
         print(f"{model}: {time.time() - t:.1f} s", file=sys.stderr)

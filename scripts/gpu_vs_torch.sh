@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Hilum against PyTorch on the same GPU, in one prepared run: the CNNs on the same seeded weights
-# and inputs, each timed on both sides, their logits compared, the ratio Hilum / PyTorch printed
-# per row and everything written to gpu_vs_torch.json (in $OUT, else the current directory).
-# fp32 with TF32 off on both sides; bf16 rows where PyTorch has it (autocast). PyTorch is the
-# machine's own (`python3 -c 'import torch'`, or TORCH_PYTHON). Rows not compared yet are listed
-# in the output with the reason. See docs/gpu.md.
+# Hilum against PyTorch on the same GPU, in one prepared run: DenseNet-121, ResNet-50, the lung
+# U-Net, the SAM ViT-B image encoder and two decoders (Qwen2.5-0.5B's shape, MedGemma 4B's decoder
+# shape) on the same seeded weights and inputs, each timed on both sides, their outputs compared,
+# the ratio Hilum / PyTorch printed per row and everything written to gpu_vs_torch.json (in $OUT,
+# else the current directory). fp32 with TF32 off on both sides; bf16 rows for PyTorch alone
+# (Hilum has no bf16 path for these yet). PyTorch is the machine's own (`python3 -c 'import
+# torch'`, or TORCH_PYTHON); its side is scripts/gpu_vs_torch_ports.py. See docs/gpu.md.
 #
 #   scripts/gpu_vs_torch.sh                    # build Hilum's side with CUDA here, run on cuda:0
 #   scripts/gpu_vs_torch.sh --example PATH     # Hilum's side built elsewhere (carried)
