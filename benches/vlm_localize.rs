@@ -17,9 +17,9 @@ use candle_nn::VarBuilder;
 use criterion::{criterion_group, criterion_main, Criterion};
 use hilum_agent::{Tool, ToolContext};
 use hilum_imaging::ImageStore;
-use hilum_models::densenet::DenseNet;
-use hilum_models::xrv::{self, Arch, XrvSpec};
-use hilum_tools::localize::{self, CamNet};
+use hilum_models::xrv::{self, Classifier, XrvSpec};
+use hilum_models::Backend;
+use hilum_tools::localize;
 use hilum_tools::vlm::{Family, VlmSettings};
 use hilum_tools::{AnswerVisualQuestion, GroundPhrase};
 use serde_json::{json, Value};
@@ -59,15 +59,12 @@ fn bench(c: &mut Criterion) {
     let img = store.get(&id).expect("image");
 
     let spec = XrvSpec::densenet121_res224_all();
-    let Arch::DenseNet(cfg) = spec.arch.clone() else {
-        panic!("densenet121 is a DenseNet");
-    };
     let vb = VarBuilder::from_tensors(
         xrv::synthetic_weights(&spec.arch, 7).expect("weights"),
         DType::F32,
         &Device::Cpu,
     );
-    let net = CamNet::new(DenseNet::load(vb, &cfg).expect("net"), spec, Device::Cpu);
+    let net = Classifier::new(vb, spec, Backend::Candle, 1).expect("net");
     let mut g = c.benchmark_group("localize_finding");
     g.sample_size(10);
     g.bench_function(

@@ -68,7 +68,9 @@ impl Orthanc {
             .env_remove("HILUM_ORTHANC_USER")
             .envs(user.map(|u| ("HILUM_ORTHANC_USER", u)))
             .output()
-            .unwrap_or_else(|e| panic!("{test}: cannot run scripts/deploy/orthanc_start.sh ({e}): {fix}"));
+            .unwrap_or_else(|e| {
+                panic!("{test}: cannot run scripts/deploy/orthanc_start.sh ({e}): {fix}")
+            });
         let stdout = String::from_utf8_lossy(&out.stdout);
         let var = |name: &str| {
             stdout.lines().find_map(|l| {
