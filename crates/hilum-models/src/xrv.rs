@@ -433,6 +433,26 @@ impl Classifier {
         }
     }
 
+    /// The candle backend with its folded forward in `dtype` on `vb`'s device: `F16` runs the
+    /// weights and activations in f16 (opt-in, for GPUs; the logits and the CAM's feature map
+    /// come back in f32; tolerance in docs/gpu.md), `F32` is [`Classifier::new`] on candle.
+    /// bf16 is refused.
+    pub fn candle_with_dtype(
+        vb: VarBuilder,
+        spec: XrvSpec,
+        dtype: candle_core::DType,
+    ) -> Result<Self, ModelError> {
+        let device = vb.device().clone();
+        let net = match &spec.arch {
+            Arch::DenseNet(c) => {
+                CandleNet::Dense(densenet::DenseNet::load(vb, c)?.to_dtype(dtype)?)
+            }
+            Arch::ResNet(c) => CandleNet::Res(resnet::ResNet::load(vb, c)?.to_dtype(dtype)?),
+        };
+        let net = Net::Candle(net, device.clone());
+        Ok(Self::with_net(spec, Backend::Candle, device, net))
+    }
+
     /// The ONNX graph of this network with the weights in `vb` (see [`crate::onnx_graph`]):
     /// input `x` (batch, 1, res, res), output `logits` (batch, classes).
     pub fn onnx_graph(vb: VarBuilder, spec: &XrvSpec) -> Result<Vec<u8>, ModelError> {

@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Module, Result, Storage, Tensor, Var};
 use candle_nn::VarBuilder;
-use hilum_models::xrv::{self, Arch};
-use hilum_models::{densenet, pspnet, resnet, weights};
+use hilum_models::xrv::{self, Arch, Classifier, XrvSpec};
+use hilum_models::{densenet, pspnet, resnet, weights, Backend};
 
 /// Folded vs unfolded: max |a - b| over max |b|, which must stay below this.
 const REL_TOL: f32 = 1e-5;
@@ -259,6 +259,43 @@ fn f16_forward_within_its_tolerance_and_bf16_refused() {
     let rel = f16_rel_diff(&net, &half, &input((2, 1, 64, 64)));
     println!("resnet50 f16 vs f32: relative {rel:.3e}");
     assert!(rel <= F16_REL_TOL, "resnet50 f16: {rel:.3e}");
+}
+
+/// `Classifier::candle_with_dtype(.., F16)`: the classifier's logits and its CAM within
+/// [`F16_REL_TOL`] of the f32 candle classifier on the same seeded weights.
+#[test]
+fn classifier_f16_option_matches_f32() {
+    let spec = XrvSpec {
+        resolution: 64,
+        ..XrvSpec::densenet121_res224_all()
+    };
+    let w = xrv::synthetic_weights(&spec.arch, 4).expect("weights");
+    let full = Classifier::new(vb(w.clone()), spec.clone(), Backend::Candle, 1).expect("f32");
+    let half = Classifier::candle_with_dtype(vb(w.clone()), spec.clone(), DType::F16).expect("f16");
+    assert_eq!(half.backend(), Backend::Candle);
+    let x = flat(&input((2, 1, 64, 64)));
+    let rel = |a: &[f32], b: &[f32]| {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        d / scale
+    };
+    let (a, b) = (
+        half.logits(&x, 2).expect("f16"),
+        full.logits(&x, 2).expect("f32"),
+    );
+    let r = rel(&a, &b);
+    println!("classifier f16 vs f32 logits: relative {r:.3e}");
+    assert!(r <= F16_REL_TOL, "classifier f16 logits: {r:.3e}");
+    let one = &x[..64 * 64];
+    let (ca, cb) = (
+        half.class_activation(one, 3).expect("f16 cam"),
+        full.class_activation(one, 3).expect("f32 cam"),
+    );
+    let r = rel(&ca.values, &cb.values);
+    println!("classifier f16 vs f32 CAM: relative {r:.3e}");
+    assert!(r <= F16_REL_TOL, "classifier f16 CAM: {r:.3e}");
+    let err = Classifier::candle_with_dtype(vb(w), spec, DType::BF16).err();
+    assert!(err.is_some(), "bf16 is refused");
 }
 
 fn median_ms(v: &mut [f64]) -> f64 {
