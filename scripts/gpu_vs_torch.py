@@ -15,7 +15,10 @@ Both sides are timed after a warm-up (median), and the outputs compared:
 max |hilum - torch| / max(1, max |torch|) <= 1e-3 in fp32 (the decoders: the prompt's last
 logits; their greedy tokens are reported). fp32 runs with TF32 off on both sides (Hilum's candle
 path does not use TF32); bf16 rows run PyTorch alone (autocast for the image networks, bf16
-weights for the decoders) and say that Hilum has no bf16 path there yet.
+weights for the decoders) and say that Hilum has no bf16 path there yet. fp16 rows (the CNNs)
+run Hilum's candle forward in f16 against PyTorch under fp16 autocast, each checked against the
+fp32 output within 5e-3 (Hilum's own fp32 output without PyTorch); an f16 overflow on the seeded
+weights is reported, not compared.
 
 Usage (scripts/gpu_vs_torch.sh runs it):
   python3 gpu_vs_torch.py --example PATH --device cuda:0 --out gpu_vs_torch.json
@@ -63,6 +66,10 @@ NOT_YET = [
      "34 layers in f32 would be ~16 GB of seeded weights written per run; the full-depth figure is the slice's scaled"),
 ]
 TOLERANCE_FP32 = 1e-3
+# Hilum's f16 CNN forward against PyTorch's fp32 output: the f16-vs-f32 bound its tests state
+# (docs/gpu.md, "f16 on the candle CNNs").
+TOLERANCE_FP16 = 5e-3
+CNNS = ("densenet121", "resnet50")
 NO_BF16 = {
     "densenet121": "Hilum's CNNs have no bf16 path yet",
     "resnet50": "Hilum's CNNs have no bf16 path yet",
@@ -198,6 +205,9 @@ def image_rows(a, torch, device, iters, work, rng, model, size, batches):
         if not torch:
             row.update(torch_ms=None, ratio=None, note=f"PyTorch {a.torch_version}")
             rows.append(row)
+            if model in CNNS:
+                # Without PyTorch the f16 forward is checked against Hilum's own fp32 output.
+                rows.append(fp16_row(a, None, None, None, out, run, ypath, iters, device, model, size, b))
             continue
         xt = torch.from_numpy(x).to(device)
         ms, ref = time_torch(torch, net, xt, iters, device)
@@ -210,9 +220,43 @@ def image_rows(a, torch, device, iters, work, rng, model, size, batches):
         rows.append({"model": model, "resolution": size, "batch": b, "precision": "bf16 (PyTorch autocast)",
                      "torch_ms": ms16, "hilum_ms": None, "torch_vs_fp32_rel_diff": rel_diff(ref, y16),
                      "note": NO_BF16[family(model)]})
+        if model in CNNS:
+            rows.append(fp16_row(a, torch, net, xt, ref, run, ypath, iters, device, model, size, b))
     del net
     free(torch)
     return rows
+
+
+def fp16_row(a, torch, net, xt, ref, run, ypath, iters, device, model, size, b):
+    """Hilum's candle forward in f16 against PyTorch under fp16 autocast, both checked against
+    the fp32 output `ref` (PyTorch's; Hilum's own when PyTorch is absent)."""
+    row = {"model": model, "resolution": size, "batch": b, "precision": "fp16 (PyTorch autocast)",
+           "hilum_backend": "candle-f16", "tolerance": TOLERANCE_FP16}
+    run = run[:8] + ["candle-f16"] + run[9:]
+    res = subprocess.run(run, capture_output=True, text=True)
+    if res.returncode != 0:
+        row.update(hilum_ms=None, agrees=False, note=f"Hilum's f16 run failed: {res.stderr.strip()[-200:]}")
+        return row
+    hilum = json.loads(res.stdout.strip().splitlines()[-1])
+    out16 = read_safetensors(ypath)["output"]
+    row.update(hilum_ms=hilum["median_ms"])
+    if not np.isfinite(out16).all():
+        # f16 tops out at 65,504: the seeded weights' activations can pass it (ResNet-50's
+        # logits reach ~1e6 on them), which says nothing of a trained checkpoint's.
+        row.update(agrees=None, note=f"f16 overflowed: these seeded weights' fp32 outputs reach "
+                                     f"{float(np.abs(ref).max()):.3g}; not compared")
+        return row
+    diff = rel_diff(ref, out16)
+    row.update(max_rel_diff=diff, agrees=diff <= TOLERANCE_FP16)
+    if torch is None:
+        row.update(torch_ms=None, ratio=None, note="against Hilum's fp32 output (PyTorch not importable)")
+        return row
+    try:
+        ms16, y16 = time_torch(torch, net, xt, iters, device, torch.float16)
+        row.update(torch_ms=ms16, ratio=hilum["median_ms"] / ms16, torch_vs_fp32_rel_diff=rel_diff(ref, y16))
+    except RuntimeError as e:  # fp16 autocast is not on every device
+        row.update(torch_ms=None, ratio=None, note=f"PyTorch fp16 autocast: {str(e)[:120]}")
+    return row
 
 
 def free(torch):

@@ -24,6 +24,34 @@ pub fn weights(arch: &str, out: &std::path::Path) -> Res<String> {
     Ok(format!("{{\"arch\": \"{arch}\"}}"))
 }
 
+/// Whether `arch` is one of the torchxrayvision CNNs.
+pub fn is_cnn(arch: &str) -> bool {
+    spec(arch).is_ok()
+}
+
+/// The candle classifier with its forward in f16 (weights and activations; logits in f32).
+pub fn load_f16(
+    arch: &str,
+    size: usize,
+    weights: &std::path::Path,
+    device: Device,
+    backend: Backend,
+) -> Res<Classifier> {
+    if backend != Backend::Candle {
+        return Err(format!("f16 runs on candle, not {backend}").into());
+    }
+    let spec = XrvSpec {
+        resolution: size,
+        ..spec(arch)?
+    };
+    let vb = hilum_models::weights::var_builder(weights, device)?;
+    Ok(Classifier::candle_with_dtype(
+        vb,
+        spec,
+        candle_core::DType::F16,
+    )?)
+}
+
 pub fn load(
     arch: &str,
     size: usize,

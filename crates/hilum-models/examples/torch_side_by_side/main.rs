@@ -10,7 +10,8 @@
 //! `run` ARCH: densenet121 | resnet50 (INPUT `input` (b, 1, S, S), OUT `output` logits (b, 18)),
 //! lung-unet (`input` (b, S, S, 3) NHWC 0..255, `output` (b, S, S, 1) probabilities), sam-vit-b |
 //! sam-tiny (`input` (1, 3, S, S), `output` the image embedding (1, e, S/p, S/p)). It prints one
-//! JSON line: the median and minimum ms of ITERS timed calls after one warm-up.
+//! JSON line: the median and minimum ms of ITERS timed calls after one warm-up. BACKEND
+//! `candle-f16` runs the CNNs' candle forward in f16 (`Classifier::candle_with_dtype`).
 //! `decode` ARCH: qwen2-0.5b | qwen2-tiny | gemma3-4b-slice | gemma3-tiny: PROMPT seeded tokens,
 //! then NEW greedy tokens, ITERS times after a warm-up; OUT gets the prompt's last logits, the
 //! JSON line the tokens, prefill ms and decode ms/token (medians).
@@ -63,11 +64,18 @@ fn run(a: &[String]) -> Res<()> {
     let size: usize = a[1].parse()?;
     let weights = std::path::Path::new(&a[2]);
     let device: Device = a[5].parse()?;
-    let backend: Backend = a[6].parse()?;
+    let (backend, f16) = match a[6].strip_suffix("-f16") {
+        Some(b) => (b.parse::<Backend>()?, true),
+        None => (a[6].parse::<Backend>()?, false),
+    };
     let iters: usize = a[7].parse::<usize>()?.max(1);
     let net: Box<dyn Forward> = match a[0].as_str() {
+        _ if f16 && !cnn::is_cnn(&a[0]) => {
+            return Err(format!("{} has no f16 path here (the CNNs have)", a[0]).into())
+        }
         "lung-unet" => Box::new(unet::load(size, weights, device, backend)?),
         s if s.starts_with("sam-") => Box::new(sam::load(s, size, weights, device)?),
+        arch if f16 => Box::new(cnn::load_f16(arch, size, weights, device, backend)?),
         arch => Box::new(cnn::load(arch, size, weights, device, backend)?),
     };
     let input = candle_core::safetensors::load(&a[3], &candle_core::Device::Cpu)?;
@@ -87,7 +95,8 @@ fn run(a: &[String]) -> Res<()> {
     save_output(&a[4], values, &shape, HashMap::new())?;
     println!(
         "{{\"median_ms\": {median:.4}, \"min_ms\": {min:.4}, \"iters\": {iters}, \
-         \"backend\": \"{backend}\", \"device\": \"{device}\"}}"
+         \"backend\": \"{backend}\", \"dtype\": \"{}\", \"device\": \"{device}\"}}",
+        if f16 { "f16" } else { "f32" }
     );
     Ok(())
 }
