@@ -29,43 +29,33 @@ pub fn is_cnn(arch: &str) -> bool {
     spec(arch).is_ok()
 }
 
-/// The candle classifier with its forward in f16 (weights and activations; logits in f32).
-pub fn load_f16(
-    arch: &str,
-    size: usize,
-    weights: &std::path::Path,
-    device: Device,
-    backend: Backend,
-) -> Res<Classifier> {
-    if backend != Backend::Candle {
-        return Err(format!("f16 runs on candle, not {backend}").into());
-    }
-    let spec = XrvSpec {
-        resolution: size,
-        ..spec(arch)?
-    };
-    let vb = hilum_models::weights::var_builder(weights, device)?;
-    Ok(Classifier::candle_with_dtype(
-        vb,
-        spec,
-        candle_core::DType::F16,
-    )?)
-}
-
+/// The classifier on `backend`; with `f16`, candle's forward in f16 (weights and activations;
+/// logits in f32).
 pub fn load(
     arch: &str,
     size: usize,
     weights: &std::path::Path,
     device: Device,
     backend: Backend,
+    f16: bool,
 ) -> Res<Classifier> {
     let spec = XrvSpec {
         resolution: size,
         ..spec(arch)?
     };
     let vb = hilum_models::weights::var_builder(weights, device)?;
-    let threads = hilum_models::kernels::all_cores();
-    Ok(Classifier::new(vb, spec, backend, threads)?)
+    if !f16 {
+        let threads = hilum_models::kernels::all_cores();
+        return Ok(Classifier::new(vb, spec, backend, threads)?);
+    }
+    if backend != Backend::Candle {
+        return Err(format!("f16 runs on candle, not {backend}").into());
+    }
+    Ok(Classifier::candle_with_dtype(
+        vb,
+        spec,
+        candle_core::DType::F16,
+    )?)
 }
 
 impl Forward for Classifier {

@@ -75,8 +75,7 @@ fn run(a: &[String]) -> Res<()> {
         }
         "lung-unet" => Box::new(unet::load(size, weights, device, backend)?),
         s if s.starts_with("sam-") => Box::new(sam::load(s, size, weights, device)?),
-        arch if f16 => Box::new(cnn::load_f16(arch, size, weights, device, backend)?),
-        arch => Box::new(cnn::load(arch, size, weights, device, backend)?),
+        arch => Box::new(cnn::load(arch, size, weights, device, backend, f16)?),
     };
     let input = candle_core::safetensors::load(&a[3], &candle_core::Device::Cpu)?;
     let x = input.get("input").ok_or("INPUT holds no tensor `input`")?;
