@@ -4,7 +4,7 @@
 # shape) on the same seeded weights and inputs, each timed on both sides, their outputs compared,
 # the ratio Hilum / PyTorch printed per row and everything written to gpu_vs_torch.json (in $OUT,
 # else the current directory). fp32 with TF32 off on both sides; bf16 rows for PyTorch alone
-# (Hilum has no bf16 path for these yet). PyTorch is the machine's own (`python3 -c 'import
+# (Hilum has no bf16 path for these yet); fp16 rows for the CNNs on both sides. PyTorch is the machine's own (`python3 -c 'import
 # torch'`, or TORCH_PYTHON); its side is scripts/gpu_vs_torch_ports.py. See docs/gpu.md.
 #
 #   scripts/gpu_vs_torch.sh                    # build Hilum's side with CUDA here, run on cuda:0
@@ -13,7 +13,9 @@
 #   DEVICE=cuda:1 scripts/gpu_vs_torch.sh -n 50
 #
 # The CUDA build: `FEATURES=cuda scripts/gpu_vs_torch.sh --build-only` here (nvcc from
-# scripts/setup_cuda_build.sh), then carry target/release/examples/torch_side_by_side.
+# scripts/setup_cuda_build.sh; 13 min on 2 cores), then carry target/gpu/torch_side_by_side.xz
+# (stripped and compressed: the binary itself is over the device's 64 MiB carry) and run
+# `scripts/gpu_vs_torch.sh --example target/gpu/torch_side_by_side.xz` there.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -49,8 +51,27 @@ if [ -z "$example" ]; then
       --example torch_side_by_side
     example="$target/release/examples/torch_side_by_side"
     echo "built $example in $(( $(date +%s) - t0 )) s" >&2
+    # The binary (~235 MB, ~58 MB stripped) is over what travels to the GPU machine beside the
+    # tree (64 MiB in all): carry this stripped, xz-compressed copy (~7 MB) instead.
+    mkdir -p "$root/target/gpu"
+    strip -o "$root/target/gpu/torch_side_by_side" "$example"
+    xz -T0 -6 -f "$root/target/gpu/torch_side_by_side"
+    echo "carry target/gpu/torch_side_by_side.xz ($(du -h "$root/target/gpu/torch_side_by_side.xz" | cut -f1)); on the GPU machine: scripts/gpu_vs_torch.sh --example target/gpu/torch_side_by_side.xz" >&2
   fi
 fi
+case "$example" in
+  *.xz)
+    # A compressed build: unpacked once beside the output.
+    unpacked="$(mktemp -d)/torch_side_by_side"
+    if command -v xz >/dev/null 2>&1; then
+      xz -dc "$example" > "$unpacked"
+    else
+      python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$example" "$unpacked"
+    fi
+    chmod +x "$unpacked"
+    example="$unpacked"
+    ;;
+esac
 [ "$build_only" = 1 ] && exit 0
 
 # Python with numpy (and PyTorch on the GPU machine): TORCH_PYTHON, else python3 when it has
