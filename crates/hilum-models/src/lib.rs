@@ -11,6 +11,7 @@
 pub mod architecture;
 mod backend;
 pub mod batch;
+mod bn_fold;
 pub mod checkpoint;
 pub mod densenet;
 pub mod devcheck;

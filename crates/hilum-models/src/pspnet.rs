@@ -19,7 +19,7 @@ use hilum_imaging::{Filter, Norm, Prepared, Preprocess};
 use hilum_kernels::pspnet as kw;
 use hilum_kernels::NativePspNet;
 
-use crate::densenet::fold_conv_bn;
+use crate::bn_fold::fold_conv_bn;
 use crate::native;
 use crate::onnx_graph::{self, Dim, GraphBuilder};
 

@@ -16,7 +16,8 @@ use candle_nn::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::densenet::{check_compute_dtype, conv_to_dtype, fold_conv_bn, BN_EPS};
+use crate::bn_fold::{check_compute_dtype, conv_to_dtype, fold_conv_bn};
+use crate::densenet::BN_EPS;
 use crate::onnx_graph::{self, GraphBuilder};
 use hilum_kernels::resnet as kw;
 

@@ -24,6 +24,7 @@ use crate::native::{keras_bn, keras_conv};
 
 use hilum_imaging::{Filter, Layout, Norm, Prepared, Preprocess};
 
+use crate::bn_fold::ChannelAffine;
 use crate::runner::{check_input, recipe_values, Runner};
 use crate::{Backend, Device, InstalledModel, Manifest, ModelError};
 
@@ -88,37 +89,22 @@ pub(crate) fn conv2d_name(n: usize) -> String {
 struct Block {
     conv: Conv2d,
     stride: usize,
-    residual_bn: Option<Affine>,
+    residual_bn: Option<ChannelAffine>,
     se_reduce: Conv2d,
     se_expand: Conv2d,
     project: Conv2d,
 }
 
-/// A per-channel `x * scale + shift` (an inference-mode batch norm), shapes (1, c, 1, 1).
-struct Affine {
-    scale: Tensor,
-    shift: Tensor,
-}
-
-impl Affine {
-    fn load(vb: VarBuilder, c: usize) -> candle_core::Result<Self> {
-        let gamma = vb.get(c, "gamma")?;
-        let beta = vb.get(c, "beta")?;
-        let mean = vb.get(c, "moving_mean")?;
-        let var = vb.get(c, "moving_variance")?;
-        let scale = gamma.broadcast_div(&(var + BN_EPS)?.sqrt()?)?;
-        let shift = (beta - mean.mul(&scale)?)?;
-        Ok(Affine {
-            scale: scale.reshape((1, c, 1, 1))?,
-            shift: shift.reshape((1, c, 1, 1))?,
-        })
-    }
-}
-
-impl Module for Affine {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        xs.broadcast_mul(&self.scale)?.broadcast_add(&self.shift)
-    }
+/// A Keras batch norm's per-channel (scale, shift), shapes (c,): gamma / sqrt(var + eps) and
+/// beta - mean * scale.
+fn keras_scale_shift(vb: VarBuilder, c: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let gamma = vb.get(c, "gamma")?;
+    let beta = vb.get(c, "beta")?;
+    let mean = vb.get(c, "moving_mean")?;
+    let var = vb.get(c, "moving_variance")?;
+    let scale = gamma.broadcast_div(&(var + BN_EPS)?.sqrt()?)?;
+    let shift = (beta - mean.mul(&scale)?)?;
+    Ok((scale, shift))
 }
 
 /// A Keras conv (kernel HWIO) as a candle conv (OIHW), with an optional following batch norm
@@ -140,10 +126,9 @@ fn conv(
     let (w, b) = match bn {
         None => (kernel, bias),
         Some(bn) => {
-            let a = Affine::load(vb.pp(bn), c_out)?;
-            let s = a.scale.reshape(c_out)?;
+            let (s, shift) = keras_scale_shift(vb.pp(bn), c_out)?;
             let w = kernel.broadcast_mul(&s.reshape((c_out, 1, 1, 1))?)?;
-            let b = bias.mul(&s)?.add(&a.shift.reshape(c_out)?)?;
+            let b = bias.mul(&s)?.add(&shift)?;
             (w, b)
         }
     };
@@ -172,7 +157,10 @@ impl Block {
             conv: conv(vb, conv_name, 3, c_in, c_out, stride, Some(bn_name))?,
             stride,
             residual_bn: match residual_bn {
-                Some(n) => Some(Affine::load(vb.pp(n), c_out)?),
+                Some(n) => {
+                    let (scale, shift) = keras_scale_shift(vb.pp(n), c_out)?;
+                    Some(ChannelAffine::new(&scale, &shift)?)
+                }
                 None => None,
             },
             se_reduce: conv(vb, &conv2d_name(se_first), 1, c_out, c_se, 1, None)?,
@@ -190,7 +178,7 @@ impl Module for Block {
         let padded = xs.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
         let mut ys = padded.apply(&self.conv)?.silu()?; // conv + folded BN + swish
         if let Some(bn) = &self.residual_bn {
-            ys = (xs + ys)?.apply(bn)?.silu()?;
+            ys = bn.forward(&(xs + ys)?)?.silu()?;
         }
         let gate = ys
             .mean_keepdim(D::Minus1)?
